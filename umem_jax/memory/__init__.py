@@ -1,0 +1,6 @@
+"""Host-side memory code: declarations -> plan -> sizing -> allocators and tables."""
+
+from .declarations import (MHA, MLA, Full, LayerDecl, Part, State, StateGeometry, StateTensor, Window,
+                           full_attention, gated_deltanet_state_tensors, mamba2_state_tensors,
+                           recurrent_state, window_attention)
+from .plan import KVRows, KVView, StateView, Plan, PlanError, StateRows, SubPool, plan

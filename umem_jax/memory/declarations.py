@@ -1,0 +1,242 @@
+"""Layer declarations: what each layer of a model keeps per request, as parts.
+
+A part is a *geometry* (how one entry's bytes are shaped) times a *lifetime* (how long the
+entries are kept).  The planner (plan.py) groups parts into sub-pools; nothing here knows
+about the arena.
+
+Geometries
+  MHA(num_kv_heads, head_dim, v_head_dim)  one K row and one V row per token
+  MLA(kv_lora_rank, rope_dim)              one latent row per token (V is a slice of it)
+  StateGeometry(tensors)                   recurrent state tensors of one request
+Lifetimes
+  Full()                                   kept for the whole request (and the prefix cache)
+  Window(w)                                only the last w tokens are needed
+  State(checkpoint_interval)               one live state per request, overwritten each token
+
+Sizes are counted in 16-bit *words*, the arena's element: a bf16 value is one word, an fp32
+value two (stored as a hi plane and a lo plane).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Union
+
+import numpy as np
+
+WORD_BYTES = 2  # the arena's element is one 16-bit word
+
+_DTYPE_PLANES = {"bfloat16": 1, "float16": 1, "uint16": 1, "int16": 1, "float32": 2, "int32": 2, "uint32": 2}
+
+
+def dtype_planes(dtype) -> int:
+    """16-bit planes one element of `dtype` takes (bf16: 1, fp32: 2)."""
+    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPE_PLANES:
+        raise ValueError(f"dtype {name} cannot be stored in the 16-bit arena (use bf16, fp16 or fp32)")
+    return _DTYPE_PLANES[name]
+
+
+# --------------------------------------------------------------------------- lifetimes
+
+
+@dataclasses.dataclass(frozen=True)
+class Full:
+    """Kept for the whole request; reusable as prefix cache."""
+
+    rank: int = dataclasses.field(default=2, init=False, repr=False, compare=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Only the last `window` tokens are read."""
+
+    window: int
+    rank: int = dataclasses.field(default=1, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.window <= 0:
+            raise ValueError(f"window must be positive, got {self.window}")
+
+
+@dataclasses.dataclass(frozen=True)
+class State:
+    """One state per request, overwritten every token; a checkpoint every
+    `checkpoint_interval` tokens for prefix caching (0: no checkpoints)."""
+
+    checkpoint_interval: int = 0
+    rank: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
+
+
+Lifetime = Union[Full, Window, State]
+
+
+# -------------------------------------------------------------------------- geometries
+
+
+@dataclasses.dataclass(frozen=True)
+class MHA:
+    """K and V rows for one token: num_kv_heads x head_dim (V may use v_head_dim)."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None
+    dtype: str = "bfloat16"
+
+    unit = "token"
+
+    @property
+    def k_words(self) -> int:
+        return self.num_kv_heads * self.head_dim * dtype_planes(self.dtype)
+
+    @property
+    def v_words(self) -> int:
+        return self.num_kv_heads * (self.v_head_dim or self.head_dim) * dtype_planes(self.dtype)
+
+    @property
+    def row_words(self) -> tuple[int, ...]:
+        """Word counts of each row this geometry stores per token per layer."""
+        return (self.k_words, self.v_words)
+
+    def describe(self) -> str:
+        v = f"/{self.v_head_dim}" if self.v_head_dim and self.v_head_dim != self.head_dim else ""
+        return f"MHA {self.num_kv_heads}x{self.head_dim}{v}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MLA:
+    """One latent row per token: kv_lora_rank + rope_dim."""
+
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str = "bfloat16"
+
+    unit = "token"
+
+    @property
+    def row_words(self) -> tuple[int, ...]:
+        return ((self.kv_lora_rank + self.rope_dim) * dtype_planes(self.dtype),)
+
+    def describe(self) -> str:
+        return f"MLA {self.kv_lora_rank}+{self.rope_dim}"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateTensor:
+    """One recurrent-state tensor of one layer, e.g. Mamba2 conv state [conv_dim, k-1]."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        return int(math.prod(self.shape))
+
+    @property
+    def planes(self) -> int:
+        return dtype_planes(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateGeometry:
+    """The state tensors one layer keeps per request."""
+
+    tensors: tuple[StateTensor, ...]
+
+    unit = "request"
+
+    def __post_init__(self):
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"state tensor names must be unique, got {names}")
+
+    @property
+    def row_words(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def words(self) -> int:
+        return sum(t.numel * t.planes for t in self.tensors)
+
+    def describe(self) -> str:
+        return "state " + " ".join(f"{t.name}{list(t.shape)}:{t.dtype}" for t in self.tensors)
+
+
+Geometry = Union[MHA, MLA, StateGeometry]
+
+
+# ------------------------------------------------------------------------------ parts
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    geometry: Geometry
+    lifetime: Lifetime
+
+    def __post_init__(self):
+        is_state_geom = isinstance(self.geometry, StateGeometry)
+        is_state_life = isinstance(self.lifetime, State)
+        if is_state_geom != is_state_life:
+            raise ValueError(
+                f"part {self.geometry.describe()} with lifetime {self.lifetime}: state tensors need a "
+                "State lifetime and attention rows need a Full or Window lifetime"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDecl:
+    """Everything one layer stores: an attention part, a state part, or both.
+
+    `layer` is the layer's index in its model; `model` names the model ("target", or a
+    draft) so a fused draft's layers can share sub-pools with the target's.
+    """
+
+    layer: int
+    parts: tuple[Part, ...]
+    model: str = "target"
+
+    def __post_init__(self):
+        if not self.parts:
+            raise ValueError(f"layer {self.layer} declares no parts")
+        kinds = [type(p.lifetime) for p in self.parts]
+        if kinds.count(State) > 1 or len(kinds) - kinds.count(State) > 1:
+            raise ValueError(f"layer {self.layer}: at most one attention part and one state part")
+
+
+# ---------------------------------------------------------------------- conveniences
+
+
+def full_attention(layer: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, **kw) -> LayerDecl:
+    return LayerDecl(layer, (Part(MHA(num_kv_heads, head_dim, v_head_dim), Full()),), **kw)
+
+
+def window_attention(layer: int, window: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, **kw) -> LayerDecl:
+    return LayerDecl(layer, (Part(MHA(num_kv_heads, head_dim, v_head_dim), Window(window)),), **kw)
+
+
+def recurrent_state(layer: int, tensors: tuple[StateTensor, ...], checkpoint_interval: int = 0, **kw) -> LayerDecl:
+    return LayerDecl(layer, (Part(StateGeometry(tuple(tensors)), State(checkpoint_interval)),), **kw)
+
+
+def mamba2_state_tensors(
+    num_heads: int, head_dim: int, state_size: int, n_groups: int, conv_kernel: int, conv_dtype: str = "bfloat16"
+) -> tuple[StateTensor, ...]:
+    """Mamba2 per-request state: the conv window over x|B|C and the SSM state (fp32)."""
+    conv_dim = num_heads * head_dim + 2 * n_groups * state_size
+    return (
+        StateTensor("conv", (conv_kernel - 1, conv_dim), conv_dtype),
+        StateTensor("ssm", (num_heads, head_dim, state_size), "float32"),
+    )
+
+
+def gated_deltanet_state_tensors(
+    num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int, conv_dtype: str = "bfloat16"
+) -> tuple[StateTensor, ...]:
+    """Gated DeltaNet per-request state: the conv window over q|k|v and the recurrent matrix (fp32)."""
+    conv_dim = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
+    return (
+        StateTensor("conv", (conv_kernel - 1, conv_dim), conv_dtype),
+        StateTensor("recurrent", (num_v_heads, k_head_dim, v_head_dim), "float32"),
+    )

@@ -1,0 +1,349 @@
+"""Plan: group declared parts into sub-pools, order them into the chain, lay out entries.
+
+The arena is `[num_rows, row_words]` 16-bit words.  Every sub-pool sees the arena as its own
+grid of pages, all starting at row 0: physical page p of sub-pool s is rows
+`[p * s.rows_per_page, (p + 1) * s.rows_per_page)`.  A page envelope is contiguous rows holding
+every layer of the sub-pool for `page_size` entries, layer-major inside:
+
+    KV page (page_size tokens):  [L0 K: ps*mk rows][L0 V: ps*mv rows][L1 K]...[L(n-1) V]
+    state slot (one request):    [L0 t0 hi][L0 t0 lo][L0 t1 ...]...            (fp32 as 2 planes)
+
+where a K row of one token is `mk = k_words / row_words` arena rows (mk = 1 whenever the K row
+width is the arena row width, the common case).  `row_words` defaults to the gcd of all
+attention row widths so every attention row is a whole number of arena rows.
+
+The chain orders sub-pools low to high bytes by retention: state, windows longest first, full.
+The first takes the grow-up end, the last the grow-down end, the rest float between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import reduce
+
+from .declarations import MHA, MLA, WORD_BYTES, Full, LayerDecl, State, StateGeometry, StateTensor, Window
+
+ROW_ALIGN_BYTES = 16
+
+
+class PlanError(ValueError):
+    """A model or option combination the arena refuses; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRows:
+    """Where one attention layer's rows sit inside a page envelope (row offsets)."""
+
+    k_row: int  # first row of this layer's K tile
+    v_row: int  # first row of its V tile (== k_row for MLA, which has no V)
+    k_rows_per_token: int  # mk
+    v_rows_per_token: int  # mv (0 for MLA)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateRows:
+    """Where one state tensor of one layer sits inside a state slot."""
+
+    row: int  # first row of the first plane
+    planes: int  # 1 for 16-bit dtypes, 2 for fp32 (hi plane then lo plane)
+    rows_per_plane: int  # ceil(numel / row_words); the last row is zero-padded
+    tensor: StateTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class KVView:
+    """Static description of one attention layer's rows in its sub-pool, for kernels.
+
+    K row of token t of physical page p: arena rows
+    `p*rows_per_page + k_row + t*mk ... + mk` (mk = k_words // row_words), likewise V.
+    Hashable, so it can be a static argument of jitted functions.
+    """
+
+    rows_per_page: int
+    page_size: int
+    k_row: int
+    v_row: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    row_words: int
+
+    @property
+    def mk(self) -> int:
+        return self.num_kv_heads * self.head_dim // self.row_words
+
+    @property
+    def mv(self) -> int:
+        return self.num_kv_heads * self.v_head_dim // self.row_words
+
+
+@dataclasses.dataclass(frozen=True)
+class StateView:
+    """Static description of one layer's state tensors in a state slot, for kernels.
+
+    Tensor `name` of the layer in physical slot s: plane k (0 = hi or only, 1 = lo) is arena
+    rows `s*rows_per_slot + row + k*rows_per_plane ... + rows_per_plane`, flattened row-major,
+    zero-padded to whole rows.
+    """
+
+    rows_per_slot: int
+    row_words: int
+    tensors: tuple[StateRows, ...]
+
+    def __getitem__(self, name: str) -> StateRows:
+        for t in self.tensors:
+            if t.tensor.name == name:
+                return t
+        raise KeyError(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class SubPool:
+    """All parts with one lifetime and one allocation unit, in one band of the arena."""
+
+    name: str
+    kind: str  # "state" | "window" | "full"
+    lifetime: object
+    geometry: object
+    layers: tuple[tuple[str, int], ...]  # (model, layer index), in storage order
+    page_size: int  # entries per page; 1 for state
+    row_words: int
+    rows_per_entry: int
+    role: str  # "up" | "float" | "down"
+    kv: tuple[KVRows, ...] = ()
+    state: tuple[tuple[StateRows, ...], ...] = ()
+
+    @property
+    def rows_per_page(self) -> int:
+        return self.page_size * self.rows_per_entry
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.rows_per_entry * self.row_words * WORD_BYTES
+
+    @property
+    def page_bytes(self) -> int:
+        return self.rows_per_page * self.row_words * WORD_BYTES
+
+    @property
+    def window(self) -> int | None:
+        return self.lifetime.window if isinstance(self.lifetime, Window) else None
+
+    @property
+    def is_paged(self) -> bool:
+        return self.kind != "state"
+
+    def _index(self, layer, model: str = "target") -> int:
+        key = (model, layer)
+        try:
+            return self.layers.index(key)
+        except ValueError:
+            raise KeyError(f"sub-pool {self.name} holds no layer {model}:{layer}") from None
+
+    def kv_rows(self, layer: int, model: str = "target") -> KVRows:
+        if not self.kv:
+            raise KeyError(f"sub-pool {self.name} holds no attention rows")
+        return self.kv[self._index(layer, model)]
+
+    def kv_view(self, layer: int, model: str = "target") -> KVView:
+        r, g = self.kv_rows(layer, model), self.geometry
+        if not isinstance(g, MHA):
+            raise NotImplementedError(f"kv_view of {g.describe()}")
+        return KVView(self.rows_per_page, self.page_size, r.k_row, r.v_row, g.num_kv_heads, g.head_dim,
+                      g.v_head_dim or g.head_dim, self.row_words)
+
+    def state_view(self, layer: int, model: str = "target") -> StateView:
+        if not self.state:
+            raise KeyError(f"sub-pool {self.name} holds no state")
+        return StateView(self.rows_per_entry, self.row_words, self.state[self._index(layer, model)])
+
+    def state_rows(self, layer: int, model: str = "target") -> dict[str, StateRows]:
+        if not self.state:
+            raise KeyError(f"sub-pool {self.name} holds no state")
+        return {r.tensor.name: r for r in self.state[self._index(layer, model)]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The chain of sub-pools, low bytes to high, and the arena row shape."""
+
+    subpools: tuple[SubPool, ...]
+    row_words: int
+    page_size: int
+
+    @property
+    def sink_rows(self) -> int:
+        """Lowest rows: physical page 0 of every sub-pool.  A paged sub-pool needs its whole
+        page 0 below its first real page; a state sub-pool is charged one slot."""
+        return max(sp.rows_per_page for sp in self.subpools)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sp.name for sp in self.subpools)
+
+    def __getitem__(self, name: str) -> SubPool:
+        for sp in self.subpools:
+            if sp.name == name:
+                return sp
+        raise KeyError(f"no sub-pool {name!r}; the plan has {list(self.names)}")
+
+    @property
+    def full(self) -> SubPool:
+        return self.subpools[-1]
+
+    @property
+    def windows(self) -> tuple[SubPool, ...]:
+        return tuple(sp for sp in self.subpools if sp.kind == "window")
+
+    @property
+    def state(self) -> SubPool | None:
+        return self.subpools[0] if self.subpools[0].kind == "state" else None
+
+    @property
+    def token_pools(self) -> tuple[SubPool, ...]:
+        """Sub-pools a token page is allocated in, under one virtual page id (full first)."""
+        return (self.full, *self.windows)
+
+    def first_page(self, sp: SubPool) -> int:
+        """First physical page of `sp` above the sink."""
+        return -(-self.sink_rows // sp.rows_per_page)
+
+    def table(self) -> str:
+        head = ("sub-pool", "kind", "layers", "entry bytes", "page bytes", "place", "direction")
+        rows = []
+        for sp in self.subpools:
+            place = {"up": "low end", "down": "high end", "float": "float"}[sp.role]
+            direction = {"up": "grows up", "down": "grows down", "float": "between neighbours"}[sp.role]
+            rows.append((sp.name, sp.kind, _layer_list(sp.layers), f"{sp.entry_bytes:,}", f"{sp.page_bytes:,}", place, direction))
+        widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
+        line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+        out = [line(head), line(tuple("-" * w for w in widths)), *map(line, rows)]
+        out.append(f"arena rows of {self.row_words} x 16-bit words ({self.row_words * WORD_BYTES} B); "
+                   f"page size {self.page_size} tokens; sink {self.sink_rows} rows")
+        return "\n".join(out)
+
+
+def _layer_list(layers) -> str:
+    models = sorted({m for m, _ in layers})
+    parts = []
+    for m in models:
+        idx = sorted(i for mm, i in layers if mm == m)
+        runs, start, prev = [], idx[0], idx[0]
+        for i in idx[1:] + [None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            runs.append(f"{start}" if start == prev else f"{start}-{prev}")
+            if i is not None:
+                start = prev = i
+        text = ",".join(runs)
+        parts.append(text if m == "target" else f"{m}:{text}")
+    s = " ".join(parts)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _kind(lifetime) -> str:
+    return {Full: "full", Window: "window", State: "state"}[type(lifetime)]
+
+
+def _pool_key(lifetime):
+    # State parts form one sub-pool whatever their interval (checked below); windows split by length.
+    return ("state",) if isinstance(lifetime, State) else (_kind(lifetime), getattr(lifetime, "window", 0))
+
+
+def plan(decls: list[LayerDecl], page_size: int = 16, row_words: int | None = None) -> Plan:
+    """Group `decls` into the chain of sub-pools, or refuse with a PlanError that says why."""
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise PlanError(f"page_size must be a power of two, got {page_size}")
+    groups: dict[tuple, list] = {}
+    for d in decls:
+        for p in d.parts:
+            groups.setdefault(_pool_key(p.lifetime), []).append((d, p))
+
+    # Refusals that name the cause and what to do.
+    if len(groups) < 2:
+        only = next(iter(groups))[0] if groups else "nothing"
+        raise PlanError(
+            f"not a hybrid model: every layer keeps {only} memory, so there is only one kind of memory to "
+            "share. Unified memory replaces the pools of hybrid models only; serve this model with a "
+            "plain paged-attention engine."
+        )
+    if ("full", 0) not in groups:
+        raise PlanError(
+            "no full-attention owner: no layer keeps full-attention KV. The full sub-pool mints the "
+            "virtual page ids and takes the grow-down end of the arena; a model with only window and "
+            "state layers is not supported."
+        )
+    for key, members in groups.items():
+        geoms = {p.geometry for _, p in members}
+        if len(geoms) > 1:
+            by = {}
+            for d, p in members:
+                by.setdefault(p.geometry.describe(), []).append(f"{d.model}:{d.layer}" if d.model != "target" else str(d.layer))
+            desc = "; ".join(f"{g} in layers {','.join(v[:6])}" for g, v in by.items())
+            raise PlanError(
+                f"two geometries in one sub-pool ({key[0]}{key[1] or ''}): {desc}. One sub-pool holds one "
+                "geometry; give these layers a common geometry (same kv heads and head dims) or a "
+                "different lifetime."
+            )
+        if key == ("state",):
+            intervals = {p.lifetime.checkpoint_interval for _, p in members}
+            if len(intervals) > 1:
+                raise PlanError(f"state layers declare different checkpoint intervals {sorted(intervals)}; use one")
+    for key, members in groups.items():
+        geom = members[0][1].geometry
+        for w in geom.row_words:
+            if (w * WORD_BYTES) % ROW_ALIGN_BYTES:
+                raise PlanError(
+                    f"row size of {geom.describe()} is {w * WORD_BYTES} bytes, not a multiple of "
+                    f"{ROW_ALIGN_BYTES}: the arena lays rows out in 16-byte units. Serve this model "
+                    "without unified memory (--memory-mode static does not lift this either)."
+                )
+
+    attn_widths = [w for key, m in groups.items() for w in m[0][1].geometry.row_words]
+    if row_words is None:
+        row_words = reduce(math.gcd, attn_widths)
+    elif any(w % row_words for w in attn_widths):
+        raise PlanError(f"row_words={row_words} does not divide the attention row widths {sorted(set(attn_widths))}")
+    if (row_words * WORD_BYTES) % ROW_ALIGN_BYTES:
+        raise PlanError(f"arena row of {row_words} words is not a multiple of {ROW_ALIGN_BYTES} bytes")
+
+    def order(key):
+        if key[0] == "state":
+            return (0, 0)
+        if key[0] == "window":
+            return (1, -key[1])  # longest window first
+        return (2, 0)
+
+    keys = sorted(groups, key=order)
+    subpools = []
+    for i, key in enumerate(keys):
+        members = groups[key]
+        lifetime = members[0][1].lifetime
+        geom = members[0][1].geometry
+        layers = tuple(sorted({(d.model, d.layer) for d, _ in members}, key=lambda x: (x[0] != "target", x)))
+        role = "up" if i == 0 else "down" if i == len(keys) - 1 else "float"
+        name = "state" if key[0] == "state" else ("full" if key[0] == "full" else f"window{key[1]}")
+        if isinstance(geom, StateGeometry):
+            slots, row = [], 0
+            for _ in layers:
+                layer_rows = []
+                for t in geom.tensors:
+                    rpp = -(-t.numel // row_words)
+                    layer_rows.append(StateRows(row, t.planes, rpp, t))
+                    row += t.planes * rpp
+                slots.append(tuple(layer_rows))
+            subpools.append(SubPool(name, "state", lifetime, geom, layers, 1, row_words, row, role, state=tuple(slots)))
+        else:
+            mk = geom.row_words[0] // row_words
+            mv = geom.row_words[1] // row_words if isinstance(geom, MHA) else 0
+            per_layer = page_size * (mk + mv)
+            kv = tuple(KVRows(j * per_layer, j * per_layer + page_size * mk if mv else j * per_layer, mk, mv)
+                       for j in range(len(layers)))
+            subpools.append(SubPool(name, _kind(lifetime), lifetime, geom, layers, page_size, row_words,
+                                    len(layers) * (mk + mv), role, kv=kv))
+    return Plan(tuple(subpools), row_words, page_size)
+
+
+__all__ = ["KVRows", "KVView", "StateView", "MLA", "Plan", "PlanError", "StateRows", "SubPool", "plan"]
