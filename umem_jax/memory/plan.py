@@ -22,7 +22,7 @@ import dataclasses
 import math
 from functools import reduce
 
-from .declarations import MHA, MLA, WORD_BYTES, Full, LayerDecl, State, StateGeometry, StateTensor, Window
+from .declarations import MHA, MLA, WORD_BYTES, dtype_planes, Full, LayerDecl, State, StateGeometry, StateTensor, Window
 
 ROW_ALIGN_BYTES = 16
 
@@ -68,14 +68,15 @@ class KVView:
     head_dim: int
     v_head_dim: int
     row_words: int
+    planes: int = 1  # 1: bf16/fp16 rows; 2: fp32 rows stored as [hi plane | lo plane]
 
     @property
     def mk(self) -> int:
-        return self.num_kv_heads * self.head_dim // self.row_words
+        return self.planes * self.num_kv_heads * self.head_dim // self.row_words
 
     @property
     def mv(self) -> int:
-        return self.num_kv_heads * self.v_head_dim // self.row_words
+        return self.planes * self.num_kv_heads * self.v_head_dim // self.row_words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ class SubPool:
         if not isinstance(g, MHA):
             raise NotImplementedError(f"kv_view of {g.describe()}")
         return KVView(self.rows_per_page, self.page_size, r.k_row, r.v_row, g.num_kv_heads, g.head_dim,
-                      g.v_head_dim or g.head_dim, self.row_words)
+                      g.v_head_dim or g.head_dim, self.row_words, dtype_planes(g.dtype))
 
     def state_view(self, layer: int, model: str = "target") -> StateView:
         if not self.state:
