@@ -1,0 +1,120 @@
+"""Write one step's new K/V rows into the page-major arena, in place; gather them back (tests).
+
+Layout (umem_jax/memory/plan.py, KVView): the K row of token t (slot t) of physical page p is
+the `mk` arena rows `p*rows_per_page + k_row + t*mk ... + mk`, holding the token's K as one
+vector of `planes * Hkv * D` words, head-major (`[Hkv, D]` flattened); with 2 planes (fp32) the
+vector is `[hi plane (Hkv*D) | lo plane (Hkv*D)]` (see words.py).  V likewise at `v_row` with Dv.
+
+Contract (docs/kernel_contracts.md):
+  write_kv(arena, k, v, pages, slots, *, view) -> arena
+    k [T, Hkv, D], v [T, Hkv, Dv]; pages, slots int32 [T] (physical page, slot within page).
+    Padding rows use page 0 (the sink; garbage may land there).  Real (page, slot) pairs are
+    distinct.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, resolve_impl, triton_params
+from .words import WORD_DTYPES, decode, encode, kv_value_dtype, planes_of
+
+__all__ = ["write_kv", "write_kv_reference", "read_kv_reference", "check_view", "head_slot"]
+
+
+def check_view(arena, view) -> None:
+    """Static checks that `view` describes whole arena rows of `arena`."""
+    if arena.ndim != 2:
+        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
+    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
+        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
+    if arena.shape[1] != view.row_words:
+        raise ValueError(f"arena rows are {arena.shape[1]} words, the view says {view.row_words}")
+    for name, dim, m in (("K", view.head_dim, view.mk), ("V", view.v_head_dim, view.mv)):
+        words = view.planes * view.num_kv_heads * dim
+        if words != m * view.row_words:
+            raise ValueError(f"{name} row of {words} words is not a whole number of {view.row_words}-word arena rows")
+    if view.rows_per_page > arena.shape[0]:
+        raise ValueError(f"a page of {view.rows_per_page} rows does not fit an arena of {arena.shape[0]} rows")
+
+
+def head_slot(view, which: str, head: int, plane: int = 0) -> tuple[int, int]:
+    """(row offset within the token's rows, column) of `plane` of kv head `head` of K or V.
+
+    The head's `dim` words are contiguous in the token vector; kernels need them inside one
+    arena row, i.e. `column + dim <= row_words` (true when row_words is a multiple of dim).
+    """
+    dim = view.head_dim if which == "k" else view.v_head_dim
+    off = plane * view.num_kv_heads * dim + head * dim
+    return off // view.row_words, off % view.row_words
+
+
+def _token_rows(pages, slots, base: int, m: int, rows_per_page: int):
+    """int32 [T] pages/slots -> int32 [T, m] arena rows of one K (or V) token row."""
+    return (pages[:, None] * rows_per_page + base + slots[:, None] * m
+            + jnp.arange(m, dtype=jnp.int32)[None, :])
+
+
+def _stored(x, planes: int, kv_dtype):
+    """Cast the model's K/V to the dtype the arena stores (bf16 for 1 plane, f32 for 2)."""
+    return x.astype(kv_value_dtype(planes, kv_dtype))
+
+
+def _check_write(arena, k, v, pages, slots, view):
+    check_view(arena, view)
+    T = k.shape[0]
+    if k.shape != (T, view.num_kv_heads, view.head_dim):
+        raise ValueError(f"k must be [T, {view.num_kv_heads}, {view.head_dim}], got {k.shape}")
+    if v.shape != (T, view.num_kv_heads, view.v_head_dim):
+        raise ValueError(f"v must be [T, {view.num_kv_heads}, {view.v_head_dim}], got {v.shape}")
+    for name, a in (("pages", pages), ("slots", slots)):
+        if a.shape != (T,) or jnp.dtype(a.dtype) != jnp.int32:
+            raise ValueError(f"{name} must be int32 [{T}], got {a.dtype}{list(a.shape)}")
+
+
+def write_kv_reference(arena, k, v, pages, slots, *, view, kv_dtype=None):
+    """Plain-JAX KV write (an XLA scatter of whole token rows)."""
+    _check_write(arena, k, v, pages, slots, view)
+    T, wd = k.shape[0], arena.dtype
+    for x, base, m in ((k, view.k_row, view.mk), (v, view.v_row, view.mv)):
+        words = encode(_stored(x, view.planes, kv_dtype).reshape(T, -1), wd)  # [T, m*row_words]
+        rows = _token_rows(pages, slots, base, m, view.rows_per_page)
+        arena = arena.at[rows.reshape(-1)].set(words.reshape(T * m, view.row_words), mode="drop")
+    return arena
+
+
+def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
+    """Gather every token row the page table maps: page_table int32 [B, P] ->
+    (k [B, P*page_size, Hkv, D], v [B, P*page_size, Hkv, Dv]) decoded to the stored dtype
+    (bf16 for 1 plane, f32 for 2, or `kv_dtype`).  Sink/tombstone entries read page 0 as is."""
+    check_view(arena, view)
+    B, P = page_table.shape
+    ps = view.page_size
+    dt = kv_value_dtype(view.planes, kv_dtype)
+    pages = jnp.repeat(page_table.reshape(-1), ps)                       # [B*P*ps]
+    slots = jnp.tile(jnp.arange(ps, dtype=jnp.int32), B * P)
+    out = []
+    for base, m, dim in ((view.k_row, view.mk, view.head_dim), (view.v_row, view.mv, view.v_head_dim)):
+        rows = _token_rows(pages.astype(jnp.int32), slots, base, m, view.rows_per_page)
+        words = arena[rows.reshape(-1)].reshape(B * P * ps, m * view.row_words)
+        out.append(decode(words, dt).reshape(B, P * ps, view.num_kv_heads, dim))
+    return tuple(out)
+
+
+def write_kv(arena, k, v, pages, slots, *, view, kv_dtype=None, impl: str | None = None,
+             interpret: bool = False, **tuning):
+    """Write k [T, Hkv, D] / v [T, Hkv, Dv] into (pages[t], slots[t]) of `arena`; returns the arena.
+
+    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    """
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference" or _write_kv_pallas is None:
+        return write_kv_reference(arena, k, v, pages, slots, view=view, kv_dtype=kv_dtype)
+    return _write_kv_pallas(arena, k, v, pages, slots, view=view, kv_dtype=kv_dtype, interpret=interpret, **tuning)
+
+
+_write_kv_pallas = None

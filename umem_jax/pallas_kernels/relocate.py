@@ -1,0 +1,138 @@
+"""Page relocation and zeroing inside the arena, in place.
+
+A page envelope is `rows_per_page` contiguous arena rows, so moving or zeroing a page is one
+contiguous copy.  Physical page p of a sub-pool is rows `[p * rows_per_page, (p + 1) *
+rows_per_page)`.
+
+Contract for `move_pages(arena, src, dst, *, rows_per_page)` (docs/kernel_contracts.md):
+  src, dst: int32 [N].  Page src[i] is copied to page dst[i] for every i.  Destinations are
+  distinct, and no destination is a source (the moves of one call run in any order and in
+  parallel).  The pair 0 -> 0 is padding and is allowed any number of times (the sink copies onto
+  itself).  Chains such as A -> B, B -> C must be split into two calls.  `check_moves` checks this
+  on the host; violating it on the device gives unspecified bytes in the pages involved (never
+  outside them).
+
+Each function takes the arena first and returns the new arena; call it under a jit that donates
+the arena so XLA updates it in place (the Pallas kernels alias it with `input_output_aliases`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, resolve_impl, triton_params
+from .words import WORD_DTYPES
+
+__all__ = [
+    "check_moves",
+    "move_pages",
+    "move_pages_reference",
+    "zero_pages",
+    "zero_pages_reference",
+]
+
+
+# --------------------------------------------------------------------------- host-side checks
+
+
+def check_moves(src, dst, *, num_pages: int | None = None) -> None:
+    """Raise ValueError unless (src, dst) is a valid batch of moves for one `move_pages` call.
+
+    Valid: same length, 1-D, ids >= 0 (and < num_pages if given); destinations distinct; no
+    destination is also a source.  0 -> 0 pairs are padding and ignored by the checks; any other
+    pair touching page 0 (the sink) is refused.
+    """
+    src = np.asarray(src)
+    dst = np.asarray(dst)
+    if src.ndim != 1 or src.shape != dst.shape:
+        raise ValueError(f"src and dst must be 1-D of one length, got {src.shape} and {dst.shape}")
+    if src.size == 0:
+        return
+    if (src < 0).any() or (dst < 0).any():
+        raise ValueError("page ids must be >= 0")
+    if num_pages is not None and ((src >= num_pages).any() or (dst >= num_pages).any()):
+        raise ValueError(f"page ids must be < num_pages={num_pages}")
+    pad = (src == 0) & (dst == 0)
+    s, d = src[~pad], dst[~pad]
+    if (s == 0).any() or (d == 0).any():
+        raise ValueError("a move to or from the sink (page 0) other than the 0 -> 0 padding pair")
+    uniq, counts = np.unique(d, return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"destinations must be distinct; repeated: {uniq[counts > 1][:8].tolist()}")
+    both = np.intersect1d(s, d)
+    if both.size:
+        raise ValueError(
+            f"pages {both[:8].tolist()} are both a source and a destination in one call; "
+            "split chains (A->B, B->C) into separate calls")
+
+
+def _check_args(arena, rows_per_page, *ids):
+    if arena.ndim != 2:
+        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
+    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
+        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
+    if rows_per_page <= 0 or rows_per_page > arena.shape[0]:
+        raise ValueError(f"rows_per_page={rows_per_page} must be in [1, {arena.shape[0]}]")
+    for a in ids:
+        if a.ndim != 1 or jnp.dtype(a.dtype) != jnp.int32:
+            raise ValueError(f"page ids must be int32 [N], got {a.dtype}{list(a.shape)}")
+    if len({a.shape for a in ids}) > 1:
+        raise ValueError(f"src and dst must have one shape, got {[a.shape for a in ids]}")
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _page_rows(pages, rows_per_page):
+    """int32 [N] pages -> int32 [N * rows_per_page] row ids (row ids fit int32: num_rows < 2**31)."""
+    r = jnp.arange(rows_per_page, dtype=jnp.int32)
+    return (pages[:, None] * rows_per_page + r[None, :]).reshape(-1)
+
+
+def move_pages_reference(arena, src, dst, *, rows_per_page: int):
+    """Plain-JAX move: arena rows of page dst[i] := rows of page src[i] (read before any write)."""
+    _check_args(arena, rows_per_page, src, dst)
+    rows = arena[_page_rows(src, rows_per_page)]
+    # mode="drop": an out-of-range page writes nothing instead of clamping onto the last page.
+    return arena.at[_page_rows(dst, rows_per_page)].set(rows, mode="drop", unique_indices=False)
+
+
+def zero_pages_reference(arena, pages, *, rows_per_page: int):
+    """Plain-JAX zeroing of whole page envelopes."""
+    _check_args(arena, rows_per_page, pages)
+    return arena.at[_page_rows(pages, rows_per_page)].set(jnp.zeros((), arena.dtype), mode="drop")
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+# (filled in below; the public wrappers dispatch on `impl`)
+
+
+def move_pages(arena, src, dst, *, rows_per_page: int, impl: str | None = None, interpret: bool = False,
+               **tuning):
+    """Copy page envelopes src[i] -> dst[i] of `arena` [num_rows, row_words]; returns the arena.
+
+    src, dst: int32 [N] physical page ids (see the module docstring for the contract).
+    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    """
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference" or _move_pages_pallas is None:
+        return move_pages_reference(arena, src, dst, rows_per_page=rows_per_page)
+    return _move_pages_pallas(arena, src, dst, rows_per_page=rows_per_page, interpret=interpret, **tuning)
+
+
+def zero_pages(arena, pages, *, rows_per_page: int, impl: str | None = None, interpret: bool = False,
+               **tuning):
+    """Zero the page envelopes `pages` (int32 [N]) of `arena`; returns the arena."""
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference" or _zero_pages_pallas is None:
+        return zero_pages_reference(arena, pages, rows_per_page=rows_per_page)
+    return _zero_pages_pallas(arena, pages, rows_per_page=rows_per_page, interpret=interpret, **tuning)
+
+
+_move_pages_pallas = None
+_zero_pages_pallas = None

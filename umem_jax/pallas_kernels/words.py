@@ -1,0 +1,148 @@
+"""Values <-> 16-bit arena words.
+
+The arena is one array of 16-bit words (uint16, or bfloat16).  Every value that lives in it is
+stored as words:
+
+* 16-bit dtypes (bf16, f16, u16, i16) are one word each: a same-width bitcast.
+* 32-bit dtypes (f32, i32, u32) are two words each, stored as two *planes* along the last axis:
+  ``[hi plane (n words) | lo plane (n words)]`` where hi = bits >> 16 and lo = bits & 0xffff.
+  Planes (rather than interleaved hi/lo pairs) keep each plane a contiguous power-of-two run, so
+  a kernel loads the hi and lo tiles with two plain vector loads and rebuilds the value with one
+  shift and one or.
+
+Only same-width ``lax.bitcast_convert_type`` is used (u16 <-> bf16/f16/i16, u32 <-> f32/i32):
+neither Pallas GPU backend lowers width-changing bitcasts, and on XLA a width-changing bitcast of
+the arena costs a full pass.  Every function here is plain jnp/lax on values, so it works the
+same in XLA code, inside Pallas kernel bodies (Triton lowering) and in interpret mode.
+
+Shapes: ``encode(x[..., n]) -> words[..., planes * n]``; ``decode(words[..., planes * n], dtype)
+-> x[..., n]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+    "WORD_DTYPES",
+    "planes_of",
+    "kv_value_dtype",
+    "to_u16",
+    "from_u16",
+    "split_planes",
+    "join_planes",
+    "encode",
+    "decode",
+    "encode_np",
+]
+
+# Dtypes an arena may have: one 16-bit word per element.
+WORD_DTYPES = (jnp.dtype(jnp.uint16), jnp.dtype(jnp.bfloat16))
+
+_16 = {jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.uint16, jnp.int16)}
+_32 = {jnp.dtype(d) for d in (jnp.float32, jnp.int32, jnp.uint32)}
+
+
+def planes_of(dtype) -> int:
+    """Words one element of `dtype` takes in the arena (bf16: 1, fp32: 2)."""
+    d = jnp.dtype(dtype)
+    if d in _16:
+        return 1
+    if d in _32:
+        return 2
+    raise ValueError(f"dtype {d} cannot be stored in the 16-bit arena (use bf16, f16, u16, i16, f32, i32, u32)")
+
+
+def kv_value_dtype(planes: int, kv_dtype=None):
+    """The dtype K/V values decode to: `kv_dtype` if given, else bf16 (1 plane) / f32 (2 planes)."""
+    if kv_dtype is not None:
+        kv_dtype = jnp.dtype(kv_dtype)
+        if planes_of(kv_dtype) != planes:
+            raise ValueError(f"kv_dtype {kv_dtype} takes {planes_of(kv_dtype)} planes, the view has {planes}")
+        return kv_dtype
+    return jnp.dtype(jnp.float32) if planes == 2 else jnp.dtype(jnp.bfloat16)
+
+
+def _check_word_dtype(word_dtype):
+    d = jnp.dtype(word_dtype)
+    if d not in WORD_DTYPES:
+        raise ValueError(f"arena word dtype must be uint16 or bfloat16, got {d}")
+    return d
+
+
+def to_u16(x):
+    """Same-width view of a 16-bit array as uint16."""
+    d = jnp.dtype(x.dtype)
+    if d == jnp.uint16:
+        return x
+    if d not in _16:
+        raise ValueError(f"to_u16 needs a 16-bit dtype, got {d}")
+    return lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def from_u16(w, dtype):
+    """Same-width view of uint16 words as `dtype` (a 16-bit dtype)."""
+    d = jnp.dtype(dtype)
+    if d not in _16:
+        raise ValueError(f"from_u16 needs a 16-bit dtype, got {d}")
+    return w if d == jnp.uint16 else lax.bitcast_convert_type(w, d)
+
+
+def split_planes(x):
+    """32-bit x -> (hi, lo) uint16 arrays of x's shape (bits >> 16, bits & 0xffff)."""
+    d = jnp.dtype(x.dtype)
+    if d not in _32:
+        raise ValueError(f"split_planes needs a 32-bit dtype, got {d}")
+    b = x if d == jnp.uint32 else lax.bitcast_convert_type(x, jnp.uint32)
+    # astype(uint16) truncates modulo 2**16, which is the low half.
+    return (b >> 16).astype(jnp.uint16), b.astype(jnp.uint16)
+
+
+def join_planes(hi, lo, dtype=jnp.float32):
+    """(hi, lo) 16-bit words -> 32-bit `dtype`; exact inverse of split_planes."""
+    d = jnp.dtype(dtype)
+    if d not in _32:
+        raise ValueError(f"join_planes needs a 32-bit dtype, got {d}")
+    b = (to_u16(hi).astype(jnp.uint32) << 16) | to_u16(lo).astype(jnp.uint32)
+    return b if d == jnp.uint32 else lax.bitcast_convert_type(b, d)
+
+
+def encode(x, word_dtype=jnp.uint16):
+    """x[..., n] -> words[..., planes * n] of `word_dtype` (uint16 or bfloat16).
+
+    32-bit values become ``[hi plane | lo plane]`` along the last axis.
+    """
+    wd = _check_word_dtype(word_dtype)
+    if planes_of(x.dtype) == 1:
+        w = to_u16(x)
+    else:
+        hi, lo = split_planes(x)
+        w = jnp.concatenate([hi, lo], axis=-1)
+    return from_u16(w, wd)
+
+
+def decode(words, dtype):
+    """words[..., planes * n] (uint16 or bfloat16) -> x[..., n] of `dtype`; inverse of encode."""
+    w = to_u16(words)
+    if planes_of(dtype) == 1:
+        return from_u16(w, dtype)
+    n2 = w.shape[-1]
+    if n2 % 2:
+        raise ValueError(f"two-plane decode needs an even last axis, got {n2}")
+    return join_planes(w[..., : n2 // 2], w[..., n2 // 2 :], dtype)
+
+
+def encode_np(x: np.ndarray, word_dtype=np.uint16) -> np.ndarray:
+    """Host-side (numpy) twin of `encode`, for tests and loaders; returns uint16 words."""
+    x = np.asarray(x)
+    if x.dtype.itemsize == 2:
+        w = x.view(np.uint16)
+    elif x.dtype.itemsize == 4:
+        b = x.view(np.uint32)
+        w = np.concatenate([(b >> 16).astype(np.uint16), (b & 0xFFFF).astype(np.uint16)], axis=-1)
+    else:
+        raise ValueError(f"dtype {x.dtype} cannot be stored in the 16-bit arena")
+    return w if np.dtype(word_dtype) == np.uint16 else w.view(word_dtype)
