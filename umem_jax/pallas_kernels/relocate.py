@@ -109,30 +109,130 @@ def zero_pages_reference(arena, pages, *, rows_per_page: int):
 
 
 # --------------------------------------------------------------------------- Pallas kernels
-# (filled in below; the public wrappers dispatch on `impl`)
+#
+# Grid (move i, row block r, column block c): each program copies one [block_rows, block_cols]
+# tile of page src[i] to page dst[i].  The tile is a 2-D window of the arena ref addressed as
+# arena.at[pl.ds(row0, block_rows), pl.ds(col0, block_cols)]: the Triton lowering multiplies
+# the row by the row stride itself, in int64 once the arena is over 4 GiB, and the contiguous
+# column run lets it emit 16-byte vector loads/stores.  Rows past the page end (when
+# rows_per_page is not a multiple of block_rows) are masked off.
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides n and is <= cap."""
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _tiles(rows_per_page: int, row_words: int, block_words: int):
+    # Columns: a power-of-two divisor of the row (Triton blocks are powers of two; rows are a
+    # multiple of 8 words, so this is >= 8).  Rows: enough to make block_words per tile.
+    bc = _pow2_divisor(row_words, block_words)
+    br = min(_pow2_floor(max(block_words // bc, 1)), 1 << (rows_per_page - 1).bit_length())
+    return br, bc, pl.cdiv(rows_per_page, br), row_words // bc
+
+
+def _move_kernel(src_ref, dst_ref, arena_in, arena_out, *, rows_per_page, br, bc, masked):
+    i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    off = r * br
+    cols = pl.ds(c * bc, bc)
+    src_rows = pl.ds(src_ref[i] * rows_per_page + off, br)
+    dst_rows = pl.ds(dst_ref[i] * rows_per_page + off, br)
+    mask = None
+    if masked:  # only the last row block of a page can run past it
+        mask = jnp.broadcast_to((off + jnp.arange(br, dtype=jnp.int32) < rows_per_page)[:, None], (br, bc))
+    # pltr.store, not `ref[...] = x`: ref assignment lowers to a swap, which also loads the old tile.
+    pltr.store(arena_out.at[dst_rows, cols], pltr.load(arena_in.at[src_rows, cols], mask=mask), mask=mask)
+
+
+def _zero_kernel(pages_ref, arena_in, arena_out, *, rows_per_page, br, bc, masked, dtype):
+    del arena_in  # aliased with arena_out
+    i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    off = r * br
+    rows = pl.ds(pages_ref[i] * rows_per_page + off, br)
+    mask = None
+    if masked:
+        mask = jnp.broadcast_to((off + jnp.arange(br, dtype=jnp.int32) < rows_per_page)[:, None], (br, bc))
+    pltr.store(arena_out.at[rows, pl.ds(c * bc, bc)], jnp.zeros((br, bc), dtype), mask=mask)
+
+
+_ANY = pl.BlockSpec(memory_space=pl.ANY)
+
+
+@functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
+def _move_pages_pallas(arena, src, dst, *, rows_per_page: int, interpret: bool = False,
+                       block_words: int = 8192, num_warps: int = 4):
+    _check_args(arena, rows_per_page, src, dst)
+    n = src.shape[0]
+    if n == 0:
+        return arena
+    br, bc, nr, nc = _tiles(rows_per_page, arena.shape[1], block_words)
+    kernel = functools.partial(_move_kernel, rows_per_page=rows_per_page, br=br, bc=bc,
+                               masked=rows_per_page % br != 0)
+    return pl.pallas_call(
+        kernel,
+        grid=(n, nr, nc),
+        in_specs=[_ANY, _ANY, _ANY],
+        out_specs=_ANY,
+        out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        input_output_aliases={2: 0},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="umem_move_pages",
+    )(src, dst, arena)
+
+
+@functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
+def _zero_pages_pallas(arena, pages, *, rows_per_page: int, interpret: bool = False,
+                       block_words: int = 8192, num_warps: int = 4):
+    _check_args(arena, rows_per_page, pages)
+    n = pages.shape[0]
+    if n == 0:
+        return arena
+    br, bc, nr, nc = _tiles(rows_per_page, arena.shape[1], block_words)
+    kernel = functools.partial(_zero_kernel, rows_per_page=rows_per_page, br=br, bc=bc,
+                               masked=rows_per_page % br != 0, dtype=arena.dtype)
+    return pl.pallas_call(
+        kernel,
+        grid=(n, nr, nc),
+        in_specs=[_ANY, _ANY],
+        out_specs=_ANY,
+        out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        input_output_aliases={1: 0},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="umem_zero_pages",
+    )(pages, arena)
+
+
+# --------------------------------------------------------------------------- public wrappers
 
 
 def move_pages(arena, src, dst, *, rows_per_page: int, impl: str | None = None, interpret: bool = False,
                **tuning):
     """Copy page envelopes src[i] -> dst[i] of `arena` [num_rows, row_words]; returns the arena.
 
-    src, dst: int32 [N] physical page ids (see the module docstring for the contract).
-    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    src, dst: int32 [N] physical page ids (see the module docstring for the contract; check it
+    on the host with `check_moves`).  impl: "pallas" | "reference"; default pallas on GPU (or
+    with interpret=True), else reference.  tuning: block_words (words per tile, default 8192),
+    num_warps.
     """
     impl = resolve_impl(impl, interpret)
-    if impl == "reference" or _move_pages_pallas is None:
+    if impl == "reference":
         return move_pages_reference(arena, src, dst, rows_per_page=rows_per_page)
     return _move_pages_pallas(arena, src, dst, rows_per_page=rows_per_page, interpret=interpret, **tuning)
 
 
 def zero_pages(arena, pages, *, rows_per_page: int, impl: str | None = None, interpret: bool = False,
                **tuning):
-    """Zero the page envelopes `pages` (int32 [N]) of `arena`; returns the arena."""
+    """Zero the page envelopes `pages` (int32 [N], repeats allowed) of `arena`; returns the arena."""
     impl = resolve_impl(impl, interpret)
-    if impl == "reference" or _zero_pages_pallas is None:
+    if impl == "reference":
         return zero_pages_reference(arena, pages, rows_per_page=rows_per_page)
     return _zero_pages_pallas(arena, pages, rows_per_page=rows_per_page, interpret=interpret, **tuning)
-
-
-_move_pages_pallas = None
-_zero_pages_pallas = None
