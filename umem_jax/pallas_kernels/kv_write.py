@@ -105,16 +105,78 @@ def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
     return tuple(out)
 
 
+# --------------------------------------------------------------------------- Pallas kernel
+#
+# The new K/V of one step is a few KiB to a few MiB, so encoding it to words (bitcast, fp32
+# planes) is a tiny XLA fusion in the wrapper; the kernel is then a row scatter: program
+# (r, c) loads a [block_rows, block_cols] tile of the encoded words and stores it to the arena
+# rows listed for those words, arena.at[rows, pl.ds(col, block_cols)] (vector row index, so
+# Triton computes row * row_words itself, in int64 above 4 GiB).
+
+
+def _write_kernel(rows_ref, words_ref, arena_in, arena_out, *, n, br, bc):
+    del arena_in  # aliased with arena_out
+    r, c = pl.program_id(0), pl.program_id(1)
+    idx = r * br + jnp.arange(br, dtype=jnp.int32)
+    rows = pltr.load(rows_ref.at[pl.ds(r * br, br)])
+    tile = pltr.load(words_ref.at[pl.ds(r * br, br), pl.ds(c * bc, bc)])
+    mask = jnp.broadcast_to((idx < n)[:, None], (br, bc))  # rows padded up to a whole block
+    # Row gather as two broadcasting int indexers ([br,1] rows x [1,bc] columns) rather than
+    # rows x pl.ds: the same Triton pointer math, and interpret mode (which does not take
+    # mixed array/slice indexers) runs it too.
+    cols = c * bc + jnp.arange(bc, dtype=jnp.int32)
+    pltr.store(arena_out.at[rows[:, None], cols[None, :]], tile, mask=mask)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+@functools.partial(jax.jit, static_argnames=("view", "kv_dtype", "interpret", "block_words", "num_warps"))
+def _write_kv_pallas(arena, k, v, pages, slots, *, view, kv_dtype=None, interpret: bool = False,
+                     block_words: int = 4096, num_warps: int = 4):
+    _check_write(arena, k, v, pages, slots, view)
+    T, W, wd = k.shape[0], view.row_words, arena.dtype
+    if T == 0:
+        return arena
+    words, rows = [], []
+    for x, base, m in ((k, view.k_row, view.mk), (v, view.v_row, view.mv)):
+        words.append(encode(_stored(x, view.planes, kv_dtype).reshape(T, -1), wd).reshape(T * m, W))
+        rows.append(_token_rows(pages, slots, base, m, view.rows_per_page).reshape(-1))
+    words, rows = jnp.concatenate(words), jnp.concatenate(rows)
+    n = words.shape[0]
+    bc = _pow2_divisor(W, block_words)
+    br = max(1, min(block_words // bc, 1 << (n - 1).bit_length()))
+    npad = pl.cdiv(n, br) * br
+    words = jnp.pad(words, ((0, npad - n), (0, 0)))
+    rows = jnp.pad(rows, (0, npad - n))
+    kernel = functools.partial(_write_kernel, n=n, br=br, bc=bc)
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        grid=(npad // br, W // bc),
+        in_specs=[any_, any_, any_],
+        out_specs=any_,
+        out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        input_output_aliases={2: 0},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="umem_write_kv",
+    )(rows, words, arena)
+
+
 def write_kv(arena, k, v, pages, slots, *, view, kv_dtype=None, impl: str | None = None,
              interpret: bool = False, **tuning):
     """Write k [T, Hkv, D] / v [T, Hkv, Dv] into (pages[t], slots[t]) of `arena`; returns the arena.
 
-    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    k/v are cast to the stored dtype (bf16 for a 1-plane view unless kv_dtype says f16; f32 for
+    2 planes).  impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True),
+    else reference.  tuning: block_words, num_warps.
     """
     impl = resolve_impl(impl, interpret)
-    if impl == "reference" or _write_kv_pallas is None:
+    if impl == "reference":
         return write_kv_reference(arena, k, v, pages, slots, view=view, kv_dtype=kv_dtype)
     return _write_kv_pallas(arena, k, v, pages, slots, view=view, kv_dtype=kv_dtype, interpret=interpret, **tuning)
-
-
-_write_kv_pallas = None
