@@ -1,0 +1,425 @@
+"""Paged prefill / extend attention over the page-major arena (flash-attention style, Pallas Triton).
+
+Contract (docs/kernel_contracts.md)::
+
+    paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, window=None,
+                            softcap=None, sinks=None, scale=None) -> o [B, T, Hq, Dv]
+
+* q [B, T, Hq, D]: one padded chunk of new tokens per row (Hq = G * Hkv, GQA group G).
+* arena [num_rows, row_words] uint16 or bfloat16; `view` (plan.KVView) says where this layer's
+  K/V rows sit in a page envelope: K row of token slot t of physical page p is the `mk` arena rows
+  `p*rows_per_page + k_row + t*mk ...`, holding `planes*Hkv*D` words head-major
+  (fp32: `[hi plane | lo plane]`, see words.py / kv_write.py).  V likewise at `v_row`.
+* page_table int32 [B, P]: physical page of token page `pos // page_size`; sink 0 where
+  unmapped or tombstoned.
+* q_lens int32 [B]: valid new tokens of each row (0: padding row).
+* kv_lens int32 [B]: tokens in the cache *after* this chunk's K/V were written into the arena.
+* Query j < q_len of row b sits at position `pos = kv_len - q_len + j` and attends to key
+  positions p with `p <= pos` and, with a window, `p > pos - window`.  Rows j >= q_len are 0.
+* scale: logits are `scale * q.k` (default 1/sqrt(D)); softcap: `softcap * tanh(logit / softcap)`;
+  sinks f32 [Hq]: one extra logit per q head that joins the softmax denominator only (it is not
+  scaled or capped and has no value row; gpt-oss style).
+
+Pages wholly before the chunk's first query's window may be tombstoned (page 0): the kernel never
+loads a key position outside `[first visible position, last query position]` of its q block, so
+those pages, unwritten slots of the last page and rows past the table are never read.
+
+Kernel layout: grid (q block, kv head, request).  One program owns BQ consecutive queries of one
+request times the G q heads of one kv head, as one [BQ*G, D] tile (GQA: each K/V tile is loaded
+once for the whole group).  It walks the KV blocks (BK tokens) its queries can see, in three
+loops: masked blocks at the window's left edge, unmasked interior blocks, masked blocks on the
+causal diagonal, so interior blocks pay neither the mask nor masked loads.  Online softmax in
+fp32 (exp2 form).  KV rows are gathered through the page table with a vector of *row* indices on
+the 2-D arena ref (`arena[rows, pl.ds(col, D)]`), so the Triton lowering does the row * stride
+multiply in int64 when the arena exceeds 4 GiB.
+
+Module layout: the kernel body, `_paged_prefill_pallas` (the pallas_call), the jitted public
+wrapper `paged_prefill_attention` with the shape/dtype checks, and
+`paged_prefill_attention_reference` (gather, mask, softmax: what the kernel must compute).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, resolve_impl, triton_params
+from .kv_write import check_view, head_slot, read_kv_reference
+from .words import from_u16, join_planes, kv_value_dtype, to_u16
+
+__all__ = [
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
+    "prefill_config",
+    "PrefillConfig",
+]
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = -1e30  # finite start for the running max: a fully masked block then gives exp2(-inf) = 0, not NaN
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, *, view, window=None,
+                                      softcap=None, sinks=None, scale=None, kv_dtype=None):
+    """Plain-JAX paged prefill attention: gather every mapped token, mask, softmax in fp32.
+
+    Shapes as in the module docstring; returns [B, T, Hq, Dv] in q.dtype.  Key positions no query
+    may see (tombstoned pages, unwritten slots, sink entries) are zeroed before use, so NaN
+    garbage there cannot leak through `0 * NaN`.
+    """
+    _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
+    B, T, Hq, D = q.shape
+    Hkv, Dv = view.num_kv_heads, view.v_head_dim
+    G = Hq // Hkv
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype)  # [B, S, Hkv, D|Dv]
+    S = k.shape[1]
+
+    j = jnp.arange(T, dtype=jnp.int32)
+    p = jnp.arange(S, dtype=jnp.int32)
+    pos = (kv_lens - q_lens)[:, None] + j[None, :]  # [B, T]
+    vis = (p[None, None, :] <= pos[:, :, None]) & (j[None, :, None] < q_lens[:, None, None])
+    if window is not None:
+        vis &= p[None, None, :] > pos[:, :, None] - window
+    used = vis.any(axis=1)  # [B, S]: keys some query sees; everything else may be garbage
+    k = jnp.where(used[:, :, None, None], k.astype(jnp.float32), 0.0)
+    v = jnp.where(used[:, :, None, None], v.astype(jnp.float32), 0.0)
+
+    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
+    s = jnp.einsum("btkgd,bskd->bkgts", qf, k, precision=lax.Precision.HIGHEST) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(vis[:, None, None], s, -jnp.inf)  # [B, Hkv, G, T, S]
+    if sinks is not None:
+        sk = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, Hkv, G, 1, 1), (B, Hkv, G, T, 1))
+        s = jnp.concatenate([s, sk], axis=-1)
+    w = jax.nn.softmax(s, axis=-1)
+    if sinks is not None:
+        w = w[..., :S]
+    o = jnp.einsum("bkgts,bskd->btkgd", w, v, precision=lax.Precision.HIGHEST).reshape(B, T, Hq, Dv)
+    valid = j[None, :] < q_lens[:, None]
+    return jnp.where(valid[:, :, None, None], o, 0.0).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Static tiling of one pallas_call.  block_q: queries per program (x G heads = tile rows);
+    block_k: KV tokens per inner step; num_warps/num_stages: Triton compiler params."""
+
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def prefill_config(T: int, G: int, D: int, *, block_q=None, block_k=None, num_warps=None,
+                   num_stages=None) -> PrefillConfig:
+    """Default tiling: ~128 tile rows (64 for D=256) so the two dots are tensor-core sized, BK=64
+    (32 for D=256) to keep the [rows, BK] score tile and [BK, D] K/V tiles in registers."""
+    rows = 128 if D <= 128 else 64
+    if block_q is None:
+        block_q = max(1, rows // G)
+        block_q = min(block_q, _pow2_ceil(T))
+        block_q = max(block_q, -(-16 // G))  # Triton dots need >= 16 rows
+    if block_k is None:
+        block_k = 64 if D <= 128 else 32
+    if num_warps is None:
+        num_warps = 8 if block_q * G >= 128 else 4
+    if num_stages is None:
+        num_stages = 2
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+        if val <= 0 or val & (val - 1):
+            raise ValueError(f"{name} must be a power of two, got {val}")
+    if block_k < 16:
+        raise ValueError(f"block_k must be >= 16 (Triton dot), got {block_k}")
+    if block_q * G < 16:
+        raise ValueError(f"block_q * G must be >= 16 (Triton dot), got {block_q}*{G}")
+    return PrefillConfig(block_q, block_k, num_warps, num_stages)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the kernel body needs at trace time."""
+
+    nqb: int  # q blocks per row (grid dim 0)
+    bq: int
+    bk: int
+    G: int
+    D: int
+    Dv: int
+    P: int  # page-table width
+    page_size: int
+    rows_per_page: int
+    k_base: int  # view.k_row
+    v_base: int
+    mk: int
+    mv: int
+    k_slots: tuple  # ((row offset, col) per plane) of this kernel's kv head 0; + h*D per head
+    v_slots: tuple
+    planes: int
+    kv_dtype: object
+    window: int | None
+    softcap: float | None
+    scale: float
+    has_sinks: bool
+
+
+def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
+    if c.has_sinks:
+        sinks_ref, q_ref, arena_ref, o_ref = refs
+    else:
+        sinks_ref, (q_ref, arena_ref, o_ref) = None, refs
+    # Heaviest q blocks (most KV under the causal mask) first: better tail balance.
+    qi = c.nqb - 1 - pl.program_id(0)
+    h = pl.program_id(1)
+    b = pl.program_id(2)
+    q_len = qlen_ref[b]
+    kv_len = kvlen_ref[b]
+    j0 = qi * c.bq
+    M = c.bq * c.G
+
+    @pl.when(j0 >= q_len)
+    def _padding():
+        pltr.store(o_ref, jnp.zeros(o_ref.shape, o_ref.dtype))
+
+    @pl.when(j0 < q_len)
+    def _attend():
+        cdt = c.kv_dtype
+        q = q_ref[...].reshape(M, c.D).astype(cdt)  # row r: query j0 + r // G, head h*G + r % G
+        r = lax.broadcasted_iota(jnp.int32, (M,), 0)
+        q_start = kv_len - q_len
+        pos = q_start + j0 + lax.div(r, c.G)  # [M] key position of each tile row's query
+        last = jnp.minimum(j0 + c.bq, q_len) - 1
+        p_first, p_last = q_start + j0, q_start + last
+        hi = p_last + 1  # keys [lo, hi) are all this block may read
+        u_hi = p_first + 1  # keys [u_lo, u_hi) every query of the block sees
+        if c.window is not None:
+            lo = jnp.maximum(p_first - c.window + 1, 0)
+            u_lo = jnp.maximum(p_last - c.window + 1, 0)
+        else:
+            lo = u_lo = jnp.int32(0)
+        bk = c.bk
+        # KV blocks [kb_first, kb_last) hold every visible key; [i_lo, i_hi) need no mask.
+        # (All operands are >= 0, so truncating lax.div is floor division.)
+        kb_first = lax.div(lo, bk)
+        kb_last = lax.div(hi + bk - 1, bk)
+        i_lo = jnp.clip(lax.div(u_lo + bk - 1, bk), kb_first, kb_last)
+        i_hi = jnp.clip(lax.div(u_hi, bk), i_lo, kb_last)
+
+        # Column of this kv head's words inside its token rows, per plane.
+        def slots(base_slots, dim):
+            out = []
+            for r_off, col in base_slots:
+                out.append((r_off, col + h * dim))
+            return out
+
+        k_slots = slots(c.k_slots, c.D)
+        v_slots = slots(c.v_slots, c.Dv)
+
+        def page_rows(kb, masked):
+            """(first arena row of each key's page envelope, its slot in the page, its position),
+            int32 [bk] each, for the keys kb*bk ... kb*bk + bk - 1 of this request."""
+            k_idx = kb * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            if bk <= c.page_size:  # the block lies in one page: one scalar table read
+                page = pt_ref[b, lax.div(kb * bk, c.page_size)]
+            else:
+                pidx = lax.div(k_idx, c.page_size)
+                if masked:  # the last block may run past the table; those lanes are masked
+                    pidx = jnp.minimum(pidx, c.P - 1)
+                page = pt_ref[b, pidx]
+            # Row index, not element offset: < num_rows < 2**31, so int32 is exact here.
+            return page * c.rows_per_page, lax.rem(k_idx, c.page_size), k_idx
+
+        def load(rows, slot_list, dim, mask):
+            """Gather [bk, dim] values of this kv head from the arena rows `rows`."""
+            words = []
+            for r_off, col in slot_list:
+                if mask is None:
+                    words.append(arena_ref[rows + r_off, pl.ds(col, dim)])
+                else:
+                    # Masked lanes (tombstoned pages, unwritten slots, past the table) are never
+                    # read.  Both indices as arrays: interpret mode has no masked load of a
+                    # (vector, slice) index; Triton lowers either form to the same pointer tile.
+                    cols = col + lax.broadcasted_iota(jnp.int32, (bk, dim), 1)
+                    words.append(pltr.load(arena_ref.at[(rows + r_off)[:, None], cols],
+                                           mask=jnp.broadcast_to(mask[:, None], (bk, dim)), other=0))
+            if c.planes == 2:
+                return join_planes(words[0], words[1], cdt)
+            return from_u16(to_u16(words[0]), cdt)
+
+        qk_scale = c.scale if c.softcap is not None else c.scale * _LOG2E
+
+        def step(kb, carry, masked):
+            m_i, l_i, acc = carry
+            env, slot, k_idx = page_rows(kb, masked)
+            k_rows = env + c.k_base + slot * c.mk
+            v_rows = env + c.v_base + slot * c.mv
+            valid = ((k_idx >= lo) & (k_idx < hi)) if masked else None
+            kt = load(k_rows, k_slots, c.D, valid)  # [bk, D]
+            s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = s * qk_scale
+            if c.softcap is not None:
+                s = (c.softcap * _LOG2E) * jnp.tanh(s * (1.0 / c.softcap))
+            if masked:
+                kp = k_idx[None, :]
+                vis = valid[None, :] & (kp <= pos[:, None])
+                if c.window is not None:
+                    vis &= kp > pos[:, None] - c.window
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1))
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l_new = l_i * alpha + p.sum(axis=1)
+            vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dv]
+            pv = lax.dot_general(p.astype(cdt), vt, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+            return m_new, l_new, acc * alpha[:, None] + pv
+
+        carry = (jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
+                 jnp.zeros((M, c.Dv), jnp.float32))
+        carry = lax.fori_loop(kb_first, i_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(i_hi, kb_last, functools.partial(step, masked=True), carry)
+        m_i, l_i, acc = carry
+
+        if c.has_sinks:
+            sk = sinks_ref[pl.ds(h * c.G, c.G)].astype(jnp.float32) * _LOG2E  # [G]
+            sk = jnp.broadcast_to(sk[None, :], (c.bq, c.G)).reshape(M)
+            m_f = jnp.maximum(m_i, sk)
+            corr = jnp.exp2(m_i - m_f)
+            l_i = l_i * corr + jnp.exp2(sk - m_f)
+            acc = acc * corr[:, None]
+        out = acc / l_i[:, None]
+        out = jnp.where((j0 + lax.div(r, c.G) < q_len)[:, None], out, 0.0)  # rows past q_len are 0
+        pltr.store(o_ref, out.reshape(c.bq, c.G, c.Dv).astype(o_ref.dtype))
+
+
+def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view, window, softcap,
+                          scale, kv_dtype, cfg: PrefillConfig, interpret: bool):
+    B, T, Hq, D = q.shape
+    Hkv, Dv = view.num_kv_heads, view.v_head_dim
+    G = Hq // Hkv
+    bq = cfg.block_q
+    Tp = -(-T // bq) * bq
+    if Tp != T:  # whole q blocks only (Triton blocks have no bounds checks)
+        q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    nqb = Tp // bq
+    c = _Static(
+        nqb=nqb, bq=bq, bk=cfg.block_k, G=G, D=D, Dv=Dv, P=page_table.shape[1],
+        page_size=view.page_size, rows_per_page=view.rows_per_page, k_base=view.k_row,
+        v_base=view.v_row, mk=view.mk, mv=view.mv,
+        k_slots=tuple(head_slot(view, "k", 0, pl_) for pl_ in range(view.planes)),
+        v_slots=tuple(head_slot(view, "v", 0, pl_) for pl_ in range(view.planes)),
+        planes=view.planes, kv_dtype=kv_value_dtype(view.planes, kv_dtype), window=window,
+        softcap=None if softcap is None else float(softcap),
+        scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None)
+
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    q_spec = pl.BlockSpec((None, bq, G, D), lambda i, h, b: (b, nqb - 1 - i, h, 0))
+    o_spec = pl.BlockSpec((None, bq, G, Dv), lambda i, h, b: (b, nqb - 1 - i, h, 0))
+    args = [q_lens, kv_lens, page_table]
+    in_specs = [any_spec] * 3
+    if sinks is not None:
+        args.append(sinks.astype(jnp.float32))
+        in_specs.append(any_spec)
+    args += [q, arena]
+    in_specs += [q_spec, any_spec]
+    out = pl.pallas_call(
+        functools.partial(_kernel, c=c),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, Dv), q.dtype),
+        grid=(nqb, Hkv, B),
+        in_specs=in_specs,
+        out_specs=o_spec,
+        compiler_params=triton_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="paged_prefill_attention",
+    )(*args)
+    return out[:, :T] if Tp != T else out
+
+
+# --------------------------------------------------------------------------- public wrapper
+
+
+def _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view):
+    check_view(arena, view)
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
+    B, T, Hq, D = q.shape
+    Hkv = view.num_kv_heads
+    if D != view.head_dim:
+        raise ValueError(f"q head_dim {D} != the view's head_dim {view.head_dim}")
+    if Hq % Hkv:
+        raise ValueError(f"q heads {Hq} are not a multiple of kv heads {Hkv}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be floating point, got {q.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != B or jnp.dtype(page_table.dtype) != jnp.int32:
+        raise ValueError(f"page_table must be int32 [{B}, P], got {page_table.dtype}{list(page_table.shape)}")
+    for name, a in (("q_lens", q_lens), ("kv_lens", kv_lens)):
+        if a.shape != (B,) or jnp.dtype(a.dtype) != jnp.int32:
+            raise ValueError(f"{name} must be int32 [{B}], got {a.dtype}{list(a.shape)}")
+    if sinks is not None and sinks.shape != (Hq,):
+        raise ValueError(f"sinks must be [{Hq}] (one logit per q head), got {sinks.shape}")
+
+
+def _check_pallas(q, view, cfg):
+    _, _, Hq, D = q.shape
+    G = Hq // view.num_kv_heads
+    for name, n in (("G = Hq / Hkv", G), ("head_dim", D), ("v_head_dim", view.v_head_dim)):
+        if n & (n - 1):
+            raise NotImplementedError(f"the Pallas kernel needs {name} a power of two, got {n}; use impl='reference'")
+    for which, dim in (("k", D), ("v", view.v_head_dim)):
+        for plane in range(view.planes):
+            for h in range(view.num_kv_heads):
+                _, col = head_slot(view, which, h, plane)
+                if col + dim > view.row_words:
+                    raise NotImplementedError(
+                        f"a {which.upper()} head straddles two arena rows (row_words={view.row_words}, "
+                        f"dim={dim}); the Pallas kernel needs row_words to be a multiple of the head dim")
+
+
+@functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "impl",
+                                             "interpret", "block_q", "block_k", "num_warps", "num_stages"))
+def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, window=None, softcap=None,
+                            sinks=None, scale=None, kv_dtype=None, impl: str | None = None,
+                            interpret: bool = False, block_q=None, block_k=None, num_warps=None,
+                            num_stages=None):
+    """Causal (optionally windowed) attention of a padded chunk of queries over the paged arena.
+
+    q [B, T, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; q_lens, kv_lens
+    int32 [B]; sinks f32 [Hq] or None -> [B, T, Hq, Dv] in q.dtype.  See the module docstring.
+    impl: "pallas" | "reference" (default: pallas on GPU or with interpret=True, else reference).
+    block_q/block_k/num_warps/num_stages override the tiling (prefill_config) of the Pallas path.
+    """
+    _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference":
+        return paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, view=view, window=window,
+                                                 softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
+    G = q.shape[2] // view.num_kv_heads
+    cfg = prefill_config(q.shape[1], G, q.shape[3], block_q=block_q, block_k=block_k, num_warps=num_warps,
+                         num_stages=num_stages)
+    _check_pallas(q, view, cfg)
+    return _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, view=view, window=window,
+                                 softcap=softcap, scale=scale, kv_dtype=kv_dtype, cfg=cfg, interpret=interpret)
