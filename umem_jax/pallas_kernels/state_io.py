@@ -1,0 +1,290 @@
+"""Read and write whole recurrent-state tensors of request slots in the arena.
+
+Layout (umem_jax/memory/plan.py, StateView): a state slot is `rows_per_slot` contiguous arena
+rows.  Tensor `name` of a layer in physical slot s is stored flattened row-major, plane by plane:
+plane k (0 = hi or the only plane, 1 = lo) is the `rows_per_plane` arena rows starting at
+
+    s * rows_per_slot + tensor_row + k * rows_per_plane
+
+and element e of the flattened tensor sits in row `base + e // row_words`, column
+`e % row_words`; the last row of a plane is zero-padded.  fp32 tensors are two planes of uint16
+words (hi = bits >> 16, lo = bits & 0xffff; see words.py); 16-bit tensors are one plane.
+
+Contract (docs/kernel_contracts.md):
+  read_state(arena, slots, *, view) -> {name: [B, *shape]} in each tensor's dtype
+  write_state(arena, slots, tensors, *, view) -> arena
+    slots int32 [B] physical slot ids; 0 is the sink (padding lanes): read_state returns zeros
+    for those lanes and write_state writes nothing for them.  Real slots are distinct.
+
+The kernels address the 2-D arena by (row, column) only, so Triton does the row * row_words
+multiply in 64 bits when the arena is over 4 GiB; all per-slot offsets stay far below 2**31.
+The helpers `plane_row` / `element_at` are shared with the Mamba2 and gated DeltaNet kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, resolve_impl, triton_params
+from .words import WORD_DTYPES, from_u16, join_planes, planes_of, split_planes, to_u16
+
+__all__ = [
+    "check_state_view",
+    "element_at",
+    "plane_row",
+    "pow2_divisor",
+    "read_state",
+    "read_state_reference",
+    "state_dtype",
+    "write_state",
+    "write_state_reference",
+]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+# _U16_NOTE: every function here works on a uint16 view of the arena (a same-width bitcast, free
+# and in place under donation).  A bf16 arena holds fp32 planes whose halves are often bf16 NaN
+# bit patterns, and XLA:CPU canonicalises bf16 NaNs (0xFFFF -> 0xFFC0) in *every* element of an
+# array a bf16 scatter touches; integer words are only ever moved.
+
+
+def state_dtype(rows) -> jnp.dtype:
+    """The dtype a StateRows' tensor decodes to."""
+    return jnp.dtype(rows.tensor.dtype)
+
+
+def pow2_divisor(n: int, cap: int = 1024) -> int:
+    """Largest power of two dividing `n`, at most `cap` (Triton blocks are powers of two)."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def check_state_view(arena, view) -> None:
+    """Static checks that `view` fits `arena` [num_rows, row_words] of 16-bit words."""
+    if arena.ndim != 2:
+        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
+    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
+        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
+    if arena.shape[1] != view.row_words:
+        raise ValueError(f"arena rows are {arena.shape[1]} words, the view says {view.row_words}")
+    if view.rows_per_slot > arena.shape[0]:
+        raise ValueError(f"a slot of {view.rows_per_slot} rows does not fit an arena of {arena.shape[0]} rows")
+    for t in view.tensors:
+        if planes_of(t.tensor.dtype) != t.planes:
+            raise ValueError(f"state tensor {t.tensor.name}: {t.tensor.dtype} takes {planes_of(t.tensor.dtype)} "
+                             f"planes, the view says {t.planes}")
+        if t.rows_per_plane * view.row_words < t.tensor.numel:
+            raise ValueError(f"state tensor {t.tensor.name}: {t.rows_per_plane} rows per plane cannot hold "
+                             f"{t.tensor.numel} elements")
+        if t.row + t.planes * t.rows_per_plane > view.rows_per_slot:
+            raise ValueError(f"state tensor {t.tensor.name} runs past the end of its slot")
+
+
+def _check_slots(slots):
+    if slots.ndim != 1 or jnp.dtype(slots.dtype) != jnp.int32:
+        raise ValueError(f"slots must be int32 [B], got {slots.dtype}{list(slots.shape)}")
+
+
+def plane_row(slot, view, rows, plane: int = 0):
+    """First arena row of `plane` of the tensor `rows` (a StateRows) in slot `slot` (int32, may be
+    traced, also inside a kernel).  Fits int32 because num_rows < 2**31."""
+    return slot * view.rows_per_slot + (rows.row + plane * rows.rows_per_plane)
+
+
+def element_at(view, flat: int) -> tuple[int, int]:
+    """(row offset inside a plane, column) of element `flat` of a flattened state tensor."""
+    return flat // view.row_words, flat % view.row_words
+
+
+def _rows_of(slots, view, rows):
+    """int32 [B] slots -> int32 [B, planes, rows_per_plane] arena rows of one tensor (slot 0 maps
+    to the sink's rows; callers mask padding lanes)."""
+    r = jnp.arange(rows.rows_per_plane, dtype=jnp.int32)
+    p = jnp.arange(rows.planes, dtype=jnp.int32) * rows.rows_per_plane
+    return slots[:, None, None] * view.rows_per_slot + rows.row + p[None, :, None] + r[None, None, :]
+
+
+# --------------------------------------------------------------------------- references
+
+
+def read_state_reference(arena, slots, *, view):
+    """Plain-JAX read: slots int32 [B] -> {name: [B, *shape]} in each tensor's dtype (an XLA
+    gather of whole rows).  Padding lanes (slot 0) read as zeros."""
+    check_state_view(arena, view)
+    _check_slots(slots)
+    B, W = slots.shape[0], view.row_words
+    out = {}
+    for t in view.tensors:
+        words = to_u16(arena)[_rows_of(slots, view, t)]                # [B, planes, rpp, W]
+        words = words.reshape(B, t.planes, t.rows_per_plane * W)[..., : t.tensor.numel]
+        dt = state_dtype(t)
+        x = from_u16(words[:, 0], dt) if t.planes == 1 else join_planes(words[:, 0], words[:, 1], dt)
+        x = jnp.where((slots != 0)[:, None], x, jnp.zeros((), dt))
+        out[t.tensor.name] = x.reshape(B, *t.tensor.shape)
+    return out
+
+
+def _check_tensors(tensors, slots, view):
+    names = {t.tensor.name for t in view.tensors}
+    if set(tensors) != names:
+        raise ValueError(f"write_state needs exactly the tensors {sorted(names)}, got {sorted(tensors)}")
+    B = slots.shape[0]
+    for t in view.tensors:
+        x = tensors[t.tensor.name]
+        if tuple(x.shape) != (B, *t.tensor.shape):
+            raise ValueError(f"state tensor {t.tensor.name} must be [{B}, {', '.join(map(str, t.tensor.shape))}], "
+                             f"got {list(x.shape)}")
+
+
+def _padded_words(x, t, W):
+    """[B, *shape] -> uint16 [B, planes, rows_per_plane * W]: the tensor cast to its stored dtype,
+    flattened, split into planes and zero-padded to whole rows."""
+    B = x.shape[0]
+    x = x.astype(state_dtype(t)).reshape(B, -1)
+    pad = t.rows_per_plane * W - t.tensor.numel
+    planes = (to_u16(x),) if t.planes == 1 else split_planes(x)
+    return jnp.stack([jnp.pad(p, ((0, 0), (0, pad))) for p in planes], axis=1)
+
+
+def write_state_reference(arena, slots, tensors, *, view):
+    """Plain-JAX write: tensors {name: [B, *shape]} (cast to each tensor's stored dtype) into
+    slots int32 [B] (an XLA scatter of whole rows; padding lanes write nothing)."""
+    check_state_view(arena, view)
+    _check_slots(slots)
+    _check_tensors(tensors, slots, view)
+    B, W = slots.shape[0], view.row_words
+    words_arena = to_u16(arena)  # see _U16_NOTE
+    for t in view.tensors:
+        words = _padded_words(tensors[t.tensor.name], t, W).reshape(B * t.planes * t.rows_per_plane, W)
+        rows = _rows_of(slots, view, t)
+        # Padding lanes get an out-of-range row, which mode="drop" skips (never clamp onto a real row).
+        rows = jnp.where((slots != 0)[:, None, None], rows, arena.shape[0]).reshape(-1)
+        words_arena = words_arena.at[rows].set(words, mode="drop")
+    return from_u16(words_arena, arena.dtype)
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+# One program moves `chunk` words of one row of every plane of one tensor of one request:
+# grid (B, rows_per_plane, row_words // chunk).  The planes are joined / split in registers.
+
+
+def _read_kernel(slots_ref, arena_ref, out_ref, *, view, rows, chunk, dtype):
+    b, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[b]
+    col = pl.multiple_of(c * chunk, chunk)
+    dst = out_ref.at[b, pl.ds(pl.multiple_of(r * view.row_words + c * chunk, chunk), chunk)]
+
+    @pl.when(slot == 0)
+    def _():
+        pltr.store(dst, jnp.zeros((chunk,), dtype))
+
+    @pl.when(slot != 0)
+    def _():
+        def plane(k):
+            return pltr.load(arena_ref.at[plane_row(slot, view, rows, k) + r, pl.ds(col, chunk)])
+        if rows.planes == 1:
+            x = from_u16(plane(0), dtype)
+        else:
+            x = join_planes(plane(0), plane(1), dtype)
+        pltr.store(dst, x)
+
+
+def _write_kernel(slots_ref, x_ref, arena_in, arena_ref, *, view, rows, chunk):
+    del arena_in  # aliased with arena_ref
+    b, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slots_ref[b]
+    col = pl.multiple_of(c * chunk, chunk)
+
+    @pl.when(slot != 0)
+    def _():
+        x = pltr.load(x_ref.at[b, pl.ds(pl.multiple_of(r * view.row_words + c * chunk, chunk), chunk)])
+        planes = (to_u16(x),) if rows.planes == 1 else split_planes(x)
+        for k, p in enumerate(planes):
+            pltr.store(arena_ref.at[plane_row(slot, view, rows, k) + r, pl.ds(col, chunk)], p)
+
+
+def _any_spec():
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
+@functools.partial(jax.jit, static_argnames=("view", "interpret", "chunk", "num_warps"))
+def _read_state_pallas(arena, slots, *, view, interpret=False, chunk=None, num_warps=4):
+    check_state_view(arena, view)
+    _check_slots(slots)
+    B, W = slots.shape[0], view.row_words
+    chunk = chunk or pow2_divisor(W)
+    words = to_u16(arena)  # see _U16_NOTE
+    out = {}
+    for t in view.tensors:
+        dt = state_dtype(t)
+        flat = pl.pallas_call(
+            functools.partial(_read_kernel, view=view, rows=t, chunk=chunk, dtype=dt),
+            grid=(B, t.rows_per_plane, W // chunk),
+            in_specs=[_any_spec(), _any_spec()],
+            out_specs=_any_spec(),
+            out_shape=jax.ShapeDtypeStruct((B, t.rows_per_plane * W), dt),
+            compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name=f"read_state_{t.tensor.name}",
+        )(slots, words)
+        out[t.tensor.name] = flat[:, : t.tensor.numel].reshape(B, *t.tensor.shape)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("view", "interpret", "chunk", "num_warps"))
+def _write_state_pallas(arena, slots, tensors, *, view, interpret=False, chunk=None, num_warps=4):
+    check_state_view(arena, view)
+    _check_slots(slots)
+    _check_tensors(tensors, slots, view)
+    B, W = slots.shape[0], view.row_words
+    chunk = chunk or pow2_divisor(W)
+    dtype, arena = arena.dtype, to_u16(arena)  # see _U16_NOTE
+    for t in view.tensors:
+        x = tensors[t.tensor.name].astype(state_dtype(t)).reshape(B, -1)
+        x = jnp.pad(x, ((0, 0), (0, t.rows_per_plane * W - t.tensor.numel)))
+        arena = pl.pallas_call(
+            functools.partial(_write_kernel, view=view, rows=t, chunk=chunk),
+            grid=(B, t.rows_per_plane, W // chunk),
+            in_specs=[_any_spec(), _any_spec(), _any_spec()],
+            out_specs=_any_spec(),
+            out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+            input_output_aliases={2: 0},
+            compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name=f"write_state_{t.tensor.name}",
+        )(slots, x, arena)
+    return from_u16(arena, dtype)
+
+
+# --------------------------------------------------------------------------- public wrappers
+
+
+def read_state(arena, slots, *, view, impl: str | None = None, interpret: bool = False, **tuning):
+    """Read every state tensor of `view` for slots int32 [B] -> {name: [B, *shape]} in each
+    tensor's dtype (fp32 rebuilt from its planes).  Padding lanes (slot 0) read as zeros.
+
+    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    """
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference":
+        return read_state_reference(arena, slots, view=view)
+    return _read_state_pallas(arena, slots, view=view, interpret=interpret, **tuning)
+
+
+def write_state(arena, slots, tensors, *, view, impl: str | None = None, interpret: bool = False, **tuning):
+    """Write tensors {name: [B, *shape]} (every tensor of `view`, cast to its stored dtype) into
+    slots int32 [B] of `arena`; returns the arena.  Padding lanes (slot 0) write nothing.
+
+    Call it under a jit that donates the arena: the Pallas kernel aliases it in place.
+    """
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference":
+        return write_state_reference(arena, slots, tensors, view=view)
+    return _write_state_pallas(arena, slots, tensors, view=view, interpret=interpret, **tuning)
