@@ -1,0 +1,303 @@
+"""Paged decode attention for one layer, reading K/V straight from the page-major arena.
+
+Contract (docs/kernel_contracts.md):
+
+  paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, softcap=None,
+                         sinks=None, scale=None) -> o [B, Hq, Dv]
+
+  q [B, Hq, D] (Hq a multiple of Hkv; q head j reads kv head j // (Hq // Hkv));
+  arena [num_rows, row_words] uint16 | bfloat16;
+  page_table int32 [B, P]: physical page of token page pos // page_size, sink 0 where unmapped
+    or tombstoned (e.g. pages that slid out of a window);
+  lengths int32 [B]: tokens in the cache including the current one (already written).  The
+    query sits at position len-1 and sees positions [max(0, len - window), len).  len == 0 is a
+    padding lane: output 0.  Lengths above P * page_size are clamped to it.
+  softcap: logits become softcap * tanh(logits / softcap) (Gemma), after scaling.
+  sinks [Hq]: per-q-head logit that joins the softmax denominator only (GPT-OSS).
+  scale: default 1 / sqrt(D).
+  kv_dtype (extra, optional): stored K/V dtype; default bf16 for 1-plane views, f32 for 2.
+
+Where a head's rows are (KVView, plan.py): the K row of token t of page p is arena rows
+`p*rows_per_page + k_row + t*mk ... + mk`, holding [planes, Hkv, D] words; so the K tile of one
+page for kv head h is `page_size` rows (stride mk) x D contiguous columns.
+
+Kernel: grid (B, Hkv, num_splits).  Program (b, h, s) takes the q heads of kv head h (padded to
+16 rows, the smallest Triton dot), walks its share of the blocks of `block_pages` pages that hold
+visible positions (the visible range is split dynamically, so a window of 512 tokens in a 32K
+page table costs what 512 tokens cost), gathers each block's K and V tiles with one vector load
+each (page ids from the page table, row ids computed per token; masked lanes: positions outside
+[start, len) are not loaded at all, so tombstoned and poisoned sink pages are never read) and
+runs an fp32 online softmax.  Each split writes (acc, m, l); a small XLA step combines the
+splits, adds the sinks to the denominator and normalises.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, resolve_impl, triton_params
+from .kv_write import check_view, read_kv_reference
+from .words import from_u16, join_planes, kv_value_dtype, to_u16
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "choose_num_splits",
+]
+
+_NEG = -1e30  # finite "minus infinity" for the running max: exp(NEG - NEG) stays 1, never NaN
+
+
+def _check(q, arena, page_table, lengths, view, sinks):
+    check_view(arena, view)
+    if q.ndim != 3 or q.shape[2] != view.head_dim:
+        raise ValueError(f"q must be [B, Hq, {view.head_dim}], got {q.shape}")
+    B, Hq, _ = q.shape
+    if Hq % view.num_kv_heads:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({view.num_kv_heads})")
+    if page_table.ndim != 2 or page_table.shape[0] != B or jnp.dtype(page_table.dtype) != jnp.int32:
+        raise ValueError(f"page_table must be int32 [{B}, P], got {page_table.dtype}{list(page_table.shape)}")
+    if lengths.shape != (B,) or jnp.dtype(lengths.dtype) != jnp.int32:
+        raise ValueError(f"lengths must be int32 [{B}], got {lengths.dtype}{list(lengths.shape)}")
+    if sinks is not None and sinks.shape != (Hq,):
+        raise ValueError(f"sinks must be [{Hq}], got {sinks.shape}")
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, window=None, softcap=None,
+                                     sinks=None, scale=None, kv_dtype=None):
+    """Plain-JAX decode attention: gather every mapped token, mask, softmax in fp32."""
+    _check(q, arena, page_table, lengths, view, sinks)
+    B, Hq, D = q.shape
+    Hkv, G = view.num_kv_heads, Hq // view.num_kv_heads
+    P = page_table.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    lengths = jnp.minimum(lengths, P * view.page_size)
+    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype)  # [B, S, Hkv, D]
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    pos = jnp.arange(P * view.page_size, dtype=jnp.int32)[None, :]
+    start = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
+    visible = (pos < lengths[:, None]) & (pos >= start[:, None])               # [B, S]
+    # Masked positions may hold anything (poisoned sink pages): zero V so 0 * NaN cannot leak.
+    v = jnp.where(visible[:, :, None, None], v, 0.0)
+    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
+    s = jnp.einsum("bhgd,bshd->bhgs", qg, k, precision=lax.Precision.HIGHEST) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    if sinks is not None:
+        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(1, Hkv, G))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m[..., None])
+    denom = p.sum(-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, Hkv, G) - m)
+    o = jnp.einsum("bhgs,bshd->bhgd", p, v, precision=lax.Precision.HIGHEST)
+    o = o / jnp.where(denom == 0, 1.0, denom)[..., None]
+    o = jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
+    return o.reshape(B, Hq, view.v_head_dim).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, block_pages,
+                   window, softcap, scale, num_splits, kv_dtype):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ps, rpp, W = view.page_size, view.rows_per_page, view.row_words
+    D, Dv, Hkv = view.head_dim, view.v_head_dim, view.num_kv_heads
+    bt = block_pages * ps  # tokens per block
+    length = lengths_ref[b]
+    start = jnp.int32(0) if window is None else jnp.maximum(length - window, 0)
+    # Blocks holding visible positions, shared out between the splits of this (b, h).
+    blk_lo = start // bt
+    blk_hi = (length + bt - 1) // bt
+    per = (jnp.maximum(blk_hi - blk_lo, 0) + num_splits - 1) // num_splits
+    lo = blk_lo + s * per
+    hi = jnp.minimum(lo + per, blk_hi)
+
+    two_planes = view.planes == 2
+    q = q_ref[...]  # [Gp, D]
+    q = q.astype(jnp.float32 if two_planes else kv_dtype)
+    tok = jnp.arange(bt, dtype=jnp.int32)
+    slot = tok % ps            # ps is a power of two: a mask
+    page_of_tok = tok // ps    # and a shift
+
+    def head_cols(base_words, dim, m):
+        # Row offset within a token's m rows, and first column, of head h's `dim` words.
+        off = base_words + h * dim
+        return off // W, off % W, m
+
+    def load_tile(rows_base, r_off, col, m, dim, mask):
+        rows = rows_base + slot * m + r_off                      # [bt] arena rows
+        cols = col + jnp.arange(dim, dtype=jnp.int32)
+        # Two broadcasting int indexers ([bt,1] x [1,dim]): Triton computes row*W itself (int64
+        # above 4 GiB) and sees `dim` contiguous columns per row (vector loads); interpret mode
+        # also takes this form.
+        return pltr.load(arena_ref.at[rows[:, None], cols[None, :]],
+                         mask=jnp.broadcast_to(mask[:, None], (bt, dim)), other=0)
+
+    def decode_tile(rows_base, which, mask):
+        dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)
+        r0, c0, _ = head_cols(0, dim, m)
+        hi_ = load_tile(rows_base + base, r0, c0, m, dim, mask)
+        if not two_planes:
+            if hi_.dtype == kv_dtype:
+                return hi_
+            return from_u16(to_u16(hi_), kv_dtype)
+        r1, c1, _ = head_cols(Hkv * dim, dim, m)
+        lo_ = load_tile(rows_base + base, r1, c1, m, dim, mask)
+        return join_planes(hi_, lo_, jnp.float32)
+
+    def body(blk, carry):
+        acc, m_i, l_i = carry
+        pos = blk * bt + tok
+        visible = (pos < length) & (pos >= start)
+        pages = pltr.load(pt_ref.at[b, blk * block_pages + page_of_tok])  # [bt] page id per token
+        rows_base = pages * rpp
+        k = decode_tile(rows_base, "k", visible)                         # [bt, D]
+        sc = pltr.dot(q, k, trans_b=True, allow_tf32=False if two_planes else None) * scale
+        if softcap is not None:
+            sc = softcap * jnp.tanh(sc / softcap)
+        sc = jnp.where(visible[None, :], sc, -jnp.inf)                   # [Gp, bt]
+        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+        p = jnp.exp(sc - m_new[:, None])
+        alpha = jnp.exp(m_i - m_new)
+        v = decode_tile(rows_base, "v", visible)                         # [bt, Dv]; masked rows are 0
+        pv = pltr.dot(p.astype(v.dtype), v, allow_tf32=False if two_planes else None)
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
+
+    Gp = q.shape[0]
+    init = (jnp.zeros((Gp, Dv), jnp.float32), jnp.full((Gp,), _NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32))
+    acc, m_i, l_i = lax.fori_loop(lo, hi, body, init)
+    o_ref[...] = acc
+    m_ref[...] = m_i
+    l_ref[...] = l_i
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _num_sms() -> int:
+    try:
+        d = jax.devices()[0]
+        return int(getattr(d, "core_count", 0) or 132) if d.platform == "gpu" else 132
+    except Exception:  # pragma: no cover
+        return 132
+
+
+def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: int | None = None,
+                      waves: int = 4, min_blocks_per_split: int = 4) -> int:
+    """Split-K count that gives about `waves` programs per SM, keeping >= min_blocks_per_split
+    blocks of pages per split (fewer splits when B * Hkv already fills the GPU)."""
+    num_sms = _num_sms() if num_sms is None else num_sms
+    want = -(-waves * num_sms // max(batch * kv_heads, 1))
+    cap = max(1, visible_blocks // min_blocks_per_split)
+    return int(max(1, min(want, cap)))
+
+
+@functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "interpret",
+                                              "block_tokens", "num_splits", "num_warps", "num_stages"))
+def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, window=None, softcap=None,
+                         scale=None, kv_dtype=None, interpret=False, block_tokens=None, num_splits=None,
+                         num_warps=4, num_stages=2):
+    _check(q, arena, page_table, lengths, view, sinks)
+    B, Hq, D = q.shape
+    Hkv, Dv, ps = view.num_kv_heads, view.v_head_dim, view.page_size
+    G = Hq // Hkv
+    for dim in (D, Dv):
+        if dim & (dim - 1) or dim < 16:
+            raise NotImplementedError(f"pallas decode needs power-of-two head dims >= 16, got {dim}")
+        if view.row_words % dim:
+            raise NotImplementedError(f"pallas decode needs each head inside one arena row "
+                                      f"(row_words={view.row_words} a multiple of head dim {dim})")
+    if ps & (ps - 1):
+        raise NotImplementedError(f"page_size must be a power of two, got {ps}")
+    kvdt = kv_value_dtype(view.planes, kv_dtype)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if block_tokens is None:
+        block_tokens = 128 if max(D, Dv) <= 128 else 64
+    block_pages = max(1, _pow2_ceil(block_tokens) // ps)
+    bt = block_pages * ps
+    P = page_table.shape[1]
+    Ppad = -(-P // block_pages) * block_pages
+    pt = jnp.pad(page_table, ((0, 0), (0, Ppad - P)))  # sink pages; never visible anyway
+    lengths = jnp.minimum(lengths, P * ps)
+    if num_splits is None:
+        nblk = Ppad // block_pages
+        if window is not None:
+            nblk = min(nblk, -(-(window - 1) // bt) + 1)
+        num_splits = choose_num_splits(B, Hkv, nblk)
+    Gp = max(16, _pow2_ceil(G))
+    qg = q.reshape(B, Hkv, G, D)
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    S = num_splits
+    kernel = functools.partial(_decode_kernel, view=view, block_pages=block_pages, window=window,
+                               softcap=softcap, scale=scale, num_splits=S, kv_dtype=kvdt)
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, S),
+        in_specs=[any_, any_, pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), any_],
+        out_specs=[pl.BlockSpec((None, None, None, Gp, Dv), lambda b, h, s: (b, h, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+                   pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, S, Gp, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, S, Gp), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, S, Gp), jnp.float32)],
+        compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="umem_paged_decode",
+    )(lengths, pt, qg, arena)
+    acc, m, l = acc[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
+    return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
+
+
+def _combine(acc, m, l, lengths, sinks, dtype):
+    """Merge split partials [B, Hkv, S, G, Dv] (unnormalised acc, running max m, sum l)."""
+    B, Hkv, S, G, _ = acc.shape
+    M = jnp.max(m, axis=2)                                                 # [B, Hkv, G]
+    if sinks is not None:
+        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G)
+        M = jnp.maximum(M, sk)
+    w = jnp.exp(m - M[:, :, None])                                         # empty splits: l = 0
+    num = jnp.sum(acc * w[..., None], axis=2)
+    den = jnp.sum(l * w, axis=2)
+    if sinks is not None:
+        den = den + jnp.exp(sk - M)
+    o = num / jnp.where(den == 0, 1.0, den)[..., None]
+    o = jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
+    return o.astype(dtype)
+
+
+# --------------------------------------------------------------------------- public wrapper
+
+
+def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
+                           scale=None, kv_dtype=None, impl: str | None = None, interpret: bool = False,
+                           **tuning):
+    """Decode attention over the arena for one layer -> [B, Hq, Dv] in q.dtype (see module doc).
+
+    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    tuning (pallas): block_tokens (tokens per loop step, default 128, 64 for head dim 256),
+    num_splits (default: choose_num_splits), num_warps, num_stages.
+    """
+    impl = resolve_impl(impl, interpret)
+    if impl == "reference":
+        return paged_decode_attention_reference(q, arena, page_table, lengths, view=view, window=window,
+                                                softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
+    return _paged_decode_pallas(q, arena, page_table, lengths, sinks, view=view, window=window, softcap=softcap,
+                                scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
+                                interpret=interpret, **tuning)
