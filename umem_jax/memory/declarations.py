@@ -234,9 +234,15 @@ def mamba2_state_tensors(
 def gated_deltanet_state_tensors(
     num_k_heads: int, num_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int, conv_dtype: str = "bfloat16"
 ) -> tuple[StateTensor, ...]:
-    """Gated DeltaNet per-request state: the conv window over q|k|v and the recurrent matrix (fp32)."""
+    """Gated DeltaNet per-request state: the conv window over q|k|v and the recurrent matrix (fp32).
+
+    The recurrent matrix is stored *transposed* against Hugging Face's cache ([Hv, Dk, Dv] there):
+    ``recurrent[h, v, k] = S_h[k, v]``.  The decode kernel splits a head over v (the columns of
+    S are independent; every update reduces over k), so with v-major storage each program's
+    [block_v, Dk] tile is one contiguous run of words, as Mamba2's [P, N] tiles are.
+    """
     conv_dim = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
     return (
         StateTensor("conv", (conv_kernel - 1, conv_dim), conv_dtype),
-        StateTensor("recurrent", (num_v_heads, k_head_dim, v_head_dim), "float32"),
+        StateTensor("recurrent", (num_v_heads, v_head_dim, k_head_dim), "float32"),
     )
