@@ -1,0 +1,72 @@
+"""Sampler: greedy, temperature, top-k/top-p/min-p cuts, seeds and penalties on random logits."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from umem_jax.serving.sampler import SamplingBatch, apply_penalties, sample
+from umem_jax.serving.sampling_params import SamplingParams
+
+
+def run(logits, params, seeds=None, steps=None):
+    B = logits.shape[0]
+    n = len(params)
+    sb = SamplingBatch.build(params, seeds or list(range(n)), steps or [0] * n, B)
+    return np.asarray(sample(jnp.asarray(logits), **sb.arrays()))
+
+
+def test_greedy_is_argmax_and_padding_rows_are_greedy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 50)).astype(np.float32)
+    out = run(logits, [SamplingParams(temperature=0.0)] * 4)  # rows 4, 5 are padding
+    np.testing.assert_array_equal(out, logits.argmax(-1))
+
+
+def test_cuts_restrict_the_support():
+    rng = np.random.default_rng(1)
+    row = rng.normal(size=(1, 40)).astype(np.float32) * 3
+    logits = np.repeat(row, 512, axis=0)
+    top2 = set(np.argsort(-row[0])[:2])
+    out = run(logits, [SamplingParams(temperature=1.0, top_k=2)] * 512)
+    assert set(out) <= top2 and len(set(out)) == 2
+    out = run(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 512)
+    assert set(out) == {row[0].argmax()}
+    p = np.exp(row[0] - row[0].max()); p /= p.sum()
+    out = run(logits, [SamplingParams(temperature=1.0, min_p=0.5)] * 512)
+    assert set(out) <= set(np.nonzero(p >= 0.5 * p.max())[0])
+
+
+def test_temperature_sampling_matches_softmax_frequencies():
+    rng = np.random.default_rng(2)
+    row = rng.normal(size=(1, 8)).astype(np.float32)
+    n = 4000
+    out = run(np.repeat(row, n, axis=0), [SamplingParams(temperature=0.7)] * n)
+    p = np.exp(row[0] / 0.7 - (row[0] / 0.7).max()); p /= p.sum()
+    freq = np.bincount(out, minlength=8) / n
+    np.testing.assert_allclose(freq, p, atol=0.03)
+
+
+def test_seed_and_step_make_sampling_reproducible():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, 100)).astype(np.float32)
+    ps = [SamplingParams(temperature=1.0)] * 8
+    a = run(logits, ps, seeds=[5] * 8, steps=list(range(8)))
+    b = run(logits, ps, seeds=[5] * 8, steps=list(range(8)))
+    c = run(logits, ps, seeds=[6] * 8, steps=list(range(8)))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_penalties_follow_vllm():
+    logits = jnp.array([[2.0, -2.0, 1.0, 0.5]])
+    prompt = jnp.array([[1, 0, 0, 0]], jnp.float32)
+    output = jnp.array([[0, 1, 2, 0]], jnp.float32)
+    out = apply_penalties(logits, prompt, output, jnp.array([2.0]), jnp.array([0.5]), jnp.array([0.25]))
+    np.testing.assert_allclose(np.asarray(out), [[1.0, -4.0 - 0.5 - 0.25, 0.5 - 0.5 - 0.5, 0.5]])
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("min_p", 2.0), ("max_tokens", 0),
+                                          ("top_k", -3), ("n", 2), ("presence_penalty", 3.0)])
+def test_bad_parameters_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

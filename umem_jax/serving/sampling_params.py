@@ -1,0 +1,68 @@
+"""SamplingParams: how one request picks its tokens, with vLLM's names and defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling and stopping options.
+
+    temperature 0 is greedy.  top_k <= 0 (or -1) means no top-k cut; top_p 1.0 and min_p 0.0 mean
+    no nucleus / min-p cut.  Penalties follow vLLM: repetition_penalty divides positive logits
+    (multiplies negative ones) of tokens seen in the prompt or output; presence/frequency penalties
+    subtract from logits of tokens seen in the output.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    priority: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError with the offending field for out-of-range values (an HTTP 400)."""
+        checks = [
+            (self.n == 1, "n", "only n=1 is supported"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off), 0 (off) or positive"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
