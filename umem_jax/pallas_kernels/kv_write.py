@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, resolve_impl, triton_params
-from .words import WORD_DTYPES, decode, encode, kv_value_dtype, planes_of
+from .words import WORD_DTYPES, decode, encode, from_u16, kernel_view, kv_value_dtype, to_u16
 
 __all__ = ["write_kv", "write_kv_reference", "read_kv_reference", "check_view", "head_slot"]
 
@@ -79,12 +79,15 @@ def _check_write(arena, k, v, pages, slots, view):
 def write_kv_reference(arena, k, v, pages, slots, *, view, kv_dtype=None):
     """Plain-JAX KV write (an XLA scatter of whole token rows)."""
     _check_write(arena, k, v, pages, slots, view)
-    T, wd = k.shape[0], arena.dtype
+    T = k.shape[0]
+    # uint16 view throughout: XLA:CPU canonicalises bf16 NaN bit patterns in a bf16 scatter, and
+    # fp32 lo planes (or other layers' words in the same array) are often such patterns.
+    a = to_u16(arena)
     for x, base, m in ((k, view.k_row, view.mk), (v, view.v_row, view.mv)):
-        words = encode(_stored(x, view.planes, kv_dtype).reshape(T, -1), wd)  # [T, m*row_words]
+        words = encode(_stored(x, view.planes, kv_dtype).reshape(T, -1))  # uint16 [T, m*row_words]
         rows = _token_rows(pages, slots, base, m, view.rows_per_page)
-        arena = arena.at[rows.reshape(-1)].set(words.reshape(T * m, view.row_words), mode="drop")
-    return arena
+        a = a.at[rows.reshape(-1)].set(words.reshape(T * m, view.row_words), mode="drop")
+    return from_u16(a, arena.dtype)
 
 
 def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
@@ -100,7 +103,7 @@ def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
     out = []
     for base, m, dim in ((view.k_row, view.mk, view.head_dim), (view.v_row, view.mv, view.v_head_dim)):
         rows = _token_rows(pages.astype(jnp.int32), slots, base, m, view.rows_per_page)
-        words = arena[rows.reshape(-1)].reshape(B * P * ps, m * view.row_words)
+        words = to_u16(arena)[rows.reshape(-1)].reshape(B * P * ps, m * view.row_words)
         out.append(decode(words, dt).reshape(B, P * ps, view.num_kv_heads, dim))
     return tuple(out)
 
@@ -139,14 +142,15 @@ def _pow2_divisor(n: int, cap: int) -> int:
 def _write_kv_pallas(arena, k, v, pages, slots, *, view, kv_dtype=None, interpret: bool = False,
                      block_words: int = 4096, num_warps: int = 4):
     _check_write(arena, k, v, pages, slots, view)
-    T, W, wd = k.shape[0], view.row_words, arena.dtype
+    T, W = k.shape[0], view.row_words
     if T == 0:
         return arena
     words, rows = [], []
     for x, base, m in ((k, view.k_row, view.mk), (v, view.v_row, view.mv)):
-        words.append(encode(_stored(x, view.planes, kv_dtype).reshape(T, -1), wd).reshape(T * m, W))
+        words.append(encode(_stored(x, view.planes, kv_dtype).reshape(T, -1)).reshape(T * m, W))
         rows.append(_token_rows(pages, slots, base, m, view.rows_per_page).reshape(-1))
-    words, rows = jnp.concatenate(words), jnp.concatenate(rows)
+    a = kernel_view(arena, interpret)
+    words, rows = from_u16(jnp.concatenate(words), a.dtype), jnp.concatenate(rows)
     n = words.shape[0]
     bc = _pow2_divisor(W, block_words)
     br = max(1, min(block_words // bc, 1 << (n - 1).bit_length()))
@@ -155,17 +159,18 @@ def _write_kv_pallas(arena, k, v, pages, slots, *, view, kv_dtype=None, interpre
     rows = jnp.pad(rows, (0, npad - n))
     kernel = functools.partial(_write_kernel, n=n, br=br, bc=bc)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid=(npad // br, W // bc),
         in_specs=[any_, any_, any_],
         out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
         input_output_aliases={2: 0},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="umem_write_kv",
-    )(rows, words, arena)
+    )(rows, words, a)
+    return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
 
 
 def write_kv(arena, k, v, pages, slots, *, view, kv_dtype=None, impl: str | None = None,

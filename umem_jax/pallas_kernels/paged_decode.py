@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, resolve_impl, triton_params
 from .kv_write import check_view, read_kv_reference
-from .words import from_u16, join_planes, kv_value_dtype, to_u16
+from .words import from_u16, join_planes, kernel_view, kv_value_dtype, to_u16
 
 __all__ = [
     "paged_decode_attention",
@@ -151,9 +151,7 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         r0, c0, _ = head_cols(0, dim, m)
         hi_ = load_tile(rows_base + base, r0, c0, m, dim, mask)
         if not two_planes:
-            if hi_.dtype == kv_dtype:
-                return hi_
-            return from_u16(to_u16(hi_), kv_dtype)
+            return hi_ if hi_.dtype == kv_dtype else from_u16(to_u16(hi_), kv_dtype)
         r1, c1, _ = head_cols(Hkv * dim, dim, m)
         lo_ = load_tile(rows_base + base, r1, c1, m, dim, mask)
         return join_planes(hi_, lo_, jnp.float32)
@@ -260,7 +258,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="umem_paged_decode",
-    )(lengths, pt, qg, arena)
+    )(lengths, pt, qg, kernel_view(arena, interpret))  # tiles are bitcast to bf16/f16/f32 in-kernel
     acc, m, l = acc[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
     return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
 

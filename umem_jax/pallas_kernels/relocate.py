@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, resolve_impl, triton_params
-from .words import WORD_DTYPES
+from .words import WORD_DTYPES, from_u16, kernel_view, to_u16
 
 __all__ = [
     "check_moves",
@@ -97,15 +97,20 @@ def _page_rows(pages, rows_per_page):
 def move_pages_reference(arena, src, dst, *, rows_per_page: int):
     """Plain-JAX move: arena rows of page dst[i] := rows of page src[i] (read before any write)."""
     _check_args(arena, rows_per_page, src, dst)
-    rows = arena[_page_rows(src, rows_per_page)]
+    # Work on the uint16 view (a free same-width bitcast): XLA:CPU canonicalises bf16 NaN bit
+    # patterns in arrays a bf16 scatter touches, and fp32 lo planes are often such patterns.
+    a = to_u16(arena)
+    rows = a[_page_rows(src, rows_per_page)]
     # mode="drop": an out-of-range page writes nothing instead of clamping onto the last page.
-    return arena.at[_page_rows(dst, rows_per_page)].set(rows, mode="drop", unique_indices=False)
+    a = a.at[_page_rows(dst, rows_per_page)].set(rows, mode="drop")
+    return from_u16(a, arena.dtype)
 
 
 def zero_pages_reference(arena, pages, *, rows_per_page: int):
     """Plain-JAX zeroing of whole page envelopes."""
     _check_args(arena, rows_per_page, pages)
-    return arena.at[_page_rows(pages, rows_per_page)].set(jnp.zeros((), arena.dtype), mode="drop")
+    a = to_u16(arena).at[_page_rows(pages, rows_per_page)].set(jnp.uint16(0), mode="drop")
+    return from_u16(a, arena.dtype)
 
 
 # --------------------------------------------------------------------------- Pallas kernels
@@ -173,19 +178,21 @@ def _move_pages_pallas(arena, src, dst, *, rows_per_page: int, interpret: bool =
     if n == 0:
         return arena
     br, bc, nr, nc = _tiles(rows_per_page, arena.shape[1], block_words)
+    a = kernel_view(arena, interpret)
     kernel = functools.partial(_move_kernel, rows_per_page=rows_per_page, br=br, bc=bc,
                                masked=rows_per_page % br != 0)
-    return pl.pallas_call(
+    out = pl.pallas_call(
         kernel,
         grid=(n, nr, nc),
         in_specs=[_ANY, _ANY, _ANY],
         out_specs=_ANY,
-        out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
         input_output_aliases={2: 0},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="umem_move_pages",
-    )(src, dst, arena)
+    )(src, dst, a)
+    return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
@@ -196,19 +203,21 @@ def _zero_pages_pallas(arena, pages, *, rows_per_page: int, interpret: bool = Fa
     if n == 0:
         return arena
     br, bc, nr, nc = _tiles(rows_per_page, arena.shape[1], block_words)
+    a = kernel_view(arena, interpret)
     kernel = functools.partial(_zero_kernel, rows_per_page=rows_per_page, br=br, bc=bc,
-                               masked=rows_per_page % br != 0, dtype=arena.dtype)
-    return pl.pallas_call(
+                               masked=rows_per_page % br != 0, dtype=a.dtype)
+    out = pl.pallas_call(
         kernel,
         grid=(n, nr, nc),
         in_specs=[_ANY, _ANY],
         out_specs=_ANY,
-        out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
+        out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
         input_output_aliases={1: 0},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="umem_zero_pages",
-    )(pages, arena)
+    )(pages, a)
+    return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
 
 
 # --------------------------------------------------------------------------- public wrappers

@@ -37,6 +37,7 @@ __all__ = [
     "encode",
     "decode",
     "encode_np",
+    "kernel_view",
 ]
 
 # Dtypes an arena may have: one 16-bit word per element.
@@ -133,6 +134,20 @@ def decode(words, dtype):
     if n2 % 2:
         raise ValueError(f"two-plane decode needs an even last axis, got {n2}")
     return join_planes(w[..., : n2 // 2], w[..., n2 // 2 :], dtype)
+
+
+def kernel_view(arena, interpret: bool):
+    """The arena as a Pallas kernel should see it: as is on GPU, as uint16 in interpret mode.
+
+    Triton loads/stores move bf16 bits exactly, and a whole-arena same-width bitcast is not
+    guaranteed free in XLA (XLA:CPU emits it as an elementwise pass plus a temp the size of the
+    arena), so the GPU path never bitcasts the arena.  Interpret mode runs the kernel as XLA on
+    CPU, where a bf16 scatter canonicalises NaN bit patterns (fp32 lo planes often are such
+    patterns), so there the kernel sees the uint16 view; tests are small, the pass is cheap.
+    """
+    if interpret and jnp.dtype(arena.dtype) != jnp.uint16:
+        return to_u16(arena)
+    return arena
 
 
 def encode_np(x: np.ndarray, word_dtype=np.uint16) -> np.ndarray:
