@@ -1,0 +1,94 @@
+"""Building blocks shared by the model families: RMSNorm, RoPE, gated MLP, projections.
+
+Weights are stored in the Hugging Face layout ([out, in] for projections) so loading a
+checkpoint is a rename, never a transpose; `Linear` computes x @ W^T.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import RopeConfig
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
+    return std * jax.random.normal(rngs.params(), shape, dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T, W [out, in] as in the checkpoint (no bias: none of our families has one)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * (offset + w), in fp32, cast back to x's dtype.
+
+    Gemma stores w zero-centred and multiplies by (1 + w): offset = 1.  Plain RMSNorm: offset = 0.
+    """
+
+    def __init__(self, dim: int, *, eps: float, offset: float = 1.0, dtype, rngs: nnx.Rngs | None = None):
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), dtype))
+        self.eps = eps
+        self.offset = offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
+    """[dim/2] fp32 inverse frequencies; linear scaling divides them by the factor."""
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    inv = 1.0 / (rope.theta ** exponents)
+    return inv / rope.factor if rope.rope_type == "linear" else inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate pairs (x[j], x[j + D/2]) ("rotate_half" layout).
+
+    x [B, T, H, D], positions [B, T] int32, inv_freq [D/2] -> [B, T, H, D] in x's dtype.
+    cos/sin are computed in fp32 and cast to x's dtype before the product, as transformers does.
+    """
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]  # [B, T, 1, D]
+    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu2": lambda x: jnp.square(jax.nn.relu(x)),
+}
+
+
+def activation(name: str):
+    if name not in _ACTIVATIONS:
+        raise NotImplementedError(f"activation {name!r}; known: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class MLP(nnx.Module):
+    """down(act(gate x) * up x)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+        self.act = act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))

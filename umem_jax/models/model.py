@@ -1,0 +1,75 @@
+"""Model: a loaded model as the engine holds it -- config, NNX graph definition, params pytree.
+
+The NNX module is split once at load (`nnx.split`); the params are a plain pytree handed to a
+`jax.jit`-ed pure function that merges the graph inside, so nothing walks NNX objects per step.
+
+    model = load_model("path/or/name")                 # loader.py
+    plan = umem_jax.memory.plan(model.decls(), page_size=16)
+    arena = umem_jax.arena.Arena.create(plan, num_rows)
+    step = model.jit_forward()                         # arena donated
+    logits, arena = step(model.params, arena, batch)   # logits [B, V] fp32; rebind the arena
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+from flax import nnx
+
+from ..arena import Arena
+from ..memory.declarations import LayerDecl
+from ..memory.plan import Plan
+from .batch import Batch
+from .config import ModelConfig
+
+
+@dataclasses.dataclass
+class Model:
+    config: ModelConfig
+    graphdef: Any  # nnx.GraphDef of the family's module
+    params: Any  # nnx.State: the weights, a pytree of arrays
+    module_cls: type
+    tokenizer_path: Path | None = None  # tokenizer.json, when the source had one
+
+    @classmethod
+    def from_module(cls, module: nnx.Module, **kw) -> "Model":
+        graphdef, params = nnx.split(module)
+        return cls(module.config, graphdef, params, type(module), **kw)
+
+    def decls(self, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
+        """What every layer keeps in the arena; kv_dtype "float32" stores K/V as two planes."""
+        return self.module_cls.decls(self.config, kv_dtype)
+
+    def forward_fn(self, plan: Plan | None = None, *, impl: str | None = None, interpret: bool = False) -> Callable:
+        """Pure `forward(params, arena, batch) -> (logits [B, V] fp32, arena)`.
+
+        `arena` is an `umem_jax.arena.Arena` (its static plan says where every layer's rows
+        are) or a raw [num_rows, row_words] array laid out by `plan`; the same kind comes back.
+        impl/interpret choose the kernels ("pallas" | "reference"; default pallas on GPU).
+        """
+        graphdef = self.graphdef
+
+        def forward(params, arena, batch: Batch):
+            module = nnx.merge(graphdef, params)
+            if isinstance(arena, Arena):
+                logits, data = module(arena.data, batch, arena.plan, impl=impl, interpret=interpret)
+                return logits, arena.replace(data)
+            if plan is None:
+                raise ValueError("a raw arena array needs the plan: forward_fn(plan)")
+            return module(arena, batch, plan, impl=impl, interpret=interpret)
+
+        return forward
+
+    def jit_forward(self, plan: Plan | None = None, **kernel_kw) -> Callable:
+        """`forward_fn(plan)` under jit with the arena donated (updated in place)."""
+        return jax.jit(self.forward_fn(plan, **kernel_kw), donate_argnums=1)
+
+    @functools.cached_property
+    def dense_logits(self) -> Callable:
+        """Jitted cache-free forward: (params, tokens [B, T]) -> logits [B, T, V] fp32."""
+        graphdef = self.graphdef
+        return jax.jit(lambda params, tokens: nnx.merge(graphdef, params).dense(tokens))

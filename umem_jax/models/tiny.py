@@ -1,0 +1,127 @@
+"""A built-in tiny hybrid model: full attention, sliding-window attention and Mamba2 state layers.
+
+It exists so the engine, the arena and the benchmarks can exercise all three kinds of memory
+without any checkpoint: `tiny_model()` builds it with random weights from a seed.  Attention
+layers are Gemma 3 blocks (same math, same parameter names); Mamba2 layers are a pre-norm
+Mamba2 mixer (NemotronH / Bamba naming) followed by the same MLP.
+
+It saves and loads like a checkpoint: config.json with `architectures: ["UmemTinyHybrid"]`
+plus model.safetensors.
+
+TODO(mamba2): the Mamba2 layer's forward waits for umem_jax.pallas_kernels.mamba2 (decode step
+and chunked prefill over the arena state slot).  Until it lands, a model whose layer_types
+include "linear_attention" declares its state memory (so plans and sizing work) but refuses to
+be built; `tiny_config(with_mamba=False)` gives the attention-only variant that runs today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from ..memory.declarations import (MHA, Full, LayerDecl, Part, State, StateGeometry, Window,
+                                   mamba2_state_tensors)
+from .config import FULL, MAMBA, SLIDING, MambaConfig, ModelConfig, RopeConfig
+from .gemma3 import DecoderLayer, Gemma3ForCausalLM
+
+ARCHITECTURE = "UmemTinyHybrid"
+
+
+def tiny_config(*, with_mamba: bool = True, **overrides) -> ModelConfig:
+    """The default tiny hybrid: 6 layers (sliding, mamba, sliding, full, sliding, mamba).
+
+    Sizes are small enough for CPU tests (hidden 64, 4 heads / 2 KV heads of 16, window 16).
+    """
+    types = (SLIDING, MAMBA, SLIDING, FULL, SLIDING, MAMBA)
+    if not with_mamba:
+        types = tuple(SLIDING if t == MAMBA else t for t in types)
+    fields = dict(
+        architecture=ARCHITECTURE, vocab_size=320, hidden_size=64, intermediate_size=128,
+        num_heads=4, num_kv_heads=2, head_dim=16, layer_types=types, sliding_window=16,
+        rope=((FULL, RopeConfig(1_000_000.0)), (SLIDING, RopeConfig(10_000.0))),
+        query_pre_attn_scalar=16, mamba=MambaConfig(num_heads=4, head_dim=16, state_size=16, n_groups=1,
+                                                    conv_kernel=4, chunk_size=16),
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_config_to_dict(cfg: ModelConfig) -> dict:
+    """config.json content for a tiny model (the inverse of tiny_config_from_dict)."""
+    d = dataclasses.asdict(cfg)
+    d["architectures"] = [ARCHITECTURE]
+    d["model_type"] = "umem_tiny_hybrid"
+    d["layer_types"] = list(cfg.layer_types)
+    d["rope"] = {name: dataclasses.asdict(r) for name, r in cfg.rope}
+    del d["architecture"]
+    return d
+
+
+def tiny_config_from_dict(d: dict) -> ModelConfig:
+    d = dict(d)
+    for k in ("architectures", "model_type", "architecture"):
+        d.pop(k, None)
+    d["layer_types"] = tuple(d["layer_types"])
+    d["rope"] = tuple((name, RopeConfig(**r)) for name, r in d.get("rope", {}).items())
+    if d.get("mamba") is not None:
+        d["mamba"] = MambaConfig(**d["mamba"])
+    if isinstance(d.get("eos_token_id"), list):
+        d["eos_token_id"] = tuple(d["eos_token_id"])
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown tiny-model config keys {unknown}")
+    return ModelConfig(architecture=ARCHITECTURE, **d)
+
+
+class TinyHybrid(Gemma3ForCausalLM):
+    """Gemma 3 shell whose layer list may also hold Mamba2 state layers."""
+
+    def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
+        if cfg.layer_types[layer] == MAMBA:
+            # TODO(mamba2): build the Mamba2 mixer layer here once pallas_kernels.mamba2 lands.
+            raise NotImplementedError(
+                "the tiny model's Mamba2 layer waits for umem_jax.pallas_kernels.mamba2; "
+                "use tiny_config(with_mamba=False) for the attention-only tiny model")
+        return DecoderLayer(cfg, layer, rngs=rngs)
+
+    @staticmethod
+    def decls(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
+        geom = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
+        out = []
+        for i, t in enumerate(cfg.layer_types):
+            if t == MAMBA:
+                m = cfg.mamba
+                state = mamba2_state_tensors(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel,
+                                             conv_dtype=kv_dtype)
+                out.append(LayerDecl(i, (Part(StateGeometry(state), State()),)))
+            else:
+                out.append(LayerDecl(i, (Part(geom, Window(cfg.sliding_window) if t == SLIDING else Full()),)))
+        return out
+
+
+def tiny_model(seed: int = 0, **config_overrides):
+    """A random-weight tiny model as a Model handle (see model.py)."""
+    from .model import Model
+
+    cfg = config_overrides.pop("config", None) or tiny_config(**config_overrides)
+    module = TinyHybrid(cfg, rngs=nnx.Rngs(seed))
+    _randomise_norms(module, seed)
+    return Model.from_module(module)
+
+
+def _randomise_norms(module: nnx.Module, seed: int) -> None:
+    """Norm weights start at zero ("1 + w"); give them noise so a (1 + w) vs w slip shows."""
+    import jax
+
+    key = jax.random.key(seed + 1)
+    for path, var in nnx.iter_graph(module):
+        if isinstance(var, nnx.Param) and path and path[-1] == "weight" and "norm" in str(path[-2]):
+            key, sub = jax.random.split(key)
+            var[...] = 0.1 * jax.random.normal(sub, var[...].shape, var[...].dtype)
+
+
+__all__ = ["ARCHITECTURE", "TinyHybrid", "tiny_config", "tiny_config_from_dict", "tiny_config_to_dict", "tiny_model"]
