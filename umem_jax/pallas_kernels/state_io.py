@@ -24,6 +24,7 @@ The helpers `plane_row` / `element_at` are shared with the Mamba2 and gated Delt
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,10 @@ from ._compat import pltr, resolve_impl, triton_params
 from .words import WORD_DTYPES, from_u16, join_planes, planes_of, split_planes, to_u16
 
 __all__ = [
+    "block_fits",
     "check_state_view",
+    "load_block",
+    "store_block",
     "element_at",
     "plane_row",
     "pow2_divisor",
@@ -101,6 +105,50 @@ def plane_row(slot, view, rows, plane: int = 0):
 def element_at(view, flat: int) -> tuple[int, int]:
     """(row offset inside a plane, column) of element `flat` of a flattened state tensor."""
     return flat // view.row_words, flat % view.row_words
+
+
+def block_fits(view, n: int) -> bool:
+    """Can a kernel move `n` consecutive elements (n a power of two, starting at a multiple of n)
+    of a state tensor as one block?  Yes when the block is inside one arena row (n divides
+    row_words) or is whole rows (row_words divides n, with row_words a power of two)."""
+    W = view.row_words
+    if n <= 0 or n & (n - 1):
+        return False
+    return W % n == 0 or (n % W == 0 and W & (W - 1) == 0)
+
+
+def _block_refs(arena_ref, slot, view, rows, flat0, n):
+    """Refs of each plane of elements [flat0, flat0 + n) of tensor `rows` in `slot` (in-kernel)."""
+    W = view.row_words
+    if W % n == 0:  # inside one row
+        col = pl.multiple_of(flat0 % W, n)
+        return [arena_ref.at[plane_row(slot, view, rows, k) + flat0 // W, pl.ds(col, n)]
+                for k in range(rows.planes)]
+    return [arena_ref.at[pl.ds(plane_row(slot, view, rows, k) + flat0 // W, n // W), :]  # whole rows
+            for k in range(rows.planes)]
+
+
+def load_block(arena_ref, slot, view, rows, flat0, shape, dtype=None):
+    """In-kernel: elements [flat0, flat0 + prod(shape)) of tensor `rows` of `slot`, decoded to the
+    tensor's dtype (fp32 rebuilt from its planes), cast to `dtype` if given, in `shape`.
+    flat0 must be a multiple of the block size and `block_fits(view, size)` hold."""
+    n = math.prod(shape)
+    words = [pltr.load(r) for r in _block_refs(arena_ref, slot, view, rows, flat0, n)]
+    x = from_u16(words[0], state_dtype(rows)) if rows.planes == 1 else join_planes(*words, state_dtype(rows))
+    x = x.reshape(shape)
+    return x if dtype is None else x.astype(dtype)
+
+
+def store_block(arena_ref, slot, view, rows, flat0, x):
+    """In-kernel inverse of load_block: store x (any shape, cast to the tensor's dtype)."""
+    n = x.size
+    refs = _block_refs(arena_ref, slot, view, rows, flat0, n)
+    x = x.astype(state_dtype(rows))
+    planes = (to_u16(x),) if rows.planes == 1 else split_planes(x)
+    W = view.row_words
+    shape = (n,) if W % n == 0 else (n // W, W)
+    for r, p in zip(refs, planes):
+        pltr.store(r, p.reshape(shape))
 
 
 def _rows_of(slots, view, rows):
