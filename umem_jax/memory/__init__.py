@@ -4,3 +4,4 @@ from .declarations import (MHA, MLA, Full, LayerDecl, Part, State, StateGeometry
                            full_attention, gated_deltanet_state_tensors, mamba2_state_tensors,
                            recurrent_state, window_attention)
 from .plan import KVRows, KVView, StateView, Plan, PlanError, StateRows, SubPool, plan
+from .sizing import ArenaSize, ArenaSizeError, budget_bytes, check_bs1_floor, size_arena, static_regions

@@ -1,0 +1,35 @@
+"""Shared pytest setup: the `gpu` and `slow` markers (declared in pyproject.toml).
+
+* `@pytest.mark.gpu` tests run only when JAX's default backend is an NVIDIA GPU.
+* `@pytest.mark.slow` tests run only with `--long` or `UMEM_LONG_TESTS=1`.
+Others may append fixtures below.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="run tests marked slow (same as UMEM_LONG_TESTS=1)")
+
+
+def long_tests_enabled(config) -> bool:
+    return bool(config.getoption("--long")) or os.environ.get("UMEM_LONG_TESTS", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax  # here, not at import: collecting must not pick a backend before options are read
+
+    on_gpu = jax.default_backend() == "gpu"
+    long = long_tests_enabled(config)
+    skip_gpu = pytest.mark.skip(reason="needs an NVIDIA GPU")
+    skip_slow = pytest.mark.skip(reason="long-running: run with --long or UMEM_LONG_TESTS=1")
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not long:
+            item.add_marker(skip_slow)
