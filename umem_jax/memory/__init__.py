@@ -4,4 +4,8 @@ from .declarations import (MHA, MLA, Full, LayerDecl, Part, State, StateGeometry
                            full_attention, gated_deltanet_state_tensors, mamba2_state_tensors,
                            recurrent_state, window_attention)
 from .plan import KVRows, KVView, StateView, Plan, PlanError, StateRows, SubPool, plan
+from .tables import IdPool, Move, PageTable, ordered_batches
+from .band import EndBand
+from .floating import FloatBand
+from .chain import ArenaUsage, ChainAllocator, Shortfall, SubPoolUsage
 from .sizing import ArenaSize, ArenaSizeError, budget_bytes, check_bs1_floor, size_arena, static_regions
