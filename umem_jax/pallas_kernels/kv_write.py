@@ -76,6 +76,7 @@ def _check_write(arena, k, v, pages, slots, view):
             raise ValueError(f"{name} must be int32 [{T}], got {a.dtype}{list(a.shape)}")
 
 
+@functools.partial(jax.jit, static_argnames=("view", "kv_dtype"))
 def write_kv_reference(arena, k, v, pages, slots, *, view, kv_dtype=None):
     """Plain-JAX KV write (an XLA scatter of whole token rows)."""
     _check_write(arena, k, v, pages, slots, view)
@@ -90,6 +91,7 @@ def write_kv_reference(arena, k, v, pages, slots, *, view, kv_dtype=None):
     return from_u16(a, arena.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("view", "kv_dtype"))
 def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
     """Gather every token row the page table maps: page_table int32 [B, P] ->
     (k [B, P*page_size, Hkv, D], v [B, P*page_size, Hkv, Dv]) decoded to the stored dtype

@@ -72,6 +72,7 @@ def _check(q, arena, page_table, lengths, view, sinks):
 # --------------------------------------------------------------------------- reference
 
 
+@functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype"))
 def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, window=None, softcap=None,
                                      sinks=None, scale=None, kv_dtype=None):
     """Plain-JAX decode attention: gather every mapped token, mask, softmax in fp32."""

@@ -94,6 +94,7 @@ def _page_rows(pages, rows_per_page):
     return (pages[:, None] * rows_per_page + r[None, :]).reshape(-1)
 
 
+@functools.partial(jax.jit, static_argnames=("rows_per_page",))
 def move_pages_reference(arena, src, dst, *, rows_per_page: int):
     """Plain-JAX move: arena rows of page dst[i] := rows of page src[i] (read before any write)."""
     _check_args(arena, rows_per_page, src, dst)
@@ -106,6 +107,7 @@ def move_pages_reference(arena, src, dst, *, rows_per_page: int):
     return from_u16(a, arena.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("rows_per_page",))
 def zero_pages_reference(arena, pages, *, rows_per_page: int):
     """Plain-JAX zeroing of whole page envelopes."""
     _check_args(arena, rows_per_page, pages)
