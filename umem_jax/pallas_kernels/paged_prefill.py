@@ -133,7 +133,7 @@ def prefill_config(T: int, G: int, D: int, *, block_q=None, block_k=None, num_wa
     (32 for D=256) to keep the [rows, BK] score tile and [BK, D] K/V tiles in registers."""
     rows = 128 if D <= 128 else 64
     if block_q is None:
-        block_q = max(1, rows // G)
+        block_q = 1 << max(0, (rows // G).bit_length() - 1)  # largest power of two <= rows / G
         block_q = min(block_q, _pow2_ceil(T))
         block_q = max(block_q, -(-16 // G))  # Triton dots need >= 16 rows
     if block_k is None:
@@ -172,8 +172,8 @@ class _Static:
     v_base: int
     mk: int
     mv: int
-    k_slots: tuple  # ((row offset, col) per plane) of this kernel's kv head 0; + h*D per head
-    v_slots: tuple
+    Hkv: int
+    row_words: int
     planes: int
     kv_dtype: object
     window: int | None
@@ -224,15 +224,20 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
         i_lo = jnp.clip(lax.div(u_lo + bk - 1, bk), kb_first, kb_last)
         i_hi = jnp.clip(lax.div(u_hi, bk), i_lo, kb_last)
 
-        # Column of this kv head's words inside its token rows, per plane.
-        def slots(base_slots, dim):
+        # (row offset, column) of this kv head's words inside a token's rows, per plane: word
+        # plane*Hkv*dim + h*dim of the token vector (kv_write.head_slot with a traced head).
+        def slots(dim, m):
             out = []
-            for r_off, col in base_slots:
-                out.append((r_off, col + h * dim))
+            for plane in range(c.planes):
+                off = plane * c.Hkv * dim + h * dim
+                if m == 1:  # the token vector is one arena row (the common case): no div/rem
+                    out.append((0, off))
+                else:
+                    out.append((lax.div(off, c.row_words), lax.rem(off, c.row_words)))
             return out
 
-        k_slots = slots(c.k_slots, c.D)
-        v_slots = slots(c.v_slots, c.Dv)
+        k_slots = slots(c.D, c.mk)
+        v_slots = slots(c.Dv, c.mv)
 
         def page_rows(kb, masked):
             """(first arena row of each key's page envelope, its slot in the page, its position),
@@ -326,8 +331,7 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
         nqb=nqb, bq=bq, bk=cfg.block_k, G=G, D=D, Dv=Dv, P=page_table.shape[1],
         page_size=view.page_size, rows_per_page=view.rows_per_page, k_base=view.k_row,
         v_base=view.v_row, mk=view.mk, mv=view.mv,
-        k_slots=tuple(head_slot(view, "k", 0, pl_) for pl_ in range(view.planes)),
-        v_slots=tuple(head_slot(view, "v", 0, pl_) for pl_ in range(view.planes)),
+        Hkv=Hkv, row_words=view.row_words,
         planes=view.planes, kv_dtype=kv_value_dtype(view.planes, kv_dtype), window=window,
         softcap=None if softcap is None else float(softcap),
         scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None)
@@ -379,7 +383,7 @@ def _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view):
         raise ValueError(f"sinks must be [{Hq}] (one logit per q head), got {sinks.shape}")
 
 
-def _check_pallas(q, view, cfg):
+def _check_pallas(q, view):
     _, _, Hq, D = q.shape
     G = Hq // view.num_kv_heads
     for name, n in (("G = Hq / Hkv", G), ("head_dim", D), ("v_head_dim", view.v_head_dim)):
@@ -417,9 +421,9 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
     if impl == "reference":
         return paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, view=view, window=window,
                                                  softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
+    _check_pallas(q, view)
     G = q.shape[2] // view.num_kv_heads
     cfg = prefill_config(q.shape[1], G, q.shape[3], block_q=block_q, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
-    _check_pallas(q, view, cfg)
     return _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, view=view, window=window,
                                  softcap=softcap, scale=scale, kv_dtype=kv_dtype, cfg=cfg, interpret=interpret)
