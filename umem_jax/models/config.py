@@ -219,3 +219,25 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     if not p.exists():
         raise FileNotFoundError(f"no config.json at {p}")
     return from_hf_config(json.loads(p.read_text()))
+
+
+def to_hf_config(cfg: ModelConfig) -> dict:
+    """A transformers 5.x config.json dict for a Gemma 3 config (from_hf_config's inverse), so a
+    converted checkpoint loads in transformers too."""
+    if cfg.architecture != "Gemma3ForCausalLM":
+        raise NotImplementedError(f"to_hf_config: {cfg.architecture}")
+    rope = {name: {"rope_type": r.rope_type, "rope_theta": r.theta, **({"factor": r.factor} if r.rope_type == "linear" else {})}
+            for name, r in cfg.rope}
+    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window, "rope_parameters": rope, "rms_norm_eps": cfg.rms_norm_eps,
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_activation": cfg.hidden_activation,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.dtype, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos, "pad_token_id": cfg.pad_token_id,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }

@@ -12,6 +12,7 @@ tensor is an error that names it.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -197,16 +198,12 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
-def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> Model:
-    """A Gemma 3 GGUF -> Model: dequantise to fp32, reverse GGUF's dims (it lists ne0 first),
-    and subtract the 1 that llama.cpp adds to every Gemma norm weight."""
+def gguf_tensors(reader) -> dict[str, np.ndarray]:
+    """Every tensor of a Gemma 3 GGUF as fp32 numpy under our parameter names: dequantised,
+    dims reversed (GGUF lists ne0, the fastest dim, first), and the 1 that llama.cpp adds to
+    every Gemma norm weight subtracted."""
     import gguf
 
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(path)
-    reader = gguf.GGUFReader(str(path))
-    cfg = gguf_config(reader)
     tensors = {}
     for t in reader.tensors:
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
@@ -214,9 +211,43 @@ def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> Model:
         if "norm" in t.name:
             w = w - 1.0
         tensors[_gguf_name(t.name)] = w
-    model = build(cfg, tensors, dtype, str(path))
-    model.tokenizer_path = cached_gguf_tokenizer(path)
-    return model
+    return tensors
+
+
+def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Convert a Gemma 3 GGUF once into a Hugging Face directory (config.json, fp32
+    model.safetensors, tokenizer.json when transformers can build it) and return it.
+
+    Reading a GGUF is slow (parsing 262k tokenizer entries alone takes ~30 s on 2 cores), so the
+    result is cached: by default in cache_dir()/<gguf stem>/, reused while it is complete.
+    transformers loads the directory too, which is what the parity tests compare against.
+    """
+    import gguf
+    from safetensors.numpy import save_file
+
+    from .config import to_hf_config
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(path)
+    out = Path(out) if out is not None else cache_dir() / path.stem
+    done = out / ".complete"
+    if done.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(path))
+    cfg = gguf_config(reader)
+    tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+    _gguf_tokenizer(path, out)
+    done.write_text(str(path))
+    return out
+
+
+def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> Model:
+    """A Gemma 3 GGUF -> Model, through its cached conversion (convert_gguf)."""
+    return load_safetensors(convert_gguf(path), dtype=dtype)
 
 
 # ---------------------------------------------------------------- default model, tokenizer
@@ -239,20 +270,15 @@ def fetch_default_model() -> Path:
     return target
 
 
-def cached_gguf_tokenizer(gguf_path: Path) -> Path | None:
-    """tokenizer.json for a GGUF, built once with transformers' GGUF converter (torch not needed)
-    and cached next to the other cached files.  None when it is not cached and transformers is
-    not installed: token ids still work, text does not."""
-    out = cache_dir() / f"{Path(gguf_path).stem}.tokenizer" / "tokenizer.json"
-    if out.exists():
-        return out
+def _gguf_tokenizer(gguf_path: Path, out: Path) -> None:
+    """Write out/tokenizer.json for a GGUF with transformers' GGUF converter (torch is not
+    needed).  Without transformers the directory simply has no tokenizer: token ids still work."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        return None
-    tok = AutoTokenizer.from_pretrained(str(Path(gguf_path).parent), gguf_file=Path(gguf_path).name)
-    tok.save_pretrained(str(out.parent))
-    return out if out.exists() else None
+        return
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tok.save_pretrained(str(out))
 
 
 def load_tokenizer(model: Model):
@@ -266,5 +292,5 @@ def load_tokenizer(model: Model):
     return Tokenizer.from_file(str(model.tokenizer_path))
 
 
-__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "fetch_default_model", "gguf_config", "load_gguf",
+__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config", "load_gguf",
            "load_model", "load_safetensors", "load_tokenizer"]
