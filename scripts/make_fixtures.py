@@ -2,6 +2,8 @@
 
     python scripts/make_fixtures.py                 # tiny Gemma 3 (tests/fixtures/gemma3_tiny)
     python scripts/make_fixtures.py --real          # also the 270M expected greedy ids (slow: ~2 min)
+    python scripts/make_fixtures.py --family nemotron_h   # tests/fixtures/nemotron_h_tiny (+ small-dt case)
+    python scripts/make_fixtures.py --family qwen3_5      # tests/fixtures/qwen3_5_tiny
 
 The tiny Gemma 3 is random (fixed seeds) with every parameter re-randomised, norms included, so a
 "(1 + w)" slip or a wrong scale shows in the logits.  CI reads the files; it needs no torch.
@@ -97,18 +99,165 @@ def real_expected(out_json: Path):
             gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
                                  min_new_tokens=NEW_TOKENS)
         cases.append({"prompt": prompt, "prompt_ids": ids[0].tolist(), "greedy_ids": gen[0, ids.shape[1]:].tolist()})
-    out_json.write_text(json.dumps({"oracle": "transformers 5.23.0 fp32 CPU", "cases": cases}, indent=1))
+    body = ",\n".join("  " + json.dumps(c) for c in cases)  # one case per line: readable diffs
+    out_json.write_text('{\n "oracle": "transformers 5.23.0 fp32 CPU, GGUF loaded by transformers",\n'
+                        f' "cases": [\n{body}\n ]\n}}\n')
+
+
+# ----------------------------------------------------------------------------- hybrid state models
+# NemotronH: every block kind (M Mamba2, * NoPE attention, - relu^2 MLP), 2 Mamba groups over 4
+# heads, HF chunk_size 16 so its prefill scan crosses chunks.  The "small_dt" case is the same
+# weights with some dt_bias pushed far negative: softplus(dt) < time_step_min, so transformers'
+# prefill-only clamp (and its unclamped decode) is exercised.
+TINY_NEMOTRON_H = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, layers_block_type=["linear_attention", "mlp", "linear_attention", "full_attention",
+                                    "linear_attention", "mlp"],
+    mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16,
+    time_step_min=1e-3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    max_position_embeddings=512,
+)
+NEMOTRON_H_HUB_KEYS = dict(hybrid_override_pattern="M-M*M-", num_hidden_layers=6, mamba_n_groups=2, mamba_d_conv=4,
+                           mamba_chunk_size=16, mamba_dt_min=1e-3, torch_dtype="float32")
+# Qwen3.5: 3 gated DeltaNet : 1 gated attention, GDN GQA (2 key heads : 4 value heads), partial
+# RoPE 0.25 of head_dim 16, tied embeddings (as the 0.8B).
+TINY_QWEN3_5 = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention",
+                                                     "linear_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+def _rerandomise(model, seed: int):
+    """Every parameter random, so no neutral init hides a bug: zero-centred norms ~N(0, 0.3),
+    ones-init norms ~N(1, 0.3), A_log = log U(0.1, 4) (decays the recurrence keeps), dt_bias ~N(0, 1),
+    D ~N(1, 0.3), everything else ~N(0, 0.15)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda shape: torch.randn(shape, generator=gen)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(0.1 + 3.9 * torch.rand(p.shape, generator=gen)))
+            elif name.endswith("dt_bias"):
+                p.copy_(rand(p.shape))
+            elif name.endswith(".D"):
+                p.copy_(1 + 0.3 * rand(p.shape))
+            elif "norm" in name:
+                # Qwen3.5's zero-centred norms multiply by (1 + w); the gated norms and all NemotronH
+                # norms by w (ones at init).
+                ones = "nemotron" in type(model).__name__.lower() or "linear_attn.norm" in name
+                p.copy_((1.0 if ones else 0.0) + 0.3 * rand(p.shape))
+            else:
+                p.copy_(0.15 * rand(p.shape))
+
+
+def build_tiny(model_type: str, fields: dict, out: Path, seed: int, hub_keys: dict | None = None):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
+    _rerandomise(model, seed + 1)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if hub_keys:
+        hub = {k: v for k, v in json.loads((out / "config.json").read_text()).items()
+               if k not in ("layers_block_type", "layer_types", "dtype", "time_step_limit")}
+        hub.update(hub_keys)
+        (out / "config_hub.json").write_text(json.dumps(hub, indent=2, sort_keys=True))
+    return model
+
+
+def small_dt_bias(model) -> dict[str, np.ndarray]:
+    """dt_bias of every Mamba2 mixer with heads 1 and 3 pushed to ~-8 (softplus ~3e-4 < 1e-3); the
+    heads are picked so no greedy step is a near tie (min top-2 margin > 1e-2)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if name.endswith("dt_bias"):
+            v = p.detach().numpy().copy()
+            v[[1, 3]] = -8.0 + 0.5 * v[[1, 3]]
+            out[name] = v.astype(np.float32)
+    return out
+
+
+def expected_hybrid(model, out_file: Path, *, vocab: int = 128):
+    """Per prompt: ids, greedy ids (generate: cached prefill then 1-token decode), the cache-free
+    logits over prompt + greedy, generate's per-step logits (the cached path, which differs from
+    cache-free where NemotronH's prefill-only dt clamp bites), and every recurrent layer's conv /
+    recurrent state after prefilling the prompt (HF layouts: conv [C, K], rec as the cache holds it)."""
+    import torch
+
+    rng = np.random.default_rng(7)
+    arrays = {}
+    for name, n in PROMPTS.items():
+        ids = torch.tensor(rng.integers(3, vocab, size=(1, n)), dtype=torch.long)
+        with torch.no_grad():
+            res = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS,
+                                 eos_token_id=None, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+            gen = res.sequences
+            full = model(gen, use_cache=False).logits[0].float().numpy()
+            cache = model(ids, use_cache=True).past_key_values
+        arrays[f"{name}_prompt"] = ids[0].numpy().astype(np.int32)
+        arrays[f"{name}_greedy"] = gen[0, n:].numpy().astype(np.int32)
+        arrays[f"{name}_logits"] = full.astype(np.float32)
+        arrays[f"{name}_step_logits"] = torch.stack(res.logits, 1)[0].float().numpy()
+        for i, layer in enumerate(cache.layers):
+            if hasattr(layer, "recurrent_states"):
+                arrays[f"{name}_conv{i}"] = layer.conv_states[0][0].float().numpy()
+                arrays[f"{name}_rec{i}"] = layer.recurrent_states[0][0].float().numpy()
+        step = arrays[f"{name}_step_logits"]
+        top2 = np.sort(step, axis=-1)[:, -2:]
+        print(f"  {out_file.name} {name}: min greedy margin {float((top2[:, 1] - top2[:, 0]).min()):.2e}, "
+              f"max |cache-free - cached| {float(np.abs(full[n - 1:-1] - step).max()):.2e}")
+    np.savez_compressed(out_file, **arrays)
+
+
+def make_nemotron_h(out: Path):
+    import torch
+
+    model = build_tiny("nemotron_h", TINY_NEMOTRON_H, out, 2024, NEMOTRON_H_HUB_KEYS)
+    expected_hybrid(model, out / "expected.npz")
+    small = small_dt_bias(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in small:
+                p.copy_(torch.from_numpy(small[name]))
+    expected_hybrid(model, out / "expected_small_dt.npz")
+    # The small-dt weights differ only in dt_bias: keep those, not a second checkpoint.
+    np.savez_compressed(out / "small_dt_bias.npz", **{k.replace("model.", "", 1): v for k, v in small.items()})
+
+
+def make_qwen3_5(out: Path):
+    model = build_tiny("qwen3_5_text", TINY_QWEN3_5, out, 2025)
+    expected_hybrid(model, out / "expected.npz")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", action="store_true", help="also write the 270M expected greedy ids")
     ap.add_argument("--out", type=Path, default=FIXTURES)
+    ap.add_argument("--family", choices=("gemma3", "nemotron_h", "qwen3_5", "all"), default="gemma3",
+                    help="which tiny fixture(s) to (re)write; default gemma3")
     args = ap.parse_args()
-    tiny_dir = args.out / "gemma3_tiny"
-    model = build_tiny_gemma3(tiny_dir)
-    expected_tiny(model, tiny_dir)
-    print("wrote", tiny_dir)
+    if args.family in ("gemma3", "all"):
+        tiny_dir = args.out / "gemma3_tiny"
+        model = build_tiny_gemma3(tiny_dir)
+        expected_tiny(model, tiny_dir)
+        print("wrote", tiny_dir)
+    if args.family in ("nemotron_h", "all"):
+        make_nemotron_h(args.out / "nemotron_h_tiny")
+        print("wrote", args.out / "nemotron_h_tiny")
+    if args.family in ("qwen3_5", "all"):
+        make_qwen3_5(args.out / "qwen3_5_tiny")
+        print("wrote", args.out / "qwen3_5_tiny")
     if args.real:
         real_expected(args.out / "gemma3_270m_expected.json")
         print("wrote", args.out / "gemma3_270m_expected.json")
