@@ -1,0 +1,104 @@
+"""Gated DeltaNet mixer (Qwen3.5 `linear_attention` layers), Hk key heads of Dk and Hv value heads of Dv.
+
+    qkv   = silu(causal_conv1d(in_proj_qkv(x)))  -> q, k [Hk, Dk] | v [Hv, Dv]   (contiguous Q | K | V)
+    q, k  = l2norm(q), l2norm(k);  q *= Dk^-0.5;  value head h reads key head h // (Hv / Hk)
+    beta  = sigmoid(in_proj_b(x));  g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)      [Hv]
+    S_h   = exp(g) S_h;  S_h += k (outer) beta (v - S_h^T k);  o_h = S_h^T q               S_h [Dk, Dv]
+    out   = out_proj(GatedRMSNorm(o, in_proj_z(x)))   (norm per head over Dv, then gate)
+
+Parameter names are the checkpoint's (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`,
+`conv1d.weight` [conv_dim, 1, K] with no bias, `dt_bias`, `A_log`, `norm.weight` [Dv],
+`out_proj`).  As for Mamba2: `dense` is a per-token scan written here; `__call__` goes through
+pallas_kernels.gated_deltanet (`gdn_prefill` for T > 1, `gdn_decode` for T == 1) and the
+request's state slot, whose recurrent matrix is stored v-major ([Hv, Dv, Dk], HF's transposed).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..pallas_kernels.gated_deltanet import L2NORM_EPS, gdn_decode, gdn_prefill
+from ..pallas_kernels.mamba2 import softplus
+from .batch import Batch
+from .layers import Linear
+from .mamba2_mixer import DepthwiseConv1d, GatedRMSNorm, StateSlot, first_chunk, inverse_softplus
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2NORM_EPS)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, hidden: int, *, k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv_kernel: int,
+                 eps: float, dtype, rngs: nnx.Rngs):
+        if v_heads % k_heads:
+            raise ValueError(f"linear_num_value_heads {v_heads} must be a multiple of linear_num_key_heads {k_heads}")
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = k_heads, v_heads, k_dim, v_dim
+        self.key_dim, self.value_dim = k_heads * k_dim, v_heads * v_dim
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = Linear(hidden, conv_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear(hidden, self.value_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(hidden, v_heads, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(hidden, v_heads, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv1d(conv_dim, conv_kernel, bias=False, dtype=dtype, rngs=rngs)
+        # transformers' init: dt_bias = 1, A ~ U(0.01, 16); a fixed spread here (random builds only).
+        self.dt_bias = nnx.Param(jnp.ones((v_heads,), dtype))
+        self.A_log = nnx.Param(jnp.log(jnp.linspace(0.5, 16.0, v_heads)).astype(dtype))
+        self.norm = GatedRMSNorm(v_dim, group_size=v_dim, eps=eps, norm_before_gate=True, dtype=dtype)
+        self.out_proj = Linear(self.value_dim, hidden, dtype=dtype, rngs=rngs)
+
+    def _out(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        """o [B, T, Hv, Dv] -> out_proj(GatedRMSNorm(o, z)) [B, T, hidden]."""
+        b, t = o.shape[:2]
+        z = self.in_proj_z(x).reshape(b, t, self.v_heads, self.v_dim)
+        o = self.norm(o.astype(x.dtype), z)
+        return self.out_proj(o.reshape(b, t, self.value_dim))
+
+    # ------------------------------------------------------------------ dense (cache-free)
+    def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        """x [B, T, hidden] from a zero state; valid [B, T] (padding zeroed before the projections
+        and after the conv, as transformers does) -> [B, T, hidden]."""
+        del positions
+        b, t, _ = x.shape
+        mask = valid[..., None].astype(x.dtype)
+        x = x * mask
+        qkv = jax.nn.silu(self.conv1d.dense(self.in_proj_qkv(x))) * mask.astype(jnp.float32)
+        r = self.v_heads // self.k_heads
+        q = _l2norm(qkv[..., :self.key_dim].reshape(b, t, self.k_heads, self.k_dim)) * self.k_dim ** -0.5
+        k = _l2norm(qkv[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.k_heads, self.k_dim))
+        q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)              # [B, T, Hv, Dk]
+        v = qkv[..., 2 * self.key_dim:].reshape(b, t, self.v_heads, self.v_dim)
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * softplus(
+            self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+
+        def step(s, inp):  # s [B, Hv, Dk, Dv], HF's layout
+            q_t, k_t, v_t, g_t, beta_t = inp
+            s = s * jnp.exp(g_t)[..., None, None]
+            kv = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision="highest")
+            s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - kv))[..., None, :]
+            return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision="highest")
+
+        sw = lambda a: jnp.swapaxes(a, 0, 1)
+        s0 = jnp.zeros((b, self.v_heads, self.k_dim, self.v_dim), jnp.float32)
+        _, o = jax.lax.scan(step, s0, (sw(q), sw(k), sw(v), sw(g), sw(beta)))
+        return self._out(sw(o), x)
+
+    # ------------------------------------------------------------------ serving path
+    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: StateSlot):
+        """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
+        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        params = (self.conv1d.kernel_weight, self.A_log[...], self.dt_bias[...])
+        if x.shape[1] == 1:
+            o, arena = gdn_decode(arena, batch.state_slots, qkv[:, 0], a[:, 0], b[:, 0], *params, view=slot.view,
+                                  **slot.kernel_kw)
+            o = o[:, None]
+        else:
+            o, arena = gdn_prefill(arena, batch.state_slots, qkv, a, b, batch.q_lens, *params, view=slot.view,
+                                   reset=first_chunk(batch), **slot.kernel_kw)
+        return self._out(o, x), arena
+
+
+__all__ = ["GatedDeltaNet"]

@@ -1,0 +1,217 @@
+"""Mamba2 mixer (NemotronH / Bamba / Granite-4-H naming) and the state-slot plumbing shared with
+the gated DeltaNet mixer.
+
+    zxbcdt = in_proj(x)                 -> z [d_inner] | xBC [conv_dim] | dt [H]   (this order)
+    xBC    = silu(causal_conv1d(xBC))   -> x [H, P] | B [G, N] | C [G, N]
+    dt     = softplus(dt + dt_bias)     (prefill and dense: max(dt, time_step_min))
+    S_h    = exp(dt_h A_h) S_h + dt_h x_h (outer) B_g(h);   y_h = S_h C_g(h) + D_h x_h
+    out    = out_proj(GatedRMSNorm(y, z))   (gate first, RMS over G groups of d_inner/G)
+
+with d_inner = H*P, conv_dim = d_inner + 2*G*N, A = -exp(A_log).  Parameter names are the
+checkpoint's (`in_proj.weight`, `conv1d.weight` [conv_dim, 1, K], `conv1d.bias`, `dt_bias`,
+`A_log`, `D`, `norm.weight`, `out_proj.weight`), so loading is a rename.
+
+Two paths:
+  * `dense`: cache-free, a per-token `lax.scan` written here (independent of the kernels, so the
+    parity tests check the kernels too);
+  * `__call__`: the serving path through pallas_kernels.mamba2 (`mamba2_prefill` for T > 1 chunks,
+    `mamba2_decode` for T == 1), reading and writing the request's state slot in the arena.
+
+The dt clamp follows transformers' NemotronH exactly: its chunked (prefill, and cache-free) scan
+clamps dt to [time_step_min, inf), its single-token decode does not.  With small dt, cached
+decoding therefore differs from a cache-free recompute; we reproduce that, not "fix" it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..memory.plan import Plan, StateView
+from ..pallas_kernels.mamba2 import mamba2_decode, mamba2_prefill, softplus
+from .batch import Batch
+from .config import MambaConfig
+from .layers import Linear, _init
+
+
+# ----------------------------------------------------------------------------- state slots
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlot:
+    """Where one state layer's tensors live (its StateView in the plan's state sub-pool) and which
+    kernel implementation to call (None: the kernels' default, Pallas on GPU)."""
+
+    view: StateView
+    impl: str | None = None
+    interpret: bool = False
+
+    @property
+    def kernel_kw(self) -> dict:
+        return {"impl": self.impl, "interpret": self.interpret}
+
+
+def state_slot(plan: Plan, layer: int, model: str = "target", **kernel_kw) -> StateSlot:
+    """Find `layer`'s state tensors in the plan's state sub-pool."""
+    sp = plan.state
+    if sp is None or (model, layer) not in sp.layers:
+        raise KeyError(f"the plan holds no state for layer {model}:{layer}")
+    return StateSlot(sp.state_view(layer, model), **kernel_kw)
+
+
+def first_chunk(batch: Batch) -> jax.Array:
+    """[B] bool: this step starts the row's request (nothing cached before it), so the prefill
+    kernels start from a zero state instead of reading the slot.  Rows with q_len 0 never reset:
+    a paused request keeps its state.
+
+    A request's first tokens must come through a T > 1 (prefill) step: the decode kernels always
+    read the slot.  The scheduler's prefill buckets guarantee that.
+    """
+    return (batch.kv_lens == batch.q_lens) & (batch.q_lens > 0)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+class DepthwiseConv1d(nnx.Module):
+    """Causal depthwise conv1d, weight [C, 1, K] as torch's nn.Conv1d(groups=C) stores it."""
+
+    def __init__(self, channels: int, kernel: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_init(rngs, (channels, 1, kernel), dtype, std=0.2))
+        self.bias = nnx.Param(jnp.zeros((channels,), dtype)) if bias else None
+
+    @property
+    def kernel_weight(self) -> jax.Array:
+        """[C, K], the layout the state kernels take."""
+        return self.weight[...][:, 0, :]
+
+    @property
+    def bias_or_none(self) -> jax.Array | None:
+        return None if self.bias is None else self.bias[...]
+
+    def dense(self, x: jax.Array) -> jax.Array:
+        """x [B, T, C] from a zero history -> fp32 [B, T, C] (before the activation)."""
+        w = self.kernel_weight.astype(jnp.float32)
+        k = w.shape[1]
+        t = x.shape[1]
+        xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (k - 1, 0), (0, 0)))
+        out = sum(xp[:, j:j + t, :] * w[:, j] for j in range(k))
+        return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
+
+
+class GatedRMSNorm(nnx.Module):
+    """w * RMSNorm(y) gated by silu(z), over groups of `group_size` channels of the last axis.
+
+    norm_before_gate=False (Mamba2): w * norm(y * silu(z)).
+    norm_before_gate=True (gated DeltaNet): w * norm(y) * silu(z).
+    The casts follow transformers: statistics in fp32, w multiplies in the input dtype.
+    """
+
+    def __init__(self, dim: int, *, group_size: int, eps: float, norm_before_gate: bool, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.group_size = group_size
+        self.eps = eps
+        self.norm_before_gate = norm_before_gate
+
+    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+        dtype = y.dtype
+        yf = y.astype(jnp.float32)
+        gate = jax.nn.silu(z.astype(jnp.float32))
+        if not self.norm_before_gate:
+            yf = yf * gate
+        g = yf.reshape(*yf.shape[:-1], -1, self.group_size)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)
+        out = self.weight[...] * g.reshape(yf.shape).astype(dtype)
+        if self.norm_before_gate:
+            out = (out.astype(jnp.float32) * gate).astype(dtype)
+        return out
+
+
+def inverse_softplus(x: jax.Array) -> jax.Array:
+    return x + jnp.log(-jnp.expm1(-x))
+
+
+# ----------------------------------------------------------------------------- the mixer
+
+
+class Mamba2Mixer(nnx.Module):
+    def __init__(self, hidden: int, m: MambaConfig, *, time_step_min: float, eps: float, conv_bias: bool,
+                 dtype, rngs: nnx.Rngs):
+        h, p, n, g, k = m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel
+        if h % g:
+            raise ValueError(f"mamba heads {h} must be a multiple of n_groups {g}")
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = h, p, n, g
+        self.d_inner = h * p
+        self.conv_dim = self.d_inner + 2 * g * n
+        self.time_step_min = float(time_step_min)
+        self.in_proj = Linear(hidden, self.d_inner + self.conv_dim + h, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv1d(self.conv_dim, k, bias=conv_bias, dtype=dtype, rngs=rngs)
+        # transformers' init: A = 1..H, D = 1, dt = softplus^-1 of a spread in [1e-3, 1e-1].
+        self.A_log = nnx.Param(jnp.log(jnp.arange(1, h + 1, dtype=jnp.float32)).astype(dtype))
+        self.D = nnx.Param(jnp.ones((h,), dtype))
+        dt = jnp.exp(jnp.linspace(jnp.log(1e-3), jnp.log(1e-1), h))
+        self.dt_bias = nnx.Param(inverse_softplus(dt).astype(dtype))
+        self.norm = GatedRMSNorm(self.d_inner, group_size=self.d_inner // g, eps=eps, norm_before_gate=False,
+                                 dtype=dtype)
+        self.out_proj = Linear(self.d_inner, hidden, dtype=dtype, rngs=rngs)
+
+    def _split(self, zxbcdt: jax.Array):
+        """[..., d_inner + conv_dim + H] -> z, xBC, dt (raw)."""
+        a, b = self.d_inner, self.d_inner + self.conv_dim
+        return zxbcdt[..., :a], zxbcdt[..., a:b], zxbcdt[..., b:]
+
+    def _out(self, y: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        """y [B, T, H, P] -> out_proj(GatedRMSNorm(y, z)) [B, T, hidden]."""
+        y = y.reshape(*y.shape[:2], self.d_inner)
+        return self.out_proj(self.norm(y, z).astype(dtype))
+
+    # ------------------------------------------------------------------ dense (cache-free)
+    def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        """x [B, T, hidden] from a zero state; valid [B, T] (padding tokens are zeroed before
+        in_proj and after the conv, as transformers does) -> [B, T, hidden]."""
+        del positions  # Mamba has none
+        b, t, _ = x.shape
+        h, p, n, g = self.num_heads, self.head_dim, self.state_size, self.n_groups
+        mask = valid[..., None].astype(x.dtype)
+        z, xbc, dt = self._split(self.in_proj(x * mask))
+        xbc = jax.nn.silu(self.conv1d.dense(xbc)) * mask.astype(jnp.float32)
+        xs = xbc[..., :self.d_inner].reshape(b, t, h, p)
+        rep = h // g
+        bm = jnp.repeat(xbc[..., self.d_inner:self.d_inner + g * n].reshape(b, t, g, n), rep, axis=2)  # [B,T,H,N]
+        cm = jnp.repeat(xbc[..., self.d_inner + g * n:].reshape(b, t, g, n), rep, axis=2)
+        dt = softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        dt = jnp.maximum(dt, self.time_step_min)
+        a = -jnp.exp(self.A_log[...].astype(jnp.float32))
+        d = self.D[...].astype(jnp.float32)
+
+        def step(s, inp):  # s [B, H, P, N]
+            x_t, b_t, c_t, dt_t = inp
+            s = s * jnp.exp(dt_t * a)[..., None, None] + (dt_t[..., None] * x_t)[..., None] * b_t[:, :, None, :]
+            y = jnp.einsum("bhpn,bhn->bhp", s, c_t, precision="highest") + d[:, None] * x_t
+            return s, y
+
+        sw = lambda v: jnp.swapaxes(v, 0, 1)
+        _, ys = jax.lax.scan(step, jnp.zeros((b, h, p, n), jnp.float32), (sw(xs), sw(bm), sw(cm), sw(dt)))
+        return self._out(sw(ys), z, x.dtype)
+
+    # ------------------------------------------------------------------ serving path
+    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: StateSlot):
+        """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
+        z, xbc, dt = self._split(self.in_proj(x))
+        params = (self.conv1d.kernel_weight, self.conv1d.bias_or_none, self.A_log[...], self.dt_bias[...],
+                  self.D[...])
+        if x.shape[1] == 1:
+            y, arena = mamba2_decode(arena, batch.state_slots, xbc[:, 0], dt[:, 0], *params, view=slot.view,
+                                     **slot.kernel_kw)
+            y = y[:, None]
+        else:
+            y, arena = mamba2_prefill(arena, batch.state_slots, xbc, dt, batch.q_lens, *params, view=slot.view,
+                                      dt_min=self.time_step_min, reset=first_chunk(batch), **slot.kernel_kw)
+        return self._out(y, z, x.dtype), arena
+
+
+__all__ = ["DepthwiseConv1d", "GatedRMSNorm", "Mamba2Mixer", "StateSlot", "first_chunk", "inverse_softplus",
+           "state_slot"]
