@@ -151,29 +151,34 @@ def store_block(arena_ref, slot, view, rows, flat0, x):
         pltr.store(r, p.reshape(shape))
 
 
-def _rows_of(slots, view, rows):
-    """int32 [B] slots -> int32 [B, planes, rows_per_plane] arena rows of one tensor (slot 0 maps
-    to the sink's rows; callers mask padding lanes)."""
-    r = jnp.arange(rows.rows_per_plane, dtype=jnp.int32)
-    p = jnp.arange(rows.planes, dtype=jnp.int32) * rows.rows_per_plane
-    return slots[:, None, None] * view.rows_per_slot + rows.row + p[None, :, None] + r[None, None, :]
+def _rows_of(slots, view):
+    """int32 [B] slots -> int32 [B, R] arena rows of every plane of every tensor of the view, in
+    view order (slot 0 maps to the sink's rows; callers mask padding lanes)."""
+    r = jnp.concatenate([t.row + jnp.arange(t.planes * t.rows_per_plane, dtype=jnp.int32) for t in view.tensors])
+    return slots[:, None] * view.rows_per_slot + r[None, :]
 
 
 # --------------------------------------------------------------------------- references
+# One gather and one scatter for all tensors of the layer: a decode step then has exactly one
+# reader of the old arena, and its writer depends on that reader's output, so XLA updates the
+# donated arena in place (two independent readers beside an in-place writer make it copy the
+# whole arena; reference/jax_pallas_gpu.md section 3.2).
 
 
 def read_state_reference(arena, slots, *, view):
-    """Plain-JAX read: slots int32 [B] -> {name: [B, *shape]} in each tensor's dtype (an XLA
+    """Plain-JAX read: slots int32 [B] -> {name: [B, *shape]} in each tensor's dtype (one XLA
     gather of whole rows).  Padding lanes (slot 0) read as zeros."""
     check_state_view(arena, view)
     _check_slots(slots)
     B, W = slots.shape[0], view.row_words
-    out = {}
+    words = to_u16(arena)[_rows_of(slots, view)]                             # [B, R, W]
+    out, at = {}, 0
     for t in view.tensors:
-        words = to_u16(arena)[_rows_of(slots, view, t)]                # [B, planes, rpp, W]
-        words = words.reshape(B, t.planes, t.rows_per_plane * W)[..., : t.tensor.numel]
+        n = t.planes * t.rows_per_plane
+        w = words[:, at:at + n].reshape(B, t.planes, t.rows_per_plane * W)[..., : t.tensor.numel]
+        at += n
         dt = state_dtype(t)
-        x = from_u16(words[:, 0], dt) if t.planes == 1 else join_planes(words[:, 0], words[:, 1], dt)
+        x = from_u16(w[:, 0], dt) if t.planes == 1 else join_planes(w[:, 0], w[:, 1], dt)
         x = jnp.where((slots != 0)[:, None], x, jnp.zeros((), dt))
         out[t.tensor.name] = x.reshape(B, *t.tensor.shape)
     return out
@@ -192,70 +197,68 @@ def _check_tensors(tensors, slots, view):
 
 
 def _padded_words(x, t, W):
-    """[B, *shape] -> uint16 [B, planes, rows_per_plane * W]: the tensor cast to its stored dtype,
-    flattened, split into planes and zero-padded to whole rows."""
+    """[B, *shape] -> uint16 [B, planes * rows_per_plane, W]: the tensor cast to its stored
+    dtype, flattened, split into planes and zero-padded to whole rows."""
     B = x.shape[0]
     x = x.astype(state_dtype(t)).reshape(B, -1)
     pad = t.rows_per_plane * W - t.tensor.numel
     planes = (to_u16(x),) if t.planes == 1 else split_planes(x)
-    return jnp.stack([jnp.pad(p, ((0, 0), (0, pad))) for p in planes], axis=1)
+    return jnp.stack([jnp.pad(p, ((0, 0), (0, pad))) for p in planes], axis=1).reshape(B, -1, W)
 
 
 def write_state_reference(arena, slots, tensors, *, view):
     """Plain-JAX write: tensors {name: [B, *shape]} (cast to each tensor's stored dtype) into
-    slots int32 [B] (an XLA scatter of whole rows; padding lanes write nothing)."""
+    slots int32 [B] (one XLA scatter of whole rows; padding lanes write nothing)."""
     check_state_view(arena, view)
     _check_slots(slots)
     _check_tensors(tensors, slots, view)
     B, W = slots.shape[0], view.row_words
-    words_arena = to_u16(arena)  # see _U16_NOTE
-    for t in view.tensors:
-        words = _padded_words(tensors[t.tensor.name], t, W).reshape(B * t.planes * t.rows_per_plane, W)
-        rows = _rows_of(slots, view, t)
-        # Padding lanes get an out-of-range row, which mode="drop" skips (never clamp onto a real row).
-        rows = jnp.where((slots != 0)[:, None, None], rows, arena.shape[0]).reshape(-1)
-        words_arena = words_arena.at[rows].set(words, mode="drop")
+    words = jnp.concatenate([_padded_words(tensors[t.tensor.name], t, W) for t in view.tensors], axis=1)
+    # Padding lanes get an out-of-range row, which mode="drop" skips (never clamp onto a real row).
+    rows = jnp.where((slots != 0)[:, None], _rows_of(slots, view), arena.shape[0])
+    words_arena = to_u16(arena).at[rows.reshape(-1)].set(words.reshape(-1, W), mode="drop")  # see _U16_NOTE
     return from_u16(words_arena, arena.dtype)
 
 
 # --------------------------------------------------------------------------- Pallas kernels
-# One program moves `chunk` words of one row of every plane of one tensor of one request:
-# grid (B, rows_per_plane, row_words // chunk).  The planes are joined / split in registers.
+# One pallas_call per direction for all tensors of the layer (one reader, one aliased writer).
+# Program (b, r, c) moves words [c*chunk, (c+1)*chunk) of row r of every plane of every tensor
+# that has a row r: grid (B, max rows_per_plane, row_words // chunk).  Planes are joined / split
+# in registers.
 
 
-def _read_kernel(slots_ref, arena_ref, out_ref, *, view, rows, chunk, dtype):
+def _read_kernel(slots_ref, arena_ref, *out_refs, view, chunk):
     b, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[b]
     col = pl.multiple_of(c * chunk, chunk)
-    dst = out_ref.at[b, pl.ds(pl.multiple_of(r * view.row_words + c * chunk, chunk), chunk)]
+    off = pl.multiple_of(r * view.row_words + c * chunk, chunk)
+    for t, out_ref in zip(view.tensors, out_refs):
+        dt = state_dtype(t)
+        dst = out_ref.at[b, pl.ds(off, chunk)]
 
-    @pl.when(slot == 0)
-    def _():
-        pltr.store(dst, jnp.zeros((chunk,), dtype))
+        @pl.when((r < t.rows_per_plane) & (slot == 0))
+        def _():
+            pltr.store(dst, jnp.zeros((chunk,), dt))
 
-    @pl.when(slot != 0)
-    def _():
-        def plane(k):
-            return pltr.load(arena_ref.at[plane_row(slot, view, rows, k) + r, pl.ds(col, chunk)])
-        if rows.planes == 1:
-            x = from_u16(plane(0), dtype)
-        else:
-            x = join_planes(plane(0), plane(1), dtype)
-        pltr.store(dst, x)
+        @pl.when((r < t.rows_per_plane) & (slot != 0))
+        def _():
+            w = [pltr.load(arena_ref.at[plane_row(slot, view, t, k) + r, pl.ds(col, chunk)]) for k in range(t.planes)]
+            pltr.store(dst, from_u16(w[0], dt) if t.planes == 1 else join_planes(w[0], w[1], dt))
 
 
-def _write_kernel(slots_ref, x_ref, arena_in, arena_ref, *, view, rows, chunk):
-    del arena_in  # aliased with arena_ref
+def _write_kernel(slots_ref, *refs, view, chunk):
+    x_refs, arena_ref = refs[:len(view.tensors)], refs[-1]  # refs[-2] is the aliased input
     b, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slots_ref[b]
     col = pl.multiple_of(c * chunk, chunk)
-
-    @pl.when(slot != 0)
-    def _():
-        x = pltr.load(x_ref.at[b, pl.ds(pl.multiple_of(r * view.row_words + c * chunk, chunk), chunk)])
-        planes = (to_u16(x),) if rows.planes == 1 else split_planes(x)
-        for k, p in enumerate(planes):
-            pltr.store(arena_ref.at[plane_row(slot, view, rows, k) + r, pl.ds(col, chunk)], p)
+    off = pl.multiple_of(r * view.row_words + c * chunk, chunk)
+    for t, x_ref in zip(view.tensors, x_refs):
+        @pl.when((r < t.rows_per_plane) & (slot != 0))
+        def _():
+            x = pltr.load(x_ref.at[b, pl.ds(off, chunk)])
+            planes = (to_u16(x),) if t.planes == 1 else split_planes(x)
+            for k, p in enumerate(planes):
+                pltr.store(arena_ref.at[plane_row(slot, view, t, k) + r, pl.ds(col, chunk)], p)
 
 
 def _any_spec():
@@ -268,22 +271,18 @@ def _read_state_pallas(arena, slots, *, view, interpret=False, chunk=None, num_w
     _check_slots(slots)
     B, W = slots.shape[0], view.row_words
     chunk = chunk or pow2_divisor(W)
-    words = to_u16(arena)  # see _U16_NOTE
-    out = {}
-    for t in view.tensors:
-        dt = state_dtype(t)
-        flat = pl.pallas_call(
-            functools.partial(_read_kernel, view=view, rows=t, chunk=chunk, dtype=dt),
-            grid=(B, t.rows_per_plane, W // chunk),
-            in_specs=[_any_spec(), _any_spec()],
-            out_specs=_any_spec(),
-            out_shape=jax.ShapeDtypeStruct((B, t.rows_per_plane * W), dt),
-            compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name=f"read_state_{t.tensor.name}",
-        )(slots, words)
-        out[t.tensor.name] = flat[:, : t.tensor.numel].reshape(B, *t.tensor.shape)
-    return out
+    R = max(t.rows_per_plane for t in view.tensors)
+    flats = pl.pallas_call(
+        functools.partial(_read_kernel, view=view, chunk=chunk),
+        grid=(B, R, W // chunk),
+        in_specs=[_any_spec(), _any_spec()],
+        out_specs=tuple(_any_spec() for _ in view.tensors),
+        out_shape=tuple(jax.ShapeDtypeStruct((B, t.rows_per_plane * W), state_dtype(t)) for t in view.tensors),
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="read_state",
+    )(slots, to_u16(arena))  # see _U16_NOTE
+    return {t.tensor.name: f[:, : t.tensor.numel].reshape(B, *t.tensor.shape) for t, f in zip(view.tensors, flats)}
 
 
 @functools.partial(jax.jit, static_argnames=("view", "interpret", "chunk", "num_warps"))
@@ -293,22 +292,22 @@ def _write_state_pallas(arena, slots, tensors, *, view, interpret=False, chunk=N
     _check_tensors(tensors, slots, view)
     B, W = slots.shape[0], view.row_words
     chunk = chunk or pow2_divisor(W)
-    dtype, arena = arena.dtype, to_u16(arena)  # see _U16_NOTE
-    for t in view.tensors:
-        x = tensors[t.tensor.name].astype(state_dtype(t)).reshape(B, -1)
-        x = jnp.pad(x, ((0, 0), (0, t.rows_per_plane * W - t.tensor.numel)))
-        arena = pl.pallas_call(
-            functools.partial(_write_kernel, view=view, rows=t, chunk=chunk),
-            grid=(B, t.rows_per_plane, W // chunk),
-            in_specs=[_any_spec(), _any_spec(), _any_spec()],
-            out_specs=_any_spec(),
-            out_shape=jax.ShapeDtypeStruct(arena.shape, arena.dtype),
-            input_output_aliases={2: 0},
-            compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name=f"write_state_{t.tensor.name}",
-        )(slots, x, arena)
-    return from_u16(arena, dtype)
+    R = max(t.rows_per_plane for t in view.tensors)
+    xs = [jnp.pad(tensors[t.tensor.name].astype(state_dtype(t)).reshape(B, -1),
+                  ((0, 0), (0, t.rows_per_plane * W - t.tensor.numel))) for t in view.tensors]
+    n = len(xs)
+    words = pl.pallas_call(
+        functools.partial(_write_kernel, view=view, chunk=chunk),
+        grid=(B, R, W // chunk),
+        in_specs=[_any_spec()] * (n + 2),
+        out_specs=_any_spec(),
+        out_shape=jax.ShapeDtypeStruct(arena.shape, jnp.uint16),
+        input_output_aliases={n + 1: 0},
+        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="write_state",
+    )(slots, *xs, to_u16(arena))  # see _U16_NOTE
+    return from_u16(words, arena.dtype)
 
 
 # --------------------------------------------------------------------------- public wrappers
