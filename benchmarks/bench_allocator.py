@@ -67,6 +67,7 @@ def bench_decode(steps: int) -> list[tuple[int, int, int]]:
     a.take_moves()
     times = []
     win_cols = np.arange(win_pages)
+    row_base = (np.arange(BATCH) * max_pages)[:, None]
     for _ in range(steps):
         t0 = time.perf_counter_ns()
         lens += 1
@@ -76,7 +77,8 @@ def bench_decode(steps: int) -> list[tuple[int, int, int]]:
             lens[r] = PROMPT
             start(r, PROMPT)
         need = np.flatnonzero((lens - 1) % PAGE == 0)
-        need = need[~np.isin(need, done)]
+        if done.size:
+            need = need[~np.isin(need, done)]
         if need.size:
             assert a.can_fit(need.size)
             vids = a.alloc_token_pages(need.size)
@@ -91,7 +93,7 @@ def bench_decode(steps: int) -> list[tuple[int, int, int]]:
         full_phys = a.translate_pages(table, "full", max_pages)
         # the window kernel reads the last win_pages pages of each request (-1 before the start)
         cols = npages[:, None] - win_pages + win_cols
-        win_vids = np.take_along_axis(table, np.maximum(cols, 0), 1)
+        win_vids = table.ravel().take(row_base + np.maximum(cols, 0))
         win_vids[cols < 0] = -1
         win_phys = a.translate_pages(win_vids, wname, win_pages)
         t2 = time.perf_counter_ns()

@@ -402,6 +402,19 @@ def test_static_mode_never_crosses_regions():
         ChainAllocator(p, 2400, static_regions={**regions, "full": (1100, 2400)})
 
 
+def test_static_mode_with_sizing_regions():
+    from umem_jax.memory.sizing import static_regions
+
+    for kind in ("sw", "swv"):
+        p = make_plan(kind)
+        a = ChainAllocator(p, 5000, static_regions=static_regions(p, 5000))
+        v = a.alloc_token_pages(a.available_token_pages())
+        s = a.alloc_state_slots(a.available_state_slots())
+        assert v is not None and s is not None and v.size > 0 and s.size > 0
+        assert a.alloc_token_pages(1) is None and a.alloc_state_slots(1) is None
+        a.check_invariants()
+
+
 def test_eager_mode_leaves_no_holes():
     p = make_plan("sw")
     a = ChainAllocator(p, 2400, eager=True)

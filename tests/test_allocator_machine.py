@@ -59,11 +59,13 @@ class Request:
 
 class ArenaMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(sorted(PLANS)), mode=st.sampled_from(["lazy", "lazy", "eager", "static"]),
-                rows=st.integers(600, 4000), fr=st.lists(st.integers(1, 4), min_size=4, max_size=4))
-    def setup(self, kind, mode, rows, fr):
+                rows=st.integers(600, 4000), fr=st.lists(st.integers(1, 4), min_size=4, max_size=4),
+                cap=st.sampled_from([4096, 1]))
+    def setup(self, kind, mode, rows, fr, cap):
         self.plan = PLANS[kind]
         regions = static_regions(self.plan, rows, fr[:len(self.plan.subpools)]) if mode == "static" else None
-        self.a = ChainAllocator(self.plan, rows, static_regions=regions, eager=mode == "eager")
+        self.a = ChainAllocator(self.plan, rows, static_regions=regions, eager=mode == "eager",
+                                max_moves_per_flush=cap)
         self.tag = {sp.name: 1000 * (i + 1) for i, sp in enumerate(self.plan.subpools)}
         self.arena = np.zeros((rows, 2), np.int64)  # (tag + vid, row within page)
         self.reqs: dict[int, Request] = {}
@@ -128,13 +130,16 @@ class ArenaMachine(RuleBasedStateMachine):
     def arrive(self, n, prefill_window):
         # a long prompt may skip window pages for its early pages, which nothing will read
         wp = {w.name: min(n, self.window_pages_of(w)) for w in self.plan.windows} if prefill_window else None
+        both = self.a.can_fit(n, 1 if self.plan.state is not None else 0, wp)
         vids = self.alloc_tokens(n, wp)
+        assert vids is not None or not both
         if vids is None:
             self.end_step()
             return
         slots = []
         if self.plan.state is not None:
             slots = self.alloc_slots(1)
+            assert slots is not None or not both, "can_fit(tokens, slots) held but the slots did not fit"
             if slots is None:
                 self.a.free_token_pages(vids)
                 self.fresh = []

@@ -42,7 +42,7 @@ import numpy as np
 
 from .band import EndBand, Take
 from .declarations import WORD_BYTES
-from .floating import FloatBand
+from .floating import FloatBand, place_floats, settle_floats
 from .tables import I32, IdPool, Move, PageTable
 
 
@@ -102,6 +102,7 @@ class ChainAllocator:
         self.plan, self.num_rows, self.eager = plan, int(num_rows), eager
         self.max_moves_per_flush = max_moves_per_flush
         self.static = static_regions is not None
+        self.sink_rows = plan.sink_rows
         self.row_bytes = plan.row_words * WORD_BYTES
         self._regions = self._check_regions(static_regions) if self.static else None
         tok_capacity = self.num_rows // plan.full.rows_per_page
@@ -137,13 +138,12 @@ class ChainAllocator:
         if set(regions) != names:
             raise ValueError(f"static_regions must name exactly {sorted(names)}, got {sorted(regions)}")
         out = [tuple(int(x) for x in regions[n]) for n in self.plan.names]
-        for (lo, hi), n in zip(out, self.plan.names):
-            if not 0 <= lo < hi <= self.num_rows:
-                raise ValueError(f"static region of {n} [{lo}, {hi}) is not inside [0, {self.num_rows})")
-        spans = sorted(out)
-        for (a, b), (c, d) in zip(spans, spans[1:]):
-            if c < b:
-                raise ValueError(f"static regions [{a}, {b}) and [{c}, {d}) overlap")
+        prev = 0
+        for (lo, hi), n in zip(out, self.plan.names):  # in chain order, disjoint, inside the arena
+            if not prev <= lo < hi <= self.num_rows:
+                raise ValueError(f"static region of {n} [{lo}, {hi}) must lie in [{prev}, {self.num_rows}): "
+                                 "regions go in chain order without overlap")
+            prev = hi
         return out
 
     # ================================================================== public: tokens and slots
@@ -351,7 +351,7 @@ class ChainAllocator:
         (empty floats are transparent), or its static region."""
         if self.static:
             return self._regions[i]
-        lo, hi = self.plan.sink_rows, self.num_rows
+        lo, hi = self.sink_rows, self.num_rows
         for j in range(i - 1, -1, -1):
             if ext[j] is not None:
                 lo = ext[j][1]
@@ -397,9 +397,9 @@ class ChainAllocator:
         return takes if takes is not None else self._fail(demands)
 
     def _layout(self, demands: dict[int, int], compacted: bool) -> dict[int, tuple[int, int]] | None:
-        """Place the floats for `demands` -> {float: (first page, pages)} or None if even the
-        tightest packing cannot hold it.  Sizes are live + demand (compacted: as after an urgent
-        flush) or span + the demand its holes do not cover (the layout as it is)."""
+        """Target page ranges of the floats for `demands` -> {float: (first page, pages)}, or None
+        if even the tightest packing cannot hold it.  Sizes are live + demand (compacted: as
+        after an urgent flush) or span + the demand its holes do not cover (the layout as is)."""
         bands = self.bands
 
         def size(i):
@@ -410,45 +410,12 @@ class ChainAllocator:
         su, sd = size(0), size(len(bands) - 1)
         if su > up.max_span or sd > dn.max_span:
             return None
-        floor_row, ceil_row = up.extent_of(su)[1], dn.extent_of(sd)[0]
-        floats = [(i, size(i)) for i in range(1, len(bands) - 1) if not (bands[i].empty and demands.get(i, 0) == 0)]
-        latest, top = {}, ceil_row
-        for i, s in reversed(floats):  # tightest packing from above
-            b = bands[i]
-            latest[i] = min(b.max_page, top // b.rpp) - s
-            top = latest[i] * b.rpp
-        out, prev = {}, floor_row
-        for i, s in floats:  # from below, each float as close to where it is as allowed
-            b = bands[i]
-            first = max(b.min_page, -(-prev // b.rpp))
-            if first > latest[i]:
-                return None
-            pref = (first + latest[i]) // 2 if b.empty else b.lo - (s - b.span) // 2
-            t = min(max(pref, first), latest[i])
-            out[i] = (t, s)
-            prev = (t + s) * b.rpp
-        return out if prev <= ceil_row else None
+        floats = [(i, bands[i], size(i)) for i in range(1, len(bands) - 1)
+                  if not (bands[i].empty and demands.get(i, 0) == 0)]
+        return place_floats(floats, up.extent_of(su)[1], dn.extent_of(sd)[0])
 
     def _settle(self, targets: dict[int, tuple[int, int]]) -> None:
-        """Move each float into its target range; a float goes once no other unsettled float
-        still occupies its range (targets are disjoint and in chain order, so one always can)."""
-        for i in targets:
-            self.bands[i].absorb()
-        pending = dict(targets)
-        while pending:
-            done = []
-            for i, (t, s) in pending.items():
-                b = self.bands[i]
-                lo, hi = t * b.rpp, (t + s) * b.rpp
-                blocked = any(j != i and (e := self.bands[j].extent()) is not None and e[0] < hi and lo < e[1]
-                              for j in pending)
-                if not blocked:
-                    self._moves += b.settle(t, s)
-                    done.append(i)
-            if not done:
-                raise RuntimeError(f"float layout cannot be reached: {pending}")
-            for i in done:
-                del pending[i]
+        self._moves += settle_floats({i: (self.bands[i], t) for i, t in targets.items()})
         self._epoch += 1
 
     def _flush_bands(self, skip: int | None, urgent: bool) -> None:

@@ -275,4 +275,52 @@ class FloatBand:
         return bad
 
 
-__all__ = ["FloatBand"]
+def place_floats(floats: list, floor_row: int, ceil_row: int) -> dict | None:
+    """Choose page ranges for the floats between two row frontiers, or None if they cannot fit.
+
+    floats: [(key, FloatBand, pages)] in chain order, each needing `pages` contiguous pages of
+    its grid.  Each float goes as near its current span (extended evenly) as the tightest
+    packings from below and from above allow, so a float that already fits does not move and
+    one that must move moves least.  -> {key: (first page, pages)}.
+    """
+    latest, top = {}, ceil_row
+    for key, b, s in reversed(floats):  # tightest packing from above
+        latest[key] = min(b.max_page, top // b.rpp) - s
+        top = latest[key] * b.rpp
+    out, prev = {}, floor_row
+    for key, b, s in floats:  # from below
+        first = max(b.min_page, -(-prev // b.rpp))
+        if first > latest[key]:
+            return None
+        pref = (first + latest[key]) // 2 if b.empty else b.lo - (s - b.span) // 2
+        t = min(max(pref, first), latest[key])
+        out[key] = (t, s)
+        prev = (t + s) * b.rpp
+    return out if prev <= ceil_row else None
+
+
+def settle_floats(targets: dict) -> list[Move]:
+    """Move floats into disjoint target ranges {key: (FloatBand, (first page, pages))} -> moves.
+
+    A float moves once no other unsettled float still occupies its range; with disjoint targets
+    in chain order one always can (a float in the way moves in the same direction first).
+    """
+    for b, _ in targets.values():
+        b.absorb()  # so a span never reaches past its live pages into another's target
+    pending, moves = dict(targets), []
+    while pending:
+        done = []
+        for key, (b, (t, s)) in pending.items():
+            lo, hi = t * b.rpp, (t + s) * b.rpp
+            if not any(k != key and (e := o.extent()) is not None and e[0] < hi and lo < e[1]
+                       for k, (o, _) in pending.items()):
+                moves += b.settle(t, s)
+                done.append(key)
+        if not done:
+            raise RuntimeError(f"float layout cannot be reached: {pending}")
+        for key in done:
+            del pending[key]
+    return moves
+
+
+__all__ = ["FloatBand", "place_floats", "settle_floats"]
