@@ -117,12 +117,15 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
     ps, rpp, W = view.page_size, view.rows_per_page, view.row_words
     D, Dv, Hkv = view.head_dim, view.v_head_dim, view.num_kv_heads
     bt = block_pages * ps  # tokens per block
+    log2_ps = ps.bit_length() - 1
     length = lengths_ref[b]
+    # All quantities below are >= 0, so C division (lax.div) equals floor division and keeps
+    # the IR free of sign fix-ups.
     start = jnp.int32(0) if window is None else jnp.maximum(length - window, 0)
     # Blocks holding visible positions, shared out between the splits of this (b, h).
-    blk_lo = start // bt
-    blk_hi = (length + bt - 1) // bt
-    per = (jnp.maximum(blk_hi - blk_lo, 0) + num_splits - 1) // num_splits
+    blk_lo = lax.div(start, jnp.int32(bt))
+    blk_hi = lax.div(length + (bt - 1), jnp.int32(bt))
+    per = lax.div(jnp.maximum(blk_hi - blk_lo, 0) + (num_splits - 1), jnp.int32(num_splits))
     lo = blk_lo + s * per
     hi = jnp.minimum(lo + per, blk_hi)
 
@@ -130,13 +133,20 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
     q = q_ref[...]  # [Gp, D]
     q = q.astype(jnp.float32 if two_planes else kv_dtype)
     tok = jnp.arange(bt, dtype=jnp.int32)
-    slot = tok % ps            # ps is a power of two: a mask
-    page_of_tok = tok // ps    # and a shift
+    slot = jnp.bitwise_and(tok, ps - 1)           # ps is a power of two
+    page_of_tok = jnp.right_shift(tok, log2_ps)
 
-    def head_cols(base_words, dim, m):
-        # Row offset within a token's m rows, and first column, of head h's `dim` words.
-        off = base_words + h * dim
-        return off // W, off % W, m
+    def head_cols(plane, dim):
+        # (row offset within a token's rows, first column) of plane `plane` of kv head h.
+        off_static = plane * Hkv * dim
+        if W % (Hkv * dim) == 0:
+            # A plane's [Hkv, dim] block sits inside one row (the common layout): static row,
+            # column static + h*dim, which Triton sees as a multiple of dim (16-byte vectors).
+            return off_static // W, off_static % W + h * dim
+        off = off_static + h * dim
+        # Rows narrower than a plane: W is a multiple of dim (checked), so the column is too;
+        # say so, since Triton cannot see through the remainder.
+        return lax.div(off, jnp.int32(W)), pl.multiple_of(lax.rem(off, jnp.int32(W)), dim)
 
     def load_tile(rows_base, r_off, col, m, dim, mask):
         rows = rows_base + slot * m + r_off                      # [bt] arena rows
@@ -149,11 +159,11 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
 
     def decode_tile(rows_base, which, mask):
         dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)
-        r0, c0, _ = head_cols(0, dim, m)
+        r0, c0 = head_cols(0, dim)
         hi_ = load_tile(rows_base + base, r0, c0, m, dim, mask)
         if not two_planes:
             return hi_ if hi_.dtype == kv_dtype else from_u16(to_u16(hi_), kv_dtype)
-        r1, c1, _ = head_cols(Hkv * dim, dim, m)
+        r1, c1 = head_cols(1, dim)
         lo_ = load_tile(rows_base + base, r1, c1, m, dim, mask)
         return join_planes(hi_, lo_, jnp.float32)
 
@@ -226,7 +236,10 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
     kvdt = kv_value_dtype(view.planes, kv_dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if block_tokens is None:
-        block_tokens = 128 if max(D, Dv) <= 128 else 64
+        # bf16: 128 tokens x D=128 is 32 KiB per K (and V) tile, enough bytes in flight per
+        # program at ~190 registers (ptxas, sm_90).  fp32 planes have no tensor-core dot (IEEE
+        # FMA loops) and spill at 64 tokens, so they take small tiles; they exist for parity.
+        block_tokens = (128 if max(D, Dv) <= 128 else 64) if view.planes == 1 else 32
     block_pages = max(1, _pow2_ceil(block_tokens) // ps)
     bt = block_pages * ps
     P = page_table.shape[1]
@@ -290,7 +303,8 @@ def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, 
     """Decode attention over the arena for one layer -> [B, Hq, Dv] in q.dtype (see module doc).
 
     impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
-    tuning (pallas): block_tokens (tokens per loop step, default 128, 64 for head dim 256),
+    tuning (pallas): block_tokens (tokens per loop step; default 128, 64 for head dim 256, 32 for
+    fp32 planes),
     num_splits (default: choose_num_splits), num_warps, num_stages.
     """
     impl = resolve_impl(impl, interpret)
