@@ -293,5 +293,27 @@ def load_tokenizer(model: Model):
     return Tokenizer.from_file(str(model.tokenizer_path))
 
 
-__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config", "load_gguf",
+__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config", "load_gguf", "save_pretrained",
            "load_model", "load_safetensors", "load_tokenizer"]
+
+
+def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
+    """Write config.json + model.safetensors (checkpoint names, `model.` prefix) so that
+    load_model(path) -- and transformers, for Gemma 3 -- reads the model back."""
+    from safetensors.numpy import save_file
+
+    from .config import to_hf_config
+    from .tiny import ARCHITECTURE as TINY, tiny_config_to_dict
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = model.config
+    d = tiny_config_to_dict(cfg) if cfg.architecture == TINY else to_hf_config(cfg)
+    (path / "config.json").write_text(json.dumps(d, indent=2))
+    tensors = {}
+    for p, var in nnx.to_flat_state(model.params):
+        name = ".".join(map(str, p))
+        # bf16 has no numpy dtype of its own; ml_dtypes' (what jax uses) is what safetensors writes.
+        tensors[name if name.startswith("lm_head.") else f"model.{name}"] = np.asarray(var.get_value())
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
