@@ -231,6 +231,13 @@ def bench_baselines(a, decode_ctx):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+    except Exception as e:  # noqa: BLE001 - deprecated upstream; may be gone in a later jax
+        paged_attention = None
+        ROWS.append(dict(name="jax_paged_attention(best)", shape=shape, us=None, tbps=None, bytes=nbytes, goal="",
+                         max_err=None, note=f"unavailable: {type(e).__name__}: {str(e)[:100]}"))
+    try:
+        if paged_attention is None:
+            raise LookupError
         best = None
         P = pt.shape[1]
         qs = (q.astype(jnp.float32) / math.sqrt(D)).astype(q.dtype)  # it does not scale q itself
@@ -252,6 +259,8 @@ def bench_baselines(a, decode_ctx):
             r = record("jax_paged_attention(best)", shape, t, nbytes, goal="ours >=2x faster", err=err,
                        note=f"k_splits={ks}; ours {t / (ours['us'] * 1e-6):.2f}x faster")
             r["speedup_ours"] = t / (ours["us"] * 1e-6)
+    except LookupError:
+        pass
     except Exception as e:  # noqa: BLE001
         fail("jax_paged_attention(best)", shape, e)
 
