@@ -358,13 +358,29 @@ def bench_kv_write(a):
 # ----------------------------------------------------------------------------- main
 
 
+def verdict(r):
+    """met / MISSED for the rows that carry a goal (empty when there is none or no number)."""
+    name, tb = r["name"], r.get("tbps")
+    if name in ("decode", "relocate_pallas") and tb:
+        return "met" if tb >= 3.4 else "MISSED"
+    if name == "decode_long" and tb:
+        return "met" if tb >= 2.5 else "MISSED"
+    if name == "window_decode" and r.get("ratio_vs_full"):
+        return "met" if r["ratio_vs_full"] <= 1.2 else "MISSED"
+    if name.startswith("jax_paged_attention") and r.get("speedup_ours"):
+        return "met" if r["speedup_ours"] >= 2.0 else "MISSED"
+    return ""
+
+
 def table(rows):
-    lines = [f"{'benchmark':<28} {'shape':<36} {'us':>10} {'TB/s':>7} {'max_err':>9}  {'goal':<18} note"]
+    lines = [f"{'benchmark':<28} {'shape':<36} {'us':>10} {'TB/s':>7} {'max_err':>9}  {'goal':<18} {'':<6} note"]
     for r in rows:
         us = "-" if r["us"] is None else f"{r['us']:.1f}"
         tb = "-" if r["tbps"] is None else f"{r['tbps']:.3f}"
         err = "-" if r["max_err"] is None else f"{r['max_err']:.1e}"
-        lines.append(f"{r['name']:<28} {r['shape']:<36} {us:>10} {tb:>7} {err:>9}  {r['goal']:<18} {r['note']}")
+        r["verdict"] = verdict(r)
+        lines.append(f"{r['name']:<28} {r['shape']:<36} {us:>10} {tb:>7} {err:>9}  {r['goal']:<18} "
+                     f"{r['verdict']:<6} {r['note']}")
     return "\n".join(lines)
 
 
@@ -426,13 +442,14 @@ def main(argv=None):
     if "kv_write" in only:
         bench_kv_write(a)
 
+    text = table(ROWS)
     path = a.json or (os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:
             json.dump(dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)),
                            small=a.small, seconds=time.time() - t0, rows=ROWS), f, indent=1, default=str)
     print(f"\n== bench_kernels ({time.time() - t0:.0f} s) ==")
-    print(table(ROWS))
+    print(text)
     return 0 if not any("FAILED" in r["note"] or "MISMATCH" in r["note"] for r in ROWS) else 1
 
 
