@@ -43,6 +43,20 @@ from umem_jax.pallas_kernels.relocate import move_pages, move_pages_reference  #
 
 GROUPS = ("copy", "decode", "decode_long", "window", "baselines", "relocate", "kv_write")
 ROWS: list[dict] = []
+JSON_PATH: str | None = None
+DEADLINE = float("inf")  # time.time() after which sweeps stop early and groups are skipped
+META: dict = {}
+
+
+def _flush():
+    """Rewrite the JSON after every row, so a run cut short still leaves its numbers."""
+    if JSON_PATH:
+        with open(JSON_PATH, "w") as f:
+            json.dump(dict(META, rows=ROWS), f, indent=1, default=str)
+
+
+def over_budget(reserve=0.0):
+    return time.time() > DEADLINE - reserve
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -72,6 +86,7 @@ def record(name, shape, seconds, nbytes, goal="", err=None, note="", **extra):
                tbps=None if not seconds else nbytes / seconds / 1e12, bytes=nbytes, goal=goal,
                max_err=None if err is None else float(err), note=note, **extra)
     ROWS.append(row)
+    _flush()
     tb = "-" if row["tbps"] is None else f"{row['tbps']:.3f}"
     us = "-" if row["us"] is None else f"{row['us']:.1f}"
     print(f"  {name:<34} {shape:<34} {us:>10} us {tb:>7} TB/s  err={row['max_err']}  {note}", flush=True)
@@ -82,6 +97,7 @@ def fail(name, shape, exc):
     traceback.print_exc()
     ROWS.append(dict(name=name, shape=shape, us=None, tbps=None, bytes=0, goal="", max_err=None,
                      note=f"FAILED: {type(exc).__name__}: {str(exc)[:160]}"))
+    _flush()
 
 
 # ----------------------------------------------------------------------------- data
@@ -152,7 +168,10 @@ def bench_decode_one(a, label, *, B, ctx, Hq, Hkv, D, ps, window=None, goal="", 
     visible = min(ctx, window or ctx)
     nbytes = _kv_bytes(B, visible, view)
     best = None
-    for tune in tunings:
+    for i, tune in enumerate(tunings):
+        if i and best is not None and over_budget(reserve=120):
+            print(f"    sweep {label}: time budget reached, stopping after {i} configs", flush=True)
+            break
         try:
             f = _decode_fn(view, window, **tune)
             err = max_err(f(q, arena, pt, ln), ref)
@@ -378,7 +397,7 @@ def table(rows):
         us = "-" if r["us"] is None else f"{r['us']:.1f}"
         tb = "-" if r["tbps"] is None else f"{r['tbps']:.3f}"
         err = "-" if r["max_err"] is None else f"{r['max_err']:.1e}"
-        r["verdict"] = verdict(r)
+        r["verdict"] = "" if META.get("small") else verdict(r)  # interpret-mode times mean nothing
         lines.append(f"{r['name']:<28} {r['shape']:<36} {us:>10} {tb:>7} {err:>9}  {r['goal']:<18} "
                      f"{r['verdict']:<6} {r['note']}")
     return "\n".join(lines)
@@ -388,7 +407,7 @@ INTERPRET = False
 
 
 def main(argv=None):
-    global INTERPRET
+    global INTERPRET, JSON_PATH, DEADLINE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes in interpret mode (CPU, seconds)")
     ap.add_argument("--only", default=",".join(GROUPS), help=f"comma list of {','.join(GROUPS)}")
@@ -396,6 +415,8 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=None, help="timed trials (median)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the decode tuning sweep")
     ap.add_argument("--json", default=None, help="write rows here (default $OUT/bench_kernels.json if $OUT)")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds; sweeps stop early and later groups are skipped past it (default 420)")
     a = ap.parse_args(argv)
     silence_triton_deprecation()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -413,41 +434,51 @@ def main(argv=None):
 
     decode_ctx, best_tune = None, {}
     t0 = time.time()
-    if "copy" in only:
+    DEADLINE = t0 + a.budget
+    JSON_PATH = a.json or (os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT") else None)
+    META.update(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)), small=a.small)
+
+    def want(group):
+        if group not in only:
+            return False
+        if over_budget():
+            ROWS.append(dict(name=group, shape="", us=None, tbps=None, bytes=0, goal="", max_err=None,
+                             note="skipped: --budget reached"))
+            return False
+        return True
+
+    if want("copy"):
         try:
             bench_copy(a)
         except Exception as e:  # noqa: BLE001
             fail("copy_roofline", "", e)
-    if only & {"decode", "baselines"}:
+    if only & {"decode", "baselines"} and not over_budget():
         try:
             row, decode_ctx = bench_decode(a)
             best_tune = row.get("tuning") or {}
         except Exception as e:  # noqa: BLE001
             fail("decode", "", e)
-    if "baselines" in only and decode_ctx is not None:
+    if decode_ctx is not None and want("baselines"):
         bench_baselines(a, decode_ctx)
     decode_ctx = None
-    if "decode_long" in only:
+    if want("decode_long"):
         try:
             bench_decode_long(a, best_tune)
         except Exception as e:  # noqa: BLE001
             fail("decode_long", "", e)
-    if "window" in only:
+    if want("window"):
         try:
             bench_window(a, best_tune)
         except Exception as e:  # noqa: BLE001
             fail("window_decode", "", e)
-    if "relocate" in only:
+    if want("relocate"):
         bench_relocate(a)
-    if "kv_write" in only:
+    if want("kv_write"):
         bench_kv_write(a)
 
     text = table(ROWS)
-    path = a.json or (os.path.join(os.environ["OUT"], "bench_kernels.json") if os.environ.get("OUT") else None)
-    if path:
-        with open(path, "w") as f:
-            json.dump(dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)),
-                           small=a.small, seconds=time.time() - t0, rows=ROWS), f, indent=1, default=str)
+    META["seconds"] = time.time() - t0
+    _flush()
     print(f"\n== bench_kernels ({time.time() - t0:.0f} s) ==")
     print(text)
     return 0 if not any("FAILED" in r["note"] or "MISMATCH" in r["note"] for r in ROWS) else 1
