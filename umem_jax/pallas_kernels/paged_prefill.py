@@ -130,7 +130,9 @@ def _pow2_ceil(n: int) -> int:
 def prefill_config(T: int, G: int, D: int, *, block_q=None, block_k=None, num_warps=None,
                    num_stages=None) -> PrefillConfig:
     """Default tiling: ~128 tile rows (64 for D=256) so the two dots are tensor-core sized, BK=64
-    (32 for D=256) to keep the [rows, BK] score tile and [BK, D] K/V tiles in registers."""
+    (32 for D=256) to keep the [rows, BK] score tile and [BK, D] K/V tiles in registers and three
+    K/V stages in shared memory.  Checked offline with Triton 3.6 + ptxas for sm_90a: no spills
+    at D=64/128/256 with these defaults (not timed; benchmarks/bench_prefill.py sweeps)."""
     rows = 128 if D <= 128 else 64
     if block_q is None:
         block_q = 1 << max(0, (rows // G).bit_length() - 1)  # largest power of two <= rows / G
@@ -139,9 +141,10 @@ def prefill_config(T: int, G: int, D: int, *, block_q=None, block_k=None, num_wa
     if block_k is None:
         block_k = 64 if D <= 128 else 32
     if num_warps is None:
-        num_warps = 8 if block_q * G >= 128 else 4
+        # 4 warps spill heavily on 128-row tiles and on D=256 (ptxas, sm_90a).
+        num_warps = 8 if (block_q * G >= 128 or D >= 256) else 4
     if num_stages is None:
-        num_stages = 2
+        num_stages = 3  # K/V prefetched two blocks ahead (2 stages leaves the gather latency exposed)
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         if val <= 0 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two, got {val}")
@@ -233,25 +236,26 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
                 if m == 1:  # the token vector is one arena row (the common case): no div/rem
                     out.append((0, off))
                 else:
-                    out.append((lax.div(off, c.row_words), lax.rem(off, c.row_words)))
+                    # Rows are whole 16-byte units and head offsets multiples of dim (>= 8), so
+                    # the column is a multiple of 8 words: tell Triton, for 16-byte copies.
+                    col = pl.multiple_of(lax.rem(off, c.row_words), 8)
+                    out.append((lax.div(off, c.row_words), col))
             return out
 
         k_slots = slots(c.D, c.mk)
         v_slots = slots(c.Dv, c.mv)
 
-        def page_rows(kb, masked):
-            """(first arena row of each key's page envelope, its slot in the page, its position),
-            int32 [bk] each, for the keys kb*bk ... kb*bk + bk - 1 of this request."""
-            k_idx = kb * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+        def page_env(kb):
+            """First arena row of the page envelope of each key kb*bk ... kb*bk + bk - 1 (int32
+            [bk], or a scalar when a block lies in one page).  Row index, not element offset:
+            < num_rows < 2**31, so int32 is exact.  The table index is clamped: the prefetch for
+            the block after the last one may run past the table and is never used."""
             if bk <= c.page_size:  # the block lies in one page: one scalar table read
-                page = pt_ref[b, lax.div(kb * bk, c.page_size)]
+                page = pt_ref[b, jnp.minimum(lax.div(kb * bk, c.page_size), c.P - 1)]
             else:
-                pidx = lax.div(k_idx, c.page_size)
-                if masked:  # the last block may run past the table; those lanes are masked
-                    pidx = jnp.minimum(pidx, c.P - 1)
-                page = pt_ref[b, pidx]
-            # Row index, not element offset: < num_rows < 2**31, so int32 is exact here.
-            return page * c.rows_per_page, lax.rem(k_idx, c.page_size), k_idx
+                k_idx = kb * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+                page = pt_ref[b, jnp.minimum(lax.div(k_idx, c.page_size), c.P - 1)]
+            return page * c.rows_per_page
 
         def load(rows, slot_list, dim, mask):
             """Gather [bk, dim] values of this kv head from the arena rows `rows`."""
@@ -268,13 +272,19 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
                                            mask=jnp.broadcast_to(mask[:, None], (bk, dim)), other=0))
             if c.planes == 2:
                 return join_planes(words[0], words[1], cdt)
-            return from_u16(to_u16(words[0]), cdt)
+            return words[0]  # the wrapper passes 1-plane arenas already viewed as the KV dtype
 
         qk_scale = c.scale if c.softcap is not None else c.scale * _LOG2E
 
         def step(kb, carry, masked):
-            m_i, l_i, acc = carry
-            env, slot, k_idx = page_rows(kb, masked)
+            # `env` (this block's page envelopes) was read from the table one iteration earlier:
+            # the K/V gathers then depend on a loop-carried value, not on a load in the same
+            # iteration, which lets Triton's software pipeliner prefetch K/V tiles ahead (an
+            # in-iteration table load costs a pipeline stage and serialises its latency).
+            env, m_i, l_i, acc = carry
+            env_next = page_env(kb + 1)
+            k_idx = kb * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
+            slot = lax.rem(k_idx, c.page_size)
             k_rows = env + c.k_base + slot * c.mk
             v_rows = env + c.v_base + slot * c.mv
             valid = ((k_idx >= lo) & (k_idx < hi)) if masked else None
@@ -296,14 +306,16 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dv]
             pv = lax.dot_general(p.astype(cdt), vt, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-            return m_new, l_new, acc * alpha[:, None] + pv
+            return env_next, m_new, l_new, acc * alpha[:, None] + pv
 
-        carry = (jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
+        # Each loop ends carrying page_env(its end), which is the next loop's start (an empty
+        # loop passes it through), so one table read before the first loop primes all three.
+        carry = (page_env(kb_first), jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
                  jnp.zeros((M, c.Dv), jnp.float32))
         carry = lax.fori_loop(kb_first, i_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(i_hi, kb_last, functools.partial(step, masked=True), carry)
-        m_i, l_i, acc = carry
+        _, m_i, l_i, acc = carry
 
         if c.has_sinks:
             sk = sinks_ref[pl.ds(h * c.G, c.G)].astype(jnp.float32) * _LOG2E  # [G]
@@ -344,6 +356,11 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
     if sinks is not None:
         args.append(sinks.astype(jnp.float32))
         in_specs.append(any_spec)
+    if view.planes == 1 and arena.dtype != c.kv_dtype:
+        # A same-width view (free in XLA: a bitcast, no copy) so the kernel loads bf16 tiles
+        # straight into the MMA's shared-memory operands; a bitcast inside the kernel makes Triton
+        # bounce every K/V tile through registers (shared -> regs -> shared) before the dot.
+        arena = from_u16(to_u16(arena), c.kv_dtype)
     args += [q, arena]
     in_specs += [q_spec, any_spec]
     out = pl.pallas_call(
