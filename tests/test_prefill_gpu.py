@@ -1,0 +1,91 @@
+"""paged_prefill_attention on a real GPU: the compiled Triton kernel vs the plain-JAX reference at
+real shapes (skipped without an NVIDIA GPU).
+
+Run on the GPU machine:  python -m pytest -q tests/test_prefill_gpu.py
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_paged_prefill import assert_close, kv_view, make_case  # same helpers as the CPU tests
+from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (compiled Triton kernel)"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+# (name, Hkv, G, D, ps, fp32, window, softcap, sinks, T, P, rows, extra)
+GPU_CASES = [
+    # the benchmark geometry: 32 q / 8 kv heads, D=128, page 16; prefix 0, partial page, long
+    # prefix; padding row.
+    ("llama_gqa4_p16", 8, 4, 128, 16, False, None, None, False, 1024, 200,
+     [(0, 1024), (1000, 1024), (2100, 777), (0, 0)], {}),
+    # gpt-oss-like: GQA 8, window 128, sinks, page 64, tombstoned pages, decode-like chunk of 1.
+    ("gptoss_gqa8_window_sinks", 8, 8, 64, 64, False, 128, None, True, 512, 40,
+     [(1500, 512), (0, 300), (2000, 1)], {"tombstone": True}),
+    # gemma-like: D=256, GQA 2, window 1024 + softcap, page 32.
+    ("gemma_d256_window_softcap", 4, 2, 256, 32, False, 1024, 50.0, False, 512, 120,
+     [(3000, 512), (10, 200)], {"tombstone": True}),
+    # MHA, fp32 planes (IEEE fp32 dots on the GPU).
+    ("mha_fp32_planes", 4, 1, 64, 16, True, None, None, False, 128, 30, [(200, 128), (5, 60)], {}),
+    # GQA 1 in bf16 with a multi-row token vector (row_words = D) and a bf16 arena.
+    ("mha_bf16_mk4", 4, 1, 128, 16, False, 300, None, False, 256, 60,
+     [(600, 256), (0, 256)], {"row_words": 128, "arena_dtype": jnp.bfloat16, "tombstone": True}),
+]
+
+
+@pytest.mark.parametrize("case", GPU_CASES, ids=[c[0] for c in GPU_CASES])
+def test_gpu_kernel_matches_reference(case):
+    silence_triton_deprecation()
+    name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, T, P, rows, extra = case
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    view = kv_view(Hkv, D, ps, fp32=fp32, row_words=extra.get("row_words"))
+    q, arena, pt, q_lens, kv_lens = make_case(
+        rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.float32 if fp32 else jnp.bfloat16, window=window,
+        tombstone=extra.get("tombstone", False), arena_dtype=extra.get("arena_dtype", jnp.uint16))
+    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
+    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas")
+    assert_close(out, ref, q_lens, fp32=fp32)
+
+
+def test_gpu_kernel_arena_over_4gib():
+    """Pages above the 4 GiB mark of a ~6 GiB arena (int64 offsets in the Triton kernel)."""
+    silence_triton_deprecation()
+    Hkv, G, D, ps = 8, 4, 128, 16
+    view = kv_view(Hkv, D, ps, layer=0)
+    page_bytes = view.rows_per_page * view.row_words * 2
+    num_pages = (6 << 30) // page_bytes
+    high = np.arange((5 << 30) // page_bytes, num_pages)  # every page lies past byte 5 GiB
+    rng = np.random.default_rng(5)
+    q, arena, pt, q_lens, kv_lens = make_case(rng, view, [(700, 300), (0, 512)], T=512, P=80, Hq=Hkv * G,
+                                              q_dtype=jnp.bfloat16, num_pages=num_pages, page_pool=high)
+    assert arena.nbytes > 2**32
+    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, view=view)
+    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, impl="pallas")
+    assert_close(out, ref, q_lens, fp32=False)
+
+
+def test_gpu_matches_cudnn_dense():
+    """Prefix 0 chunk == cuDNN causal flash attention on the same contiguous tokens."""
+    silence_triton_deprecation()
+    import sys, os
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from bench_prefill import build, rel_err
+
+    d = build(jax.random.PRNGKey(1), B=2, T=2048, prefix=0, prefixes=[0, 1024], Hq=32, Hkv=8, D=128, ps=16,
+              arena_gib=0.5)
+    out = paged_prefill_attention(d["q"], d["arena"], d["page_table"], d["q_lens"], d["kv_lens"], view=d["view"],
+                                  impl="pallas")
+    dense = jax.nn.dot_product_attention(d["q_full"], d["k_full"], d["v_full"], is_causal=True,
+                                         implementation="cudnn")
+    assert rel_err(out[0], dense[0, :2048]) < 2e-2
+    assert rel_err(out[1], dense[1, 1024:3072]) < 2e-2
