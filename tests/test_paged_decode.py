@@ -141,6 +141,8 @@ def test_shape_checks():
         paged_decode_attention(jnp.zeros((2, 4, 16)), arena, pt[:1], ln, view=view, impl="pallas", interpret=True)
     with pytest.raises(ValueError, match="sinks"):
         paged_decode_attention(jnp.zeros((2, 4, 16)), arena, pt, ln, view=view, sinks=jnp.zeros(3), impl="reference")
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_attention(jnp.zeros((2, 4, 16)), arena, pt, ln, view=view, window=0, impl="reference")
     with pytest.raises(NotImplementedError, match="power-of-two"):
         v48 = make_view(1, 48, 48, 4)
         a48 = jnp.zeros((8 * v48.rows_per_page, v48.row_words), jnp.uint16)

@@ -54,8 +54,12 @@ __all__ = [
 _NEG = -1e30  # finite "minus infinity" for the running max: exp(NEG - NEG) stays 1, never NaN
 
 
-def _check(q, arena, page_table, lengths, view, sinks):
+def _check(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
     check_view(arena, view)
+    if window is not None and (int(window) != window or window <= 0):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
     if q.ndim != 3 or q.shape[2] != view.head_dim:
         raise ValueError(f"q must be [B, Hq, {view.head_dim}], got {q.shape}")
     B, Hq, _ = q.shape
@@ -76,7 +80,7 @@ def _check(q, arena, page_table, lengths, view, sinks):
 def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, window=None, softcap=None,
                                      sinks=None, scale=None, kv_dtype=None):
     """Plain-JAX decode attention: gather every mapped token, mask, softmax in fp32."""
-    _check(q, arena, page_table, lengths, view, sinks)
+    _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, G = view.num_kv_heads, Hq // view.num_kv_heads
     P = page_table.shape[1]
@@ -221,7 +225,7 @@ def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: i
 def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, window=None, softcap=None,
                          scale=None, kv_dtype=None, interpret=False, block_tokens=None, num_splits=None,
                          num_warps=4, num_stages=2):
-    _check(q, arena, page_table, lengths, view, sinks)
+    _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, Dv, ps = view.num_kv_heads, view.v_head_dim, view.page_size
     G = Hq // Hkv
