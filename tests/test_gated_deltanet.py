@@ -155,13 +155,18 @@ def test_decode_bf16_inputs_bf16_arena():
     assert rel_err(_states(case, a_pal)[1][case.real], S_hf[case.real]) <= BF16_TOL
 
 
-def test_prefill_matches_hf_loop_with_q_lens():
+ALGOS = [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 4, id="chunked4"),
+         pytest.param("chunked", 64, id="chunked64")]
+
+
+@pytest.mark.parametrize("algo,chunk", ALGOS)
+def test_prefill_matches_hf_loop_with_q_lens(algo, chunk):
     case = Case(2, 4, 16, 8, row_words=64, B=4, seed=13)
     T = 6
     qkv, a, b = case.inputs(T)
     q_lens = jnp.array([6, 0, 2, 5], jnp.int32)
     o, arena = gdn_prefill(case.arena, case.slots, qkv, a, b, q_lens, *case.params(), view=case.view,
-                           impl="reference")
+                           impl="reference", algo=algo, chunk_size=chunk)
     o = np.asarray(o)
     conv, S = _states(case, arena)
     assert_rows_untouched(case.arena0, arena, slot_rows(case.view, case.slots))
@@ -206,7 +211,8 @@ def test_two_chunks_equal_one_and_decode_continues_prefill():
         assert rel_err(got[real], want[real]) <= F32_TOL
 
 
-def test_prefill_checkpoints_and_reset():
+@pytest.mark.parametrize("algo,chunk", [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 2, id="chunked2")])
+def test_prefill_checkpoints_and_reset(algo, chunk):
     case = Case(2, 4, 16, 8, row_words=64, B=2, num_slots=8, seed=19)
     T = 4
     qkv, a, b = case.inputs(T)
@@ -218,7 +224,7 @@ def test_prefill_checkpoints_and_reset():
     pos = jnp.array([[0, 3], [3, -1]], jnp.int32)
     ck = jnp.array([[1, 3], [4, 6]], jnp.int32)
     _, out = gdn_prefill(arena, slots, qkv[:2], a[:2], b[:2], q_lens, *case.params(), view=case.view, reset=reset,
-                         checkpoint_positions=pos, checkpoint_slots=ck)
+                         checkpoint_positions=pos, checkpoint_slots=ck, algo=algo, chunk_size=chunk)
     assert_rows_untouched(case.arena0, out, slot_rows(case.view, jnp.array([2, 5, 1, 3, 4])))
     zero_conv = jnp.zeros_like(case.conv0[:1])
     zero_S = jnp.zeros_like(case.S0[:1])

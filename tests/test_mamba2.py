@@ -157,14 +157,19 @@ def test_decode_bf16_inputs_bf16_arena():
 # ------------------------------------------------------------------------------ prefill
 
 
-def test_prefill_matches_hf_loop_with_q_lens_and_dt_clamp():
+ALGOS = [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 4, id="chunked4"),
+         pytest.param("chunked", 64, id="chunked64")]
+
+
+@pytest.mark.parametrize("algo,chunk", ALGOS)
+def test_prefill_matches_hf_loop_with_q_lens_and_dt_clamp(algo, chunk):
     case = Case(4, 8, 16, 2, row_words=64, B=4, seed=5)
     T = 6
     xbc, dt = case.inputs(T)
     q_lens = jnp.array([6, 3, 0, 1], jnp.int32)
     dt_min = 0.5  # large enough that the clamp bites
     y, arena = mamba2_prefill(case.arena, case.slots, xbc, dt, q_lens, *case.params(), view=case.view,
-                              dt_min=dt_min, impl="reference")
+                              dt_min=dt_min, impl="reference", algo=algo, chunk_size=chunk)
     y = np.asarray(y)
     conv, S = _states(case, arena)
     assert_rows_untouched(case.arena0, arena, slot_rows(case.view, case.slots))
@@ -212,7 +217,8 @@ def test_two_chunks_equal_one_and_decode_continues_prefill():
         assert rel_err(got[real], want[real]) <= F32_TOL
 
 
-def test_prefill_checkpoints():
+@pytest.mark.parametrize("algo,chunk", [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 2, id="chunked2")])
+def test_prefill_checkpoints(algo, chunk):
     case = Case(4, 8, 16, 2, row_words=64, B=3, num_slots=12, seed=9)
     T = 5
     xbc, dt = case.inputs(T)
@@ -223,7 +229,7 @@ def test_prefill_checkpoints():
     ck = jnp.array([[4, 5, 0], [8, 9, 10], [11, 6, 1]], jnp.int32)
     arena = write_state_reference(case.arena0, slots, {"conv": case.conv0, "ssm": case.S0}, view=case.view)
     y, a = mamba2_prefill(arena, slots, xbc, dt, q_lens, *case.params(), view=case.view, checkpoint_positions=pos,
-                          checkpoint_slots=ck)
+                          checkpoint_slots=ck, algo=algo, chunk_size=chunk)
     written = {3, 7, 4, 5, 11, 1}
     assert_rows_untouched(case.arena0, a, slot_rows(case.view, jnp.array(sorted(written))))
     for b, row in enumerate(np.asarray(pos)):

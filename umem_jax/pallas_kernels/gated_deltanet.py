@@ -259,27 +259,10 @@ def gdn_decode(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, im
 # --------------------------------------------------------------------------- prefill
 
 
-def gdn_prefill_reference(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset=None,
-                          checkpoint_positions=None, checkpoint_slots=None, state_impl: str | None = "reference",
-                          interpret: bool = False):
-    """Prefill a padded chunk by a `lax.scan` over its tokens (HF's recurrent delta rule).
-
-    qkv [B, T, conv_dim]; a, b [B, T, Hv]; q_lens int32 [B] (tokens j >= q_len leave the state
-    untouched; their o is 0).  Starts from the slot's state, or zeros where reset [B] is set.
-    checkpoint_positions / checkpoint_slots int32 [B, Kc]: the state after the first p tokens of
-    the chunk (0 <= p <= q_len) also goes to slot s; p = -1 or s = 0 is padding.
-    Returns (o [B, T, Hv, Dv] in qkv's dtype, arena).
-    """
-    check_state_view(arena, view)
-    d = gdn_dims(view)
-    B, T = qkv.shape[:2]
-    _check(qkv, a, b, conv_weight, A_log, dt_bias, d, (B, T))
-    q_lens = q_lens.astype(jnp.int32)
-    pos, ck_slots = _checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
-    st = _initial(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
-    xc, conv_final, conv_at = conv_prefill_reference(st["conv"], qkv, q_lens, conv_weight, None, positions=pos)
-    g, beta = _gates(a, b, A_log, dt_bias)                                   # [B, T, Hv]
-    S0 = st["recurrent"]
+def _scan_core(S0, xc, g, beta, q_lens, pos, d: GDNDims):
+    """Per-token recurrence.  S0 [B, Hv, Dv, Dk]; xc fp32 [B, T, conv_dim]; g, beta [B, T, Hv];
+    pos [B, Kc] | None -> (o [B, T, Hv, Dv], S, ck [B, Kc, Hv, Dv, Dk] | None)."""
+    T = xc.shape[1]
 
     def body(carry, inp):
         S, ck = carry
@@ -295,7 +278,101 @@ def gdn_prefill_reference(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, d
         ck0 = jnp.where((pos == 0)[:, :, None, None, None], S0[:, None], jnp.zeros((), jnp.float32))
     sw = lambda x: jnp.swapaxes(x, 0, 1)
     (S, ck), os_ = jax.lax.scan(body, (S0, ck0), (jnp.arange(T, dtype=jnp.int32), sw(xc), sw(g), sw(beta)))
-    o = sw(os_)
+    return sw(os_), S, ck
+
+
+def _chunked_core(S0, xc, g, beta, q_lens, pos, d: GDNDims, chunk: int):
+    """Chunked delta rule (the WY/UT form of HF's `torch_chunk_gated_delta_rule`; same contract
+    as _scan_core).  Padding tokens get g = 0 and beta = 0: decay 1 and no update, so the state
+    passes through them.  Per chunk of L tokens with gc = cumsum(g) and S in HF orientation
+    [Dk, Dv]:
+      M      = strictly-lower (beta_t k_t . k_s) exp(gc_t - gc_s);   U = (I + M)^-1
+      delta  = U (beta v) - U (beta exp(gc) k) S_prev                  (the per-token deltas)
+      o_t    = exp(gc_t) q_t S_prev + sum_{s<=t} exp(gc_t - gc_s) (q_t . k_s) delta_s
+      S_end  = exp(gc_L) S_prev + sum_s exp(gc_L - gc_s) k_s (outer) delta_s
+    (every exponent is <= 0).  The triangular inverse is a unit-lower triangular solve."""
+    hp = "highest"
+    B, T = xc.shape[:2]
+    H, Dk, Dv = d.v_heads, d.k_dim, d.v_dim
+    L = min(chunk, T)
+    nc = -(-T // L)
+    live = jnp.arange(T)[None, :, None] < q_lens[:, None, None]
+    g = jnp.where(live, g, 0.0)
+    beta = jnp.where(live, beta, 0.0)
+    q, k, v = jax.vmap(lambda x: _qkv(x, d), in_axes=1, out_axes=1)(xc)       # [B, T, H, Dk|Dv]
+
+    def chunks(a):  # [B, T, ...] -> [nc, B, L, ...], zero-padded (g = beta = 0 there: inert)
+        a = jnp.pad(a, ((0, 0), (0, nc * L - T)) + ((0, 0),) * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(B, nc, L, *a.shape[2:]), 1, 0)
+
+    strict = jnp.tril(jnp.ones((L, L), bool), -1)
+    causal = jnp.tril(jnp.ones((L, L), bool))
+    s_idx = jnp.arange(L)
+    eye = jnp.eye(L, dtype=jnp.float32)
+
+    def body(carry, inp):
+        S, ck = carry                                                        # S [B, H, Dk, Dv] (HF)
+        c, q_c, k_c, v_c, g_c, b_c = inp                                     # [B, L, H, .], g/b [B, L, H]
+        gc = jnp.cumsum(g_c, axis=1)                                         # [B, L, H]
+        seg = gc[:, :, None, :] - gc[:, None, :, :]                          # [B, t, s, H]
+        decay = jnp.exp(jnp.where(causal[None, :, :, None], seg, -jnp.inf))  # 0 above the diagonal
+        kk = jnp.einsum("bthd,bshd->btsh", k_c, k_c, precision=hp)
+        M = jnp.where(strict[None, :, :, None], b_c[:, :, None, :] * kk * decay, 0.0)
+        IM = jnp.moveaxis(M, 3, 1) + eye                                     # [B, H, t, s] unit lower
+        rhs = jnp.concatenate([jnp.moveaxis(b_c[..., None] * v_c, 2, 1),
+                               jnp.moveaxis((b_c * jnp.exp(gc))[..., None] * k_c, 2, 1)], axis=-1)
+        sol = jax.lax.linalg.triangular_solve(IM, rhs, left_side=True, lower=True, unit_diagonal=True)
+        u_v, u_k = sol[..., :Dv], sol[..., Dv:]                              # [B, H, L, Dv|Dk]
+        delta = u_v - jnp.einsum("bhtk,bhkv->bhtv", u_k, S, precision=hp)    # [B, H, L, Dv]
+        qk = jnp.einsum("bthd,bshd->bhts", q_c, k_c, precision=hp) * jnp.moveaxis(decay, 3, 1)
+        eg = jnp.moveaxis(jnp.exp(gc), 2, 1)                                 # [B, H, L]
+        o = (eg[..., None] * jnp.einsum("bthk,bhkv->bhtv", q_c, S, precision=hp)
+             + jnp.einsum("bhts,bhsv->bhtv", qk, delta, precision=hp))
+        kh = jnp.moveaxis(k_c, 2, 1)                                         # [B, H, L, Dk]
+        gch = jnp.moveaxis(gc, 2, 1)                                         # [B, H, L]
+        w_end = jnp.exp(gch[..., -1:] - gch)
+        S_new = jnp.exp(gc[:, -1])[..., None, None] * S + jnp.einsum("bhs,bhsk,bhsv->bhkv", w_end, kh, delta,
+                                                                      precision=hp)
+        if ck is not None:
+            li = pos - c * L - 1
+            inside = (li >= 0) & (li < L)
+            lic = jnp.clip(li, 0, L - 1)
+            g_li = jnp.take_along_axis(gc, lic[:, :, None], axis=1)          # [B, Kc, H]
+            before = (s_idx[None, None, :] <= lic[:, :, None])[:, :, None, :]  # [B, Kc, 1, L]
+            gcs = jnp.moveaxis(gc, 2, 1)[:, None]                             # [B, 1, H, L]
+            w = jnp.where(before, jnp.exp(jnp.where(before, g_li[..., None] - gcs, 0.0)), 0.0)
+            S_k = (jnp.exp(g_li)[..., None, None] * S[:, None]
+                   + jnp.einsum("bchs,bhsk,bhsv->bchkv", w, kh, delta, precision=hp))
+            ck = jnp.where(inside[:, :, None, None, None], S_k, ck)
+        return (S_new, ck), jnp.moveaxis(o, 1, 2)                            # o [B, L, H, Dv]
+
+    hf = lambda x: jnp.swapaxes(x, -1, -2)                                   # arena [.., Dv, Dk] <-> HF [.., Dk, Dv]
+    ck0 = None
+    if pos is not None:
+        ck0 = jnp.where((pos == 0)[:, :, None, None, None], hf(S0)[:, None], jnp.zeros((), jnp.float32))
+    (S, ck), os_ = jax.lax.scan(body, (hf(S0), ck0), (jnp.arange(nc, dtype=jnp.int32), chunks(q), chunks(k),
+                                                       chunks(v), chunks(g), chunks(beta)))
+    o = jnp.moveaxis(os_, 0, 1).reshape(B, nc * L, H, Dv)[:, :T]
+    return o, hf(S), (None if ck is None else hf(ck))
+
+
+def _prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset, checkpoint_positions,
+             checkpoint_slots, state_impl, interpret, algo, chunk_size):
+    check_state_view(arena, view)
+    d = gdn_dims(view)
+    B, T = qkv.shape[:2]
+    _check(qkv, a, b, conv_weight, A_log, dt_bias, d, (B, T))
+    if algo not in ("scan", "chunked"):
+        raise ValueError(f"algo must be 'scan' or 'chunked', got {algo!r}")
+    q_lens = q_lens.astype(jnp.int32)
+    pos, ck_slots = _checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
+    st = _initial(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
+    xc, conv_final, conv_at = conv_prefill_reference(st["conv"], qkv, q_lens, conv_weight, None, positions=pos)
+    g, beta = _gates(a, b, A_log, dt_bias)                                   # [B, T, Hv]
+    if algo == "scan":
+        o, S, ck = _scan_core(st["recurrent"], xc, g, beta, q_lens, pos, d)
+    else:
+        o, S, ck = _chunked_core(st["recurrent"], xc, g, beta, q_lens, pos, d, chunk_size)
     valid = (jnp.arange(T)[None, :] < q_lens[:, None]) & (slots != 0)[:, None]
     o = jnp.where(valid[:, :, None, None], o, 0.0).astype(qkv.dtype)
     arena = write_state(arena, slots, {"conv": conv_final, "recurrent": S}, view=view, impl=state_impl,
@@ -310,11 +387,27 @@ def gdn_prefill_reference(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, d
     return o, arena
 
 
+def gdn_prefill_reference(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset=None,
+                          checkpoint_positions=None, checkpoint_slots=None):
+    """Prefill a padded chunk by a `lax.scan` over its tokens (HF's recurrent delta rule).
+
+    qkv [B, T, conv_dim]; a, b [B, T, Hv]; q_lens int32 [B] (tokens j >= q_len leave the state
+    untouched; their o is 0).  Starts from the slot's state, or zeros where reset [B] is set.
+    checkpoint_positions / checkpoint_slots int32 [B, Kc]: the state after the first p tokens of
+    the chunk (0 <= p <= q_len) also goes to slot s; p = -1 or s = 0 is padding.
+    Returns (o [B, T, Hv, Dv] in qkv's dtype, arena).
+    """
+    return _prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, view=view, reset=reset,
+                    checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
+                    state_impl="reference", interpret=False, algo="scan", chunk_size=0)
+
+
 def gdn_prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset=None,
-                checkpoint_positions=None, checkpoint_slots=None, impl: str | None = None, interpret: bool = False):
-    """Prefill one padded chunk per request from the state in its slot; see
-    `gdn_prefill_reference`.  Plain JAX; `impl` picks the state read/write path."""
-    return gdn_prefill_reference(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, view=view,
-                                 reset=reset, checkpoint_positions=checkpoint_positions,
-                                 checkpoint_slots=checkpoint_slots, state_impl=resolve_impl(impl, interpret),
-                                 interpret=interpret)
+                checkpoint_positions=None, checkpoint_slots=None, algo: str = "chunked", chunk_size: int = 64,
+                impl: str | None = None, interpret: bool = False):
+    """Prefill one padded chunk per request from the state in its slot (arguments as
+    `gdn_prefill_reference`).  Plain JAX: algo "chunked" (WY form, default) or "scan" (per
+    token); `impl` picks the state read/write path.  Returns (o [B, T, Hv, Dv], arena)."""
+    return _prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, view=view, reset=reset,
+                    checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
+                    state_impl=resolve_impl(impl, interpret), interpret=interpret, algo=algo, chunk_size=chunk_size)

@@ -264,39 +264,18 @@ def _initial(st, reset):
     return {k: jnp.where(keep.reshape(-1, *([1] * (v.ndim - 1))), v, jnp.zeros((), v.dtype)) for k, v in st.items()}
 
 
-def mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
-                             dt_min: float = 0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None,
-                             state_impl: str | None = "reference", interpret: bool = False):
-    """Prefill a padded chunk by a `lax.scan` over its tokens (the exact per-token recurrence).
-
-    xbc [B, T, conv_dim], dt [B, T, H] raw; q_lens int32 [B] valid tokens per row (tokens
-    j >= q_len leave the state untouched; their y is 0).  The scan starts from the state in the
-    slot, or from zeros where reset [B] (bool) is set (a request's first chunk).  dt is clamped
-    to [dt_min, inf) after the softplus, as NemotronH's prefill does.
-    checkpoint_positions / checkpoint_slots int32 [B, Kc]: the state after the first p tokens of
-    this chunk (0 <= p <= q_len) is also written to checkpoint slot s; p = -1 or s = 0 is padding.
-    Returns (y [B, T, H, P] in xbc's dtype, arena).
-    """
-    check_state_view(arena, view)
-    d = mamba2_dims(view)
-    B, T = xbc.shape[:2]
-    _check(xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, d, (B, T))
-    q_lens = q_lens.astype(jnp.int32)
-    pos, ck_slots = _checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
-    st = _initial(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
-    xc, conv_final, conv_at = conv_prefill_reference(st["conv"], xbc, q_lens, conv_weight, conv_bias,
-                                                     positions=pos)
-    S0 = st["ssm"]
+def _scan_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d: Mamba2Dims, dt_min):
+    """Per-token recurrence (lax.scan over T).  S0 [B, H, P, N]; xc fp32 [B, T, conv_dim]; dt raw
+    [B, T, H]; pos [B, Kc] | None -> (y [B, T, H, P], S [B, H, P, N], ck [B, Kc, H, P, N] | None)."""
+    T = xc.shape[1]
 
     def body(carry, inp):
         S, ck = carry
         t, xc_t, dt_t = inp
         y, S_new = _ssm_step(S, xc_t, dt_t, A_log, dt_bias, D, d, dt_min)
-        live = (t < q_lens)[:, None, None, None]
-        S = jnp.where(live, S_new, S)
+        S = jnp.where((t < q_lens)[:, None, None, None], S_new, S)
         if ck is not None:  # checkpoint p = t + 1: the state after token t
-            hit = (pos == t + 1)[:, :, None, None, None]
-            ck = jnp.where(hit, S[:, None], ck)
+            ck = jnp.where((pos == t + 1)[:, :, None, None, None], S[:, None], ck)
         return (S, ck), y
 
     ck0 = None
@@ -304,7 +283,93 @@ def mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bi
         ck0 = jnp.where((pos == 0)[:, :, None, None, None], S0[:, None], jnp.zeros((), jnp.float32))
     (S, ck), ys = jax.lax.scan(body, (S0, ck0), (jnp.arange(T, dtype=jnp.int32), jnp.swapaxes(xc, 0, 1),
                                                   jnp.swapaxes(dt, 0, 1)))
-    y = jnp.swapaxes(ys, 0, 1)                                               # [B, T, H, P]
+    return jnp.swapaxes(ys, 0, 1), S, ck
+
+
+def _chunked_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d: Mamba2Dims, dt_min, chunk: int):
+    """SSD-style chunked scan (same contract as _scan_core): inside a chunk of L tokens every
+    output and the end state are matmuls over decay-weighted pairs; a lax.scan carries the state
+    across the T/L chunks.  Padding tokens get dt = 0, i.e. decay 1 and no input: the state passes
+    through them unchanged, so one formula serves every q_len.
+
+    Per chunk, with a_t = dt_t * A_h, Ac = cumsum(a) (<= 0, decreasing), u_t = dt_t x_t:
+      y_t   = sum_{s<=t} exp(Ac_t - Ac_s) (C_t . B_s) u_s + exp(Ac_t) C_t S_prev + D x_t
+      S_end = exp(Ac_L) S_prev + sum_s exp(Ac_L - Ac_s) u_s (outer) B_s
+    (every exponent is <= 0, so nothing overflows)."""
+    hp = "highest"
+    B, T = xc.shape[:2]
+    H, P, N, G = d.heads, d.head_dim, d.state_size, d.groups
+    R = H // G
+    L = min(chunk, T)
+    nc = -(-T // L)
+    x, Bm, Cm = _split(xc, d)                                                 # [B,T,H,P], [B,T,G,N] x2
+    dts = softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    if dt_min is not None:
+        dts = jnp.maximum(dts, dt_min)
+    dts = jnp.where(jnp.arange(T)[None, :, None] < q_lens[:, None, None], dts, 0.0)
+    A = -jnp.exp(A_log.astype(jnp.float32))
+    Dv = D.astype(jnp.float32)
+
+    def chunks(a):  # [B, T, ...] -> [nc, B, L, ...] (zero-padded: dt 0 there, so inert)
+        a = jnp.pad(a, ((0, 0), (0, nc * L - T)) + ((0, 0),) * (a.ndim - 2))
+        return jnp.moveaxis(a.reshape(B, nc, L, *a.shape[2:]), 1, 0)
+
+    causal = jnp.tril(jnp.ones((L, L), bool))
+    s_idx = jnp.arange(L)
+
+    def body(carry, inp):
+        S, ck = carry
+        c, x_c, B_c, C_c, dt_c = inp
+        Ac = jnp.cumsum(dt_c * A, axis=1)                                      # [B, L, H]
+        u = dt_c[..., None] * x_c                                             # [B, L, H, P]
+        Bh, Ch = jnp.repeat(B_c, R, axis=2), jnp.repeat(C_c, R, axis=2)       # [B, L, H, N]
+        seg = Ac[:, :, None, :] - Ac[:, None, :, :]                           # [B, t, s, H]
+        decay = jnp.where(causal[None, :, :, None], jnp.exp(jnp.where(causal[None, :, :, None], seg, 0.0)), 0.0)
+        CB = jnp.repeat(jnp.einsum("btgn,bsgn->btsg", C_c, B_c, precision=hp), R, axis=3)
+        y = jnp.einsum("btsh,bshp->bthp", decay * CB, u, precision=hp)
+        y = y + jnp.exp(Ac)[..., None] * jnp.einsum("bthn,bhpn->bthp", Ch, S, precision=hp)
+        y = y + Dv[:, None] * x_c
+        w_end = jnp.exp(Ac[:, -1:, :] - Ac)                                    # [B, L, H]
+        S_new = jnp.exp(Ac[:, -1])[..., None, None] * S + jnp.einsum("bsh,bshp,bshn->bhpn", w_end, u, Bh,
+                                                                      precision=hp)
+        if ck is not None:  # state after local token li = pos - c*L - 1, for pos in this chunk
+            li = pos - c * L - 1                                              # [B, Kc]
+            inside = (li >= 0) & (li < L)
+            lic = jnp.clip(li, 0, L - 1)
+            Ac_li = jnp.take_along_axis(Ac, lic[:, :, None], axis=1)          # [B, Kc, H]
+            before = (s_idx[None, None, :] <= lic[:, :, None])[..., None]     # [B, Kc, L, 1]
+            w = jnp.where(before, jnp.exp(jnp.where(before, Ac_li[:, :, None, :] - Ac[:, None], 0.0)), 0.0)
+            S_k = (jnp.exp(Ac_li)[..., None, None] * S[:, None]
+                   + jnp.einsum("bksh,bshp,bshn->bkhpn", w, u, Bh, precision=hp))
+            ck = jnp.where(inside[:, :, None, None, None], S_k, ck)
+        return (S_new, ck), y
+
+    ck0 = None
+    if pos is not None:
+        ck0 = jnp.where((pos == 0)[:, :, None, None, None], S0[:, None], jnp.zeros((), jnp.float32))
+    (S, ck), ys = jax.lax.scan(body, (S0, ck0), (jnp.arange(nc, dtype=jnp.int32), chunks(x), chunks(Bm),
+                                                  chunks(Cm), chunks(dts)))
+    y = jnp.moveaxis(ys, 0, 1).reshape(B, nc * L, H, P)[:, :T]
+    return y, S, ck
+
+
+def _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view, dt_min, reset,
+             checkpoint_positions, checkpoint_slots, state_impl, interpret, algo, chunk_size):
+    check_state_view(arena, view)
+    d = mamba2_dims(view)
+    B, T = xbc.shape[:2]
+    _check(xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, d, (B, T))
+    if algo not in ("scan", "chunked"):
+        raise ValueError(f"algo must be 'scan' or 'chunked', got {algo!r}")
+    q_lens = q_lens.astype(jnp.int32)
+    pos, ck_slots = _checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
+    st = _initial(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
+    xc, conv_final, conv_at = conv_prefill_reference(st["conv"], xbc, q_lens, conv_weight, conv_bias,
+                                                     positions=pos)
+    if algo == "scan":
+        y, S, ck = _scan_core(st["ssm"], xc, dt, q_lens, pos, A_log, dt_bias, D, d, dt_min)
+    else:
+        y, S, ck = _chunked_core(st["ssm"], xc, dt, q_lens, pos, A_log, dt_bias, D, d, dt_min, chunk_size)
     valid = (jnp.arange(T)[None, :] < q_lens[:, None]) & (slots != 0)[:, None]
     y = jnp.where(valid[:, :, None, None], y, 0.0).astype(xbc.dtype)
     arena = write_state(arena, slots, {"conv": conv_final, "ssm": S}, view=view, impl=state_impl, interpret=interpret)
@@ -318,13 +383,32 @@ def mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bi
     return y, arena
 
 
+def mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
+                             dt_min: float = 0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None):
+    """Prefill a padded chunk by a `lax.scan` over its tokens (the exact per-token recurrence).
+
+    xbc [B, T, conv_dim], dt [B, T, H] raw; q_lens int32 [B] valid tokens per row (tokens
+    j >= q_len leave the state untouched; their y is 0).  The scan starts from the state in the
+    slot, or from zeros where reset [B] (bool) is set (a request's first chunk).  dt is clamped
+    to [dt_min, inf) after the softplus, as NemotronH's prefill does.
+    checkpoint_positions / checkpoint_slots int32 [B, Kc]: the state after the first p tokens of
+    this chunk (0 <= p <= q_len) is also written to checkpoint slot s; p = -1 or s = 0 is padding.
+    Returns (y [B, T, H, P] in xbc's dtype, arena).
+    """
+    return _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, view=view,
+                    dt_min=dt_min, reset=reset, checkpoint_positions=checkpoint_positions,
+                    checkpoint_slots=checkpoint_slots, state_impl="reference", interpret=False, algo="scan",
+                    chunk_size=0)
+
+
 def mamba2_prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
                    dt_min: float = 0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None,
-                   impl: str | None = None, interpret: bool = False):
-    """Prefill one padded chunk per request from the state in its slot; see
-    `mamba2_prefill_reference` for the arguments.  Plain JAX (a scan); `impl` picks the state
-    read/write path (Pallas on GPU).  Returns (y [B, T, H, P], arena)."""
-    return mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D,
-                                    view=view, dt_min=dt_min, reset=reset, checkpoint_positions=checkpoint_positions,
-                                    checkpoint_slots=checkpoint_slots, state_impl=resolve_impl(impl, interpret),
-                                    interpret=interpret)
+                   algo: str = "chunked", chunk_size: int = 64, impl: str | None = None, interpret: bool = False):
+    """Prefill one padded chunk per request from the state in its slot (arguments as
+    `mamba2_prefill_reference`).  Plain JAX: algo "chunked" (SSD, default; `chunk_size` tokens
+    per matmul block) or "scan" (per token).  `impl` picks the state read/write path (Pallas on
+    GPU).  Returns (y [B, T, H, P] in xbc's dtype, arena)."""
+    return _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, view=view,
+                    dt_min=dt_min, reset=reset, checkpoint_positions=checkpoint_positions,
+                    checkpoint_slots=checkpoint_slots, state_impl=resolve_impl(impl, interpret), interpret=interpret,
+                    algo=algo, chunk_size=chunk_size)
