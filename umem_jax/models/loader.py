@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -180,8 +181,10 @@ def gguf_config(reader) -> ModelConfig:
     g = lambda k, d=None: _field(reader, f"gemma3.{k}", d)
     n, d, heads = g("block_count"), g("embedding_length"), g("attention.head_count")
     head_dim = g("attention.key_length", d // heads)
-    # llama.cpp: the 27B model scales queries by (d / heads) ** -0.5, the others by head_dim ** -0.5.
-    qpas = d // heads if n == 62 else head_dim
+    # An explicit attention.scale wins; else llama.cpp's rule: the 27B model (62 blocks) scales
+    # queries by (d / heads) ** -0.5, the others by head_dim ** -0.5.
+    scale = g("attention.scale")
+    qpas = float(scale) ** -2 if scale else (d // heads if n == 62 else head_dim)
     scaling = g("rope.scaling.type")
     factor = g("rope.scaling.factor", 1.0)
     full_rope = RopeConfig(float(g("rope.freq_base", 1e6)), "linear" if scaling == "linear" else "default",
@@ -244,7 +247,8 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
-    _gguf_tokenizer(path, out)
+    if "tokenizer.ggml.model" in reader.fields:
+        _gguf_tokenizer(path, out)
     done.write_text(str(path))
     return out
 
@@ -281,7 +285,11 @@ def _gguf_tokenizer(gguf_path: Path, out: Path) -> None:
         from transformers import AutoTokenizer
     except ImportError:
         return
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as e:  # a GGUF without a usable tokenizer: weights still load
+        warnings.warn(f"{gguf_path.name}: no tokenizer.json could be built ({type(e).__name__}: {e})")
+        return
     tok.save_pretrained(str(out))
 
 
