@@ -154,6 +154,16 @@ def run(results, args):
     arena_gib = float(getattr(args, "arena_gib", 0) or (0.0 if small else 6.0))
     interpret = small
     on_gpu = jax.default_backend() == "gpu"
+    # Time budget: an absolute `args.deadline` (time.time()) from a caller, or `args.prefill_budget`
+    # seconds from now.  Past it the sweep stops and the remaining table rows are skipped.
+    deadline = getattr(args, "deadline", None)
+    if deadline is None:
+        budget = getattr(args, "prefill_budget", None)
+        deadline = time.time() + budget if budget else float("inf")
+
+    def over(reserve=0.0):
+        return time.time() > deadline - reserve
+
     if not small and not on_gpu:
         print("bench_prefill: no GPU; run with --small for the CPU interpret-mode smoke test")
         return results
@@ -215,6 +225,9 @@ def run(results, args):
         data = [build(key, B=B, T=T, prefix=p, Hq=Hq, Hkv=Hkv, D=D, ps=ps, arena_gib=arena_gib) for B, p in sweep_shapes]
         scores = {}
         for cfg in dict.fromkeys([default] + configs):
+            if scores and over(reserve=150):
+                print("  sweep: time budget reached, stopping", flush=True)
+                break
             try:
                 ts = []
                 for (B, p), d in zip(sweep_shapes, data):
@@ -237,16 +250,22 @@ def run(results, args):
     print(f"{'B':>2} {'T':>5} {'prefix':>6} | {'paged ms':>9} {'TFLOP/s':>8} | {baseline_impl + ' ms':>9} "
           f"{'TFLOP/s':>8} (S=prefix+T) | ratio | max|diff| vs baseline", flush=True)
     for B, p in shapes:
+        if over():
+            print(f"  B={B} prefix={p}: skipped (time budget reached)", flush=True)
+            results.append(dict(bench="prefill", kind="perf", name="prefill_paged", B=B, T=T, prefix=p,
+                                note="skipped: time budget reached"))
+            continue
         d = build(key, B=B, T=T, prefix=p, Hq=Hq, Hkv=Hkv, D=D, ps=ps, arena_gib=arena_gib)
         args_k = (d["q"], d["arena"], d["page_table"], d["q_lens"], d["kv_lens"])
-        row = dict(bench="prefill", kind="perf", B=B, T=T, prefix=p, Hq=Hq, Hkv=Hkv, D=D, page_size=ps,
+        row = dict(bench="prefill", kind="perf", name="prefill_paged", shape=f"B={B} T={T} prefix={p} {Hq}/{Hkv}x{D} ps{ps}",
+                   B=B, T=T, prefix=p, Hq=Hq, Hkv=Hkv, D=D, page_size=ps,
                    arena_gib=round(d["num_pages"] * d["view"].rows_per_page * d["view"].row_words * 2 / 2**30, 2),
                    config=list(best_cfg))
         try:
             f = kernel_fn(d["view"], best_cfg, interpret=interpret)
             t_k = timeit(f, *args_k, iters=iters, reps=1 if small else 3)
             out_k = f(*args_k)
-            row.update(paged_ms=t_k * 1e3, paged_tflops=4 * Hq * D * B * pairs(p, T) / t_k / 1e12)
+            row.update(us=t_k * 1e6, paged_ms=t_k * 1e3, paged_tflops=4 * Hq * D * B * pairs(p, T) / t_k / 1e12)
             if best_cfg != default:
                 fd = kernel_fn(d["view"], default, interpret=interpret)
                 t_d = timeit(fd, *args_k, iters=iters, reps=1 if small else 3)
@@ -285,12 +304,16 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=0, help="calls per timing rep (default 20; 1 with --small)")
     ap.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the tiling sweep")
     ap.add_argument("--arena-gib", type=float, default=0.0, help="arena size (default 6 GiB on GPU, > 4 GiB)")
-    ap.add_argument("--json", default=None, help="write the result rows to this file")
+    ap.add_argument("--json", default=None, help="write the result rows here (default $OUT/bench_prefill.json if $OUT)")
+    ap.add_argument("--budget", dest="prefill_budget", type=float, default=420.0,
+                    help="seconds; past it the sweep stops and later shapes are skipped (default 420)")
     args = ap.parse_args(argv)
+    path = args.json or (os.path.join(os.environ["OUT"], "bench_prefill.json") if os.environ.get("OUT") else None)
     results = run([], args)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+    if path:
+        with open(path, "w") as fh:
+            json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), rows=results), fh, indent=1,
+                      default=str)
     return 0
 
 

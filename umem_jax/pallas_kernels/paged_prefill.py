@@ -349,8 +349,9 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
         scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None)
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    q_spec = pl.BlockSpec((None, bq, G, D), lambda i, h, b: (b, nqb - 1 - i, h, 0))
-    o_spec = pl.BlockSpec((None, bq, G, Dv), lambda i, h, b: (b, nqb - 1 - i, h, 0))
+    sq = getattr(pl, "squeezed", None)  # the batch dim of q/o blocks is squeezed away
+    q_spec = pl.BlockSpec((sq, bq, G, D), lambda i, h, b: (b, nqb - 1 - i, h, 0))
+    o_spec = pl.BlockSpec((sq, bq, G, Dv), lambda i, h, b: (b, nqb - 1 - i, h, 0))
     args = [q_lens, kv_lens, page_table]
     in_specs = [any_spec] * 3
     if sinks is not None:
