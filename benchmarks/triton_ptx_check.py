@@ -76,9 +76,10 @@ def dump(out_dir):
     for name, (Hkv, G, D, ps, planes, W, bt, nw, ns) in {
         "decode_g4_d128_bt128_w4_s2": (8, 4, 128, 16, 1, None, 128, 4, 2),
         "decode_g4_d128_bt128_w4_s3": (8, 4, 128, 16, 1, None, 128, 4, 3),
-        "decode_g4_d128_bt256_w8_s3": (8, 4, 128, 16, 1, None, 256, 8, 3),
+        "decode_g4_d128_bt64_w4_s3": (8, 4, 128, 16, 1, None, 64, 4, 3),
+        "decode_g4_d128_bt64_w8_s4": (8, 4, 128, 16, 1, None, 64, 8, 4),
         "decode_g1_d128_bt64_w4_s3": (8, 1, 128, 16, 1, None, 64, 4, 3),
-        "decode_g8_d256_ps64_bt64": (8, 8, 256, 64, 1, None, 64, 4, 2),
+        "decode_g8_d256_ps64_bt32": (8, 8, 256, 64, 1, None, 32, 4, 3),
         "decode_g4_d64_ps32_mk4": (4, 4, 64, 32, 1, 64, 128, 4, 2),
         "decode_fp32_planes_bt32": (8, 4, 128, 16, 2, None, 32, 4, 2),
     }.items():

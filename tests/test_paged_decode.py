@@ -52,6 +52,8 @@ CASES = {
                           dict(block_tokens=32, num_splits=3)),
     "rows_narrower_than_k_mk4": (dict(Hkv=4, G=2, D=64, ps=16, P=3, lengths=[48, 20], row_words=64),
                                  dict(window=30)),
+    "block_smaller_than_page": (dict(Hkv=2, G=4, D=32, ps=64, P=3, lengths=[150, 64, 3], window=70),
+                                dict(window=70, block_tokens=16, num_splits=2)),
     "bf16_q_and_out_window_crosses_pages": (
         dict(Hkv=2, G=4, D=64, ps=16, P=6, lengths=[90, 50], window=37, q_dtype=jnp.bfloat16, sinks=True),
         dict(window=37, block_tokens=16)),

@@ -22,7 +22,7 @@ Where a head's rows are (KVView, plan.py): the K row of token t of page p is are
 page for kv head h is `page_size` rows (stride mk) x D contiguous columns.
 
 Kernel: grid (B, Hkv, num_splits).  Program (b, h, s) takes the q heads of kv head h (padded to
-16 rows, the smallest Triton dot), walks its share of the blocks of `block_pages` pages that hold
+16 rows, the smallest Triton dot), walks its share of the blocks of `block_tokens` positions that hold
 visible positions (the visible range is split dynamically, so a window of 512 tokens in a 32K
 page table costs what 512 tokens cost), gathers each block's K and V tiles with one vector load
 each (page ids from the page table, row ids computed per token; masked lanes: positions outside
@@ -115,12 +115,11 @@ def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, win
 # --------------------------------------------------------------------------- kernel
 
 
-def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, block_pages,
+def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, bt,
                    window, softcap, scale, num_splits, kv_dtype):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ps, rpp, W = view.page_size, view.rows_per_page, view.row_words
     D, Dv, Hkv = view.head_dim, view.v_head_dim, view.num_kv_heads
-    bt = block_pages * ps  # tokens per block
     log2_ps = ps.bit_length() - 1
     length = lengths_ref[b]
     # All quantities below are >= 0, so C division (lax.div) equals floor division and keeps
@@ -137,8 +136,6 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
     q = q_ref[...]  # [Gp, D]
     q = q.astype(jnp.float32 if two_planes else kv_dtype)
     tok = jnp.arange(bt, dtype=jnp.int32)
-    slot = jnp.bitwise_and(tok, ps - 1)           # ps is a power of two
-    page_of_tok = jnp.right_shift(tok, log2_ps)
 
     def head_cols(plane, dim):
         # (row offset within a token's rows, first column) of plane `plane` of kv head h.
@@ -152,7 +149,7 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         # say so, since Triton cannot see through the remainder.
         return lax.div(off, jnp.int32(W)), pl.multiple_of(lax.rem(off, jnp.int32(W)), dim)
 
-    def load_tile(rows_base, r_off, col, m, dim, mask):
+    def load_tile(rows_base, slot, r_off, col, m, dim, mask):
         rows = rows_base + slot * m + r_off                      # [bt] arena rows
         cols = col + jnp.arange(dim, dtype=jnp.int32)
         # Two broadcasting int indexers ([bt,1] x [1,dim]): Triton computes row*W itself (int64
@@ -161,23 +158,37 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         return pltr.load(arena_ref.at[rows[:, None], cols[None, :]],
                          mask=jnp.broadcast_to(mask[:, None], (bt, dim)), other=0)
 
-    def decode_tile(rows_base, which, mask):
+    def decode_tile(rows_base, slot, which, mask):
         dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)
         r0, c0 = head_cols(0, dim)
-        hi_ = load_tile(rows_base + base, r0, c0, m, dim, mask)
+        hi_ = load_tile(rows_base + base, slot, r0, c0, m, dim, mask)
         if not two_planes:
             return hi_ if hi_.dtype == kv_dtype else from_u16(to_u16(hi_), kv_dtype)
         r1, c1 = head_cols(1, dim)
-        lo_ = load_tile(rows_base + base, r1, c1, m, dim, mask)
+        lo_ = load_tile(rows_base + base, slot, r1, c1, m, dim, mask)
         return join_planes(hi_, lo_, jnp.float32)
 
+    n_table = pt_ref.shape[1]
+
+    def envelopes(blk):
+        # First arena row of the page envelope of each token of block `blk` ([bt] int32; a row
+        # index < num_rows < 2**31, so int32 is exact).  The table index is clamped: the
+        # prefetch for the block after a split's last one may run past the table, unused.
+        # A block is `bt` consecutive positions: several pages (bt > ps) or part of one.
+        idx = jnp.minimum(jnp.right_shift(blk * bt + tok, log2_ps), n_table - 1)  # ps: a power of 2
+        return pltr.load(pt_ref.at[b, idx]) * rpp
+
     def body(blk, carry):
-        acc, m_i, l_i = carry
+        # `env` (this block's envelopes) was read from the table one iteration earlier, so the
+        # K/V gathers depend on a loop-carried value rather than on a load in this iteration:
+        # Triton's pipeliner can then issue them a stage earlier (an in-iteration table load
+        # costs a pipeline stage and leaves the gather latency exposed).
+        env, acc, m_i, l_i = carry
+        env_next = envelopes(blk + 1)
         pos = blk * bt + tok
+        slot = jnp.bitwise_and(pos, ps - 1)
         visible = (pos < length) & (pos >= start)
-        pages = pltr.load(pt_ref.at[b, blk * block_pages + page_of_tok])  # [bt] page id per token
-        rows_base = pages * rpp
-        k = decode_tile(rows_base, "k", visible)                         # [bt, D]
+        k = decode_tile(env, slot, "k", visible)                               # [bt, D]
         sc = pltr.dot(q, k, trans_b=True, allow_tf32=False if two_planes else None) * scale
         if softcap is not None:
             sc = softcap * jnp.tanh(sc / softcap)
@@ -185,14 +196,15 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
         p = jnp.exp(sc - m_new[:, None])
         alpha = jnp.exp(m_i - m_new)
-        v = decode_tile(rows_base, "v", visible)                         # [bt, Dv]; masked rows are 0
+        v = decode_tile(env, slot, "v", visible)                               # [bt, Dv]; masked rows are 0
         pv = pltr.dot(p.astype(v.dtype), v, allow_tf32=False if two_planes else None)
         acc = acc * alpha[:, None] + pv
-        return acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
+        return env_next, acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
 
     Gp = q.shape[0]
-    init = (jnp.zeros((Gp, Dv), jnp.float32), jnp.full((Gp,), _NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32))
-    acc, m_i, l_i = lax.fori_loop(lo, hi, body, init)
+    init = (envelopes(lo), jnp.zeros((Gp, Dv), jnp.float32), jnp.full((Gp,), _NEG, jnp.float32),
+            jnp.zeros((Gp,), jnp.float32))
+    _, acc, m_i, l_i = lax.fori_loop(lo, hi, body, init)
     o_ref[...] = acc
     m_ref[...] = m_i
     l_ref[...] = l_i
@@ -224,7 +236,7 @@ def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: i
                                               "block_tokens", "num_splits", "num_warps", "num_stages"))
 def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, window=None, softcap=None,
                          scale=None, kv_dtype=None, interpret=False, block_tokens=None, num_splits=None,
-                         num_warps=4, num_stages=2):
+                         num_warps=4, num_stages=3):
     _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, Dv, ps = view.num_kv_heads, view.v_head_dim, view.page_size
@@ -240,18 +252,17 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
     kvdt = kv_value_dtype(view.planes, kv_dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if block_tokens is None:
-        # bf16: 128 tokens x D=128 is 32 KiB per K (and V) tile, enough bytes in flight per
-        # program at ~190 registers (ptxas, sm_90).  fp32 planes have no tensor-core dot (IEEE
-        # FMA loops) and spill at 64 tokens, so they take small tiles; they exist for parity.
-        block_tokens = (128 if max(D, Dv) <= 128 else 64) if view.planes == 1 else 32
-    block_pages = max(1, _pow2_ceil(block_tokens) // ps)
-    bt = block_pages * ps
+        # bf16: 8K words per K (and V) tile (64 tokens at D=128).  With num_stages=3 the
+        # pipeliner double-buffers K and V (the page ids come one block ahead), ~70 KiB of
+        # shared memory, so three programs share an SM and keep ~200 KiB of loads in flight
+        # (ptxas sm_90: ~128-190 registers, no spills).  fp32 planes have no tensor-core dot
+        # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
+        block_tokens = max(16, 8192 // max(D, Dv)) if view.planes == 1 else 32
+    bt = _pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
     P = page_table.shape[1]
-    Ppad = -(-P // block_pages) * block_pages
-    pt = jnp.pad(page_table, ((0, 0), (0, Ppad - P)))  # sink pages; never visible anyway
     lengths = jnp.minimum(lengths, P * ps)
     if num_splits is None:
-        nblk = Ppad // block_pages
+        nblk = -(-P * ps // bt)
         if window is not None:
             nblk = min(nblk, -(-(window - 1) // bt) + 1)
         num_splits = choose_num_splits(B, Hkv, nblk)
@@ -260,7 +271,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
     if Gp != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     S = num_splits
-    kernel = functools.partial(_decode_kernel, view=view, block_pages=block_pages, window=window,
+    kernel = functools.partial(_decode_kernel, view=view, bt=bt, window=window,
                                softcap=softcap, scale=scale, num_splits=S, kv_dtype=kvdt)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     acc, m, l = pl.pallas_call(
@@ -276,7 +287,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="umem_paged_decode",
-    )(lengths, pt, qg, kernel_view(arena, interpret))  # tiles are bitcast to bf16/f16/f32 in-kernel
+    )(lengths, page_table, qg, kernel_view(arena, interpret))  # tiles are bitcast to bf16/f16/f32 in-kernel
     acc, m, l = acc[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
     return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
 
@@ -307,8 +318,8 @@ def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, 
     """Decode attention over the arena for one layer -> [B, Hq, Dv] in q.dtype (see module doc).
 
     impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
-    tuning (pallas): block_tokens (tokens per loop step; default 128, 64 for head dim 256, 32 for
-    fp32 planes),
+    tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, 32 for fp32
+    planes),
     num_splits (default: choose_num_splits), num_warps, num_stages.
     """
     impl = resolve_impl(impl, interpret)
