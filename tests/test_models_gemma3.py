@@ -210,3 +210,13 @@ def test_live_transformers(model):
         plan = make_plan(model.decls(kv_dtype="float32"), page_size=4)
         run = generate(model, plan, [p], 32, chunk=6)
         assert run.tokens[0] == gen[0, len(p):].tolist()
+
+
+def test_pallas_kernels_interpreted_through_the_model(model, expected):
+    """The model's calls into the Pallas kernels (interpret mode on CPU) agree with the references."""
+    plan = make_plan(model.decls(kv_dtype="float32"), page_size=4)
+    prompt = [expected["short_prompt"][:12]]
+    got = generate(model, plan, prompt, 3, chunk=8, num_rows=1024, impl="pallas", interpret=True)
+    ref = generate(model, plan, prompt, 3, chunk=8, num_rows=1024, impl="reference")
+    assert got.tokens == ref.tokens
+    assert max(rel_err(a, b) for (_, a), (_, b) in zip(got.logits[0], ref.logits[0])) <= 1e-4
