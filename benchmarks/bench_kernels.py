@@ -41,7 +41,7 @@ from umem_jax.pallas_kernels.paged_decode import (paged_decode_attention,  # noq
                                                   paged_decode_attention_reference)
 from umem_jax.pallas_kernels.relocate import move_pages, move_pages_reference  # noqa: E402
 
-GROUPS = ("copy", "decode", "decode_long", "window", "baselines", "relocate", "kv_write")
+GROUPS = ("copy", "decode", "decode_long", "window", "baselines", "relocate", "kv_write", "bitcast_probe")
 ROWS: list[dict] = []
 JSON_PATH: str | None = None
 DEADLINE = float("inf")  # time.time() after which sweeps stop early and groups are skipped
@@ -375,6 +375,31 @@ def bench_kv_write(a):
             fail("kv_write_pallas", shape, e)
 
 
+def bench_bitcast_probe(a):
+    """Is a whole-arena same-width view (uint16 -> bf16 -> uint16 around an aliased kernel) free
+    on this backend?  Times one small page move on a 2 GiB arena with and without the view and
+    reads the compiled temp bytes.  (XLA:CPU emits the view as an elementwise pass + a temp the
+    size of the arena; the kernels here never view the whole arena, other modules may.)"""
+    rows = (1 << 20) // 1024 if a.small else (1 << 30) // 1024   # 2 MiB / 2 GiB of uint16
+    arena = jnp.zeros((rows, 1024), jnp.uint16)
+    s_, d_ = jnp.array([1], jnp.int32), jnp.array([2], jnp.int32)
+    mv = lambda x: move_pages(x, s_, d_, rows_per_page=8, impl="pallas", interpret=INTERPRET)
+    plain = jax.jit(mv, donate_argnums=0)
+    viewed = jax.jit(lambda x: jax.lax.bitcast_convert_type(
+        mv(jax.lax.bitcast_convert_type(x, jnp.bfloat16)), jnp.uint16), donate_argnums=0)
+    shape = f"{rows * 2048 >> 20} MiB arena, one 16 KiB move"
+    state = [arena]
+    for name, f in (("move_plain", plain), ("move_with_bf16_view", viewed)):
+        temp = f.lower(state[0]).compile().memory_analysis().temp_size_in_bytes
+
+        def run(f=f):
+            state[0] = f(state[0])
+            return state[0]
+
+        t = time_calls(run, iters=a.iters, trials=a.trials)
+        record(f"bitcast_probe:{name}", shape, t, 2 * 16384, note=f"temp={temp / 2**20:.1f} MiB")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -476,6 +501,11 @@ def main(argv=None):
         bench_relocate(a)
     if want("kv_write"):
         bench_kv_write(a)
+    if want("bitcast_probe"):
+        try:
+            bench_bitcast_probe(a)
+        except Exception as e:  # noqa: BLE001
+            fail("bitcast_probe", "", e)
 
     text = table(ROWS)
     META["seconds"] = time.time() - t0
