@@ -1,0 +1,162 @@
+"""Request: one prompt's life in the engine, and the outputs it reports (shaped like vLLM's).
+
+A request's tokens are `prompt_token_ids + output_token_ids` (known on the host) plus
+`num_pending` tokens already sampled on the device but not yet read back (the engine reads a
+step's tokens only after launching the next step).  `num_computed` counts the leading tokens
+whose KV / state is in the arena (or being written by a launched step).  Each step computes
+tokens [num_computed, end) of one request; when `end` reaches every token the step samples one
+more.  Decode is simply the case of one token left to compute.
+
+Memory ownership: a request holds a list of virtual token page ids (`pages[i]` covers positions
+[i * page_size, (i + 1) * page_size)) and its state slots.  It does not free them itself: the
+scheduler's page owner does (refcounted, so a prefix cache can share pages later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued: not admitted yet, or retracted (keeps its generated tokens)
+    RUNNING = "running"  # holds arena memory: prefilling or decoding
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens (possibly lowered by the memory clip) or max_model_len
+    FINISHED_ABORTED = "abort"  # refused (prompt over the memory budget) or aborted by the user
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_retractions: int = 0  # times the request was sent back to the queue for memory
+    num_preemptions: int = 0  # ...of which by a higher-priority request
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What `LLM.generate` returns per prompt (vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # why it was aborted, e.g. the memory-budget message
+
+
+class Request:
+    """Host state of one request.  Fields the scheduler and runner touch every step are plain
+    attributes (no properties with hidden cost on the hot path)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 *, arrival: int, seed: int, max_tokens: int, priority: int = 0, windows: tuple[str, ...] = ()):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival  # monotone arrival number: the tie-break of every ordering
+        self.priority = priority  # lower value = served first (vLLM)
+        self.seed = seed
+        self.max_tokens = max_tokens  # after the memory clip
+        self.min_tokens = min(params.min_tokens, max_tokens)
+        self.stop_ids: list[int] = []  # EOS (unless ignore_eos) + stop_token_ids: banned before min_tokens
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed = 0
+        self.num_pending = 0
+        self.pending_row = -1  # row of the launched step whose token is pending
+        self.pages: list[int] = []
+        self.window_start = {w: 0 for w in windows}  # first page index still bound per window sub-pool
+        self.slots: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.text = ""
+        self.detok = None  # an IncrementalDetokenizer, set by the engine when it has a tokenizer
+        self.metrics = RequestMetrics(time.time())
+
+    # ------------------------------------------------------------------ token counts
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Every token of the request so far, device-pending ones included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def decode_ready(self) -> bool:
+        """One token left to compute, after at least one prefill pass (a request's first tokens
+        always go through a prefill step: that is where recurrent state is reset)."""
+        return self.num_computed > 0 and self.to_compute == 1
+
+    @property
+    def wants_step(self) -> bool:
+        return self.num_output < self.max_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Host-known tokens [start, end) (never pending ones)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Most preferred first: higher priority (lower value), then earlier arrival."""
+        return (self.priority, self.arrival)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    # ------------------------------------------------------------------ outputs
+    def output(self) -> RequestOutput:
+        comp = CompletionOutput(0, self.text, list(self.output_token_ids), finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp], self.finished,
+                             self.metrics, self.error)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.prompt_len}, out={self.num_output}"
+                f"/{self.max_tokens}, computed={self.num_computed}, pages={len(self.pages)}, prio={self.priority})")
+
+
+__all__ = ["CompletionOutput", "Request", "RequestMetrics", "RequestOutput", "RequestStatus"]

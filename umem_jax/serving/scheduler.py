@@ -1,0 +1,388 @@
+"""Scheduler: continuous batching over one arena -- who runs next, with what memory.
+
+Every step is either a prefill step (chunks of prompts, [B, T] padded to buckets, T > 1) or a
+decode step (one token per request, [B, 1]).  Prefill goes first, but at most
+`max_prefill_streak` prefill steps in a row while requests wait to decode, so a flood of long
+prompts cannot stall generation.
+
+Memory, all priced by the one DemandModel (demand.py):
+  * admission: a waiting request is admitted if its pass plus the decode reservations of every
+    running request and its own (`new_token_ratio` x tokens left) fits the arena now; passes of
+    a batch are allocated as they are admitted, so two admissions never spend the same bytes.
+  * decode: the summed one-token demand must fit; if not (after the allocator's own
+    flush/compaction), the least preferred running request is retracted, and so on.
+  * priority: a waiting request that does not fit retracts running requests of lower priority,
+    those freeing the most bytes in the bands it needs first.
+A retracted request goes back to the queue keeping its output tokens; its next prefill
+recomputes prompt + output.  Nothing admitted is ever aborted for memory (see demand.py).
+
+Order: lower `priority` value first (vLLM), then earlier arrival.  Least preferred = the reverse.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from ..memory.chain import ChainAllocator
+from .demand import Demand, DemandModel
+from .request import Request, RequestStatus
+
+
+# ------------------------------------------------------------------------------ shapes
+
+
+def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+    out, n = [], max(1, lo)
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed step shapes: batch rows B, prefill tokens per row T, page-table width P.
+    Every step is padded up to the smallest bucket that holds it, so a steady workload
+    compiles each (kind, B, T, P) once."""
+
+    batch: tuple[int, ...]
+    tokens: tuple[int, ...]  # prefill T, each >= 2 (T == 1 is decode)
+    pages: tuple[int, ...]
+
+    def __post_init__(self):
+        for name in ("batch", "tokens", "pages"):
+            v = getattr(self, name)
+            if not v or list(v) != sorted(set(v)) or v[0] < 1:
+                raise ValueError(f"buckets.{name} must be ascending positive sizes, got {v}")
+        if self.tokens[0] < 2:
+            raise ValueError("prefill token buckets must be >= 2 (T == 1 is the decode shape)")
+
+    @classmethod
+    def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages: int) -> "Buckets":
+        """Powers of two: B 1..max_num_seqs, T 16..max_num_batched_tokens, P 8..max_pages."""
+        return cls(_pow2_upto(1, max_num_seqs), _pow2_upto(min(16, max_num_batched_tokens), max_num_batched_tokens),
+                   _pow2_upto(min(8, max_pages), max_pages))
+
+    @staticmethod
+    def pick(sizes: tuple[int, ...], n: int) -> int:
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} is above the largest bucket {sizes[-1]}")
+        return sizes[i]
+
+
+# ------------------------------------------------------------------------------ batches
+
+
+@dataclasses.dataclass
+class Row:
+    """One request in a step: compute its tokens [start, end); sample if that is all of them."""
+
+    req: Request
+    start: int
+    end: int
+    sample: bool
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    kind: str  # "prefill" | "decode"
+    rows: list[Row]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.end - r.start for r in self.rows)
+
+
+@dataclasses.dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    buckets: Buckets
+    new_token_ratio: float = 0.5  # decode reservation per running request: ratio x tokens it has left
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.002  # per decode step; reset to new_token_ratio on retraction
+    max_prefill_streak: int = 4
+    min_chunk: int = 8  # do not split a prompt into a chunk shorter than this behind other rows
+
+
+class PageOwner:
+    """Refcounts of virtual token pages: a page is freed when its last holder lets go.  Today
+    every page has one holder (its request); a prefix cache will be a second kind of holder."""
+
+    def __init__(self, allocator: ChainAllocator, capacity: int):
+        self.allocator = allocator
+        self.refs = np.zeros(capacity, np.int32)
+
+    def take(self, vids) -> None:
+        self.refs[np.asarray(vids, np.int64)] += 1
+
+    def release(self, vids) -> None:
+        v = np.asarray(vids, np.int64)
+        if not v.size:
+            return
+        if (self.refs[v] <= 0).any():
+            raise AssertionError(f"releasing token pages nobody holds: {v[self.refs[v] <= 0][:8]}")
+        self.refs[v] -= 1
+        dead = v[self.refs[v] == 0]
+        if dead.size:
+            self.allocator.free_token_pages(dead)
+
+    def held(self) -> np.ndarray:
+        return np.flatnonzero(self.refs > 0)
+
+
+# ------------------------------------------------------------------------------ scheduler
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: ChainAllocator, demand: DemandModel):
+        self.cfg = config
+        self.allocator = allocator
+        self.demand = demand
+        self.ps = demand.ps
+        self.windows = demand.windows
+        self.chunk = demand.chunk
+        self.owner = PageOwner(allocator, allocator.bands[-1].table.num_virtual + 1)
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []
+        self.ratio = config.new_token_ratio
+        self._prefill_streak = 0
+        self.num_retractions = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End `req` (finished or aborted): give back all its memory, drop it from the queues."""
+        if req.status == RequestStatus.RUNNING:
+            self._free_memory(req)
+            self.running.remove(req)
+        elif req.status == RequestStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledBatch | None:
+        """Pick the next step and allocate its memory (page tables are read after this)."""
+        self._release_windows()
+        decoders = self._decoders()
+        has_prefill = any(not r.decode_ready for r in self.running) or any(not r.num_pending for r in self.waiting)
+        if has_prefill and (not decoders or self._prefill_streak < self.cfg.max_prefill_streak):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._prefill_streak += 1
+                return batch
+        self._prefill_streak = 0
+        decoders = self._decoders()
+        return self._schedule_decode(decoders) if decoders else None
+
+    def _decoders(self) -> list[Request]:
+        return [r for r in self.running if r.decode_ready and r.wants_step]
+
+    # ------------------------------------------------------------------ prefill
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        cfg, B = self.cfg, self.cfg.buckets
+        rows: list[Row] = []
+        budget = cfg.max_num_batched_tokens
+        longest = 0
+        cands = sorted((r for r in self.running if not r.decode_ready), key=lambda r: r.sort_key)
+        cands += [r for r in self.waiting if not r.num_pending]
+        for req in cands:
+            if req.finished or len(rows) >= B.batch[-1]:
+                continue
+            admitted = req.status == RequestStatus.RUNNING
+            if not admitted and len(self.running) >= cfg.max_num_seqs:
+                break
+            c = self._fit_shape(len(rows) + 1, longest, min(req.to_compute, budget, self.chunk))
+            if c <= 0 or (c < req.to_compute and c < cfg.min_chunk and rows):
+                break
+            end = req.num_computed + c
+            d = self.demand.step(req, end)
+            if admitted:
+                ok = self.demand.fits(self.allocator, d) or self._make_room(lambda: d, req, rows)
+            else:
+                fut = self.demand.reservation(req, self._reserve_tokens(req), after=end)
+                need = lambda: d + fut + self._reservations()
+                ok = self.demand.fits(self.allocator, need())
+                if not ok and not self.running:
+                    ok = self.demand.fits(self.allocator, d)  # alone in the arena: the clip vouches for it
+                if not ok:
+                    ok = self._preempt_for(req, need, rows)
+            if not ok or not self._alloc(req, end):
+                break
+            if not admitted:
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = time.time()
+            rows.append(Row(req, req.num_computed, end, end == req.num_tokens))
+            req.num_computed = end
+            budget -= c
+            longest = max(longest, c)
+            if budget <= 0:
+                break
+        return ScheduledBatch("prefill", rows) if rows else None
+
+    def _fit_shape(self, n: int, longest: int, c: int) -> int:
+        """Shrink chunk c so the padded prefill [B(n), T(max(longest, c))] stays within the token
+        budget (a lone row may always take the largest T bucket)."""
+        B = self.cfg.buckets
+        # a lone row may take the largest T bucket, so no shape padded to at most that is worse
+        limit = max(self.cfg.max_num_batched_tokens, B.batch[0] * B.tokens[-1])
+        b = Buckets.pick(B.batch, n)
+        c = min(c, B.tokens[-1])
+        if c <= 0 or b * Buckets.pick(B.tokens, max(longest, c)) <= limit or n == 1:
+            return c
+        fits = [t for t in B.tokens if t >= longest and b * t <= limit]
+        return min(c, fits[-1]) if fits else 0
+
+    # ------------------------------------------------------------------ decode
+    def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
+        rows = rows[: self.cfg.buckets.batch[-1]]
+        while rows:
+            total = sum((self.demand.step(r, r.num_computed + 1) for r in rows), Demand())
+            if self.demand.fits(self.allocator, total) and self._alloc_all(rows):
+                break
+            victim = max(self.running, key=lambda r: r.sort_key)
+            self.retract(victim)
+            if victim in rows:
+                rows.remove(victim)
+        if not rows:
+            return None
+        out = []
+        for r in rows:
+            out.append(Row(r, r.num_computed, r.num_computed + 1, True))
+            r.num_computed += 1
+        self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
+        return ScheduledBatch("decode", out)
+
+    # ------------------------------------------------------------------ pressure
+    def _reserve_tokens(self, req: Request) -> int:
+        return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
+
+    def _reservations(self) -> Demand:
+        """Decode reservations of every running request (what admission must leave free)."""
+        total = Demand()
+        for r in self.running:
+            if r.decode_ready and r.wants_step:
+                total = total + self.demand.reservation(r, self._reserve_tokens(r))
+        return total
+
+    def _make_room(self, need, req: Request, rows: list[Row]) -> bool:
+        """Retract running requests less preferred than `req` (least preferred first), except
+        those already in this step's `rows`, until need() fits."""
+        keep = {id(r.req) for r in rows}
+        while True:
+            if self.demand.fits(self.allocator, need()):
+                return True
+            victims = [r for r in self.running if r is not req and r.sort_key > req.sort_key and id(r) not in keep]
+            if not victims:
+                return False
+            self.retract(max(victims, key=lambda r: r.sort_key))
+
+    def _preempt_for(self, req: Request, need, rows: list[Row]) -> bool:
+        """Priority preemption: retract running requests of lower priority than `req`, lowest
+        priority first and, within a priority, those freeing the most bytes in the bands `req`
+        needs (in the unified arena every band's bytes serve every other band)."""
+        keep = {id(r.req) for r in rows}
+        victims = [r for r in self.running if r.priority > req.priority and id(r) not in keep]
+        if not victims:
+            return False
+        want = self.demand.subpools_of(need())
+        bands = None if not self.allocator.static else want
+        useful = {id(r): self.demand.bytes(self.demand.held(r), bands) for r in victims}
+        if not self.allocator.static:  # cheap refusal: even all victims' bytes plus the free ones fall short
+            u = self.allocator.usage()
+            if sum(useful.values()) + u.free_bytes + u.hole_bytes < self.demand.bytes(need()):
+                return False
+        victims.sort(key=lambda r: (-r.priority, -useful[id(r)], -r.arrival))
+        for v in victims:
+            if self.demand.fits(self.allocator, need()):
+                return True
+            self.retract(v, preempted=True)
+        return self.demand.fits(self.allocator, need())
+
+    def retract(self, req: Request, *, preempted: bool = False) -> None:
+        """Send a running request back to the queue: free its memory, keep its tokens."""
+        self._free_memory(req)
+        self.running.remove(req)
+        req.num_computed = 0
+        req.metrics.num_retractions += 1
+        self.num_retractions += 1
+        if preempted:
+            req.metrics.num_preemptions += 1
+            self.num_preemptions += 1
+        self.ratio = self.cfg.new_token_ratio
+        self.add(req)
+
+    # ------------------------------------------------------------------ memory
+    def _alloc(self, req: Request, end: int) -> bool:
+        """Take the pages and slots of pass [num_computed, end) for `req` -> False if the arena
+        refused (nothing is kept then).  Every new page gets its window pages too."""
+        d = self.demand.step(req, end)
+        vids = self.allocator.alloc_token_pages(d.token_pages) if d.token_pages else np.empty(0, np.int32)
+        if vids is None:
+            return False
+        slots = self.allocator.alloc_state_slots(d.state_slots) if d.state_slots else np.empty(0, np.int32)
+        if slots is None:
+            if vids.size:
+                self.allocator.free_token_pages(vids)
+            return False
+        self.owner.take(vids)
+        req.pages += vids.tolist()
+        req.slots += slots.tolist()
+        return True
+
+    def _alloc_all(self, rows: list[Request]) -> bool:
+        done = []
+        for r in rows:
+            n, s = len(r.pages), len(r.slots)
+            if not self._alloc(r, r.num_computed + 1):
+                for q, n0, s0 in done:  # roll back this round
+                    self.owner.release(q.pages[n0:])
+                    if q.slots[s0:]:
+                        self.allocator.free_state_slots(q.slots[s0:])
+                    del q.pages[n0:], q.slots[s0:]
+                return False
+            done.append((r, n, s))
+        return True
+
+    def _free_memory(self, req: Request) -> None:
+        self.owner.release(req.pages)
+        if req.slots:
+            self.allocator.free_state_slots(req.slots)
+        req.pages, req.slots = [], []
+        req.window_start = {n: 0 for n, _ in self.windows}
+
+    def _release_windows(self) -> None:
+        """Tombstone window pages whose tokens every future query of their request has passed:
+        page k goes once (k + 1) * page_size <= num_computed - w + 1."""
+        for r in self.running:
+            for name, w in self.windows:
+                upto = min(len(r.pages), max(0, r.num_computed - w + 1) // self.ps)
+                start = r.window_start[name]
+                if upto > start:
+                    self.allocator.release_window_pages(r.pages[start:upto], name)
+                    r.window_start[name] = upto
+
+    def held_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """(token page ids, state slot ids) the requests hold: for the allocator's leak check."""
+        pages = [p for r in self.running for p in r.pages] + [p for r in self.waiting for p in r.pages]
+        slots = [s for r in self.running for s in r.slots] + [s for r in self.waiting for s in r.slots]
+        return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
+
+
+__all__ = ["Buckets", "PageOwner", "Row", "ScheduledBatch", "Scheduler", "SchedulerConfig"]

@@ -1,0 +1,185 @@
+"""Tokenizers: text <-> token ids, incremental detokenizing, stop strings, chat templates.
+
+    tok = get_tokenizer(model)              # HFTokenizer (tokenizer.json) or ByteTokenizer (tiny)
+    ids = tok.encode("Hello")               # special tokens (BOS) as the tokenizer's post-processor adds them
+    ids = tok.encode_chat([{"role": "user", "content": "Hi"}])
+    d = IncrementalDetokenizer(tok, prompt_ids); text += d.step(token_id)
+
+`HFTokenizer` wraps the `tokenizers` library (no transformers needed) plus tokenizer_config.json
+(special tokens, chat_template) and generation_config.json (extra EOS ids, e.g. Gemma's
+<end_of_turn>).  `ByteTokenizer` is the built-in tokenizer of the tiny random model: one id
+per byte above its special ids, so any string round-trips.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Used when a checkpoint ships no chat template (a GGUF conversion, for one).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+    "{% if role == 'system' %}{% set role = 'user' %}{% endif %}"
+    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **special) -> str:
+    """Render a Jinja chat template the way transformers does (sandboxed, trim_blocks)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(msg):
+        raise ValueError(f"chat template: {msg}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
+    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+
+
+class ByteTokenizer:
+    """Bytes as tokens: id = offset + byte, offset = one past the special ids (tiny model)."""
+
+    def __init__(self, vocab_size: int, bos_token_id: int | None = 1, eos_token_id: int | None = 2,
+                 pad_token_id: int | None = 0):
+        specials = [t for t in (bos_token_id, eos_token_id, pad_token_id) if t is not None]
+        self.offset = max(specials, default=-1) + 1
+        if vocab_size < self.offset + 256:
+            raise ValueError(f"a byte tokenizer needs {self.offset + 256} ids, the vocabulary has {vocab_size}")
+        self.vocab_size = vocab_size
+        self.bos_token_id, self.pad_token_id = bos_token_id, pad_token_id
+        self.eos_token_ids = () if eos_token_id is None else (eos_token_id,)
+        self._names = {bos_token_id: "<bos>", eos_token_id: "<eos>", pad_token_id: "<pad>"}
+        self.chat_template = PLAIN_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.offset + b for b in text.encode("utf-8")]
+        return ([self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []) + ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        out, raw = [], bytearray()
+        for t in ids:
+            t = int(t)
+            if self.offset <= t < self.offset + 256:
+                raw.append(t - self.offset)
+                continue
+            if not skip_special_tokens:
+                out.append(raw.decode("utf-8", errors="replace"))
+                raw = bytearray()
+                out.append(self._names.get(t, f"<extra_{t}>"))
+        out.append(raw.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(render_chat(self.chat_template, messages, add_generation_prompt))
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (+ tokenizer_config.json / generation_config.json)."""
+
+    def __init__(self, path: str | Path, extra_eos_ids: tuple[int, ...] = ()):
+        from tokenizers import Tokenizer
+
+        path = Path(path)
+        file = path if path.is_file() else path / "tokenizer.json"
+        if not file.exists():
+            raise FileNotFoundError(f"no tokenizer.json at {path}")
+        self.tok = Tokenizer.from_file(str(file))
+        d = file.parent
+        cfg = _read_json(d / "tokenizer_config.json")
+        self.vocab_size = self.tok.get_vocab_size()
+        tok_id = lambda t: self.tok.token_to_id(t["content"] if isinstance(t, dict) else t) if t else None
+        self.bos_token = _content(cfg.get("bos_token"))
+        self.eos_token = _content(cfg.get("eos_token"))
+        self.bos_token_id = tok_id(self.bos_token)
+        eos = [tok_id(self.eos_token), *extra_eos_ids]
+        gen = _read_json(d / "generation_config.json").get("eos_token_id")
+        eos += gen if isinstance(gen, list) else [gen]
+        self.eos_token_ids = tuple(dict.fromkeys(e for e in eos if e is not None))
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        if template is None and (d / "chat_template.jinja").exists():
+            template = (d / "chat_template.jinja").read_text()
+        if template is None:
+            template = GEMMA_TEMPLATE if self.tok.token_to_id("<start_of_turn>") is not None else PLAIN_TEMPLATE
+        self.chat_template = template
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = render_chat(self.chat_template, messages, add_generation_prompt, bos_token=self.bos_token or "",
+                           eos_token=self.eos_token or "")
+        return self.encode(text, add_special_tokens=False)  # the template already wrote BOS
+
+
+def _read_json(p: Path) -> dict:
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def _content(t):
+    return t["content"] if isinstance(t, dict) else t
+
+
+def get_tokenizer(model, path: str | Path | None = None):
+    """The tokenizer for a loaded Model: `path` if given, else its tokenizer.json, else the
+    byte tokenizer for the built-in tiny model; None when there is none (token ids only)."""
+    cfg = model.config
+    eos = cfg.eos_token_id
+    eos = tuple(eos) if isinstance(eos, (tuple, list)) else (() if eos is None else (eos,))
+    if path is not None:
+        return HFTokenizer(path, eos)
+    if getattr(model, "tokenizer_path", None) is not None and Path(model.tokenizer_path).exists():
+        return HFTokenizer(model.tokenizer_path, eos)
+    if cfg.architecture == "UmemTinyHybrid":
+        return ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, eos[0] if eos else None, cfg.pad_token_id)
+    return None
+
+
+class IncrementalDetokenizer:
+    """New text per new token, holding back bytes that are not yet a whole character.
+
+    Decodes a short window [prefix, end) of ids and emits what it adds beyond [prefix, read):
+    starting a few prompt tokens back keeps tokenizers that drop a leading space honest.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tok = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_ids[-5:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        text = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before):]
+        return ""
+
+
+def find_stop(text: str, new_chars: int, stops: list[str]) -> tuple[int, str] | None:
+    """First stop string ending inside the last `new_chars` characters of `text` ->
+    (index where it starts, the stop string), or None."""
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "IncrementalDetokenizer", "find_stop", "get_tokenizer", "render_chat"]
