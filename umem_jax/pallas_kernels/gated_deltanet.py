@@ -21,7 +21,9 @@ The gated RMSNorm with z and the output projection stay in the model.
 Entry points (arena first in, last out; call under a jit that donates it):
   gdn_decode(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view) -> (o [B, Hv, Dv], arena)
   gdn_prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset=None,
-              checkpoint_positions=None, checkpoint_slots=None) -> (o [B, T, Hv, Dv], arena)
+              checkpoint_positions=None, checkpoint_slots=None, algo="chunked", chunk_size=64)
+      -> (o [B, T, Hv, Dv], arena)
+  (plus *_reference twins: the decode in plain JAX, the prefill as a per-token lax.scan)
 Shapes: slots int32 [B] (0 = padding lane: output 0, no state touched); qkv [B, conv_dim]
 (prefill [B, T, conv_dim]); a, b [B, Hv] raw projections (prefill [B, T, Hv]); conv_weight
 [conv_dim, K] (HF conv1d.weight squeezed); A_log, dt_bias [Hv].  o has qkv's dtype.

@@ -17,8 +17,10 @@ Entry points (each takes the arena first and returns it last; call under a jit t
   mamba2_decode(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, *, view)
       -> (y [B, H, P], arena)
   mamba2_prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
-                 dt_min=0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None)
+                 dt_min=0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None,
+                 algo="chunked", chunk_size=64)
       -> (y [B, T, H, P], arena)
+  (plus *_reference twins: the decode in plain JAX, the prefill as a per-token lax.scan)
 Shapes: slots int32 [B] physical slot ids (0 = padding lane: output 0, no state touched);
 xbc [B, conv_dim] (prefill [B, T, conv_dim]); dt [B, H] raw (before bias and softplus; prefill
 [B, T, H]); conv_weight [conv_dim, K] (HF's conv1d.weight squeezed); conv_bias [conv_dim] | None;
@@ -106,6 +108,12 @@ def _split(xc, d: Mamba2Dims):
             xc[..., HP + GN:].reshape(*lead, d.groups, d.state_size))
 
 
+def _per_row(v, ndim):
+    """A scalar, or a [B] array broadcast against [B, ...] of rank ndim."""
+    v = jnp.asarray(v, jnp.float32)
+    return v.reshape(v.shape + (1,) * (ndim - 1)) if v.ndim == 1 else v
+
+
 def _ssm_step(S, xc, dt_raw, A_log, dt_bias, D, d: Mamba2Dims, dt_min=None):
     """One token for a batch: S fp32 [B, H, P, N], xc fp32 conv output [B, conv_dim], dt_raw [B, H]
     -> (y fp32 [B, H, P], S')."""
@@ -115,7 +123,7 @@ def _ssm_step(S, xc, dt_raw, A_log, dt_bias, D, d: Mamba2Dims, dt_min=None):
     Ch = jnp.repeat(Cm, rep, axis=1)
     dt = softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     if dt_min is not None:
-        dt = jnp.maximum(dt, dt_min)
+        dt = jnp.maximum(dt, _per_row(dt_min, dt.ndim))
     dA = jnp.exp(dt * -jnp.exp(A_log.astype(jnp.float32)))            # [B, H]
     S = S * dA[..., None, None] + (dt[..., None] * x)[..., None] * Bh[:, :, None, :]
     y = jnp.einsum("bhpn,bhn->bhp", S, Ch, precision="highest") + D.astype(jnp.float32)[:, None] * x
@@ -305,7 +313,7 @@ def _chunked_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d: Mamba2Dims, dt_
     x, Bm, Cm = _split(xc, d)                                                 # [B,T,H,P], [B,T,G,N] x2
     dts = softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     if dt_min is not None:
-        dts = jnp.maximum(dts, dt_min)
+        dts = jnp.maximum(dts, _per_row(dt_min, dts.ndim))
     dts = jnp.where(jnp.arange(T)[None, :, None] < q_lens[:, None, None], dts, 0.0)
     A = -jnp.exp(A_log.astype(jnp.float32))
     Dv = D.astype(jnp.float32)
@@ -390,7 +398,8 @@ def mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bi
     xbc [B, T, conv_dim], dt [B, T, H] raw; q_lens int32 [B] valid tokens per row (tokens
     j >= q_len leave the state untouched; their y is 0).  The scan starts from the state in the
     slot, or from zeros where reset [B] (bool) is set (a request's first chunk).  dt is clamped
-    to [dt_min, inf) after the softplus, as NemotronH's prefill does.
+    to [dt_min, inf) after the softplus, as NemotronH's prefill does; dt_min is a float or a
+    [B] array (per row: 0 leaves a row unclamped, e.g. a decoding row riding a mixed chunk).
     checkpoint_positions / checkpoint_slots int32 [B, Kc]: the state after the first p tokens of
     this chunk (0 <= p <= q_len) is also written to checkpoint slot s; p = -1 or s = 0 is padding.
     Returns (y [B, T, H, P] in xbc's dtype, arena).
