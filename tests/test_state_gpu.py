@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from umem_jax.memory import gated_deltanet_state_tensors, mamba2_state_tensors
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.gated_deltanet import gdn_decode, gdn_dims, gdn_prefill
-from umem_jax.pallas_kernels.mamba2 import mamba2_decode, mamba2_dims, mamba2_prefill
+from umem_jax.pallas_kernels.mamba2 import mamba2_decode, mamba2_dims
 from umem_jax.pallas_kernels.state_io import read_state, read_state_reference, write_state, write_state_reference
 
 from _state_utils import rel_err, state_view
@@ -85,12 +85,14 @@ def test_mamba2_decode_nemotronh_8b_shape(B):
     arena = _seed_states(arena, view, slots, rng)
     n = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)
     xbc, dt = n(B, d.conv_dim), n(B, d.heads)
-    p = (n(d.conv_dim, 4, sc=0.5), n(d.conv_dim, sc=0.1), jnp.asarray(rng.standard_normal(d.heads) * 0.5, jnp.float32),
-         jnp.asarray(rng.standard_normal(d.heads) * 0.5 - 1, jnp.float32), jnp.asarray(rng.standard_normal(d.heads), jnp.float32))
-    y_ref, a_ref = jax.jit(lambda a, *x: mamba2_decode(a, *x, view=view, impl="reference"))(arena, slots, xbc, dt, *p)
+    f32 = lambda sc=1.0, off=0.0: jnp.asarray(rng.standard_normal(d.heads) * sc + off, jnp.float32)
+    p = (n(d.conv_dim, 4, sc=0.5), n(d.conv_dim, sc=0.1), f32(0.5), f32(0.5, -1.0), f32())
+    ref = jax.jit(lambda a, *x: mamba2_decode(a, *x, view=view, impl="reference"))
+    y_ref, a_ref = ref(arena, slots, xbc, dt, *p)
     y_ref, st_ref = np.asarray(y_ref, np.float32), _read(a_ref, view, slots)
     del a_ref
-    y_pal, arena = _check_in_place(lambda a, *x: mamba2_decode(a, *x, view=view, impl="pallas"), arena, slots, xbc, dt, *p)
+    pal = lambda a, *x: mamba2_decode(a, *x, view=view, impl="pallas")
+    y_pal, arena = _check_in_place(pal, arena, slots, xbc, dt, *p)
     real = np.asarray(slots) != 0
     assert np.isfinite(np.asarray(y_pal, np.float32)).all()
     assert rel_err(np.asarray(y_pal, np.float32), y_ref) <= BF16_TOL  # y is bf16
@@ -113,7 +115,8 @@ def test_gdn_decode_qwen35_4b_shape(B):
     o_ref, a_ref = jax.jit(lambda ar, *x: gdn_decode(ar, *x, view=view, impl="reference"))(arena, slots, qkv, a, b, *p)
     o_ref, st_ref = np.asarray(o_ref, np.float32), _read(a_ref, view, slots)
     del a_ref
-    o_pal, arena = _check_in_place(lambda ar, *x: gdn_decode(ar, *x, view=view, impl="pallas"), arena, slots, qkv, a, b, *p)
+    pal = lambda ar, *x: gdn_decode(ar, *x, view=view, impl="pallas")
+    o_pal, arena = _check_in_place(pal, arena, slots, qkv, a, b, *p)
     assert np.isfinite(np.asarray(o_pal, np.float32)).all()
     assert rel_err(np.asarray(o_pal, np.float32), o_ref) <= BF16_TOL
     _compare_states(_read(arena, view, slots), st_ref, np.asarray(slots) != 0)
@@ -153,7 +156,8 @@ def test_prefill_then_decode_on_gpu():
     p = (f(d.conv_dim, 4) * 0.5, f(d.v_heads) * 0.5, f(d.v_heads) * 0.5)
     reset = jnp.ones((B,), bool)
     q = jnp.full((B,), T, jnp.int32)
-    _, a1 = jax.jit(lambda ar: gdn_prefill(ar, slots, qkv[:, :T], a[:, :T], b[:, :T], q, *p, view=view, reset=reset))(arena)
+    pre = jax.jit(lambda ar: gdn_prefill(ar, slots, qkv[:, :T], a[:, :T], b[:, :T], q, *p, view=view, reset=reset))
+    _, a1 = pre(arena)
     o_dec, a1 = jax.jit(lambda ar: gdn_decode(ar, slots, qkv[:, T], a[:, T], b[:, T], *p, view=view))(a1)
     o_long, a2 = jax.jit(lambda ar: gdn_prefill(ar, slots, qkv, a, b, q + 1, *p, view=view, reset=reset))(arena)
     real = np.asarray(slots) != 0

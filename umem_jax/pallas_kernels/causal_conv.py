@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._compat import pltr
-from .state_io import block_fits, load_block, plane_row, pow2_divisor, store_block
+from .state_io import block_fits, load_block, pow2_divisor, store_block
 
 __all__ = ["activate", "conv_decode_pallas", "conv_decode_reference", "conv_prefill_reference", "conv_block"]
 
