@@ -50,10 +50,9 @@ def test_arena_greedy_matches_transformers(model):
 
 
 def test_tokenizer_matches_transformers(model):
+    """Our GGUF -> tokenizer.json (umem_jax.models.tokenizer, no transformers) on the fixed prompts."""
     from umem_jax.models.loader import load_tokenizer
 
-    if model.tokenizer_path is None:
-        pytest.skip("no tokenizer.json cached (transformers was absent at conversion)")
     tok = load_tokenizer(model)
     for case in EXPECTED:
         assert tok.encode(case["prompt"]).ids == case["prompt_ids"]
@@ -79,3 +78,24 @@ def test_live_transformers_logits(model):
     print(f"270M prompt+greedy logits: max rel err {err:.2e} over {len(ids)} positions")
     assert err <= 1e-4
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+@pytest.mark.slow  # transformers' converter takes ~1 min
+@pytest.mark.skipif(not _HAS_ORACLE, reason="torch and transformers not installed")
+def test_live_tokenizer_identical_to_transformers(model, tmp_path):
+    """Vocabulary, merges and added tokens equal transformers' GGUF converter's; same ids on hard text."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from umem_jax.models.loader import fetch_default_model
+
+    path = fetch_default_model()
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp_path)
+    theirs = json.loads((tmp_path / "tokenizer.json").read_text())
+    ours = json.loads(Path(model.tokenizer_path).read_text())
+    for key in ("normalizer", "pre_tokenizer", "post_processor", "decoder", "added_tokens", "model"):
+        assert ours[key] == theirs[key], key
+    a, b = Tokenizer.from_file(str(model.tokenizer_path)), Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in ["h\u00e9llo w\u00f6rld \U0001f642  two  spaces\t\ttab", "   x\n\n\n<start_of_turn>user\n",
+                 "\u6570\u5b66\u306f\u9762\u767d\u3044", "def f(x):\n    return x  # \u00bd"]:
+        assert a.encode(text).ids == b.encode(text).ids

@@ -114,3 +114,23 @@ def test_gguf_other_architecture_is_refused(tmp_path):
     w.close()
     with pytest.raises(NotImplementedError, match="GGUF architecture 'llama'"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_gemma_tokenizer_from_vocabulary():
+    """SentencePiece BPE semantics on a toy vocabulary: rank = file order, spaces as "▁", space-only
+    tokens respelled, control tokens special, user-defined tokens whole, byte fallback, <bos>."""
+    from umem_jax.models.tokenizer import gemma_tokenizer
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\n\n", "  ", "▁", "a", "b", "ab", "▁ab", "▁a", "ba"]
+    tokens += [f"<0x{i:02X}>" for i in range(256)]
+    types = [3, 3, 3, 3, 4, 4] + [1] * 7 + [6] * 256
+    tok = gemma_tokenizer(tokens, types, bos_id=2, unk_id=3)
+    v = {t: i for i, t in enumerate(tokens)}
+    # "▁ab" outranks "ba" (it comes first), and the space-only token "  " is respelled "▁▁".
+    assert tok.encode("ab ab").ids == [2, v["ab"], v["▁ab"]]
+    assert tok.encode("aba").ids == [2, v["ab"], v["a"]]
+    assert tok.encode("a\n\nb").ids == [2, v["a"], v["\n\n"], v["b"]]  # user-defined: matched whole
+    assert tok.encode("<eos>").ids == [2, 1]  # control: special
+    assert tok.encode("é").ids == [2, v["<0xC3>"], v["<0xA9>"]]  # byte fallback
+    assert tok.decode(tok.encode("ab ab é").ids) == "ab ab é"
+    assert tok.token_to_id("▁▁") == 5

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -223,7 +222,7 @@ def gguf_tensors(reader) -> dict[str, np.ndarray]:
 
 def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Convert a Gemma 3 GGUF once into a Hugging Face directory (config.json, fp32
-    model.safetensors, tokenizer.json when transformers can build it) and return it.
+    model.safetensors, tokenizer.json built from the GGUF's vocabulary) and return it.
 
     Reading a GGUF is slow (parsing 262k tokenizer entries alone takes ~30 s on 2 cores), so the
     result is cached: by default in cache_dir()/<gguf stem>/, reused while it is complete.
@@ -248,7 +247,9 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
     if "tokenizer.ggml.model" in reader.fields:
-        _gguf_tokenizer(path, out)
+        from .tokenizer import write_gguf_tokenizer
+
+        write_gguf_tokenizer(reader, out)
     done.write_text(str(path))
     return out
 
@@ -278,29 +279,12 @@ def fetch_default_model() -> Path:
     return target
 
 
-def _gguf_tokenizer(gguf_path: Path, out: Path) -> None:
-    """Write out/tokenizer.json for a GGUF with transformers' GGUF converter (torch is not
-    needed).  Without transformers the directory simply has no tokenizer: token ids still work."""
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        return
-    try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    except Exception as e:  # a GGUF without a usable tokenizer: weights still load
-        warnings.warn(f"{gguf_path.name}: no tokenizer.json could be built ({type(e).__name__}: {e})")
-        return
-    tok.save_pretrained(str(out))
-
-
 def load_tokenizer(model: Model):
     """A `tokenizers.Tokenizer` for the model, or a clear error saying how to get one."""
     from tokenizers import Tokenizer
 
     if model.tokenizer_path is None or not Path(model.tokenizer_path).exists():
-        raise FileNotFoundError(
-            "this model has no tokenizer.json; for a GGUF, `pip install transformers` (torch is not needed) "
-            "once so its converter can build and cache one")
+        raise FileNotFoundError("this model has no tokenizer.json (put one next to its config.json)")
     return Tokenizer.from_file(str(model.tokenizer_path))
 
 
