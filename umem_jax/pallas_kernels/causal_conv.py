@@ -107,7 +107,9 @@ def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, blk, has_bias
         window.append(pltr.load(x_ref.at[b, pl.ds(c0, blk)]).astype(jnp.float32))
         acc = pltr.load(b_ref.at[pl.ds(c0, blk)]).astype(jnp.float32) if has_bias else jnp.zeros((blk,), jnp.float32)
         for k in range(K):
-            acc = acc + pltr.load(w_ref.at[jnp.int32(k), pl.ds(c0, blk)]).astype(jnp.float32) * window[k]
+            # column k of HF's [C, K] weight: a strided load of a tiny, cache-resident array (no
+            # per-step transpose in XLA)
+            acc = acc + pltr.load(w_ref.at[pl.ds(c0, blk), jnp.int32(k)]).astype(jnp.float32) * window[k]
         for t in range(K - 1):
             store_block(arena_ref, slot, view, rows, t * C + c0, window[t + 1])
         pltr.store(dst, activate(acc, activation).astype(out_ref.dtype))
@@ -124,7 +126,7 @@ def conv_decode_pallas(words, slots, x, weight, bias, *, view, rows, activation=
     if C % blk or view.row_words % blk:
         raise ValueError(f"conv block {blk} must divide the channels {C} and the row width {view.row_words}")
     any_ = pl.BlockSpec(memory_space=pl.ANY)
-    args = [slots, x, weight.T] + ([bias] if bias is not None else []) + [words]
+    args = [slots, x, weight] + ([bias] if bias is not None else []) + [words]
     out, words = pl.pallas_call(
         functools.partial(_conv_kernel, view=view, rows=rows, C=C, K=K, blk=blk, has_bias=bias is not None,
                           activation=activation),
