@@ -17,9 +17,11 @@ Two paths:
   * `__call__`: the serving path through pallas_kernels.mamba2 (`mamba2_prefill` for T > 1 chunks,
     `mamba2_decode` for T == 1), reading and writing the request's state slot in the arena.
 
-The dt clamp follows transformers' NemotronH exactly: its chunked (prefill, and cache-free) scan
-clamps dt to [time_step_min, inf), its single-token decode does not.  With small dt, cached
-decoding therefore differs from a cache-free recompute; we reproduce that, not "fix" it.
+The dt clamp follows transformers' NemotronH: its chunked (prompt, and cache-free) scan clamps dt
+to [time_step_min, inf), its single-token decode does not.  With small dt, cached decoding
+therefore differs from a cache-free recompute; we reproduce that, not "fix" it.  Here a row is
+clamped when it prefills (more than one new token, or its request's first), whatever the chunk
+it rides in (see `_clamp_prefill_rows`).
 """
 
 from __future__ import annotations
@@ -208,9 +210,28 @@ class Mamba2Mixer(nnx.Module):
                                      **slot.kernel_kw)
             y = y[:, None]
         else:
+            dt = self._clamp_prefill_rows(dt, batch)
             y, arena = mamba2_prefill(arena, batch.state_slots, xbc, dt, batch.q_lens, *params, view=slot.view,
-                                      dt_min=self.time_step_min, reset=first_chunk(batch), **slot.kernel_kw)
+                                      reset=first_chunk(batch), **slot.kernel_kw)
         return self._out(y, z, x.dtype), arena
+
+    def _clamp_prefill_rows(self, dt: jax.Array, batch: Batch) -> jax.Array:
+        """Raw dt [B, T, H] -> fp32, with the dt >= time_step_min clamp applied to prefilling rows only.
+
+        transformers clamps in its chunked scan (a prompt) and not in its 1-token decode.  In a
+        mixed chunk a decoding row (1 new token, not its first) rides the prefill kernel, so the
+        kernel's global dt_min would clamp it and make its result depend on the batching.  Instead
+        the clamp is applied here, per row, on the raw value: softplus is monotonic, so
+        max(softplus(r + b), m) == softplus(max(r, softplus^-1(m) - b) + b).
+        Known gap: a prompt whose last chunk is exactly one token is not clamped on that token
+        (the Batch does not say which tokens are prompt tokens).
+        """
+        if self.time_step_min <= 0:  # no clamp (softplus is positive); softplus^-1(0) would be -inf
+            return dt.astype(jnp.float32)
+        prefilling = first_chunk(batch) | (batch.q_lens > 1)                    # [B]
+        floor = inverse_softplus(jnp.float32(self.time_step_min)) - self.dt_bias[...].astype(jnp.float32)
+        dt = dt.astype(jnp.float32)
+        return jnp.where(prefilling[:, None, None], jnp.maximum(dt, floor), dt)
 
 
 __all__ = ["DepthwiseConv1d", "GatedRMSNorm", "Mamba2Mixer", "StateSlot", "first_chunk", "inverse_softplus",
