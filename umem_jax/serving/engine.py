@@ -222,6 +222,8 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give some text or token ids")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids instead of text")
             return prompt, self.tokenizer.encode(prompt)

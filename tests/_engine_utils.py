@@ -1,0 +1,82 @@
+"""Shared pieces of the engine tests: one tiny model per session, a dense greedy oracle, and
+the engine settings every engine test uses (ONE arena shape and one bucket per dimension, so
+the whole suite compiles the serving step twice: a decode and a prefill shape)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ARENA = 150 << 10  # tight enough for the tiny model to retract with four long requests
+SETTINGS = dict(arena_bytes=ARENA, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=1024,
+                batch_buckets=(4,), token_buckets=(32,), page_buckets=(256,))
+DENSE_LEN = 256
+
+_compiles = []
+
+
+@functools.lru_cache(maxsize=None)
+def tiny():
+    from umem_jax.models.loader import load_model
+
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: _compiles.append(event) if event.endswith("backend_compile_duration") else None)
+    return load_model("tiny")
+
+
+def compile_count() -> int:
+    """XLA compilations in this process so far (every jit, not only the engine's)."""
+    return len(_compiles)
+
+
+def llm(**overrides):
+    from umem_jax import LLM
+
+    return LLM(tiny(), **{**SETTINGS, **overrides})
+
+
+_dense_memo: dict = {}
+
+
+def dense_greedy(prompts, n: int) -> list[list[int]]:
+    """Greedy continuation by the cache-free forward (model.dense_logits), one padded shape."""
+    m = tiny()
+    key = (tuple(tuple(p) for p in prompts), n)
+    if key in _dense_memo:
+        return _dense_memo[key]
+    toks = np.zeros((4, DENSE_LEN), np.int32)
+    out = []
+    for s in range(0, len(prompts), 4):
+        group = [list(p) for p in prompts[s:s + 4]]
+        lens = [len(p) for p in group]
+        toks[:] = 0
+        for i, p in enumerate(group):
+            toks[i, :len(p)] = p
+        res = [[] for _ in group]
+        for _ in range(n):
+            logits = np.asarray(m.dense_logits(m.params, jnp.asarray(toks)))
+            for i in range(len(group)):
+                t = int(logits[i, lens[i] - 1].argmax())
+                res[i].append(t)
+                toks[i, lens[i]] = t
+                lens[i] += 1
+        out += res
+    _dense_memo[key] = out
+    return out
+
+
+def prompts(*lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 300, n).tolist() for n in lengths]
+
+
+def assert_idle_clean(llm_obj):
+    """The engine ran its idle checks and the arena holds nothing."""
+    e = llm_obj.llm_engine
+    assert not e.has_unfinished_requests()
+    e.check_idle()  # raises on any invariant or leak
+    assert e.num_idle_checks > 0
+    assert all(v == 0 for v in e.stats()["held"].values())
