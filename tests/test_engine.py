@@ -157,3 +157,32 @@ def test_prompt_forms_and_chat(engine_llm):
     with pytest.raises(TypeError, match="unknown LLM arguments"):
         type(engine_llm)(tiny(), not_an_option=1)
     assert_idle_clean(engine_llm)
+
+
+def test_penalties_match_dense(engine_llm):
+    """The penalty variant of the step (host-built counts, read-back before packing)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from _engine_utils import DENSE_LEN
+    from umem_jax.serving.sampler import apply_penalties
+
+    p = MIXED[0]
+    kw = dict(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.5)
+    got = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **kw))[0]
+    m, V = tiny(), tiny().config.vocab_size
+    toks, out = np.zeros((4, DENSE_LEN), np.int32), []
+    toks[0, :len(p)] = p
+    for _ in range(8):
+        n = len(p) + len(out)
+        logits = m.dense_logits(m.params, jnp.asarray(toks))[0, n - 1][None]
+        pc = np.bincount(p, minlength=V)[None].astype(np.float32)
+        oc = np.bincount(out, minlength=V)[None].astype(np.float32) if out else np.zeros((1, V), np.float32)
+        f = lambda x: jnp.asarray([x], jnp.float32)
+        lg = apply_penalties(logits, pc, oc, f(kw["repetition_penalty"]), f(kw["presence_penalty"]),
+                             f(kw["frequency_penalty"]))
+        out.append(int(np.argmax(np.asarray(lg)[0])))
+        toks[0, n] = out[-1]
+    assert got.outputs[0].token_ids == out
+    assert out != dense_greedy([p], 8)[0]  # the penalties changed something
+    assert_idle_clean(engine_llm)

@@ -337,6 +337,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
+            "num_moved_pages": self.runner.num_moved_pages,
         }
 
     def _warn_floor(self) -> None:
@@ -348,9 +349,12 @@ class LLMEngine:
 
 
 def _reserve(fraction: float) -> int:
+    """Bytes kept out of the arena for the step's temporaries (activations, logits, sampler
+    sort): 1/16 of what is left after the weights, at most 4 GiB.  A heuristic: measuring the
+    compiled steps (sizing.compiled_temp_bytes) would need them compiled before the arena exists."""
     stats = jax.devices()[0].memory_stats() or {}
-    limit = int(stats.get("bytes_limit", 0))
-    return int((limit * fraction - int(stats.get("bytes_in_use", 0))) // 16)
+    left = int(stats.get("bytes_limit", 0)) * fraction - int(stats.get("bytes_in_use", 0))
+    return int(min(max(left, 0) // 16, 4 << 30))
 
 
 def _load(cfg: EngineConfig):

@@ -146,6 +146,7 @@ class Runner:
         self._step = step_function(model, plan, impl, interpret)
         self._prev = jnp.zeros((self.bmax,), jnp.int32)
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
+        self.num_moved_pages = 0  # pages relocated by compaction / float moves
 
     @property
     def num_compilations(self) -> int:
@@ -157,6 +158,7 @@ class Runner:
         """Relocations queued by the allocator, applied before the step that reads the pages."""
         if moves:
             self.arena = apply_moves(self.arena, moves, impl=self.impl, interpret=self.interpret)
+            self.num_moved_pages += sum(len(m) for m in moves)
 
     def layout(self, batch: ScheduledBatch, penalties: bool = False) -> Layout:
         bk = self.buckets
