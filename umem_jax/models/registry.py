@@ -36,3 +36,49 @@ def model_class(architecture: str) -> type:
         raise NotImplementedError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(classes))}")
     return classes[architecture]
+
+
+# ------------------------------------------------------------------ random weights, real shapes
+
+
+def _random_shapes() -> dict:
+    """Preset name (the names umem_jax.presets uses for the same models' memory) -> config factory
+    `f(dtype) -> ModelConfig`.  Each family adds its own entries."""
+    from .nemotron_h import nemotron_h_8b_like
+    from .qwen3_5 import qwen3_5_4b_like
+
+    return {"nemotronh-8b-like": nemotron_h_8b_like, "qwen3.5-4b-like": qwen3_5_4b_like}
+
+
+def random_shape_names() -> list[str]:
+    return sorted(_random_shapes())
+
+
+def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abstract: bool = False):
+    """A Model of a realistic shape with random weights, for benchmarks (no checkpoint needed).
+
+    name_or_config: a name from `random_shape_names()` or a ModelConfig.  The weights are made
+    inside one jit on the default device (an 8B model in bf16 is 16 GB: nothing goes through the
+    host).  abstract=True gives jax.ShapeDtypeStruct leaves instead (weight bytes for sizing,
+    no memory).  Returns a `model.Model`.
+    """
+    import dataclasses
+
+    import jax
+    from flax import nnx
+
+    from .model import Model
+
+    if isinstance(name_or_config, str):
+        shapes = _random_shapes()
+        if name_or_config not in shapes:
+            raise ValueError(f"unknown model shape {name_or_config!r}; choose one of {sorted(shapes)}")
+        cfg = shapes[name_or_config](dtype)
+    else:
+        cfg = dataclasses.replace(name_or_config, dtype=dtype)
+    cls = model_class(cfg.architecture)
+    build = lambda: cls(cfg, rngs=nnx.Rngs(seed))
+    graphdef, params = nnx.split(nnx.eval_shape(build))  # ShapeDtypeStruct leaves
+    if not abstract:
+        params = jax.jit(lambda: nnx.split(build())[1])()
+    return Model(cfg, graphdef, params, cls)
