@@ -258,6 +258,31 @@ def test_pallas_decode_step_interpret_mode(model, expected):
     assert rel_err(k[:, :9], np.asarray(k_ref[:, :9])) <= 1e-5 and rel_err(v[:, :9], np.asarray(v_ref[:, :9])) <= 1e-5
 
 
+# ----------------------------------------------------------------------------- random, real shapes
+
+
+def test_realistic_random_shape_matches_its_preset():
+    """registry.build_random("nemotronh-8b-like"): abstract (no memory) here; its memory is the preset's."""
+    from umem_jax.models.registry import build_random
+    from umem_jax.presets import nemotronh_8b_like
+
+    m = build_random("nemotronh-8b-like", abstract=True)
+    assert 7.9e+09 < sum(int(np.prod(x.shape)) for x in jax.tree.leaves(m.params)) < 8.3e+09
+    assert {x.dtype for x in jax.tree.leaves(m.params)} == {jnp.dtype(jnp.bfloat16)}
+    assert [m.config.layer_types.count(t) for t in ("linear_attention", "full_attention", "mlp")] == [24, 4, 24]
+    key = lambda decls: [(d.layer, [(p.geometry, type(p.lifetime)) for p in d.parts]) for d in decls]
+    assert key(m.decls()) == key(nemotronh_8b_like())
+
+
+def test_build_random_makes_a_runnable_model(model):
+    from umem_jax.models.registry import build_random
+
+    m = build_random(model.config, "float32")
+    assert jax.tree.structure(m.params) == jax.tree.structure(model.params)
+    lg = np.asarray(model.dense_logits(m.params, jnp.arange(1, 9, dtype=jnp.int32)[None]))  # same graph
+    assert lg.shape == (1, 8, 128) and np.isfinite(lg).all() and lg.std() > 0
+
+
 # ----------------------------------------------------------------------------- live oracle
 
 _HAS_ORACLE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None

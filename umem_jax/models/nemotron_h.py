@@ -118,6 +118,19 @@ def nemotron_h_config(d: dict) -> NemotronHConfig:
     )
 
 
+def nemotron_h_8b_like(dtype: str = "bfloat16") -> NemotronHConfig:
+    """Nemotron-H-8B-Base-8K's shape (its published config.json, as quoted in
+    reference/hybrid_models.md): 52 blocks "M-M-M-M*-...", 24 Mamba2 (128 heads x 64, state 128,
+    8 groups), 4 attention (32 q / 8 kv heads x 128), 24 MLP (21504), vocab 131072, untied.
+    Its memory is presets.nemotronh_8b_like's.  For benchmarks with random weights."""
+    pattern = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+    return nemotron_h_config({
+        "hybrid_override_pattern": pattern, "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 21504,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "mamba_num_heads": 128,
+        "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+        "layer_norm_epsilon": 1e-5, "max_position_embeddings": 8192, "dtype": dtype})
+
+
 # ------------------------------------------------------------------------------- blocks
 
 
@@ -219,4 +232,4 @@ class NemotronHForCausalLM(Gemma3ForCausalLM):
         return out
 
 
-__all__ = ["ARCHITECTURE", "NemotronHConfig", "NemotronHForCausalLM", "nemotron_h_config"]
+__all__ = ["ARCHITECTURE", "NemotronHConfig", "NemotronHForCausalLM", "nemotron_h_8b_like", "nemotron_h_config"]

@@ -73,6 +73,10 @@ class Qwen3_5Config(ModelConfig):
         return int(self.head_dim * self.partial_rotary_factor)
 
 
+_LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4}  # transformers' defaults
+
+
 def qwen3_5_config(d: dict) -> Qwen3_5Config:
     """A `qwen3_5_text` config.json dict (the multimodal wrapper's text_config already unwrapped by
     config.from_hf_config) -> config.  MoE variants are refused."""
@@ -106,10 +110,24 @@ def qwen3_5_config(d: dict) -> Qwen3_5Config:
         hidden_activation=d.get("hidden_act", "silu"), tie_word_embeddings=d.get("tie_word_embeddings", False),
         dtype=_dtype(d), bos_token_id=d.get("bos_token_id"), eos_token_id=_tuple_or_int(d.get("eos_token_id")),
         pad_token_id=d.get("pad_token_id"), max_position_embeddings=d.get("max_position_embeddings", 32768),
-        linear_num_key_heads=d.get("linear_num_key_heads", 16), linear_num_value_heads=d.get("linear_num_value_heads", 32),
-        linear_key_head_dim=d.get("linear_key_head_dim", 128), linear_value_head_dim=d.get("linear_value_head_dim", 128),
-        linear_conv_kernel_dim=d.get("linear_conv_kernel_dim", 4), partial_rotary_factor=partial,
+        partial_rotary_factor=partial,
+        **{k: d.get(k, default) for k, default in _LINEAR_DEFAULTS.items()},
     )
+
+
+def qwen3_5_4b_like(dtype: str = "bfloat16") -> Qwen3_5Config:
+    """A Qwen3.5-4B-sized text decoder: 32 layers, 3 gated DeltaNet (16 key / 32 value heads x 128)
+    : 1 gated attention (16 q / 4 kv heads x 256, partial RoPE 0.25), hidden 2560, SwiGLU 9216,
+    vocab 248320, tied; about 4.2B parameters.  The memory geometry is presets.qwen35_4b_like's;
+    hidden/intermediate sizes are this family's usual 4B figures, not read from a released
+    config.json (none was to hand).  For benchmarks with random weights."""
+    return qwen3_5_config({
+        "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        "max_position_embeddings": 262144, "dtype": dtype})
 
 
 # ------------------------------------------------------------------------------- attention
@@ -240,4 +258,5 @@ class Qwen3_5ForCausalLM(Gemma3ForCausalLM):
                 for i, t in enumerate(cfg.layer_types)]
 
 
-__all__ = ["ARCHITECTURE", "GatedAttention", "Qwen3_5Config", "Qwen3_5ForCausalLM", "qwen3_5_config"]
+__all__ = ["ARCHITECTURE", "GatedAttention", "Qwen3_5Config", "Qwen3_5ForCausalLM", "qwen3_5_4b_like",
+           "qwen3_5_config"]
