@@ -23,7 +23,7 @@ from ..pallas_kernels.gated_deltanet import L2NORM_EPS, gdn_decode, gdn_prefill
 from ..pallas_kernels.mamba2 import softplus
 from .batch import Batch
 from .layers import Linear
-from .mamba2_mixer import DepthwiseConv1d, GatedRMSNorm, StateSlot, first_chunk, inverse_softplus
+from .mamba2_mixer import DepthwiseConv1d, GatedRMSNorm, StateSlot, first_chunk
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
