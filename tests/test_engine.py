@@ -71,9 +71,8 @@ def test_stop_token_ids_eos_and_ignore_eos(engine_llm):
         assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop" and out.stop_reason is None
         out = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
         assert out.token_ids == ref and out.finish_reason == "length"
-        # min_tokens: the EOS cannot come before 5 tokens
+        # min_tokens: the EOS is banned (logits masked) until min_tokens tokens exist
         sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2)
-        e.runner.eos_ids = (t,)
         req_out = engine_llm.generate(p, sp)[0].outputs[0]
         assert t not in req_out.token_ids[: first + 2] and len(req_out.token_ids) >= first + 2
     finally:

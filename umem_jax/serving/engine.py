@@ -96,6 +96,9 @@ class LLMEngine:
             mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
         self.plan = make_plan(self.model.decls(kv), page_size=cfg.page_size)
         self.max_model_len = int(cfg.max_model_len or mc.max_position_embeddings)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
         if cfg.arena_bytes is not None:
             budget = budget_bytes(fixed_bytes=int(cfg.arena_bytes), plan=self.plan)
         elif jax.devices()[0].memory_stats() is None:
@@ -337,7 +340,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
-            "num_moved_pages": self.runner.num_moved_pages,
+            "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
         }
 
     def _warn_floor(self) -> None:

@@ -132,14 +132,12 @@ class Launched:
 
 class Runner:
     def __init__(self, model, plan, num_rows: int, allocator: ChainAllocator, buckets: Buckets, *,
-                 impl: str | None = None, interpret: bool = False, debug_nan: bool = False, nban: int = 4,
-                 eos_ids: tuple[int, ...] = ()):
+                 impl: str | None = None, interpret: bool = False, debug_nan: bool = False, nban: int = 4):
         self.model, self.plan, self.allocator, self.buckets = model, plan, allocator, buckets
         self.impl, self.interpret = impl, interpret
         self.pools = tuple(sp.name for sp in plan.token_pools)
         self.has_state = plan.state is not None
         self.vocab = model.config.vocab_size
-        self.eos_ids = tuple(eos_ids)
         self.nban = nban
         self.bmax = buckets.batch[-1]
         self.arena = Arena.create(plan, num_rows, debug_nan=debug_nan)
@@ -147,6 +145,8 @@ class Runner:
         self._prev = jnp.zeros((self.bmax,), jnp.int32)
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
         self.num_moved_pages = 0  # pages relocated by compaction / float moves
+        self.relocated_bytes = 0
+        self.row_bytes = allocator.row_bytes
 
     @property
     def num_compilations(self) -> int:
@@ -159,6 +159,7 @@ class Runner:
         if moves:
             self.arena = apply_moves(self.arena, moves, impl=self.impl, interpret=self.interpret)
             self.num_moved_pages += sum(len(m) for m in moves)
+            self.relocated_bytes += sum(len(m) * m.rows_per_page for m in moves) * self.row_bytes
 
     def layout(self, batch: ScheduledBatch, penalties: bool = False) -> Layout:
         bk = self.buckets

@@ -153,6 +153,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.ratio = config.new_token_ratio
         self._prefill_streak = 0
+        self._reserved = None  # memo of _reservations() for one schedule() call
         self.num_retractions = 0
         self.num_preemptions = 0
 
@@ -194,9 +195,11 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> ScheduledBatch | None:
         cfg, B = self.cfg, self.cfg.buckets
+        self._reserved = None
         rows: list[Row] = []
         budget = cfg.max_num_batched_tokens
         longest = 0
+        admitted_fut = Demand()  # reservations of the requests admitted in this step
         cands = sorted((r for r in self.running if not r.decode_ready), key=lambda r: r.sort_key)
         cands += [r for r in self.waiting if not r.num_pending]
         for req in cands:
@@ -214,7 +217,7 @@ class Scheduler:
                 ok = self.demand.fits(self.allocator, d) or self._make_room(lambda: d, req, rows)
             else:
                 fut = self.demand.reservation(req, self._reserve_tokens(req), after=end)
-                need = lambda: d + fut + self._reservations()
+                need = lambda: d + fut + self._reservations() + admitted_fut
                 ok = self.demand.fits(self.allocator, need())
                 if not ok and not self.running:
                     ok = self.demand.fits(self.allocator, d)  # alone in the arena: the clip vouches for it
@@ -228,6 +231,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = time.time()
+                admitted_fut = admitted_fut + fut
             rows.append(Row(req, req.num_computed, end, end == req.num_tokens))
             req.num_computed = end
             budget -= c
@@ -274,11 +278,17 @@ class Scheduler:
         return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
 
     def _reservations(self) -> Demand:
-        """Decode reservations of every running request (what admission must leave free)."""
+        """Decode reservations of every running request (what admission must leave free);
+        memoised within one prefill schedule until a retraction changes the running set (the
+        requests admitted meanwhile are not decoding yet: their share is `admitted_fut`)."""
+        key = self.num_retractions
+        if self._reserved is not None and self._reserved[0] == key:
+            return self._reserved[1]
         total = Demand()
         for r in self.running:
             if r.decode_ready and r.wants_step:
                 total = total + self.demand.reservation(r, self._reserve_tokens(r))
+        self._reserved = (key, total)
         return total
 
     def _make_room(self, need, req: Request, rows: list[Row]) -> bool:
