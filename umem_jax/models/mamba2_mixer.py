@@ -21,7 +21,7 @@ The dt clamp follows transformers' NemotronH: its chunked (prompt, and cache-fre
 to [time_step_min, inf), its single-token decode does not.  With small dt, cached decoding
 therefore differs from a cache-free recompute; we reproduce that, not "fix" it.  Here a row is
 clamped when it prefills (more than one new token, or its request's first), whatever the chunk
-it rides in (see `_clamp_prefill_rows`).
+it rides in (see `_prefill_dt_min`).
 """
 
 from __future__ import annotations
@@ -210,28 +210,23 @@ class Mamba2Mixer(nnx.Module):
                                      **slot.kernel_kw)
             y = y[:, None]
         else:
-            dt = self._clamp_prefill_rows(dt, batch)
             y, arena = mamba2_prefill(arena, batch.state_slots, xbc, dt, batch.q_lens, *params, view=slot.view,
-                                      reset=first_chunk(batch), **slot.kernel_kw)
+                                      dt_min=self._prefill_dt_min(batch), reset=first_chunk(batch),
+                                      **slot.kernel_kw)
         return self._out(y, z, x.dtype), arena
 
-    def _clamp_prefill_rows(self, dt: jax.Array, batch: Batch) -> jax.Array:
-        """Raw dt [B, T, H] -> fp32, with the dt >= time_step_min clamp applied to prefilling rows only.
+    def _prefill_dt_min(self, batch: Batch) -> jax.Array:
+        """[B] per-row dt floor for the prefill kernel: time_step_min for prefilling rows, 0 (no
+        clamp: softplus is positive) for decoding rows.
 
         transformers clamps in its chunked scan (a prompt) and not in its 1-token decode.  In a
-        mixed chunk a decoding row (1 new token, not its first) rides the prefill kernel, so the
-        kernel's global dt_min would clamp it and make its result depend on the batching.  Instead
-        the clamp is applied here, per row, on the raw value: softplus is monotonic, so
-        max(softplus(r + b), m) == softplus(max(r, softplus^-1(m) - b) + b).
+        mixed chunk a decoding row (1 new token, not its first) rides the prefill kernel; a single
+        floor for the whole chunk would clamp it and make its result depend on the batching.
         Known gap: a prompt whose last chunk is exactly one token is not clamped on that token
         (the Batch does not say which tokens are prompt tokens).
         """
-        if self.time_step_min <= 0:  # no clamp (softplus is positive); softplus^-1(0) would be -inf
-            return dt.astype(jnp.float32)
-        prefilling = first_chunk(batch) | (batch.q_lens > 1)                    # [B]
-        floor = inverse_softplus(jnp.float32(self.time_step_min)) - self.dt_bias[...].astype(jnp.float32)
-        dt = dt.astype(jnp.float32)
-        return jnp.where(prefilling[:, None, None], jnp.maximum(dt, floor), dt)
+        prefilling = first_chunk(batch) | (batch.q_lens > 1)
+        return jnp.where(prefilling, jnp.float32(self.time_step_min), jnp.float32(0.0))
 
 
 __all__ = ["DepthwiseConv1d", "GatedRMSNorm", "Mamba2Mixer", "StateSlot", "first_chunk", "inverse_softplus",
