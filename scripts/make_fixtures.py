@@ -41,6 +41,10 @@ NEW_TOKENS = 32
 
 # Fixed prompts for the real 270M model.
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+# Longer than the 512-token window, so the local layers' windows slide in the real model too.
+_FRUITS = ["apples", "pears", "plums", "figs", "limes", "dates"]
+LONG_PROMPT = "".join(f"Day {d}: I walked to the market and bought {d % 7 + 2} {_FRUITS[d % 6]}.\n" for d in range(1, 41))
+REAL_PROMPTS.append(LONG_PROMPT)
 
 
 def build_tiny_gemma3(out: Path):
@@ -67,8 +71,11 @@ def build_tiny_gemma3(out: Path):
 def expected_tiny(model, out: Path):
     import torch
 
+    import copy
+
     rng = np.random.default_rng(7)
     arrays = {}
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
     for name, n in PROMPTS.items():
         ids = torch.tensor(rng.integers(3, 128, size=(1, n)), dtype=torch.long)
         with torch.no_grad():
@@ -78,6 +85,9 @@ def expected_tiny(model, out: Path):
         arrays[f"{name}_prompt"] = ids[0].numpy().astype(np.int32)
         arrays[f"{name}_greedy"] = gen[0, n:].numpy().astype(np.int32)
         arrays[f"{name}_logits"] = full.astype(np.float32)  # cache-free logits over prompt + greedy
+        with torch.no_grad():  # the same sequence through the model cast to bf16 (the serving dtype)
+            bf = bf16(gen, use_cache=False).logits[0].float().numpy()
+        arrays[f"{name}_logits_bf16"] = bf.astype(np.float32)
     np.savez_compressed(out / "expected.npz", **arrays)
 
 
@@ -195,8 +205,11 @@ def expected_hybrid(model, out_file: Path, *, vocab: int = 128):
     recurrent state after prefilling the prompt (HF layouts: conv [C, K], rec as the cache holds it)."""
     import torch
 
+    import copy
+
     rng = np.random.default_rng(7)
     arrays = {}
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
     for name, n in PROMPTS.items():
         ids = torch.tensor(rng.integers(3, vocab, size=(1, n)), dtype=torch.long)
         with torch.no_grad():

@@ -121,7 +121,9 @@ def test_bf16_checkpoint_loads_as_bf16(tmp_path, model, expected):
     assert {x.dtype for x in jax.tree.leaves(m.params)} == {jnp.dtype(jnp.bfloat16)}
     toks = np.concatenate([expected["short_prompt"], expected["short_greedy"]])[None]
     lg = np.asarray(m.dense_logits(m.params, jnp.asarray(toks)))[0]
-    assert rel_err(lg, expected["short_logits"]) < 0.1  # bf16 weights: close, not exact
+    # Against transformers running the same bf16 model: two bf16 pipelines round differently
+    # (~2e-2 apart here, as far as each is from fp32), so this bounds gross errors only.
+    assert rel_err(lg, expected["short_logits_bf16"]) < 5e-2
     # ...and an fp32 override of the same bf16 file computes in fp32.
     assert {x.dtype for x in jax.tree.leaves(load_safetensors(d, dtype="float32").params)} == {jnp.dtype(jnp.float32)}
 

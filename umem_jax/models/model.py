@@ -40,6 +40,11 @@ class Model:
         graphdef, params = nnx.split(module)
         return cls(module.config, graphdef, params, type(module), **kw)
 
+    @property
+    def param_bytes(self) -> int:
+        """Device bytes of the weights (for sizing the arena from what is left)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
+
     def decls(self, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
         """What every layer keeps in the arena; kv_dtype "float32" stores K/V as two planes."""
         return self.module_cls.decls(self.config, kv_dtype)
