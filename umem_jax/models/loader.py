@@ -288,10 +288,6 @@ def load_tokenizer(model: Model):
     return Tokenizer.from_file(str(model.tokenizer_path))
 
 
-__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config", "load_gguf", "save_pretrained",
-           "load_model", "load_safetensors", "load_tokenizer"]
-
-
 def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
     """Write config.json + model.safetensors (checkpoint names, `model.` prefix) so that
     load_model(path) -- and transformers, for Gemma 3 -- reads the model back."""
@@ -312,3 +308,7 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
         tensors[name if name.startswith("lm_head.") else f"model.{name}"] = np.asarray(var.get_value())
     save_file(tensors, str(path / "model.safetensors"))
     return path
+
+
+__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config", "load_gguf",
+           "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]
