@@ -71,3 +71,12 @@ def test_chat_template_errors():
         render_chat("{{ messages }}", [{"content": "x"}])
     with pytest.raises(ValueError, match="chat template: nope"):
         render_chat("{{ raise_exception('nope') }}", [])
+
+
+def test_hf_tokenizer_without_config_uses_model_ids(tmp_path):
+    d = _hf_dir(tmp_path)
+    (d / "tokenizer_config.json").unlink()
+    (d / "generation_config.json").unlink()
+    tok = HFTokenizer(d, extra_eos_ids=(1,), bos_token_id=2)  # a GGUF conversion ships tokenizer.json alone
+    assert tok.bos_token == "<bos>" and tok.eos_token == "<eos>" and tok.eos_token_ids == (1,)
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[:1] == tok.encode("user", False)

@@ -82,7 +82,9 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face tokenizer.json (+ tokenizer_config.json / generation_config.json)."""
 
-    def __init__(self, path: str | Path, extra_eos_ids: tuple[int, ...] = ()):
+    def __init__(self, path: str | Path, extra_eos_ids: tuple[int, ...] = (), bos_token_id: int | None = None):
+        """extra_eos_ids / bos_token_id: the model config's, used when tokenizer_config.json is
+        missing or silent (a GGUF conversion may ship tokenizer.json alone)."""
         from tokenizers import Tokenizer
 
         path = Path(path)
@@ -93,22 +95,27 @@ class HFTokenizer:
         d = file.parent
         cfg = _read_json(d / "tokenizer_config.json")
         self.vocab_size = self.tok.get_vocab_size()
-        tok_id = lambda t: self.tok.token_to_id(t["content"] if isinstance(t, dict) else t) if t else None
-        self.bos_token = _content(cfg.get("bos_token"))
-        self.eos_token = _content(cfg.get("eos_token"))
-        self.bos_token_id = tok_id(self.bos_token)
-        eos = [tok_id(self.eos_token), *extra_eos_ids]
+        name = lambda i: self.tok.id_to_token(i) if i is not None else None
+        self.bos_token = _content(cfg.get("bos_token")) or name(bos_token_id)
+        self.eos_token = _content(cfg.get("eos_token")) or name(extra_eos_ids[0] if extra_eos_ids else None)
+        self.bos_token_id = self.tok.token_to_id(self.bos_token) if self.bos_token else None
+        eos = [self.tok.token_to_id(self.eos_token) if self.eos_token else None, *extra_eos_ids]
         gen = _read_json(d / "generation_config.json").get("eos_token_id")
         eos += gen if isinstance(gen, list) else [gen]
-        self.eos_token_ids = tuple(dict.fromkeys(e for e in eos if e is not None))
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         if template is None and (d / "chat_template.jinja").exists():
             template = (d / "chat_template.jinja").read_text()
         if template is None:
-            template = GEMMA_TEMPLATE if self.tok.token_to_id("<start_of_turn>") is not None else PLAIN_TEMPLATE
+            turn_end = self.tok.token_to_id("<end_of_turn>")
+            if self.tok.token_to_id("<start_of_turn>") is not None and turn_end is not None:
+                template = GEMMA_TEMPLATE
+                eos.append(turn_end)  # our template ends turns there, so the model will too
+            else:
+                template = PLAIN_TEMPLATE
         self.chat_template = template
+        self.eos_token_ids = tuple(dict.fromkeys(e for e in eos if e is not None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -137,9 +144,9 @@ def get_tokenizer(model, path: str | Path | None = None):
     eos = cfg.eos_token_id
     eos = tuple(eos) if isinstance(eos, (tuple, list)) else (() if eos is None else (eos,))
     if path is not None:
-        return HFTokenizer(path, eos)
+        return HFTokenizer(path, eos, cfg.bos_token_id)
     if getattr(model, "tokenizer_path", None) is not None and Path(model.tokenizer_path).exists():
-        return HFTokenizer(model.tokenizer_path, eos)
+        return HFTokenizer(model.tokenizer_path, eos, cfg.bos_token_id)
     if cfg.architecture == "UmemTinyHybrid":
         return ByteTokenizer(cfg.vocab_size, cfg.bos_token_id, eos[0] if eos else None, cfg.pad_token_id)
     return None
