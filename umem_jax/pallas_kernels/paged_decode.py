@@ -54,6 +54,9 @@ __all__ = [
 _NEG = -1e30  # finite "minus infinity" for the running max: exp(NEG - NEG) stays 1, never NaN
 
 
+
+SMEM_BUDGET = 200 * 1024  # bytes of K/V tiles per program across pipeline stages (SM: 227 KiB)
+
 def _check(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
     check_view(arena, view)
     if window is not None and (int(window) != window or window <= 0):
@@ -259,6 +262,14 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
         block_tokens = max(16, 8192 // max(D, Dv)) if view.planes == 1 else 32
     bt = _pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
+    # Each pipeline stage buffers one K and one V tile in shared memory; an H100/H200 SM has
+    # 227 KiB.  Trim the stages (then the block) of a config that would not fit rather than fail
+    # at launch with RESOURCE_EXHAUSTED.
+    tile_bytes = lambda b: b * (D + Dv) * 2 * view.planes
+    while num_stages > 1 and num_stages * tile_bytes(bt) > SMEM_BUDGET:
+        num_stages -= 1
+    while bt > 16 and tile_bytes(bt) > SMEM_BUDGET:
+        bt //= 2
     P = page_table.shape[1]
     lengths = jnp.minimum(lengths, P * ps)
     if num_splits is None:

@@ -206,6 +206,8 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
     @pl.when(j0 < q_len)
     def _attend():
         cdt = c.kv_dtype
+        # fp32 planes exist for parity: keep their dots IEEE (Triton's fp32 default is TF32).
+        prec = lax.Precision.HIGHEST if jnp.dtype(cdt) == jnp.float32 else None
         q = q_ref[...].reshape(M, c.D).astype(cdt)  # row r: query j0 + r // G, head h*G + r % G
         r = lax.broadcasted_iota(jnp.int32, (M,), 0)
         q_start = kv_len - q_len
@@ -289,7 +291,8 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             v_rows = env + c.v_base + slot * c.mv
             valid = ((k_idx >= lo) & (k_idx < hi)) if masked else None
             kt = load(k_rows, k_slots, c.D, valid)  # [bk, D]
-            s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                precision=prec)
             s = s * qk_scale
             if c.softcap is not None:
                 s = (c.softcap * _LOG2E) * jnp.tanh(s * (1.0 / c.softcap))
@@ -305,7 +308,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             l_new = l_i * alpha + p.sum(axis=1)
             vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dv]
             pv = lax.dot_general(p.astype(cdt), vt, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=jnp.float32, precision=prec)
             return env_next, m_new, l_new, acc * alpha[:, None] + pv
 
         # Each loop ends carrying page_env(its end), which is the next loop's start (an empty
