@@ -208,12 +208,16 @@ class LayerDecl:
 # ---------------------------------------------------------------------- conveniences
 
 
-def full_attention(layer: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, **kw) -> LayerDecl:
-    return LayerDecl(layer, (Part(MHA(num_kv_heads, head_dim, v_head_dim), Full()),), **kw)
+def full_attention(layer: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
+                   dtype: str = "bfloat16", **kw) -> LayerDecl:
+    """Full-lifetime K/V rows; `dtype` is what the K/V are stored as (pass the engine's kv_dtype)."""
+    return LayerDecl(layer, (Part(MHA(num_kv_heads, head_dim, v_head_dim, dtype), Full()),), **kw)
 
 
-def window_attention(layer: int, window: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, **kw) -> LayerDecl:
-    return LayerDecl(layer, (Part(MHA(num_kv_heads, head_dim, v_head_dim), Window(window)),), **kw)
+def window_attention(layer: int, window: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None, *,
+                     dtype: str = "bfloat16", **kw) -> LayerDecl:
+    """K/V rows of the last `window` tokens; `dtype` as in full_attention."""
+    return LayerDecl(layer, (Part(MHA(num_kv_heads, head_dim, v_head_dim, dtype), Window(window)),), **kw)
 
 
 def recurrent_state(layer: int, tensors: tuple[StateTensor, ...], checkpoint_interval: int = 0, **kw) -> LayerDecl:
