@@ -10,7 +10,8 @@ import pytest
 from _model_arena import generate
 from umem_jax.memory import Full, State, Window, plan as make_plan
 from umem_jax.models.loader import load_model, save_pretrained
-from umem_jax.models.tiny import TinyHybrid, tiny_config, tiny_config_from_dict, tiny_config_to_dict, tiny_model
+from umem_jax.models.tiny import (CHECKPOINT_INTERVAL, TinyHybrid, tiny_config, tiny_config_from_dict,
+                                  tiny_config_to_dict, tiny_model)
 
 
 def rel_err(a, b) -> float:
@@ -20,7 +21,8 @@ def rel_err(a, b) -> float:
 def test_decls_cover_all_three_kinds():
     cfg = tiny_config()
     lifetimes = [d.parts[0].lifetime for d in TinyHybrid.decls(cfg)]
-    assert lifetimes == [Window(16), State(), Window(16), Full(), Window(16), State()]
+    st = State(CHECKPOINT_INTERVAL)  # decode checkpoints every 32 tokens for the prefix cache
+    assert lifetimes == [Window(16), st, Window(16), Full(), Window(16), st]
     plan = make_plan(TinyHybrid.decls(cfg), page_size=8)
     assert plan.names == ("state", "window16", "full")
     assert {t.name for t in plan.state.geometry.tensors} == {"conv", "ssm"}

@@ -239,6 +239,22 @@ class ChainAllocator:
             self._slot_ids.push(vids)
             self._after_free([self._state])
 
+    def copy_state_slots(self, src, dst) -> None:
+        """Queue a copy of live state slots src[i] -> dst[i] (virtual ids, dst distinct and
+        none of them a source), e.g. a prefix-cache checkpoint into a request's working slot.
+        It joins the move queue, so it runs after every relocation queued before it and before
+        every one queued after: the bytes copied are those of the slots as they are now."""
+        if self._state is None:
+            raise ValueError("this plan has no state sub-pool")
+        b = self.bands[self._state]
+        src = self._live_ids(src, self._slot_ids, b.table, "state slot")
+        dst = self._live_ids(dst, self._slot_ids, b.table, "state slot")
+        if src.size != dst.size or np.isin(dst, src).any():
+            raise ValueError(f"state slot copies need as many distinct destinations as sources, none a source: "
+                             f"{src[:8]} -> {dst[:8]}")
+        if src.size:
+            self._moves.append(Move(b.name, b.table.v2p[src].copy(), b.table.v2p[dst].copy(), b.rpp, copy=True))
+
     # ================================================================== public: capacity
 
     def can_fit(self, token_pages: int = 0, state_slots: int = 0, window_pages: dict[str, int] | None = None) -> bool:

@@ -32,12 +32,15 @@ class Move:
     src, dst: int32 [N].  Destinations are distinct and none is a source of the same batch, so
     one simultaneous copy (read every source, then write every destination) is correct.
     Batches must be applied in the order `ChainAllocator.take_moves()` returns them.
+    copy: a copy the caller asked for (e.g. a state checkpoint saved or restored), not a
+    relocation: the source page keeps its id and its bytes.
     """
 
     subpool: str
     src: np.ndarray
     dst: np.ndarray
     rows_per_page: int
+    copy: bool = False
 
     def __len__(self) -> int:
         return int(self.src.size)

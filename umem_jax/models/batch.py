@@ -9,6 +9,10 @@ Shapes are padded to the runner's buckets so the step compiles once per bucket:
                                 sink 0 where unmapped.  Window sub-pools use the same index as
                                 full, with pages that left the window tombstoned to 0.
     state_slots  [B]    int32   physical state slot per row (0 for padding rows)
+    checkpoint_positions, checkpoint_slots   [B, K] int32 or None (prefill only): the recurrent
+                                state after the first p tokens of row b's chunk is also written
+                                to physical slot s (prefix-cache checkpoints); p = -1 or s = 0 is
+                                padding.  None: no checkpoints (decode, or caching off).
 
 Row b's new token j < q_lens[b] sits at position kv_lens[b] - q_lens[b] + j.
 """
@@ -27,6 +31,8 @@ class Batch:
     kv_lens: jax.Array
     page_tables: dict[str, jax.Array]
     state_slots: jax.Array
+    checkpoint_positions: jax.Array | None = None
+    checkpoint_slots: jax.Array | None = None
 
     @property
     def is_decode(self) -> bool:

@@ -97,7 +97,8 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]
         else:
             o, arena = gdn_prefill(arena, batch.state_slots, qkv, a, b, batch.q_lens, *params, view=slot.view,
-                                   reset=first_chunk(batch), **slot.kernel_kw)
+                                   reset=first_chunk(batch), checkpoint_positions=batch.checkpoint_positions,
+                                   checkpoint_slots=batch.checkpoint_slots, **slot.kernel_kw)
         return self._out(o, x), arena
 
 

@@ -212,7 +212,8 @@ class Mamba2Mixer(nnx.Module):
         else:
             y, arena = mamba2_prefill(arena, batch.state_slots, xbc, dt, batch.q_lens, *params, view=slot.view,
                                       dt_min=self._prefill_dt_min(batch), reset=first_chunk(batch),
-                                      **slot.kernel_kw)
+                                      checkpoint_positions=batch.checkpoint_positions,
+                                      checkpoint_slots=batch.checkpoint_slots, **slot.kernel_kw)
         return self._out(y, z, x.dtype), arena
 
     def _prefill_dt_min(self, batch: Batch) -> jax.Array:

@@ -33,6 +33,8 @@ from .layers import Linear, RMSNorm, activation
 from .mamba2_mixer import Mamba2Mixer, state_slot
 
 ARCHITECTURE = "NemotronHForCausalLM"
+# Decode tokens between prefix-cache checkpoints of the recurrent state (SGLang's default --mamba-track-interval).
+CHECKPOINT_INTERVAL = 256
 MLP = "mlp"
 MOE = "moe"
 _PATTERN = {"M": MAMBA, "*": FULL, "-": MLP, "E": MOE}
@@ -226,7 +228,7 @@ class NemotronHForCausalLM(Gemma3ForCausalLM):
             if t == MAMBA:
                 st = mamba2_state_tensors(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel,
                                           conv_dtype=kv_dtype)
-                out.append(LayerDecl(i, (Part(StateGeometry(st), State()),)))
+                out.append(LayerDecl(i, (Part(StateGeometry(st), State(CHECKPOINT_INTERVAL)),)))
             elif t == FULL:
                 out.append(LayerDecl(i, (Part(kv, Full()),)))
         return out

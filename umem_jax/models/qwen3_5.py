@@ -41,6 +41,8 @@ from .layers import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
 from .mamba2_mixer import state_slot
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
+# Decode tokens between prefix-cache checkpoints of the recurrent state (SGLang's default --mamba-track-interval).
+CHECKPOINT_INTERVAL = 256
 LINEAR = MAMBA  # transformers calls every recurrent layer "linear_attention"; here it is gated DeltaNet
 
 
@@ -254,7 +256,7 @@ class Qwen3_5ForCausalLM(Gemma3ForCausalLM):
         st = StateGeometry(gated_deltanet_state_tensors(
             cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
             cfg.linear_conv_kernel_dim, conv_dtype=kv_dtype))
-        return [LayerDecl(i, (Part(kv, Full()),)) if t == FULL else LayerDecl(i, (Part(st, State()),))
+        return [LayerDecl(i, (Part(kv, Full()),)) if t == FULL else LayerDecl(i, (Part(st, State(CHECKPOINT_INTERVAL)),))
                 for i, t in enumerate(cfg.layer_types)]
 
 

@@ -29,6 +29,9 @@ from .layers import MLP, RMSNorm
 from .mamba2_mixer import Mamba2Mixer, state_slot
 
 ARCHITECTURE = "UmemTinyHybrid"
+# Decode tokens between prefix-cache checkpoints of the recurrent state (small, so CPU tests
+# cross a decode checkpoint).
+CHECKPOINT_INTERVAL = 32
 
 
 def tiny_config(*, with_mamba: bool = True, **overrides) -> ModelConfig:
@@ -123,7 +126,7 @@ class TinyHybrid(Gemma3ForCausalLM):
                 m = cfg.mamba
                 state = mamba2_state_tensors(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel,
                                              conv_dtype=kv_dtype)
-                out.append(LayerDecl(i, (Part(StateGeometry(state), State()),)))
+                out.append(LayerDecl(i, (Part(StateGeometry(state), State(CHECKPOINT_INTERVAL)),)))
             else:
                 out.append(LayerDecl(i, (Part(geom, Window(cfg.sliding_window) if t == SLIDING else Full()),)))
         return out
