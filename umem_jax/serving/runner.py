@@ -89,17 +89,22 @@ class Layout:
         return out
 
 
-# One jitted step per (model graph, plan, kernels): engines built on the same model share
-# compilations (tests build several engines on one model).
+# One jitted step per (model graph, params structure, plan, kernels): engines built on the same
+# model share compilations (tests build several engines on one model).
 _STEPS: dict = {}
 
 
-def step_function(model, plan, impl: str | None, interpret: bool):
-    key = (model.graphdef, plan, impl, interpret)
+def step_function(model, plan, impl: str | None, interpret: bool, treedef=None):
+    """The jitted step.  With `treedef` (the params' pytree structure) it takes the params as
+    their flat list of leaves: flattening the NNX State on every call is Python work per leaf,
+    a flat list is flattened by the C++ dispatch path."""
+    key = (model.graphdef, treedef, plan, impl, interpret)
     if key not in _STEPS:
         forward = model.forward_fn(plan, impl=impl, interpret=interpret)
 
         def step(params, arena, meta, prev, counts, layout: Layout):
+            if treedef is not None:
+                params = jax.tree.unflatten(treedef, params)
             f = layout.unpack(meta)
             tokens, src = f["tokens"], f["src"]
             fed = jnp.take(prev, jnp.clip(src, 0, prev.shape[0] - 1))
@@ -130,6 +135,93 @@ class Launched:
     tokens: jax.Array
 
 
+# Per-request sampling words (floats bit-cast to int32) the row cache keeps: fixed for a
+# request's life, so they are converted once, not every step.
+_ROW_SAMPLING = ("top_k", "seed", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+# The value of each per-row field in a padding row (SamplingBatch's padding: greedy, no cuts).
+_PAD = {"src": -1, "ban": -1, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def _words(values, dtype) -> np.ndarray:
+    return np.asarray(values, dtype).view(np.int32)
+
+
+class RowCache:
+    """Host copies of what each request contributes to every step it is in, kept between steps.
+
+    A row per request (by identity) holds its virtual page ids, padded with -1 to `width`, and
+    its sampling words.  A step gathers the rows of its requests with one numpy index instead of
+    converting every request's Python lists again.  The page row is checked against the
+    request's `pages` list on every use (a C-level list comparison) and updated incrementally
+    when pages were appended (a decode step gains at most one), rewritten when they changed
+    otherwise (retraction, rollback).  Physical pages are NOT cached: the allocator's read table
+    is gathered through the whole [B, P] block each step (one np.take per sub-pool), so moves,
+    frees and window tombstones need no invalidation here.  Sampling words are rebuilt when the
+    request's params object or seed changes.  Rows of requests no longer launched are reused
+    when the cache is full (capacity doubles if one step needs more rows than it has).
+    """
+
+    def __init__(self, width: int, capacity: int):
+        self.width = int(width)
+        self.vids = np.full((capacity, self.width), -1, np.int32)
+        self.samp = np.zeros((capacity, len(_ROW_SAMPLING)), np.int32)
+        self.pen = np.zeros(capacity, bool)  # the request's params use penalties
+        self.entries: dict[int, list] = {}  # id(req) -> [row, req, pages (copy), params, seed]
+        self.free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.vids.shape[0]
+
+    def entry(self, req, batch_rows) -> list:
+        """The entry of `req`, refreshed if its params or seed changed (pages: see `pages`)."""
+        e = self.entries.get(id(req))
+        if e is not None and e[1] is req and e[3] is req.params and e[4] == req.seed:
+            return e
+        if e is not None:
+            row = e[0]
+        else:
+            if not self.free:
+                self._reclaim(batch_rows)
+            row = self.free.pop()
+        p = req.params
+        self.samp[row, :2] = (max(p.top_k, 0), req.seed)
+        self.samp[row, 2:] = _words([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                                     p.frequency_penalty], np.float32)
+        self.pen[row] = p.has_penalties
+        self.vids[row] = -1
+        e = [row, req, [], p, req.seed]
+        self.entries[id(req)] = e
+        return e
+
+    def set_pages(self, e: list, pages: list) -> None:
+        """Bring row e's page ids up to `pages` (which differs from the copy e holds)."""
+        n, old = len(pages), e[2]
+        k = len(old)
+        if n > self.width:
+            raise ValueError(f"{n} is above the largest bucket {self.width}")
+        row = self.vids[e[0]]
+        if n >= k and pages[:k] == old:  # grown: write only the new ids
+            row[k:n] = pages[k:]
+        else:
+            row[:n] = pages
+            row[n:] = -1
+        e[2] = list(pages)
+
+    def _reclaim(self, batch_rows) -> None:
+        """Free the rows of requests not in this step; grow if that is not enough."""
+        keep = {id(r.req) for r in batch_rows}
+        for key in [k for k in self.entries if k not in keep]:
+            self.free.append(self.entries.pop(key)[0])
+        if len(self.free) < max(1, len(batch_rows) - len(self.entries)) or not self.free:
+            cap = self.capacity
+            self.vids = np.concatenate([self.vids, np.full((cap, self.width), -1, np.int32)])
+            self.samp = np.concatenate([self.samp, np.zeros_like(self.samp)])
+            self.pen = np.concatenate([self.pen, np.zeros_like(self.pen)])
+            self.free += range(2 * cap - 1, cap - 1, -1)
+
+
 class Runner:
     def __init__(self, model, plan, num_rows: int, allocator: ChainAllocator, buckets: Buckets, *,
                  impl: str | None = None, interpret: bool = False, debug_nan: bool = False, nban: int = 4):
@@ -141,8 +233,11 @@ class Runner:
         self.nban = nban
         self.bmax = buckets.batch[-1]
         self.arena = Arena.create(plan, num_rows, debug_nan=debug_nan)
-        self._step = step_function(model, plan, impl, interpret)
+        self._params_src = None  # the params pytree the flat leaves below come from
+        self._leaves()
         self._prev = jnp.zeros((self.bmax,), jnp.int32)
+        self._rows = RowCache(buckets.pages[-1], 2 * self.bmax)
+        self._layouts: dict[tuple, tuple[Layout, np.ndarray, dict]] = {}
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
         self.num_moved_pages = 0  # pages relocated by compaction / float moves
         self.relocated_bytes = 0
@@ -153,6 +248,14 @@ class Runner:
         """Distinct step shapes this runner launched (each compiled once, or found compiled by
         an engine on the same model).  A steady workload stops growing it."""
         return len(self.shapes)
+
+    def _leaves(self) -> list:
+        """The params as a flat list of arrays (re-flattened if model.params was replaced)."""
+        if self.model.params is not self._params_src:
+            self._params_src = self.model.params
+            self._params, treedef = jax.tree.flatten(self._params_src)
+            self._step = step_function(self.model, self.plan, self.impl, self.interpret, treedef)
+        return self._params
 
     def apply_moves(self, moves) -> None:
         """Relocations queued by the allocator, applied before the step that reads the pages."""
@@ -166,48 +269,105 @@ class Runner:
         B = Buckets.pick(bk.batch, len(batch.rows))
         T = 1 if batch.kind == "decode" else Buckets.pick(bk.tokens, max(r.end - r.start for r in batch.rows))
         P = Buckets.pick(bk.pages, max(len(r.req.pages) for r in batch.rows))
-        return Layout(B, T, P, self.pools, self.bmax, self.nban, penalties)
+        return self._shape(B, T, P, penalties)[0]
+
+    def _shape(self, B: int, T: int, P: int, penalties: bool) -> tuple[Layout, np.ndarray, dict]:
+        """(layout, its padding template, where each field sits), made once per shape."""
+        key = (B, T, P, penalties)
+        got = self._layouts.get(key)
+        if got is None:
+            lay = Layout(B, T, P, self.pools, self.bmax, self.nban, penalties)
+            template = np.zeros(lay.size, np.int32)
+            spans = {n: (at, at + int(np.prod(shape)), shape) for n, (at, shape) in lay.offsets.items() if n != "_size"}
+            for name, value in _PAD.items():
+                if name not in spans:
+                    continue
+                a, b, _ = spans[name]
+                template[a:b] = _words(value, np.float32 if isinstance(value, float) else np.int32)
+            got = self._layouts[key] = (lay, template, spans)
+        return got
 
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Pack `batch` (after the scheduler allocated its memory and the moves were applied),
-        launch the step without waiting, and mark the sampled tokens as pending."""
+        launch the step without waiting, and mark the sampled tokens as pending.
+
+        Per row, Python only reads the request's counters; everything [B]- or [B, P]-shaped is
+        built by numpy from the row cache, into one int32 buffer: the step's only host->device
+        copy (handed to the jitted call as numpy, so the copy happens in its C++ dispatch)."""
         rows = batch.rows
-        penalties = any(r.sample and r.req.params.has_penalties for r in rows)
-        lay = self.layout(batch, penalties)
-        meta = np.zeros(lay.size, np.int32)
-        v = lay.host_views(meta)
-        v["src"][:] = -1
-        vids = np.full((lay.B, lay.P), -1, np.int32)
-        slot_ids = np.full((lay.B,), -1, np.int32)
-        v["ban"][:] = -1
-        params, seeds, steps = [], [], []
+        decode = batch.kind == "decode"
+        cache = self._rows
+        entries = cache.entries
+        ix, npages, ends, nout, src, state, sample = [], [], [], [], [], [], []
+        host_tokens, banned = [], []  # rows whose tokens / banned ids come from the host
         for i, row in enumerate(rows):
             req = row.req
-            n = row.end - row.start
-            if req.num_pending and batch.kind == "decode":
-                v["src"][i] = req.pending_row  # the token is still on the device
+            e = entries.get(id(req))
+            if e is None or e[1] is not req or e[3] is not req.params or e[4] != req.seed:
+                e = cache.entry(req, rows)
+            pages = req.pages
+            if pages != e[2]:
+                cache.set_pages(e, pages)
+            ix.append(e[0])
+            npages.append(len(pages))
+            ends.append(row.end)
+            k = len(req.output_token_ids) + req.num_pending  # req.num_output
+            nout.append(k)
+            if req.num_pending and decode:
+                src.append(req.pending_row)  # the token is still on the device
             else:
-                v["tokens"][i, :n] = req.token_ids(row.start, row.end)
-            v["q_lens"][i], v["kv_lens"][i] = n, row.end
-            vids[i, : len(req.pages)] = req.pages
-            if req.slots:
-                slot_ids[i] = req.slots[0]
-            params.append(req.params)
-            seeds.append(req.seed)
-            steps.append(req.num_output)
-            if row.sample and req.num_output < req.min_tokens:
-                ban = req.stop_ids[: self.nban]
-                v["ban"][i, : len(ban)] = ban
+                src.append(-1)
+                host_tokens.append(i)
+            state.append(req.slots[0] if req.slots else -1)
+            sample.append(row.sample)
+            if row.sample and k < req.min_tokens:
+                banned.append(i)
+        n = len(rows)
+        ix = np.array(ix, np.intp)
+        smp = np.array(sample, bool)
+        penalties = bool((cache.pen[ix] & smp).any())
+        bk = self.buckets
+        B = Buckets.pick(bk.batch, n)
+        T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
+        P = Buckets.pick(bk.pages, max(npages))
+        lay, template, spans = self._shape(B, T, P, penalties)
+        meta = template.copy()
+
+        def field(name):
+            a, b, shape = spans[name]
+            return meta[a:b].reshape(shape)
+
+        ends = np.array(ends, np.int32)
+        if decode:
+            q = np.ones(n, np.int32)
+        else:
+            q = ends - np.array([r.start for r in rows], np.int32)
+        field("src")[:n] = src
+        tokens = field("tokens")
+        for i in host_tokens:
+            row = rows[i]
+            tokens[i, : row.end - row.start] = row.req.token_ids(row.start, row.end)
+        field("q_lens")[:n] = q
+        field("kv_lens")[:n] = ends
+        vids = cache.vids[ix, :P]
         for p in self.pools:
-            v[f"table:{p}"][:] = self.allocator.translate_pages(vids, p, lay.P)
+            field(f"table:{p}")[:n] = self.allocator.translate_pages(vids, p, P)
         if self.has_state:
-            v["slots"][:] = self.allocator.translate_slots(slot_ids, lay.B)
-        sb = SamplingBatch.build(params, seeds, steps, lay.B)
-        for name in _INT_SAMPLING + _FLOAT_SAMPLING:
-            v[name][:] = getattr(sb, name)
+            field("slots")[:n] = self.allocator.translate_slots(np.array(state, np.int32))
+        samp = cache.samp[ix]
+        for j, name in enumerate(_ROW_SAMPLING):
+            field(name)[:n] = samp[:, j]
+        field("step")[:n] = nout
+        if banned:
+            ban = field("ban")
+            for i in banned:
+                ids = rows[i].req.stop_ids[: self.nban]
+                ban[i, : len(ids)] = ids
         counts = self._counts(rows, lay.B) if penalties else None
         self.shapes.add(lay)
-        tokens, self.arena = self._step(self.model.params, self.arena, jnp.asarray(meta), self._prev, counts, lay)
+        if self.model.params is not self._params_src:
+            self._leaves()
+        tokens, self.arena = self._step(self._params, self.arena, meta, self._prev, counts, lay)
         self._prev = tokens
         for i, row in enumerate(rows):
             if row.sample:
@@ -228,4 +388,4 @@ class Runner:
         return jnp.asarray(pc), jnp.asarray(oc)
 
 
-__all__ = ["Launched", "Layout", "Runner", "step_function"]
+__all__ = ["Launched", "Layout", "RowCache", "Runner", "step_function"]

@@ -1,0 +1,139 @@
+"""Host cost of one decode step, with the device work excluded (CPU is fine: tiny model).
+
+Runs B requests of `--prompt` tokens through the engine, stepping by hand, and over the steady
+decode steps (all B rows decoding, nothing waiting) reports the median host milliseconds of:
+
+  schedule   scheduler.schedule()
+  launch     runner.launch(): packing the metadata, the one host->device copy, the jit dispatch
+  process    engine._process() after the step's tokens are on the host (stop checks, detok)
+  host       their sum (what bench_engine calls host)
+
+Each part is timed twice: wall time, and the host thread's CPU time (time.thread_time: robust
+to other processes sharing the cores; the device's own threads are not counted).
+
+The device wait (np.asarray of the tokens) is timed apart and left out.  On a CPU host the
+"device" shares the cores, so by default (--isolate) each timed part runs with the device idle:
+the in-flight step is waited for (untimed) before schedule and right after launch returns.  --profile N runs
+cProfile over N steady decode steps and prints the top functions by cumulative / own time.
+
+    PYTHONPATH=$PWD python benchmarks/profile_host.py --batch 64 --prompt 512 --gen 80
+    PYTHONPATH=$PWD python benchmarks/profile_host.py --profile 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=80)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--arena-mib", type=float, default=96)
+    ap.add_argument("--mode", default="unified")
+    ap.add_argument("--profile", type=int, default=0, help="cProfile this many steady decode steps")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--no-isolate", dest="isolate", action="store_false",
+                    help="let host parts overlap the (CPU) device work, as the engine does")
+    ap.add_argument("--text", action="store_true", help="token-id prompts still detokenize; this adds stop strings")
+    args = ap.parse_args()
+
+    import jax
+
+    from umem_jax import LLM, SamplingParams
+    from umem_jax.models.loader import load_model
+
+    model = load_model("tiny")
+    llm = LLM(model, memory_mode=args.mode, arena_bytes=int(args.arena_mib * 2**20), max_num_seqs=args.batch,
+              max_num_batched_tokens=4096, page_size=args.page_size, max_model_len=args.prompt + args.gen + 64,
+              kernel_impl="reference")
+    eng = llm.llm_engine
+    rng = np.random.default_rng(0)
+    vocab = eng.model.config.vocab_size
+    stop = ["\x00\x00\x00"] if args.text else None
+    # warm-up: every bucket the measured run uses (prefill chunks, the decode batch)
+    llm.generate([rng.integers(10, vocab - 1, args.prompt).tolist() for _ in range(args.batch)],
+                 SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    compiles0 = eng.runner.num_compilations
+
+    parts = {k: [] for k in ("schedule", "launch", "process", "wait", "schedule_cpu", "launch_cpu", "process_cpu")}
+    clock = time.thread_time
+    sched, launch, process = eng.scheduler.schedule, eng.runner.launch, eng._process
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            t0, c0 = time.perf_counter(), clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                parts[key].append(time.perf_counter() - t0)
+                parts[key + "_cpu"].append(clock() - c0)
+        return wrapper
+
+    def timed_process(launched):
+        t0 = time.perf_counter()
+        np.asarray(launched.tokens)  # the device wait, excluded from host
+        t1, c1 = time.perf_counter(), clock()
+        out = process(launched)
+        parts["wait"].append(t1 - t0)
+        parts["process"].append(time.perf_counter() - t1)
+        parts["process_cpu"].append(clock() - c1)
+        return out
+
+    def isolated_launch(batch):
+        t0, c0 = time.perf_counter(), clock()
+        out = launch(batch)
+        parts["launch"].append(time.perf_counter() - t0)
+        parts["launch_cpu"].append(clock() - c0)
+        if args.isolate:
+            jax.block_until_ready((out.tokens, eng.runner.arena))
+        return out
+
+    eng.scheduler.schedule = timed(sched, "schedule")
+    eng.runner.launch = isolated_launch
+    eng._process = timed_process
+
+    sp = SamplingParams(temperature=0.0, max_tokens=args.gen, ignore_eos=True, stop=stop)
+    for _ in range(args.batch):
+        eng.add_request(rng.integers(10, vocab - 1, args.prompt).tolist(), sp)
+    rows, prof, profiled = [], cProfile.Profile(clock) if args.profile else None, 0
+    while eng.has_unfinished_requests():
+        for v in parts.values():
+            v.clear()
+        steady = (len(eng.scheduler.running) == args.batch and not eng.scheduler.waiting
+                  and all(r.decode_ready for r in eng.scheduler.running) and eng._inflight is not None)
+        if args.isolate and eng._inflight is not None:
+            jax.block_until_ready((eng._inflight.tokens, eng.runner.arena))
+        on = prof is not None and steady and profiled < args.profile
+        if on:
+            prof.enable()
+        eng.step()
+        if on:
+            prof.disable()
+            profiled += 1
+        if steady:
+            rows.append({k: sum(v) for k, v in parts.items()})
+    med = {k: statistics.median(r[k] for r in rows) * 1e3 for k in parts}
+    med["host"] = statistics.median(r["schedule"] + r["launch"] + r["process"] for r in rows) * 1e3
+    med["host_cpu"] = statistics.median(r["schedule_cpu"] + r["launch_cpu"] + r["process_cpu"] for r in rows) * 1e3
+    out = {"batch": args.batch, "prompt": args.prompt, "steady_steps": len(rows),
+           **{f"{k}_ms": round(v, 3) for k, v in med.items()},
+           "recompiles": eng.runner.num_compilations - compiles0}
+    print(json.dumps(out))
+    if prof is not None:
+        st = pstats.Stats(prof)
+        st.sort_stats("cumulative").print_stats(args.top)
+        st.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Runner packing: the vectorised launch (row cache, numpy over all rows) must pack exactly the
+metadata the straightforward per-row packing gives, through page growth, rollbacks,
+retractions, window tombstones, page moves, params changes and row-cache reuse.  The device
+step is replaced by a recorder: nothing compiles here."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _engine_utils import tiny
+from umem_jax.serving.request import Request
+from umem_jax.serving.runner import _FLOAT_SAMPLING, _INT_SAMPLING, RowCache
+from umem_jax.serving.sampler import SamplingBatch
+from umem_jax.serving.sampling_params import SamplingParams
+from umem_jax.serving.scheduler import Row, ScheduledBatch
+
+
+def _engine(**kw):
+    from umem_jax import LLM
+
+    settings = dict(arena_bytes=400 << 10, max_num_seqs=8, max_num_batched_tokens=32, page_size=4,
+                    max_model_len=256, batch_buckets=(2, 4, 8), token_buckets=(16, 32), page_buckets=(8, 16, 64))
+    return LLM(tiny(), **{**settings, **kw}).llm_engine
+
+
+def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
+    """The per-row packing (what launch did before it was vectorised)."""
+    rows = batch.rows
+    penalties = any(r.sample and r.req.params.has_penalties for r in rows)
+    lay = runner.layout(batch, penalties)
+    meta = np.zeros(lay.size, np.int32)
+    v = lay.host_views(meta)
+    v["src"][:] = -1
+    vids = np.full((lay.B, lay.P), -1, np.int32)
+    slot_ids = np.full((lay.B,), -1, np.int32)
+    kc = getattr(lay, "kc", 0)
+    ck_ids = np.full((lay.B, max(1, kc)), -1, np.int32)
+    if kc:
+        v["ck_pos"][:] = -1
+    v["ban"][:] = -1
+    params, seeds, steps = [], [], []
+    for i, row in enumerate(rows):
+        req = row.req
+        n = row.end - row.start
+        if req.num_pending and batch.kind == "decode":
+            v["src"][i] = req.pending_row
+        else:
+            v["tokens"][i, :n] = req.token_ids(row.start, row.end)
+        v["q_lens"][i], v["kv_lens"][i] = n, row.end
+        vids[i, : len(req.pages)] = req.pages
+        if req.slots:
+            slot_ids[i] = req.slots[0]
+        for j, (pos, slot) in enumerate(getattr(row, "checkpoints", ())[:kc]):
+            v["ck_pos"][i, j], ck_ids[i, j] = pos - row.start, slot
+        params.append(req.params)
+        seeds.append(req.seed)
+        steps.append(req.num_output)
+        if row.sample and req.num_output < req.min_tokens:
+            ban = req.stop_ids[: runner.nban]
+            v["ban"][i, : len(ban)] = ban
+    for p in runner.pools:
+        v[f"table:{p}"][:] = runner.allocator.translate_pages(vids, p, lay.P)
+    if runner.has_state:
+        v["slots"][:] = runner.allocator.translate_slots(slot_ids, lay.B)
+    if kc:
+        v["ck_slots"][:] = runner.allocator.translate_slots(ck_ids.reshape(-1)).reshape(lay.B, kc)
+    sb = SamplingBatch.build(params, seeds, steps, lay.B)
+    for name in _INT_SAMPLING + _FLOAT_SAMPLING:
+        v[name][:] = getattr(sb, name)
+    return meta, lay
+
+
+class Harness:
+    """An engine whose runner records each step's inputs instead of running it."""
+
+    def __init__(self, **kw):
+        self.eng = _engine(**kw)
+        self.runner = self.eng.runner
+        self.alloc = self.eng.allocator
+        self.calls = []
+        bmax = self.runner.bmax
+
+        def fake_step(params, arena, meta, prev, counts, layout):
+            self.calls.append((np.array(meta), layout, counts))
+            return jnp.zeros((bmax,), jnp.int32), arena
+
+        self.runner._step = fake_step
+        self.runner._leaves = lambda: self.runner._params  # keep the recorder
+        self.n = 0
+
+    def request(self, prompt_len=10, out=0, params=None, pages=0, slots=True) -> Request:
+        self.n += 1
+        rng = np.random.default_rng(self.n)
+        params = params or SamplingParams(temperature=0.0, max_tokens=64)
+        req = Request(f"r{self.n}", None, rng.integers(3, 300, prompt_len).tolist(), params, arrival=self.n,
+                      seed=1000 + self.n, max_tokens=64, windows=tuple(n for n, _ in self.eng.demand.windows))
+        req.stop_ids = [2, 7]
+        req.output_token_ids = rng.integers(3, 300, out).tolist()
+        if pages:
+            self.grow(req, pages)
+        if slots and self.runner.has_state:
+            req.slots = self.alloc.alloc_state_slots(1).tolist()
+        return req
+
+    def free(self, req):
+        self.alloc.free_token_pages(req.pages)
+        if req.slots:
+            self.alloc.free_state_slots(req.slots)
+        req.pages, req.slots = [], []
+
+    def grow(self, req, n):
+        req.pages += self.alloc.alloc_token_pages(n).tolist()
+
+    def check(self, batch: ScheduledBatch):
+        want, lay = reference_meta(self.runner, batch)
+        pend = [(r.req.pending_row, r.req.num_pending) for r in batch.rows]
+        self.runner.launch(batch)
+        got, got_lay, counts = self.calls[-1]
+        assert got_lay == lay
+        assert got.dtype == np.int32 and got.shape == want.shape
+        bad = np.flatnonzero(got != want)
+        if bad.size:
+            names = {k: v for k, v in lay.offsets.items() if k != "_size"}
+            where = sorted({n for i in bad for n, (a, s) in names.items() if a <= i < a + int(np.prod(s))})
+            raise AssertionError(f"packed metadata differs in fields {where}")
+        assert (counts is not None) == lay.penalties
+        for i, (row, (pr, np_)) in enumerate(zip(batch.rows, pend)):  # sampled rows become pending
+            assert (row.req.pending_row, row.req.num_pending) == ((i, np_ + 1) if row.sample else (pr, np_))
+
+
+def decode(reqs, pending=True):
+    rows = []
+    for r in reqs:
+        if not pending:
+            r.num_pending = 0
+        rows.append(Row(r, r.num_tokens - 1, r.num_tokens, True))
+    return ScheduledBatch("decode", rows)
+
+
+def test_decode_packing_matches_through_page_changes():
+    h = Harness()
+    mixed = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_tokens=64),
+             SamplingParams(temperature=0.0, max_tokens=64),
+             SamplingParams(temperature=1.3, top_k=-1, seed=3, max_tokens=64, min_tokens=4)]
+    reqs = [h.request(prompt_len=9 + i, out=i % 3, params=mixed[i % 3], pages=3 + i % 2) for i in range(6)]
+    reqs[2].min_tokens = 4  # still under min_tokens: its stop ids are banned
+    h.check(decode(reqs, pending=False))  # every input token from the host
+    h.check(decode(reqs))  # every input token pending on the device
+    for step in range(12):  # pages grow one at a time, as in decode
+        for j, r in enumerate(reqs):
+            r.output_token_ids.append(5 + step)
+            r.num_pending -= 1
+            if (step + j) % 4 == 0:
+                h.grow(r, 1)
+        h.check(decode(reqs))
+    # rollback of an allocation round then a different allocation, at the same length
+    r = reqs[1]
+    old = r.pages[-2:]
+    del r.pages[-2:]
+    fresh = h.alloc.alloc_token_pages(2).tolist()
+    h.alloc.free_token_pages(old)
+    r.pages += fresh
+    h.check(decode(reqs))
+    # retraction (pages given back, new list), then recomputed with new pages
+    h.alloc.free_token_pages(reqs[3].pages)
+    reqs[3].pages = []
+    h.grow(reqs[3], 5)
+    h.check(decode(reqs))
+    # params and seed replaced on a live request
+    reqs[0].params = SamplingParams(temperature=0.2, top_p=0.5, max_tokens=64)
+    reqs[4].seed = 77
+    h.check(decode(reqs[::-1]))  # and the rows in another order, a smaller batch bucket
+    h.check(decode(reqs[:3]))
+
+
+def test_translation_follows_tombstones_and_moves():
+    h = Harness()
+    reqs = [h.request(pages=6) for _ in range(4)]
+    h.check(decode(reqs))
+    windows = [n for n, _ in h.eng.demand.windows]
+    assert windows, "the tiny model has a sliding-window sub-pool"
+    h.alloc.release_window_pages(reqs[0].pages[:3], windows[0])  # tombstones read as the sink
+    h.check(decode(reqs))
+    # free a request in the middle and compact: live pages move, their ids stay
+    h.alloc.free_token_pages(reqs[1].pages)
+    del reqs[1]
+    h.alloc.flush(urgent=True)
+    moves = h.alloc.take_moves()
+    assert moves, "compaction moved no page; the test needs a move"
+    h.check(decode(reqs))
+
+
+def test_penalties_bans_and_prefill_rows():
+    h = Harness()
+    pen = SamplingParams(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5, max_tokens=64)
+    a = h.request(prompt_len=12, out=2, params=pen, pages=4)
+    b = h.request(prompt_len=20, pages=5, params=SamplingParams(temperature=0.0, max_tokens=64, min_tokens=3))
+    h.check(decode([a, b], pending=False))
+    # prefill: a partial chunk (no sample) and a last chunk (samples)
+    c = h.request(prompt_len=30, pages=8)
+    d = h.request(prompt_len=7, pages=2)
+    rows = [Row(c, 0, 16, False), Row(d, 0, 7, True)]
+    h.check(ScheduledBatch("prefill", rows))
+    h.check(ScheduledBatch("prefill", [Row(c, 16, 30, True)]))
+
+
+def test_row_cache_reuses_rows_and_grows():
+    h = Harness()
+    runner = h.runner
+    cap = runner._rows.capacity
+    live = []
+    for wave in range(4):  # 4 waves of fresh requests: old rows are reclaimed, not leaked
+        for r in live:
+            h.free(r)
+        live = [h.request(pages=2 + wave) for _ in range(runner.bmax)]
+        h.check(decode(live))
+    assert runner._rows.capacity == cap
+    assert len(runner._rows.entries) <= cap
+    c = RowCache(width=4, capacity=1)  # a batch larger than the cache grows it
+
+    class _R:
+        def __init__(self, req):
+            self.req = req
+
+    reqs = [h.request(pages=0) for _ in range(3)]
+    rows = [_R(r) for r in reqs]
+    got = [c.entry(r, rows)[0] for r in reqs]
+    assert sorted(got) == [0, 1, 2] and c.capacity >= 3
+    with pytest.raises(ValueError):
+        c.set_pages(c.entries[id(reqs[0])], list(range(1, 6)))  # wider than the largest bucket
