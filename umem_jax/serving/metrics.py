@@ -1,0 +1,164 @@
+"""Prometheus metrics of one served engine (prometheus-client, one CollectorRegistry per app).
+
+Names are vLLM's with the prefix `umem:` instead of `vllm:` (so dashboards carry over with a
+prefix swap), plus per-band arena gauges in SGLang's per-pool style.  Every series carries
+`model_name`.  Counters are exposed with prometheus-client's `_total` suffix.
+
+Scheduler
+  umem:num_requests_running                 gauge      requests holding arena memory
+  umem:num_requests_waiting                 gauge      queued (new or retracted)
+  umem:num_retractions_total                counter    requests sent back to the queue for memory
+  umem:num_preemptions_total                counter    ...of which displaced by a higher priority
+  umem:num_aborted_requests_total{reason}   counter    "budget" (prompt over the KV budget) | "client"
+                                                       (disconnect / abort)
+  umem:request_success_total{finished_reason}  counter "stop" | "length"
+  umem:num_compilations_total               counter    distinct step shapes compiled
+Arena (all bands)
+  umem:kv_cache_usage_perc                  gauge      live bytes / usable bytes (0-1)
+  umem:arena_total_bytes                    gauge
+  umem:arena_bytes{part}                    gauge      part = live | holes | free | sink (sums to total)
+  umem:num_moved_pages_total                counter    pages relocated (compaction, float moves)
+  umem:relocated_bytes_total                counter    bytes copied by those relocations
+  umem:num_evictions_total                  counter    read from engine.stats() when it reports them
+  umem:num_compactions_total                counter    (0 until then)
+Per band (labels band = sub-pool name, kind = full | window | state, window = its length in
+tokens or "", unit = "pages" | "slots": a state slot is a page of size 1)
+  umem:arena_band_held_bytes                gauge      exact
+  umem:arena_band_held                      gauge      exact, in `unit`
+  umem:arena_band_available                 gauge      ESTIMATE of what a new allocation could get
+                                                       now (joint over the token bands), in `unit`
+  umem:arena_band_usage_perc                gauge      held / (held + available)
+Latency and tokens
+  umem:time_to_first_token_seconds          histogram  HTTP arrival -> first token on the host
+  umem:inter_token_latency_seconds          histogram  gap between a request's successive tokens
+  umem:e2e_request_latency_seconds          histogram  HTTP arrival -> finished
+  umem:request_queue_time_seconds           histogram  HTTP arrival -> first scheduled
+  umem:prompt_tokens_total                  counter    prompts admitted
+  umem:generation_tokens_total              counter    tokens streamed
+
+Gauges and engine counters are refreshed by the engine thread (`snapshot`, called between
+steps), so a scrape never waits for a step and always sees exact allocator numbers of a moment
+between two steps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+            40.0, 80.0, 160.0, 640.0)
+_ITL = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 80.0)
+_BAND = ("model_name", "band", "kind", "window", "unit")
+
+# engine.stats() key -> counter name (a key the engine does not report leaves its counter at 0)
+_ENGINE_COUNTERS = {"num_retractions": "umem:num_retractions", "num_preemptions": "umem:num_preemptions",
+                    "num_compilations": "umem:num_compilations", "num_moved_pages": "umem:num_moved_pages",
+                    "relocated_bytes": "umem:relocated_bytes", "num_evictions": "umem:num_evictions",
+                    "num_compactions": "umem:num_compactions"}
+
+
+class EngineMetrics:
+    """Every metric of one engine, registered in its own registry (tests build many apps)."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
+        self.registry = r = registry if registry is not None else CollectorRegistry()
+        self.model_name = m = model_name
+        L = ("model_name",)
+        self.running = Gauge("umem:num_requests_running", "Requests holding arena memory.", L, registry=r).labels(m)
+        self.waiting = Gauge("umem:num_requests_waiting", "Requests waiting to be scheduled.", L, registry=r).labels(m)
+        self.kv_usage = Gauge("umem:kv_cache_usage_perc", "Live arena bytes / usable arena bytes (0-1).", L,
+                              registry=r).labels(m)
+        self.arena_total = Gauge("umem:arena_total_bytes", "Arena size in bytes.", L, registry=r).labels(m)
+        self.arena_bytes = Gauge("umem:arena_bytes", "Arena bytes by part (live, holes, free, sink).",
+                                 L + ("part",), registry=r)
+        self.band_bytes = Gauge("umem:arena_band_held_bytes", "Bytes held by a band (exact).", _BAND, registry=r)
+        self.band_held = Gauge("umem:arena_band_held", "Pages (state: slots) held by a band (exact).", _BAND,
+                               registry=r)
+        self.band_avail = Gauge("umem:arena_band_available", "Pages (state: slots) a new allocation could get now "
+                                "(estimate; joint over the token bands).", _BAND, registry=r)
+        self.band_usage = Gauge("umem:arena_band_usage_perc", "Band held / (held + available).", _BAND, registry=r)
+        self.engine_counters = {k: Counter(name, f"Engine {k.replace('_', ' ')}.", L, registry=r).labels(m)
+                                for k, name in _ENGINE_COUNTERS.items()}
+        self._seen = dict.fromkeys(_ENGINE_COUNTERS, 0)
+        self.aborted = Counter("umem:num_aborted_requests", "Requests aborted, by reason.", L + ("reason",),
+                               registry=r)
+        self.success = Counter("umem:request_success", "Requests finished, by reason.", L + ("finished_reason",),
+                               registry=r)
+        self.prompt_tokens = Counter("umem:prompt_tokens", "Prompt tokens admitted.", L, registry=r).labels(m)
+        self.generation_tokens = Counter("umem:generation_tokens", "Tokens generated.", L, registry=r).labels(m)
+        self.ttft = Histogram("umem:time_to_first_token_seconds", "Time to first token.", L, buckets=_LATENCY,
+                              registry=r).labels(m)
+        self.itl = Histogram("umem:inter_token_latency_seconds", "Inter-token latency.", L, buckets=_ITL,
+                             registry=r).labels(m)
+        self.e2e = Histogram("umem:e2e_request_latency_seconds", "End-to-end request latency.", L,
+                             buckets=_LATENCY, registry=r).labels(m)
+        self.queue_time = Histogram("umem:request_queue_time_seconds", "Time from arrival to first scheduled.", L,
+                                    buckets=_LATENCY, registry=r).labels(m)
+        self._bands: dict[str, tuple[str, ...]] = {}
+
+    # ------------------------------------------------------------------ engine thread
+    def bind(self, engine) -> None:
+        """Label every band of the engine's plan (so all series exist before the first request)."""
+        for sp in engine.plan.subpools:
+            window = str(sp.window) if sp.kind == "window" else ""
+            unit = "slots" if sp.kind == "state" else "pages"
+            self._bands[sp.name] = (self.model_name, sp.name, sp.kind, window, unit)
+        self.snapshot(engine)
+
+    def snapshot(self, engine) -> None:
+        """Refresh gauges and engine counters from the engine; call it in the engine's thread."""
+        stats, u = engine.stats(), engine.allocator.usage()
+        m = self.model_name
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        usable = max(1, u.total_bytes - u.sink_bytes)
+        self.kv_usage.set(u.live_bytes / usable)
+        self.arena_total.set(u.total_bytes)
+        for part, v in (("live", u.live_bytes), ("holes", u.hole_bytes), ("free", u.free_bytes),
+                        ("sink", u.sink_bytes)):
+            self.arena_bytes.labels(m, part).set(v)
+        for name, s in u.subpools.items():
+            labels = self._bands.get(name)
+            if labels is None:
+                continue
+            self.band_bytes.labels(*labels).set(s.held_bytes)
+            self.band_held.labels(*labels).set(s.held)
+            self.band_avail.labels(*labels).set(s.available)
+            self.band_usage.labels(*labels).set(s.held / max(1, s.held + s.available))
+        for k, counter in self.engine_counters.items():
+            v = int(stats.get(k, self._seen[k]))
+            if v > self._seen[k]:
+                counter.inc(v - self._seen[k])
+                self._seen[k] = v
+
+    # ------------------------------------------------------------------ per request
+    def on_admit(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def on_tokens(self, n: int, *, ttft: float | None = None, gap: float | None = None) -> None:
+        """n new tokens of one request; ttft for its first, gap since its previous tokens."""
+        if n <= 0:
+            return
+        self.generation_tokens.inc(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            n -= 1
+        if gap is not None and n > 0:
+            for _ in range(n):  # tokens read back together share the gap
+                self.itl.observe(gap / n)
+
+    def on_finish(self, finish_reason: str, e2e: float, queue_time: float | None) -> None:
+        self.success.labels(self.model_name, finish_reason).inc()
+        self.e2e.observe(e2e)
+        if queue_time is not None:
+            self.queue_time.observe(queue_time)
+
+    def on_abort(self, reason: str) -> None:
+        self.aborted.labels(self.model_name, reason).inc()
+
+    # ------------------------------------------------------------------ HTTP
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+__all__ = ["EngineMetrics"]
