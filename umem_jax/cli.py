@@ -2,6 +2,14 @@
 
     umem-jax demo  [--model PRESET] [--budget-mib N] [--memory-mode unified|static]
     umem-jax plan  [--model PRESET] [--budget-gib N] [--page-size N] [--max-model-len N]
+    umem-jax serve MODEL [--host 127.0.0.1] [--port 8000] [engine flags]   (OpenAI-compatible server)
+    umem-jax generate MODEL --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
+
+Engine flags take vLLM's names (--gpu-memory-utilization, --max-num-seqs, --max-num-batched-tokens,
+--max-model-len, --page-size, --load-format, --served-model-name, --seed) plus the arena's own
+(--memory-mode, --swa-full-tokens-ratio, --mamba-full-memory-ratio, --arena-bytes).  Anything
+the engine cannot run (a model, an option, a JAX backend other than CPU or NVIDIA GPU) is
+refused at startup: exit code 2, the reason on stderr.
 """
 
 from __future__ import annotations
@@ -30,6 +38,119 @@ def _plan(args) -> int:
     return 0
 
 
+def _check_platform() -> None:
+    """Serving runs on NVIDIA GPUs (Pallas/Triton kernels) and on CPU (reference kernels)."""
+    import jax
+
+    backend = jax.default_backend()
+    dev = jax.devices()[0]
+    version = str(getattr(getattr(dev, "client", None), "platform_version", "")).lower()
+    if backend not in ("cpu", "gpu") or (backend == "gpu" and "rocm" in version):
+        raise ValueError(f"unsupported platform: JAX backend {backend!r} ({dev.device_kind}); umem_jax serves on "
+                         "NVIDIA GPUs and CPU")
+
+
+def _engine(args):
+    """Platform check, EngineConfig from the flags, the engine, and the startup report."""
+    from .serving.engine import EngineConfig, LLMEngine
+
+    model = args.model or args.model_path
+    if not model:
+        raise ValueError("give a model: a checkpoint directory, a .gguf file or a built-in name (tiny)")
+    _check_platform()
+    cfg = EngineConfig(model=model, tokenizer=args.tokenizer, memory_mode=args.memory_mode,
+                       swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+                       mamba_full_memory_ratio=args.mamba_full_memory_ratio,
+                       gpu_memory_utilization=args.gpu_memory_utilization, arena_bytes=args.arena_bytes,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       page_size=args.page_size, max_model_len=args.max_model_len, dtype=args.dtype,
+                       load_format=args.load_format, seed=args.seed)
+    try:
+        engine = LLMEngine(cfg)
+    except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
+        raise ValueError(f"cannot serve {model!r}: {e}") from None
+    print(engine.plan.table())
+    print(engine.size.summary(engine.regions))
+    print(_capacity(engine))
+    return engine
+
+
+def _capacity(engine) -> str:
+    """What the arena admits: requests of max_model_len at once, and each band's tokens alone."""
+    from .serving.demand import Demand
+
+    d, cfg = engine.demand.lifetime(engine.max_model_len - 1, 1), engine.config
+    times = lambda k: Demand(d.token_pages * k, {w: v * k for w, v in d.window_pages.items()}, d.state_slots * k)
+    lo, hi = 0, cfg.max_num_seqs
+    while lo < hi:  # demand grows with k: the largest k that fits the empty arena
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if engine.demand.fits_empty(times(mid)) else (lo, mid - 1)
+    kinds = []
+    for sp in engine.plan.subpools:
+        unit = "state slots" if sp.kind == "state" else "tokens"
+        label = f"{sp.name} (window {sp.window})" if sp.kind == "window" else sp.name
+        kinds.append(f"{label} {engine.size.tokens_alone(sp.name):,} {unit}")
+    return (f"capacity: {lo} concurrent requests of max_model_len={engine.max_model_len:,} "
+            f"(--max-num-seqs {cfg.max_num_seqs}); each band alone: {'; '.join(kinds)}")
+
+
+def _serve(args) -> int:
+    from .serving.api_server import serve
+    from .serving.async_engine import AsyncLLMEngine
+    from .serving.metrics import EngineMetrics
+
+    engine = _engine(args)
+    names = args.served_model_name or [str(args.model or args.model_path)]
+    aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]))
+    print(f"serving {names} on http://{args.host}:{args.port} (GET /health is 503 until warm)", flush=True)
+    serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path))
+    return 0
+
+
+def _generate(args) -> int:
+    from .serving.sampling_params import SamplingParams
+
+    engine = _engine(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    rid = engine.add_request(args.prompt, params)
+    peak, out = {}, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o if o.request_id == rid else out
+        for name, s in engine.allocator.usage().subpools.items():
+            peak[name] = max(peak.get(name, (0, 0)), (s.held, s.held_bytes))
+    if out.error:
+        raise ValueError(out.error)
+    print(out.outputs[0].text)
+    print(f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}]")
+    u = engine.allocator.usage()
+    print(f"arena memory per band after the request (peak while it ran); arena {u.total_bytes:,} B")
+    for name, s in u.subpools.items():
+        unit = "slots" if s.kind == "state" else "pages"
+        p = peak.get(name, (0, 0))
+        print(f"  {name:<12} {s.kind:<6} held {s.held:,} {unit} ({s.held_bytes:,} B), peak {p[0]:,} {unit} "
+              f"({p[1]:,} B), available ~{s.available:,} {unit}")
+    return 0
+
+
+def _engine_flags(p) -> None:
+    p.add_argument("model", nargs="?", help="checkpoint directory, .gguf file, or built-in name (tiny)")
+    p.add_argument("--model-path", dest="model_path", help="alias of the positional MODEL")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--arena-bytes", type=int, default=None, help="arena budget in bytes (CPU default 64 MiB)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", "--block-size", type=int, default=16)
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    p.add_argument("--memory-mode", default="unified", choices=("unified", "static"))
+    p.add_argument("--swa-full-tokens-ratio", type=float, default=0.8)
+    p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     from .presets import PRESETS
 
@@ -51,6 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     common(p, "--budget-gib", 16.0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.set_defaults(fn=_plan)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
+    _engine_flags(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None)
+    s.add_argument("--max-waiting-requests", type=int, default=1024, help="queue length at which requests get 503")
+    s.set_defaults(fn=_serve)
+
+    g = sub.add_parser("generate", help="generate for one prompt, then print the arena memory per band")
+    _engine_flags(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default here) is greedy")
+    g.set_defaults(fn=_generate)
 
     args = ap.parse_args(argv)
     try:
