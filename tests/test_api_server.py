@@ -85,6 +85,14 @@ def wait_idle(srv, timeout=60.0) -> None:
         time.sleep(0.05)
 
 
+def drained(srv) -> tuple[int, int, int]:
+    """Wait for idle, drop the prefix cache (cached pages are held on purpose, not leaked), then
+    -> live_memory: what is left is held by nobody."""
+    wait_idle(srv)
+    assert engine_call(srv, lambda e: e.reset_prefix_cache() if hasattr(e, "reset_prefix_cache") else True)
+    return live_memory(srv)
+
+
 def live_memory(srv) -> tuple[int, int, int]:
     """(live token pages, live state slots, live arena bytes), read in the engine thread."""
     return engine_call(srv, lambda e: (e.allocator.live_token_pages().size, e.allocator.live_state_slots().size,
@@ -223,8 +231,7 @@ def test_prompt_over_the_memory_budget_is_400_with_the_engine_text(srv):
     assert e.value.status_code == 400
     assert e.value.body["message"] == BUDGET_MESSAGE.format(4000)
     assert "umem:num_aborted_requests_total" in httpx.get(srv.url + "/metrics").text
-    wait_idle(srv)
-    assert live_memory(srv)[:2] == (0, 0)
+    assert drained(srv) == (0, 0, 0)
 
 
 def test_overload_is_503(srv):
@@ -265,14 +272,14 @@ def test_64_concurrent_streams_match_one_at_a_time_greedy(srv):
     assert len(results) == MAX_SEQS
     for p, text, finish in results:
         assert (text, finish) == (ref[p].text, ref[p].finish_reason)
-    wait_idle(srv)
-    assert live_memory(srv) == (0, 0, 0)
+    assert drained(srv) == (0, 0, 0)
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_pages(srv):
     body = {"model": MODEL, "prompt": "a long answer please", "max_tokens": 2000, "ignore_eos": True,
             "temperature": 0, "stream": True}
     before = client_aborts(srv)
+    assert drained(srv) == (0, 0, 0)
     with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
         # keep the line iterator referenced: dropping it (a `break` out of a for loop) closes
         # the connection right away, which is the disconnect this test makes later, on purpose
@@ -283,14 +290,14 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(srv):
             if line.startswith("data: "):
                 got.append(line)
         during = live_memory(srv)
-        assert during[0] > 0 and during[1] == 1, during  # it holds pages and a state slot while streaming
+        assert during[0] > 0 and during[1] >= 1, during  # it holds pages and its state slot while streaming
         assert all(json.loads(g[6:])["choices"][0]["finish_reason"] is None for g in got)
     # the connection is closed: starlette's disconnect listener ends the stream, whose cleanup
     # aborts the request in the engine (long before its 2000 tokens)
     wait_idle(srv, timeout=20)
-    assert live_memory(srv) == (0, 0, 0)
     engine_call(srv, lambda e: e.check_idle())
     assert client_aborts(srv) == before + 1
+    assert drained(srv) == (0, 0, 0)
 
 
 def client_aborts(srv) -> float:
@@ -331,7 +338,8 @@ def test_metrics_parse_and_move(srv):
 def test_engine_is_idle_clean_at_the_end(srv):
     wait_idle(srv)
     engine_call(srv, lambda e: e.check_idle())
-    assert live_memory(srv) == (0, 0, 0)
+    assert drained(srv) == (0, 0, 0)
+    engine_call(srv, lambda e: e.check_idle())
     assert srv.aeng.error is None
 
 

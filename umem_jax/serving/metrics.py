@@ -19,8 +19,11 @@ Arena (all bands)
   umem:arena_bytes{part}                    gauge      part = live | holes | free | sink (sums to total)
   umem:num_moved_pages_total                counter    pages relocated (compaction, float moves)
   umem:relocated_bytes_total                counter    bytes copied by those relocations
-  umem:num_evictions_total                  counter    read from engine.stats() when it reports them
-  umem:num_compactions_total                counter    (0 until then)
+  umem:num_evictions_total                  counter    pages evicted from the prefix cache
+  umem:num_compactions_total                counter    read from engine.stats() when it reports them
+Prefix cache (vLLM's names; 0 without a prefix cache)
+  umem:prefix_cache_queries_total           counter    prompt tokens looked up
+  umem:prefix_cache_hits_total              counter    ...of which found cached
 Per band (labels band = sub-pool name, kind = full | window | state, window = its length in
 tokens or "", unit = "pages" | "slots": a state slot is a page of size 1)
   umem:arena_band_held_bytes                gauge      exact
@@ -54,7 +57,8 @@ _BAND = ("model_name", "band", "kind", "window", "unit")
 _ENGINE_COUNTERS = {"num_retractions": "umem:num_retractions", "num_preemptions": "umem:num_preemptions",
                     "num_compilations": "umem:num_compilations", "num_moved_pages": "umem:num_moved_pages",
                     "relocated_bytes": "umem:relocated_bytes", "num_evictions": "umem:num_evictions",
-                    "num_compactions": "umem:num_compactions"}
+                    "num_compactions": "umem:num_compactions", "prefix_cache_queries": "umem:prefix_cache_queries",
+                    "prefix_cache_hits": "umem:prefix_cache_hits"}
 
 
 class EngineMetrics:
