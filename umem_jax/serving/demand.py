@@ -22,8 +22,17 @@ state slots.  A request computing tokens [a, e) in passes of at most c tokens ho
            This is SGLang's "part of this pass beyond one window + min(extend + max_new,
            window) + one page", made an exact upper bound for how this engine allocates
            (every new page gets a window page; out-of-window pages are released per step).
-  state    1 working slot + `extra_state_slots` (checkpoint / copy slots a prefix cache will
-           hold; 0 while there is none), taken at the first pass and held to the end.
+  state    1 working slot + `extra_state_slots` (0 by default), taken at the first pass and
+           held to the end.  A prefix-cache hit restores its checkpoint into that working slot
+           (a copy), so a hit costs no extra slot.
+
+Prefix-cache checkpoints are OPTIONAL units (`checkpoint`): the scheduler takes one only when
+`checkpoint() + the decode reservations of every running request (+ this step's admissions)`
+fits the arena, and skips it otherwise; once taken it belongs to the cache, which evicts it
+(LRU) before any request is retracted.  So checkpoints never spend bytes an admitted request
+counts on, and a checkpoint that cannot be taken never stalls a request.  Pages and slots
+shared with the cache are not new demand: a hit request holds them from admission on, and
+`span` prices only what it adds.
 
 Because the clip prices the whole life (worst pass = the chunk size, also for a request that
 is retracted and recomputes prompt + output later), a request admitted alone always fits: an
@@ -123,6 +132,10 @@ class DemandModel:
         held = -(-a // ps)
         hw = {n: held - max(0, a - w + 1) // ps for n, w in self.windows}
         return self.span(a, a + tokens, held_pages=held, held_window=hw, held_slots=self.slots_per_request, pass_len=1)
+
+    def checkpoint(self, n: int = 1) -> Demand:
+        """n prefix-cache checkpoints: state slots (optional demand, see the module docstring)."""
+        return Demand(0, {name: 0 for name, _ in self.windows}, int(n) if self.plan.state is not None else 0)
 
     def held(self, req) -> Demand:
         """What `req` holds now (what retracting it gives back)."""

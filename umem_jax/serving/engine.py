@@ -15,8 +15,13 @@ The price: a request that stops on a token (EOS, stop string) is found out one s
 that step's row for it is wasted.  Batches that use penalties read back first (their counts
 need every output token on the host).
 
+Prefix caching (on by default, as in vLLM; `enable_prefix_caching=False` turns it off): a
+request whose prompt starts with cached pages shares them and computes only the rest; see
+prefix_cache.py for what is cached of each kind of memory and scheduler.py for when.
+
 At idle (nothing queued, nothing in flight) the engine checks the allocator's invariants and
-that every allocated page / slot is held by a live request, and raises on any violation.
+that every allocated page / slot is held by a live request or the prefix cache (refcounts
+included), and raises on any violation.
 """
 
 from __future__ import annotations
@@ -70,7 +75,10 @@ class EngineConfig:
     page_buckets: tuple[int, ...] | None = None
     new_token_ratio: float = 0.5
     max_prefill_streak: int = 4
-    extra_state_slots: int = 0  # checkpoint / copy slots per request (for a prefix cache)
+    extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
+    enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)
+    max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
+    checkpoint_interval: int | None = None  # decode tokens between state checkpoints (None: the model's)
     async_scheduling: bool = True
     check_at_idle: bool = True
     debug_nan: bool = False
@@ -123,9 +131,15 @@ class LLMEngine:
         chunk = min(cfg.max_num_batched_tokens, self.buckets.tokens[-1])
         empty = ChainAllocator(self.plan, self.size.num_rows, static_regions=regions)
         self.demand = DemandModel(self.plan, chunk=chunk, empty=empty, extra_state_slots=cfg.extra_state_slots)
+        interval = cfg.checkpoint_interval
+        if interval is None:
+            interval = self.plan.state.lifetime.checkpoint_interval if self.plan.state is not None else 0
         sched_cfg = SchedulerConfig(min(cfg.max_num_seqs, self.buckets.batch[-1]), cfg.max_num_batched_tokens,
                                     self.buckets, new_token_ratio=cfg.new_token_ratio,
-                                    max_prefill_streak=cfg.max_prefill_streak)
+                                    max_prefill_streak=cfg.max_prefill_streak,
+                                    enable_prefix_caching=cfg.enable_prefix_caching,
+                                    max_checkpoints_per_path=cfg.max_checkpoints_per_path,
+                                    checkpoint_interval=int(interval))
         self.scheduler = Scheduler(sched_cfg, self.allocator, self.demand)
         self.tokenizer = get_tokenizer(self.model, cfg.tokenizer)
         eos = mc.eos_token_id
@@ -133,7 +147,8 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.eos_ids |= set(self.tokenizer.eos_token_ids)
         self.runner = Runner(self.model, self.plan, self.size.num_rows, self.allocator, self.buckets,
-                             impl=cfg.kernel_impl, interpret=cfg.interpret, debug_nan=cfg.debug_nan)
+                             impl=cfg.kernel_impl, interpret=cfg.interpret, debug_nan=cfg.debug_nan,
+                             checkpoints=cfg.enable_prefix_caching)
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []  # refused at arrival, reported by the next step()
         self._inflight = None
@@ -274,7 +289,7 @@ class LLMEngine:
         return any(r.params.has_penalties for r in self.scheduler.running)
 
     def _process(self, launched) -> list[RequestOutput]:
-        tokens = np.asarray(launched.tokens)  # waits for that step only
+        tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
         outs = []
         now = time.time()
         for i, row in enumerate(launched.batch.rows):
@@ -286,7 +301,7 @@ class LLMEngine:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._append(req, int(tokens[i]))
+            self._append(req, tokens[i])
             if req.finished:
                 req.metrics.finished_time = now
                 outs.append(req.output())
@@ -302,10 +317,10 @@ class LLMEngine:
         if n >= req.min_tokens:  # before min_tokens no stop rule applies (stop ids were banned too)
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
                 return self._finish(req, RequestStatus.FINISHED_STOPPED, t if t in p.stop_token_ids else None)
-        if req.detok is not None:
-            new = req.detok.step(t)
-            req.text += new
-            if p.stop and new and n >= req.min_tokens:
+        req.text_tokens = n  # the text covers this token (not a stop token: see above)
+        if p.stop and req.detok is not None:  # stop strings need the text now; else it is made when read
+            new = req.sync_text()
+            if new and n >= req.min_tokens:
                 hit = find_stop(req.text, len(new), p.stop)
                 if hit is not None:
                     req.text = req.text[: hit[0]]
@@ -320,16 +335,28 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ checks and numbers
     def check_idle(self) -> None:
-        """Allocator invariants + no leaks; at idle every page and slot must be free.  Raises."""
+        """Allocator invariants + no leaks: at idle every page and slot is free or held by the
+        prefix cache, and refcounts (pages, window pages) match what the holders hold.  Raises."""
         self.allocator.check_invariants()
         pages, slots = self.scheduler.held_ids()
         leaks = self.allocator.leaks(token_pages=pages, state_slots=slots)
         if leaks:
             raise AssertionError(f"arena leaks at idle: { {k: v[:16].tolist() for k, v in leaks.items()} }")
-        if (self.scheduler.owner.refs != 0).any():
-            raise AssertionError(f"page refcounts left at idle: {np.flatnonzero(self.scheduler.owner.refs)[:16]}")
+        bad = self.scheduler.check_refs()
+        if bad:
+            raise AssertionError("page refcounts wrong at idle:\n  " + "\n  ".join(bad))
+        cache = self.scheduler.cache
+        held = {k: v.held for k, v in self.allocator.usage().subpools.items()}
+        want = cache.held_by_subpool() if cache is not None else {}
+        if any(held[k] != want.get(k, 0) for k in held):
+            raise AssertionError(f"arena holds {held} at idle, the prefix cache {want}")
         self.allocator.flush()  # compact while idle (moves apply before the next step)
         self.num_idle_checks += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cache entry no request holds -> whether the cache is now empty (vLLM's)."""
+        cache = self.scheduler.cache
+        return True if cache is None else cache.clear()
 
     def stats(self) -> dict:
         u = self.allocator.usage()
@@ -341,7 +368,19 @@ class LLMEngine:
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
             "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
+            **self._cache_stats(),
         }
+
+    def _cache_stats(self) -> dict:
+        """Prefix-cache counters, flat (what metrics export) and in detail under "prefix_cache"."""
+        sch, cache = self.scheduler, self.scheduler.cache
+        c = cache.stats() if cache is not None else {}
+        detail = {"enabled": cache is not None, **c, "checkpoints_taken": sch.num_checkpoints,
+                  "checkpoints_skipped": sch.num_checkpoints_skipped,
+                  "copied_slots": self.runner.num_copied_slots,
+                  "held": cache.held_by_subpool() if cache is not None else {}}
+        return {"prefix_cache_queries": c.get("query_tokens", 0), "prefix_cache_hits": c.get("hit_tokens", 0),
+                "num_evictions": c.get("evicted_pages", 0), "prefix_cache": detail}
 
     def _warn_floor(self) -> None:
         try:

@@ -29,6 +29,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (entries no request holds) -> whether it is now empty."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
                  priority: list[int] | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings, token-id lists, or {"prompt": ...} /

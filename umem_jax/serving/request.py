@@ -9,7 +9,7 @@ more.  Decode is simply the case of one token left to compute.
 
 Memory ownership: a request holds a list of virtual token page ids (`pages[i]` covers positions
 [i * page_size, (i + 1) * page_size)) and its state slots.  It does not free them itself: the
-scheduler's page owner does (refcounted, so a prefix cache can share pages later).
+scheduler's page owner does (refcounted: the prefix cache shares pages with requests).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # why it was aborted, e.g. the memory-budget message
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)
 
 
 class Request:
@@ -96,10 +97,19 @@ class Request:
         self.pages: list[int] = []
         self.window_start = {w: 0 for w in windows}  # first page index still bound per window sub-pool
         self.slots: list[int] = []
+        # prefix cache: checkpoints planned but not handed to the cache yet ((position, slot)),
+        # the fork point of the last lookup, how far the pages are cached (node and depth)
+        self.ckpts: list[tuple[int, int]] = []
+        self.fork = 0
+        self.cache_node = None
+        self.cache_pages = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.text = ""
+        self._text = ""
+        self._text_fed = 0  # output tokens the detokenizer has seen
+        self.text_tokens = 0  # output tokens the text covers (the engine leaves a stop token out)
         self.detok = None  # an IncrementalDetokenizer, set by the engine when it has a tokenizer
         self.metrics = RequestMetrics(time.time())
 
@@ -141,6 +151,28 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
+    def text(self) -> str:
+        """The output text so far.  Detokenized lazily: the engine says how many output tokens
+        it covers (`text_tokens`) and the detokenizer catches up when the text is read -- every
+        step for a stream or a stop-string check, once at the end otherwise."""
+        if self._text_fed < self.text_tokens:
+            self.sync_text()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text = value
+
+    def sync_text(self) -> str:
+        """Feed the detokenizer the covered output tokens it has not seen -> the text they add."""
+        new = ""
+        if self.detok is not None:
+            new = "".join([self.detok.step(t) for t in self.output_token_ids[self._text_fed:self.text_tokens]])
+            self._text += new
+        self._text_fed = self.text_tokens
+        return new
+
+    @property
     def sort_key(self) -> tuple[int, int]:
         """Most preferred first: higher priority (lower value), then earlier arrival."""
         return (self.priority, self.arrival)
@@ -154,7 +186,7 @@ class Request:
         comp = CompletionOutput(0, self.text, list(self.output_token_ids), finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp], self.finished,
-                             self.metrics, self.error)
+                             self.metrics, self.error, self.num_cached_tokens)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.prompt_len}, out={self.num_output}"

@@ -3,8 +3,9 @@
     step(params, arena, meta, prev_tokens[, counts]) -> (tokens [Bmax] int32, arena)
 
 `meta` is one flat int32 array holding everything the step reads besides the weights: the
-padded tokens, lengths, physical page tables of every token sub-pool, state slots, sampling
-parameters (floats bit-cast into the int32 words) and banned token ids.  It is built on the host
+padded tokens, lengths, physical page tables of every token sub-pool, state slots (and, for
+prefill with a prefix cache, state checkpoint positions and slots), sampling parameters
+(floats bit-cast into the int32 words) and banned token ids.  It is built on the host
 with numpy and sent in ONE host->device transfer.  `Layout` (static, hashable) says where each
 field sits; it is the jit's static argument, so each bucket shape compiles once.
 
@@ -28,7 +29,7 @@ from ..arena import Arena, apply_moves
 from ..memory.chain import ChainAllocator
 from ..models.batch import Batch
 from .sampler import SamplingBatch, sample, sample_with_penalties
-from .scheduler import Buckets, ScheduledBatch
+from .scheduler import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 
 _INT_SAMPLING = ("top_k", "seed", "step")
 _FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -46,11 +47,14 @@ class Layout:
     bmax: int  # length of the token output (the largest batch bucket)
     nban: int  # banned-token columns per row (min_tokens)
     penalties: bool = False
+    kc: int = 0  # state checkpoint columns per row (prefill with a prefix cache; 0: none)
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         B = self.B
         out = [("tokens", (B, self.T)), ("src", (B,)), ("q_lens", (B,)), ("kv_lens", (B,)), ("slots", (B,))]
         out += [(f"table:{p}", (B, self.P)) for p in self.pools]
+        if self.kc:
+            out += [("ck_pos", (B, self.kc)), ("ck_slots", (B, self.kc))]
         out += [(n, (B,)) for n in _INT_SAMPLING + _FLOAT_SAMPLING]
         out += [("ban", (B, self.nban))]
         return out
@@ -109,7 +113,8 @@ def step_function(model, plan, impl: str | None, interpret: bool, treedef=None):
             tokens, src = f["tokens"], f["src"]
             fed = jnp.take(prev, jnp.clip(src, 0, prev.shape[0] - 1))
             tokens = tokens.at[:, 0].set(jnp.where(src >= 0, fed, tokens[:, 0]))
-            batch = Batch(tokens, f["q_lens"], f["kv_lens"], {p: f[f"table:{p}"] for p in layout.pools}, f["slots"])
+            batch = Batch(tokens, f["q_lens"], f["kv_lens"], {p: f[f"table:{p}"] for p in layout.pools}, f["slots"],
+                          f.get("ck_pos"), f.get("ck_slots"))
             logits, arena = forward(params, arena, batch)
             ban = f["ban"]  # [B, nban], -1 = none: min_tokens keeps stop tokens out
             rows = jnp.arange(layout.B)[:, None]
@@ -140,7 +145,7 @@ class Launched:
 _ROW_SAMPLING = ("top_k", "seed", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
 # The value of each per-row field in a padding row (SamplingBatch's padding: greedy, no cuts).
-_PAD = {"src": -1, "ban": -1, "top_p": 1.0, "repetition_penalty": 1.0}
+_PAD = {"src": -1, "ban": -1, "ck_pos": -1, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
 def _words(values, dtype) -> np.ndarray:
@@ -224,11 +229,13 @@ class RowCache:
 
 class Runner:
     def __init__(self, model, plan, num_rows: int, allocator: ChainAllocator, buckets: Buckets, *,
-                 impl: str | None = None, interpret: bool = False, debug_nan: bool = False, nban: int = 4):
+                 impl: str | None = None, interpret: bool = False, debug_nan: bool = False, nban: int = 4,
+                 checkpoints: bool = False):
         self.model, self.plan, self.allocator, self.buckets = model, plan, allocator, buckets
         self.impl, self.interpret = impl, interpret
         self.pools = tuple(sp.name for sp in plan.token_pools)
         self.has_state = plan.state is not None
+        self.kc = CHECKPOINTS_PER_ROW if checkpoints and self.has_state else 0  # prefill steps only
         self.vocab = model.config.vocab_size
         self.nban = nban
         self.bmax = buckets.batch[-1]
@@ -241,6 +248,7 @@ class Runner:
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
         self.num_moved_pages = 0  # pages relocated by compaction / float moves
         self.relocated_bytes = 0
+        self.num_copied_slots = 0  # state slots copied (prefix-cache checkpoints saved / restored)
         self.row_bytes = allocator.row_bytes
 
     @property
@@ -261,22 +269,24 @@ class Runner:
         """Relocations queued by the allocator, applied before the step that reads the pages."""
         if moves:
             self.arena = apply_moves(self.arena, moves, impl=self.impl, interpret=self.interpret)
-            self.num_moved_pages += sum(len(m) for m in moves)
-            self.relocated_bytes += sum(len(m) * m.rows_per_page for m in moves) * self.row_bytes
+            relocations = [m for m in moves if not m.copy]
+            self.num_moved_pages += sum(len(m) for m in relocations)
+            self.relocated_bytes += sum(len(m) * m.rows_per_page for m in relocations) * self.row_bytes
+            self.num_copied_slots += sum(len(m) for m in moves if m.copy)
 
     def layout(self, batch: ScheduledBatch, penalties: bool = False) -> Layout:
         bk = self.buckets
         B = Buckets.pick(bk.batch, len(batch.rows))
         T = 1 if batch.kind == "decode" else Buckets.pick(bk.tokens, max(r.end - r.start for r in batch.rows))
         P = Buckets.pick(bk.pages, max(len(r.req.pages) for r in batch.rows))
-        return self._shape(B, T, P, penalties)[0]
+        return self._shape(B, T, P, penalties, self.kc if batch.kind == "prefill" else 0)[0]
 
-    def _shape(self, B: int, T: int, P: int, penalties: bool) -> tuple[Layout, np.ndarray, dict]:
+    def _shape(self, B: int, T: int, P: int, penalties: bool, kc: int = 0) -> tuple[Layout, np.ndarray, dict]:
         """(layout, its padding template, where each field sits), made once per shape."""
-        key = (B, T, P, penalties)
+        key = (B, T, P, penalties, kc)
         got = self._layouts.get(key)
         if got is None:
-            lay = Layout(B, T, P, self.pools, self.bmax, self.nban, penalties)
+            lay = Layout(B, T, P, self.pools, self.bmax, self.nban, penalties, kc)
             template = np.zeros(lay.size, np.int32)
             spans = {n: (at, at + int(np.prod(shape)), shape) for n, (at, shape) in lay.offsets.items() if n != "_size"}
             for name, value in _PAD.items():
@@ -330,7 +340,7 @@ class Runner:
         B = Buckets.pick(bk.batch, n)
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(npages))
-        lay, template, spans = self._shape(B, T, P, penalties)
+        lay, template, spans = self._shape(B, T, P, penalties, 0 if decode else self.kc)
         meta = template.copy()
 
         def field(name):
@@ -358,6 +368,12 @@ class Runner:
         for j, name in enumerate(_ROW_SAMPLING):
             field(name)[:n] = samp[:, j]
         field("step")[:n] = nout
+        if lay.kc:  # prefix-cache checkpoints (prefill only): position in the chunk, state slot
+            ck_pos, ck_ids = field("ck_pos"), np.full((n, lay.kc), -1, np.int32)
+            for i, row in enumerate(rows):
+                for j, (pos, slot) in enumerate(row.checkpoints[: lay.kc]):
+                    ck_pos[i, j], ck_ids[i, j] = pos - row.start, slot
+            field("ck_slots")[:n] = self.allocator.translate_slots(ck_ids.reshape(-1)).reshape(n, lay.kc)
         if banned:
             ban = field("ban")
             for i in banned:

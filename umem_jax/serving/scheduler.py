@@ -14,7 +14,16 @@ Memory, all priced by the one DemandModel (demand.py):
   * priority: a waiting request that does not fit retracts running requests of lower priority,
     those freeing the most bytes in the bands it needs first.
 A retracted request goes back to the queue keeping its output tokens; its next prefill
-recomputes prompt + output.  Nothing admitted is ever aborted for memory (see demand.py).
+recomputes prompt + output (from the prefix cache when it can).  Nothing admitted is ever
+aborted for memory (see demand.py).
+
+Prefix cache (prefix_cache.py, when enabled): a waiting request resumes from the deepest
+resumable cached prefix (its pages shared, the state checkpoint copied into its working slot);
+running requests hand their computed pages and planned checkpoints to the cache at the start of
+the next schedule (by then the step writing them is launched, so anything that reads them runs
+after it).  Under pressure the cache's unreferenced entries are evicted (LRU) BEFORE any
+running request is retracted.  Checkpoint slots are optional: taken only when the demand model
+says they fit on top of what running requests are owed, else skipped.
 
 Order: lower `priority` value first (vLLM), then earlier arrival.  Least preferred = the reverse.
 """
@@ -30,73 +39,10 @@ import numpy as np
 
 from ..memory.chain import ChainAllocator
 from .demand import Demand, DemandModel
+from .page_owner import PageOwner
+from .prefix_cache import Hit, PrefixCache
 from .request import Request, RequestStatus
-
-
-# ------------------------------------------------------------------------------ shapes
-
-
-def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
-    out, n = [], max(1, lo)
-    while n < hi:
-        out.append(n)
-        n *= 2
-    return tuple(out) + (hi,)
-
-
-@dataclasses.dataclass(frozen=True)
-class Buckets:
-    """The fixed step shapes: batch rows B, prefill tokens per row T, page-table width P.
-    Every step is padded up to the smallest bucket that holds it, so a steady workload
-    compiles each (kind, B, T, P) once."""
-
-    batch: tuple[int, ...]
-    tokens: tuple[int, ...]  # prefill T, each >= 2 (T == 1 is decode)
-    pages: tuple[int, ...]
-
-    def __post_init__(self):
-        for name in ("batch", "tokens", "pages"):
-            v = getattr(self, name)
-            if not v or list(v) != sorted(set(v)) or v[0] < 1:
-                raise ValueError(f"buckets.{name} must be ascending positive sizes, got {v}")
-        if self.tokens[0] < 2:
-            raise ValueError("prefill token buckets must be >= 2 (T == 1 is the decode shape)")
-
-    @classmethod
-    def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages: int) -> "Buckets":
-        """Powers of two: B 1..max_num_seqs, T 16..max_num_batched_tokens, P 8..max_pages."""
-        return cls(_pow2_upto(1, max_num_seqs), _pow2_upto(min(16, max_num_batched_tokens), max_num_batched_tokens),
-                   _pow2_upto(min(8, max_pages), max_pages))
-
-    @staticmethod
-    def pick(sizes: tuple[int, ...], n: int) -> int:
-        i = bisect.bisect_left(sizes, n)
-        if i == len(sizes):
-            raise ValueError(f"{n} is above the largest bucket {sizes[-1]}")
-        return sizes[i]
-
-
-# ------------------------------------------------------------------------------ batches
-
-
-@dataclasses.dataclass
-class Row:
-    """One request in a step: compute its tokens [start, end); sample if that is all of them."""
-
-    req: Request
-    start: int
-    end: int
-    sample: bool
-
-
-@dataclasses.dataclass
-class ScheduledBatch:
-    kind: str  # "prefill" | "decode"
-    rows: list[Row]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.end - r.start for r in self.rows)
+from .scheduled_batch import Buckets, Row, ScheduledBatch
 
 
 @dataclasses.dataclass
@@ -109,32 +55,12 @@ class SchedulerConfig:
     new_token_ratio_decay: float = 0.002  # per decode step; reset to new_token_ratio on retraction
     max_prefill_streak: int = 4
     min_chunk: int = 8  # do not split a prompt into a chunk shorter than this behind other rows
+    enable_prefix_caching: bool = False
+    max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
+    checkpoint_interval: int = 0  # decode tokens between state checkpoints (0: only at prefill passes)
 
 
-class PageOwner:
-    """Refcounts of virtual token pages: a page is freed when its last holder lets go.  Today
-    every page has one holder (its request); a prefix cache will be a second kind of holder."""
-
-    def __init__(self, allocator: ChainAllocator, capacity: int):
-        self.allocator = allocator
-        self.refs = np.zeros(capacity, np.int32)
-
-    def take(self, vids) -> None:
-        self.refs[np.asarray(vids, np.int64)] += 1
-
-    def release(self, vids) -> None:
-        v = np.asarray(vids, np.int64)
-        if not v.size:
-            return
-        if (self.refs[v] <= 0).any():
-            raise AssertionError(f"releasing token pages nobody holds: {v[self.refs[v] <= 0][:8]}")
-        self.refs[v] -= 1
-        dead = v[self.refs[v] == 0]
-        if dead.size:
-            self.allocator.free_token_pages(dead)
-
-    def held(self) -> np.ndarray:
-        return np.flatnonzero(self.refs > 0)
+CHECKPOINTS_PER_ROW = 2  # a prefill pass checkpoints at most its fork point and its last page boundary
 
 
 # ------------------------------------------------------------------------------ scheduler
@@ -149,6 +75,17 @@ class Scheduler:
         self.windows = demand.windows
         self.chunk = demand.chunk
         self.owner = PageOwner(allocator, allocator.bands[-1].table.num_virtual + 1)
+        self.window_names = tuple(n for n, _ in self.windows)
+        self.has_state = demand.plan.state is not None
+        self.cache = None
+        if config.enable_prefix_caching:
+            self.cache = PrefixCache(self.owner, self.ps, self.windows, self.has_state,
+                                     max_checkpoints_per_path=config.max_checkpoints_per_path)
+        # decode checkpoints land on page boundaries: the interval rounded up to whole pages
+        iv = int(config.checkpoint_interval)
+        self.checkpoint_stride = -(-iv // self.ps) * self.ps if iv > 0 and self.has_state else 0
+        self.num_checkpoints = 0  # state checkpoints taken (prefill and decode)
+        self.num_checkpoints_skipped = 0  # ... and skipped: no slot fit (never stalls a request)
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.ratio = config.new_token_ratio
@@ -177,6 +114,8 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step and allocate its memory (page tables are read after this)."""
+        if self.cache is not None:
+            self._cache_running()
         self._release_windows()
         decoders = self._decoders()
         has_prefill = any(not r.decode_ready for r in self.running) or any(not r.num_pending for r in self.waiting)
@@ -208,22 +147,25 @@ class Scheduler:
             admitted = req.status == RequestStatus.RUNNING
             if not admitted and len(self.running) >= cfg.max_num_seqs:
                 break
+            hit = self._apply_hit(req) if not admitted and self.cache is not None else None
             c = self._fit_shape(len(rows) + 1, longest, min(req.to_compute, budget, self.chunk))
             if c <= 0 or (c < req.to_compute and c < cfg.min_chunk and rows):
+                self._drop_hit(req, hit)
                 break
             end = req.num_computed + c
             d = self.demand.step(req, end)
             if admitted:
-                ok = self.demand.fits(self.allocator, d) or self._make_room(lambda: d, req, rows)
+                ok = self._fits_or_evict(lambda: d) or self._make_room(lambda: d, req, rows)
             else:
                 fut = self.demand.reservation(req, self._reserve_tokens(req), after=end)
                 need = lambda: d + fut + self._reservations() + admitted_fut
-                ok = self.demand.fits(self.allocator, need())
+                ok = self._fits_or_evict(need)
                 if not ok and not self.running:
-                    ok = self.demand.fits(self.allocator, d)  # alone in the arena: the clip vouches for it
+                    ok = self._fits_or_evict(lambda: d)  # alone in the arena: the clip vouches for it
                 if not ok:
                     ok = self._preempt_for(req, need, rows)
             if not ok or not self._alloc(req, end):
+                self._drop_hit(req, hit)
                 break
             if not admitted:
                 self.waiting.remove(req)
@@ -231,8 +173,12 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 if req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = time.time()
+                    req.num_cached_tokens = hit.resume if hit is not None else 0
+                if hit is not None:
+                    self._restore(req, hit)
                 admitted_fut = admitted_fut + fut
-            rows.append(Row(req, req.num_computed, end, end == req.num_tokens))
+            ckpts = self._plan_checkpoints(req, req.num_computed, end, admitted_fut)
+            rows.append(Row(req, req.num_computed, end, end == req.num_tokens, ckpts))
             req.num_computed = end
             budget -= c
             longest = max(longest, c)
@@ -257,8 +203,9 @@ class Scheduler:
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
         rows = rows[: self.cfg.buckets.batch[-1]]
         while rows:
-            total = sum((self.demand.step(r, r.num_computed + 1) for r in rows), Demand())
-            if self.demand.fits(self.allocator, total) and self._alloc_all(rows):
+            need = self._needing_memory(rows)  # every other row's one-token demand is empty
+            total = sum((self.demand.step(r, r.num_computed + 1) for r in need), Demand())
+            if self._fits_or_evict(lambda: total) and self._alloc_all(need):
                 break
             victim = max(self.running, key=lambda r: r.sort_key)
             self.retract(victim)
@@ -272,6 +219,14 @@ class Scheduler:
             r.num_computed += 1
         self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
         return ScheduledBatch("decode", out)
+
+    def _needing_memory(self, rows: list[Request]) -> list[Request]:
+        """The decode rows whose next token needs a new page or state slot, in order.  For the
+        others DemandModel.step prices the token at nothing (no new full page means no window
+        page either) and _alloc takes nothing, so pricing and allocating only these is the same
+        decision in the same order, without a Python demand per row per step."""
+        ps, slots = self.ps, self.demand.slots_per_request
+        return [r for r in rows if len(r.pages) * ps <= r.num_computed or len(r.slots) < slots]
 
     # ------------------------------------------------------------------ pressure
     def _reserve_tokens(self, req: Request) -> int:
@@ -296,7 +251,7 @@ class Scheduler:
         those already in this step's `rows`, until need() fits."""
         keep = {id(r.req) for r in rows}
         while True:
-            if self.demand.fits(self.allocator, need()):
+            if self._fits_or_evict(need):
                 return True
             victims = [r for r in self.running if r is not req and r.sort_key > req.sort_key and id(r) not in keep]
             if not victims:
@@ -320,16 +275,17 @@ class Scheduler:
                 return False
         victims.sort(key=lambda r: (-r.priority, -useful[id(r)], -r.arrival))
         for v in victims:
-            if self.demand.fits(self.allocator, need()):
+            if self._fits_or_evict(need):
                 return True
             self.retract(v, preempted=True)
-        return self.demand.fits(self.allocator, need())
+        return self._fits_or_evict(need)
 
     def retract(self, req: Request, *, preempted: bool = False) -> None:
         """Send a running request back to the queue: free its memory, keep its tokens."""
         self._free_memory(req)
         self.running.remove(req)
         req.num_computed = 0
+        req.fork = 0
         req.metrics.num_retractions += 1
         self.num_retractions += 1
         if preempted:
@@ -337,6 +293,123 @@ class Scheduler:
             self.num_preemptions += 1
         self.ratio = self.cfg.new_token_ratio
         self.add(req)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _fits_or_evict(self, need) -> bool:
+        """need() fits now, or after evicting unreferenced cache entries (LRU) -- tried before
+        anything is retracted."""
+        if self.demand.fits(self.allocator, need()):
+            return True
+        if self.cache is None:
+            return False
+        self.cache.evict(lambda: self.demand.fits(self.allocator, need()))
+        return self.demand.fits(self.allocator, need())
+
+    def _apply_hit(self, req: Request) -> Hit:
+        """Look `req` up and, on a hit, make it hold the shared pages (and the window pages its
+        first pass attends) and skip the cached tokens.  Undone by `_drop_hit` if it is not
+        admitted; the state is restored by `_restore` once it has a working slot."""
+        n = req.num_tokens  # a waiting request has no pending token: all known
+        hit = self.cache.match(req.token_ids(0, n), (n - 1) // self.ps)  # compute >= 1 token
+        req.fork = hit.fork
+        if hit.resume:
+            vids = [x.vid for x in hit.nodes]
+            self.owner.take(vids)
+            for name, w in self.windows:
+                first = max(0, hit.resume - w + 1) // self.ps
+                self.owner.take_window(vids[first:], name)
+                req.window_start[name] = first
+            req.pages = vids
+            req.num_computed = hit.resume
+            req.cache_node, req.cache_pages = hit.nodes[-1], len(vids)
+            self.cache.pin(hit.nodes[-1])  # its checkpoint must survive evictions for this admission
+        return hit
+
+    def _drop_hit(self, req: Request, hit: Hit | None) -> None:
+        if hit is not None and hit.resume:
+            self.cache.unpin(hit.nodes[-1])
+            self._free_memory(req)
+            req.num_computed = 0
+        req.fork = 0
+
+    def _restore(self, req: Request, hit: Hit) -> None:
+        """Count the admitted lookup; copy the hit's checkpoint into the request's working slot
+        (queued with the moves, so it lands before the step that reads it: the checkpoint may go
+        once the copy is queued)."""
+        self.cache.record(req.num_tokens, hit)
+        if hit.resume:
+            if self.has_state:
+                self.allocator.copy_state_slots([hit.checkpoint], [req.slots[0]])
+            self.cache.unpin(hit.nodes[-1])
+
+    def _cache_running(self) -> None:
+        """Hand every running request's new pages and checkpoints to the cache (their steps are
+        launched), and take the decode checkpoints that are due (slot copies of the working
+        slots: all queued first, then attached, so no copy reads a slot the cache let go)."""
+        self._reserved = None
+        due = [x for r in self.running if (x := self._cache_progress(r, decode=True)) is not None]
+        if due:
+            self.allocator.copy_state_slots([r.slots[0] for r, _ in due], [s for _, s in due])
+            for r, slot in due:
+                r.ckpts.append((r.num_computed, slot))
+                self._cache_progress(r)
+
+    def _cache_progress(self, req: Request, decode: bool = False) -> tuple[Request, int] | None:
+        """Insert the pages `req` computed whose tokens are known, with its planned checkpoints
+        -> (req, new slot) when decode is set and a decode checkpoint is due (not attached yet)."""
+        known = min(req.num_computed, req.prompt_len + len(req.output_token_ids))
+        n = known // self.ps
+        if n > req.cache_pages or req.ckpts:
+            ck = {pos // self.ps: slot for pos, slot in req.ckpts}
+            req.ckpts = []
+            node, rejected = self.cache.insert(req.token_ids, req.pages, n, hint=req.cache_node, checkpoints=ck)
+            if rejected:
+                self.allocator.free_state_slots(rejected)
+            req.cache_node, req.cache_pages = node, n
+        p, stride = req.num_computed, self.checkpoint_stride
+        if decode and stride and p and p % stride == 0 and p <= known and req.slots:
+            node = req.cache_node  # the working slot holds the state after p tokens: checkpoint it
+            while node is not None and node.depth * self.ps > p:
+                node = node.parent
+            if node is not None and node.alive and node.depth * self.ps == p and not node.ckpt:
+                slot = self._take_checkpoint_slot()
+                if slot:
+                    return req, slot
+        return None
+
+    def _plan_checkpoints(self, req: Request, start: int, end: int, extra: Demand) -> tuple[tuple[int, int], ...]:
+        """State checkpoints for pass [start, end): at the fork point (where the request leaves a
+        cached path that goes on) and at the pass's last page boundary (before the last token
+        on the pass that ends the known tokens, since a hit always computes one token)."""
+        if self.cache is None or not self.has_state:
+            return ()
+        ps = self.ps
+        last = ((end - 1) if end == req.num_tokens else end) // ps * ps
+        out = []
+        for q in sorted({q for q in (req.fork, last) if start < q <= end})[-CHECKPOINTS_PER_ROW:]:
+            node = self.cache.find(req.token_ids(0, q), q // ps)
+            if node is not None and node.ckpt:
+                continue
+            slot = self._take_checkpoint_slot(extra)
+            if not slot:
+                break
+            out.append((q, slot))
+        req.ckpts += out
+        return tuple(out)
+
+    def _take_checkpoint_slot(self, extra: Demand | None = None) -> int:
+        """A state slot for a checkpoint -> its id, or 0 (skipped).  Priced by the demand model
+        on top of every running request's decode reservation (and `extra`), so a checkpoint
+        never takes memory an admitted request counts on: a stalled checkpoint is skipped, it
+        never stalls a request.  Older cache entries may be evicted for it (LRU), as for any
+        allocation: a full cache must not stop new checkpoints."""
+        need = lambda: self.demand.checkpoint() + self._reservations() + (extra or Demand())
+        slots = self.allocator.alloc_state_slots(1) if self._fits_or_evict(need) else None
+        if slots is None:
+            self.num_checkpoints_skipped += 1
+            return 0
+        self.num_checkpoints += 1
+        return int(slots[0])
 
     # ------------------------------------------------------------------ memory
     def _alloc(self, req: Request, end: int) -> bool:
@@ -351,7 +424,7 @@ class Scheduler:
             if vids.size:
                 self.allocator.free_token_pages(vids)
             return False
-        self.owner.take(vids)
+        self.owner.take(vids, self.window_names)  # every new page has its window pages
         req.pages += vids.tolist()
         req.slots += slots.tolist()
         return True
@@ -362,7 +435,7 @@ class Scheduler:
             n, s = len(r.pages), len(r.slots)
             if not self._alloc(r, r.num_computed + 1):
                 for q, n0, s0 in done:  # roll back this round
-                    self.owner.release(q.pages[n0:])
+                    self._release_pages(q.pages[n0:], self.window_names)
                     if q.slots[s0:]:
                         self.allocator.free_state_slots(q.slots[s0:])
                     del q.pages[n0:], q.slots[s0:]
@@ -370,29 +443,63 @@ class Scheduler:
             done.append((r, n, s))
         return True
 
+    def _release_pages(self, vids, windows) -> None:
+        for name in windows:
+            self.owner.release_window(vids, name)
+        self.owner.release(vids)
+
     def _free_memory(self, req: Request) -> None:
+        if self.cache is not None:
+            self._cache_progress(req)  # what it computed stays reusable
+        if req.ckpts:
+            self.allocator.free_state_slots([s for _, s in req.ckpts])
+        for name in self.window_names:
+            self.owner.release_window(req.pages[req.window_start[name]:], name)
         self.owner.release(req.pages)
         if req.slots:
             self.allocator.free_state_slots(req.slots)
-        req.pages, req.slots = [], []
+        req.pages, req.slots, req.ckpts = [], [], []
         req.window_start = {n: 0 for n, _ in self.windows}
+        req.cache_node, req.cache_pages = None, 0
 
     def _release_windows(self) -> None:
-        """Tombstone window pages whose tokens every future query of their request has passed:
-        page k goes once (k + 1) * page_size <= num_computed - w + 1."""
+        """Give up window pages whose tokens every future query of their request has passed:
+        page k goes once (k + 1) * page_size <= num_computed - w + 1 (tombstoned unless the
+        prefix cache or another request still needs it)."""
         for r in self.running:
             for name, w in self.windows:
                 upto = min(len(r.pages), max(0, r.num_computed - w + 1) // self.ps)
                 start = r.window_start[name]
                 if upto > start:
-                    self.allocator.release_window_pages(r.pages[start:upto], name)
+                    self.owner.release_window(r.pages[start:upto], name)
                     r.window_start[name] = upto
 
     def held_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """(token page ids, state slot ids) the requests hold: for the allocator's leak check."""
-        pages = [p for r in self.running for p in r.pages] + [p for r in self.waiting for p in r.pages]
-        slots = [s for r in self.running for s in r.slots] + [s for r in self.waiting for s in r.slots]
+        """(token page ids, state slot ids) the requests and the prefix cache hold: for the
+        allocator's leak check."""
+        reqs = self.running + self.waiting
+        pages = [p for r in reqs for p in r.pages]
+        slots = [s for r in reqs for s in r.slots] + [s for r in reqs for _, s in r.ckpts]
+        if self.cache is not None:
+            vids, ckpts, _ = self.cache.held()
+            pages += vids
+            slots += ckpts
         return np.asarray(pages, np.int64), np.asarray(slots, np.int64)
 
+    def check_refs(self) -> list[str]:
+        """Page and window refcounts against what every holder says it holds -> problems."""
+        n = self.owner.refs.size
+        refs, wrefs = np.zeros(n, np.int32), {w: np.zeros(n, np.int32) for w in self.window_names}
+        for r in self.running + self.waiting:
+            np.add.at(refs, np.asarray(r.pages, np.int64), 1)
+            for w in self.window_names:
+                np.add.at(wrefs[w], np.asarray(r.pages[r.window_start[w]:], np.int64), 1)
+        if self.cache is not None:
+            vids, _, wins = self.cache.held()
+            np.add.at(refs, np.asarray(vids, np.int64), 1)
+            for w in self.window_names:
+                np.add.at(wrefs[w], np.asarray(wins[w], np.int64), 1)
+        return self.owner.check(refs, wrefs)
 
-__all__ = ["Buckets", "PageOwner", "Row", "ScheduledBatch", "Scheduler", "SchedulerConfig"]
+
+__all__ = ["Buckets", "CHECKPOINTS_PER_ROW", "PageOwner", "Row", "ScheduledBatch", "Scheduler", "SchedulerConfig"]

@@ -1,0 +1,81 @@
+"""ScheduledBatch: one step the scheduler picked (its rows), and Buckets, the fixed shapes steps
+are padded to so each shape compiles once."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from .request import Request
+
+
+# ------------------------------------------------------------------------------ shapes
+
+
+def _pow2_upto(lo: int, hi: int) -> tuple[int, ...]:
+    out, n = [], max(1, lo)
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """The fixed step shapes: batch rows B, prefill tokens per row T, page-table width P.
+    Every step is padded up to the smallest bucket that holds it, so a steady workload
+    compiles each (kind, B, T, P) once."""
+
+    batch: tuple[int, ...]
+    tokens: tuple[int, ...]  # prefill T, each >= 2 (T == 1 is decode)
+    pages: tuple[int, ...]
+
+    def __post_init__(self):
+        for name in ("batch", "tokens", "pages"):
+            v = getattr(self, name)
+            if not v or list(v) != sorted(set(v)) or v[0] < 1:
+                raise ValueError(f"buckets.{name} must be ascending positive sizes, got {v}")
+        if self.tokens[0] < 2:
+            raise ValueError("prefill token buckets must be >= 2 (T == 1 is the decode shape)")
+
+    @classmethod
+    def default(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages: int) -> "Buckets":
+        """Powers of two: B 1..max_num_seqs, T 16..max_num_batched_tokens, P 8..max_pages."""
+        return cls(_pow2_upto(1, max_num_seqs), _pow2_upto(min(16, max_num_batched_tokens), max_num_batched_tokens),
+                   _pow2_upto(min(8, max_pages), max_pages))
+
+    @staticmethod
+    def pick(sizes: tuple[int, ...], n: int) -> int:
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} is above the largest bucket {sizes[-1]}")
+        return sizes[i]
+
+
+# ------------------------------------------------------------------------------ batches
+
+
+@dataclasses.dataclass
+class Row:
+    """One request in a step: compute its tokens [start, end); sample if that is all of them.
+    checkpoints: ((position, state slot id), ...) -- also write the state after `position`
+    tokens (start < position <= end) into that slot (prefix-cache checkpoints)."""
+
+    req: Request
+    start: int
+    end: int
+    sample: bool
+    checkpoints: tuple[tuple[int, int], ...] = ()
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    kind: str  # "prefill" | "decode"
+    rows: list[Row]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.end - r.start for r in self.rows)
+
+
+__all__ = ["Buckets", "Row", "ScheduledBatch"]
