@@ -333,6 +333,13 @@ def test_metrics_parse_and_move(srv):
     assert get("umem:time_to_first_token_seconds_count") >= 1 and get("umem:inter_token_latency_seconds_count") >= 2
     assert get("umem:num_compilations_total") >= 2
     assert get("umem:arena_total_bytes") == 1 << 20
+    # at idle the band gauges are the allocator's numbers of that moment, exactly
+    wait_idle(srv)
+    held = engine_call(srv, lambda e: {k: (v.held, v.held_bytes) for k, v in e.allocator.usage().subpools.items()})
+    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
+    gauge = lambda name: {s.labels["band"]: s.value for s in fams[name].samples}
+    assert {k: v[0] for k, v in held.items()} == gauge("umem:arena_band_held")
+    assert {k: v[1] for k, v in held.items()} == gauge("umem:arena_band_held_bytes")
 
 
 def test_engine_is_idle_clean_at_the_end(srv):

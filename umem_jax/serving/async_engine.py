@@ -181,6 +181,9 @@ class AsyncLLMEngine:
             idle_reported = False
             while True:
                 busy = self.engine.has_unfinished_requests()
+                if not busy and not idle_reported:  # before sleeping: the idle numbers, exact
+                    self._snapshot(force=True)
+                    idle_reported = True
                 for cmd in self._drain(block=not busy):
                     if cmd is _STOP:
                         self._fail_all("the server is shutting down")
@@ -191,9 +194,6 @@ class AsyncLLMEngine:
                     self._publish()
                     idle_reported = False
                     self._snapshot(force=False)
-                elif not idle_reported:
-                    self._snapshot(force=True)  # the idle numbers (all bands back to zero) are exact
-                    idle_reported = True
         except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report it everywhere
             log.exception("umem_jax engine thread failed")
             self.error = e
