@@ -308,30 +308,23 @@ class Runner:
         decode = batch.kind == "decode"
         cache = self._rows
         entries = cache.entries
-        ix, npages, ends, nout, src, state, sample = [], [], [], [], [], [], []
-        host_tokens, banned = [], []  # rows whose tokens / banned ids come from the host
-        for i, row in enumerate(rows):
-            req = row.req
-            e = entries.get(id(req))
+        reqs = [row.req for row in rows]
+        es = [entries.get(id(req)) for req in reqs]
+        for i, (req, e) in enumerate(zip(reqs, es)):
             if e is None or e[1] is not req or e[3] is not req.params or e[4] != req.seed:
-                e = cache.entry(req, rows)
-            pages = req.pages
-            if pages != e[2]:
-                cache.set_pages(e, pages)
-            ix.append(e[0])
-            npages.append(len(pages))
-            ends.append(row.end)
-            k = len(req.output_token_ids) + req.num_pending  # req.num_output
-            nout.append(k)
-            if req.num_pending and decode:
-                src.append(req.pending_row)  # the token is still on the device
-            else:
-                src.append(-1)
-                host_tokens.append(i)
-            state.append(req.slots[0] if req.slots else -1)
-            sample.append(row.sample)
-            if row.sample and k < req.min_tokens:
-                banned.append(i)
+                es[i] = e = cache.entry(req, rows)
+            if req.pages != e[2]:
+                cache.set_pages(e, req.pages)
+        ix = [e[0] for e in es]
+        nout = [len(req.output_token_ids) + req.num_pending for req in reqs]  # req.num_output
+        if decode:  # a pending input token is still on the device: the step takes it from there
+            src = [req.pending_row if req.num_pending else -1 for req in reqs]
+            host_tokens = [i for i, s in enumerate(src) if s < 0]
+        else:
+            src, host_tokens = None, range(len(rows))
+        state = [req.slots[0] if req.slots else -1 for req in reqs]
+        sample = [row.sample for row in rows]
+        banned = [i for i, (req, k, s) in enumerate(zip(reqs, nout, sample)) if s and k < req.min_tokens]
         n = len(rows)
         ix = np.array(ix, np.intp)
         smp = np.array(sample, bool)
@@ -339,7 +332,7 @@ class Runner:
         bk = self.buckets
         B = Buckets.pick(bk.batch, n)
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
-        P = Buckets.pick(bk.pages, max(npages))
+        P = Buckets.pick(bk.pages, max(len(e[2]) for e in es))
         lay, template, spans = self._shape(B, T, P, penalties, 0 if decode else self.kc)
         meta = template.copy()
 
@@ -347,12 +340,13 @@ class Runner:
             a, b, shape = spans[name]
             return meta[a:b].reshape(shape)
 
-        ends = np.array(ends, np.int32)
+        ends = np.array([row.end for row in rows], np.int32)
         if decode:
             q = np.ones(n, np.int32)
         else:
             q = ends - np.array([r.start for r in rows], np.int32)
-        field("src")[:n] = src
+        if src is not None:
+            field("src")[:n] = src
         tokens = field("tokens")
         for i in host_tokens:
             row = rows[i]
