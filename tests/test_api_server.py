@@ -188,6 +188,28 @@ def test_chat_non_streaming_and_streaming(srv):
     assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == a.choices[0].message.content
 
 
+def test_stop_strings_are_never_streamed_and_batches_stream_by_index(srv):
+    kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    # a two-character stop string from a greedy output (random weights: mostly invalid UTF-8,
+    # so look for two clean characters); its tokens arrive one by one, so the first must be held
+    for prompt in ("Hello there", "The quick brown fox", "abc", "0123"):
+        ref = srv.client.completions.create(prompt=prompt, **kw).choices[0].text
+        at = next((i for i in range(1, len(ref) - 1)
+                   if "\ufffd" not in ref[i:i + 2] and ref[i:i + 2] not in ref[:i + 1]), None)
+        if at is not None:
+            break
+    assert at is not None, "no clean two-character stop string in the greedy outputs"
+    stop = ref[at:at + 2]  # its first occurrence starts at `at`
+    full = srv.client.completions.create(prompt=prompt, stop=[stop], **kw).choices[0]
+    assert (full.text, full.finish_reason, full.model_extra.get("stop_reason")) == (ref[:at], "stop", stop)
+    chunks = list(srv.client.completions.create(prompt=prompt, stop=[stop], stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == ref[:at]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    two = list(srv.client.completions.create(prompt=["one", "two"], stream=True, **kw))
+    ends = {c.choices[0].index: c.choices[0].finish_reason for c in two if c.choices[0].finish_reason}
+    assert ends == {0: "length", 1: "length"}
+
+
 # ------------------------------------------------------------------------------ errors
 
 
