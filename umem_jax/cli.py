@@ -64,7 +64,9 @@ def _engine(args):
                        gpu_memory_utilization=args.gpu_memory_utilization, arena_bytes=args.arena_bytes,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        page_size=args.page_size, max_model_len=args.max_model_len, dtype=args.dtype,
-                       load_format=args.load_format, seed=args.seed)
+                       load_format=args.load_format, seed=args.seed,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       max_checkpoints_per_path=args.max_checkpoints_per_path)
     try:
         engine = LLMEngine(cfg)
     except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
@@ -149,6 +151,10 @@ def _engine_flags(p) -> None:
     p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)
     p.add_argument("--dtype", default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached prompt prefixes between requests (default: on)")
+    p.add_argument("--max-checkpoints-per-path", type=int, default=4,
+                   help="recurrent-state checkpoints the prefix cache keeps on one cached path")
 
 
 def main(argv: list[str] | None = None) -> int:
