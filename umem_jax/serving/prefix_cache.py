@@ -169,9 +169,9 @@ class PrefixCache:
     def insert(self, tokens, vids, n_pages: int, *, hint: Node | None = None,
                checkpoints: dict[int, int] | None = None) -> tuple[Node, list[int]]:
         """Cache the first `n_pages` pages of a sequence: tokens (a list, or tokens(start, end)
-        giving a slice; at least n_pages * ps of them) and its page ids `vids` (the inserting request's own; where the tree already holds those
-        tokens it keeps its page, or adopts the request's when that one still has window pages
-        the tree wants).  hint: a node on this path already inserted (continue from it).
+        giving a slice; at least n_pages * ps of them) and its page ids `vids` (the inserting
+        request's own; where the tree already holds those tokens it keeps its page, or adopts
+        the request's when that one still has window pages the tree wants).  hint: a node on this path already inserted (continue from it).
         checkpoints {depth: slot}: state slots to attach at those depths (the tree takes them).
         -> (the node n_pages deep, the checkpoint slots NOT taken: the caller frees them)."""
         ps = self.ps
