@@ -135,11 +135,12 @@ class Request:
     def decode_ready(self) -> bool:
         """One token left to compute, after at least one prefill pass (a request's first tokens
         always go through a prefill step: that is where recurrent state is reset)."""
-        return self.num_computed > 0 and self.to_compute == 1
+        c = self.num_computed  # to_compute == 1, inlined: the scheduler asks every step
+        return c > 0 and len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending == c + 1
 
     @property
     def wants_step(self) -> bool:
-        return self.num_output < self.max_tokens
+        return len(self.output_token_ids) + self.num_pending < self.max_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Host-known tokens [start, end) (never pending ones)."""

@@ -123,8 +123,8 @@ class Scheduler(PrefixSharing):
             if batch is not None:
                 self._prefill_streak += 1
                 return batch
+            decoders = self._decoders()  # the prefill attempt may have retracted requests
         self._prefill_streak = 0
-        decoders = self._decoders()
         return self._schedule_decode(decoders) if decoders else None
 
     def _decoders(self) -> list[Request]:
