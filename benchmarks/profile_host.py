@@ -18,6 +18,7 @@ cProfile over N steady decode steps and prints the top functions by cumulative /
 
     PYTHONPATH=$PWD python benchmarks/profile_host.py --batch 64 --prompt 512 --gen 80
     PYTHONPATH=$PWD python benchmarks/profile_host.py --profile 50
+    PYTHONPATH=$PWD python benchmarks/profile_host.py --no-isolate    # + how often N+1 launched before N ended
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--no-isolate", dest="isolate", action="store_false",
                     help="let host parts overlap the (CPU) device work, as the engine does")
+    ap.add_argument("--prefix-cache", choices=("default", "on", "off"), default="default")
     ap.add_argument("--text", action="store_true", help="token-id prompts still detokenize; this adds stop strings")
     args = ap.parse_args()
 
@@ -55,7 +57,8 @@ def main() -> None:
     model = load_model("tiny")
     llm = LLM(model, memory_mode=args.mode, arena_bytes=int(args.arena_mib * 2**20), max_num_seqs=args.batch,
               max_num_batched_tokens=4096, page_size=args.page_size, max_model_len=args.prompt + args.gen + 64,
-              kernel_impl="reference")
+              kernel_impl="reference",
+              **({} if args.prefix_cache == "default" else {"enable_prefix_caching": args.prefix_cache == "on"}))
     eng = llm.llm_engine
     rng = np.random.default_rng(0)
     vocab = eng.model.config.vocab_size
@@ -89,11 +92,16 @@ def main() -> None:
         parts["process_cpu"].append(clock() - c1)
         return out
 
+    overlap = []  # without --isolate: was step N still running when step N+1 was launched?
+
     def isolated_launch(batch):
+        prev = eng._inflight
         t0, c0 = time.perf_counter(), clock()
         out = launch(batch)
         parts["launch"].append(time.perf_counter() - t0)
         parts["launch_cpu"].append(clock() - c0)
+        if prev is not None:
+            overlap.append(not prev.tokens.is_ready())
         if args.isolate:
             jax.block_until_ready((out.tokens, eng.runner.arena))
         return out
@@ -128,6 +136,8 @@ def main() -> None:
     out = {"batch": args.batch, "prompt": args.prompt, "steady_steps": len(rows),
            **{f"{k}_ms": round(v, 3) for k, v in med.items()},
            "recompiles": eng.runner.num_compilations - compiles0}
+    if not args.isolate and overlap:
+        out["launched_while_previous_ran"] = round(sum(overlap) / len(overlap), 3)
     print(json.dumps(out))
     if prof is not None:
         st = pstats.Stats(prof)

@@ -140,10 +140,10 @@ class Launched:
     tokens: jax.Array
 
 
-# Per-request sampling words (floats bit-cast to int32) the row cache keeps: fixed for a
-# request's life, so they are converted once, not every step.
-_ROW_SAMPLING = ("top_k", "seed", "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+# Per-request sampling words (floats bit-cast to int32) the row cache keeps, in the layout's
+# order: fixed for a request's life (converted once), except `step`, filled in every step.
+_ROW_SAMPLING = _INT_SAMPLING + _FLOAT_SAMPLING
+_STEP_COL = _ROW_SAMPLING.index("step")
 # The value of each per-row field in a padding row (SamplingBatch's padding: greedy, no cuts).
 _PAD = {"src": -1, "ban": -1, "ck_pos": -1, "top_p": 1.0, "repetition_penalty": 1.0}
 
@@ -191,8 +191,8 @@ class RowCache:
                 self._reclaim(batch_rows)
             row = self.free.pop()
         p = req.params
-        self.samp[row, :2] = (max(p.top_k, 0), req.seed)
-        self.samp[row, 2:] = _words([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+        self.samp[row, :3] = (max(p.top_k, 0), req.seed, 0)
+        self.samp[row, 3:] = _words([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                                      p.frequency_penalty], np.float32)
         self.pen[row] = p.has_penalties
         self.vids[row] = -1
@@ -294,6 +294,9 @@ class Runner:
                     continue
                 a, b, _ = spans[name]
                 template[a:b] = _words(value, np.float32 if isinstance(value, float) else np.int32)
+            a = spans[_ROW_SAMPLING[0]][0]
+            if [spans[f][:2] for f in _ROW_SAMPLING] != [(a + j * B, a + (j + 1) * B) for j in range(len(_ROW_SAMPLING))]:
+                raise AssertionError("Layout: the sampling fields must sit one after another (launch writes them as one block)")
             got = self._layouts[key] = (lay, template, spans)
         return got
 
@@ -358,10 +361,10 @@ class Runner:
             field(f"table:{p}")[:n] = self.allocator.translate_pages(vids, p, P)
         if self.has_state:
             field("slots")[:n] = self.allocator.translate_slots(np.array(state, np.int32))
-        samp = cache.samp[ix]
-        for j, name in enumerate(_ROW_SAMPLING):
-            field(name)[:n] = samp[:, j]
-        field("step")[:n] = nout
+        samp = cache.samp[ix]  # [n, 9]: the sampling fields sit one after another, [B] each
+        samp[:, _STEP_COL] = nout
+        a = spans[_ROW_SAMPLING[0]][0]
+        meta[a:a + len(_ROW_SAMPLING) * B].reshape(len(_ROW_SAMPLING), B)[:, :n] = samp.T
         if lay.kc:  # prefix-cache checkpoints (prefill only): position in the chunk, state slot
             ck_pos, ck_ids = field("ck_pos"), np.full((n, lay.kc), -1, np.int32)
             for i, row in enumerate(rows):
