@@ -20,7 +20,7 @@ from ..memory.declarations import MHA, Full, LayerDecl, Part, Window
 from ..memory.plan import Plan
 from .attention import Attention, kv_slot
 from .batch import Batch
-from .config import SLIDING, ModelConfig
+from .config import SLIDING, ModelConfig, from_hf_config
 from .layers import MLP, RMSNorm, _init
 
 
@@ -118,3 +118,16 @@ class Gemma3ForCausalLM(nnx.Module):
             h, arena = layer(h, arena, batch, self.arena_slot(plan, i, **kernel_kw))
         last = jnp.take_along_axis(h, batch.last_index()[:, None, None], axis=1)[:, 0]
         return self.logits(last), arena
+
+
+def gemma3_4b_like(dtype: str = "bfloat16") -> ModelConfig:
+    """Gemma-3-4B's text decoder shape: 34 layers (5 sliding w=1024 : 1 global), hidden 2560, GeGLU
+    10240, 8 q / 4 kv heads x 256, vocab 262144, tied, 128K positions (global RoPE linear x8).
+    Its memory is presets.gemma3_4b_like's.  For benchmarks with random weights."""
+    return from_hf_config({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+        "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
+        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 131072, "dtype": dtype})

@@ -44,10 +44,12 @@ def model_class(architecture: str) -> type:
 def _random_shapes() -> dict:
     """Preset name (the names umem_jax.presets uses for the same models' memory) -> config factory
     `f(dtype) -> ModelConfig`.  Each family adds its own entries."""
+    from .gemma3 import gemma3_4b_like
     from .nemotron_h import nemotron_h_8b_like
     from .qwen3_5 import qwen3_5_4b_like
 
-    return {"nemotronh-8b-like": nemotron_h_8b_like, "qwen3.5-4b-like": qwen3_5_4b_like}
+    return {"gemma3-4b-like": gemma3_4b_like, "nemotronh-8b-like": nemotron_h_8b_like,
+            "qwen3.5-4b-like": qwen3_5_4b_like}
 
 
 def random_shape_names() -> list[str]:
