@@ -276,7 +276,10 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
                 return join_planes(words[0], words[1], cdt)
             return words[0]  # the wrapper passes 1-plane arenas already viewed as the KV dtype
 
-        qk_scale = c.scale if c.softcap is not None else c.scale * _LOG2E
+        # Scores stay unscaled; the running max m is kept in log2 units, so the scale folds into
+        # the exp2 argument `s * c - m` (one FMA per score) instead of a separate multiply pass
+        # over the [M, bk] tile.  With a softcap the cap's tanh needs the scaled logit anyway.
+        exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
 
         def step(kb, carry, masked):
             # `env` (this block's page envelopes) was read from the table one iteration earlier:
@@ -293,18 +296,19 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             kt = load(k_rows, k_slots, c.D, valid)  # [bk, D]
             s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=prec)
-            s = s * qk_scale
             if c.softcap is not None:
-                s = (c.softcap * _LOG2E) * jnp.tanh(s * (1.0 / c.softcap))
+                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
             if masked:
                 kp = k_idx[None, :]
                 vis = valid[None, :] & (kp <= pos[:, None])
                 if c.window is not None:
                     vis &= kp > pos[:, None] - c.window
                 s = jnp.where(vis, s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
+            # exp_scale > 0, so max(s) * exp_scale == max(s * exp_scale); a fully masked row gives
+            # -inf here and m stays at its finite start.
+            m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - m_new[:, None])
+            p = jnp.exp2(s * exp_scale - m_new[:, None])
             l_new = l_i * alpha + p.sum(axis=1)
             vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dv]
             pv = lax.dot_general(p.astype(cdt), vt, (((1,), (0,)), ((), ())),
