@@ -1,5 +1,6 @@
-"""paged_prefill_attention on a real GPU: the compiled Triton kernel vs the plain-JAX reference at
-real shapes (skipped without an NVIDIA GPU).
+"""paged_prefill_attention on a real GPU: the compiled Triton kernel, and the Mosaic GPU kernel
+(paged_prefill_mgpu.py, needs jax >= 0.11), vs the plain-JAX reference at real shapes (skipped
+without an NVIDIA GPU).
 
 Run on the GPU machine:  python -m pytest -q tests/test_prefill_gpu.py
 """
@@ -17,7 +18,8 @@ from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention, paged
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (compiled Triton kernel)"),
+    pytest.mark.skipif(jax.default_backend() != "gpu",
+                       reason="needs an NVIDIA GPU (compiled Triton / Mosaic GPU kernels)"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
@@ -89,3 +91,29 @@ def test_gpu_matches_cudnn_dense():
                                          implementation="cudnn")
     assert rel_err(out[0], dense[0, :2048]) < 2e-2
     assert rel_err(out[1], dense[1, 1024:3072]) < 2e-2
+
+
+# The Mosaic GPU (plgpu) kernel on the cases it covers: bf16 one-plane K/V, one arena row per token.
+MGPU_CASES = [c for c in GPU_CASES if c[0] in ("llama_gqa4_p16", "gptoss_gqa8_window_sinks",
+                                               "gemma_d256_window_softcap")]
+
+
+@pytest.mark.parametrize("case", MGPU_CASES, ids=[c[0] for c in MGPU_CASES])
+def test_gpu_mgpu_kernel_matches_reference(case):
+    from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available, paged_prefill_attention_mgpu
+
+    ok, why = mgpu_available()
+    if not ok:
+        pytest.skip(why)
+    name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, T, P, rows, extra = case
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    view = kv_view(Hkv, D, ps)
+    q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.bfloat16,
+                                              window=window, tombstone=extra.get("tombstone", False))
+    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
+    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+    for bkv, steps in ((128, 2), (64, 3)) if D <= 128 else ((64, 2),):
+        out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, block_kv=bkv,
+                                           max_concurrent_steps=steps)
+        assert_close(out, ref, q_lens, fp32=False)

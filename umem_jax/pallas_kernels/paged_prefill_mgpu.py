@@ -1,0 +1,507 @@
+"""Paged prefill / extend attention as a Mosaic GPU (`plgpu`) kernel for Hopper: TMA page copies,
+warpgroup MMA (wgmma), warp-specialised producer/consumers, FlashAttention-3 style.
+
+Same contract as `paged_prefill.paged_prefill_attention` (docs/kernel_contracts.md)::
+
+    paged_prefill_attention_mgpu(q, arena, page_table, q_lens, kv_lens, *, view, window=None,
+                                 softcap=None, sinks=None, scale=None) -> o [B, T, Hq, Dv]
+
+and `paged_prefill_attention_reference` is what it must compute.  It is the follow-up the kernels
+issue asked for when the Triton lowering stays below 0.8x cuDNN: Pallas Triton has no warp
+specialisation and no way to overlap the softmax of one tile with the MMAs of another.
+
+Supported (anything else raises NotImplementedError naming the reason; use the Triton kernel):
+bf16 (or fp16) K/V stored one plane per token row (`view.planes == 1`, `mk == mv == 1`), head_dim
+== v_head_dim, a multiple of 64 and <= 256, row_words a multiple of 8 (16-byte TMA strides), page
+size a multiple of 8 that divides the KV block or is a multiple of it.  Causal with an optional
+window, softcap and sinks.  Needs jax >= 0.11 (the `plgpu.kernel` API used here) and an sm_90
+GPU; there is no interpret mode for wgmma on CPU, so CPU tests only cross-lower it for CUDA.
+
+Kernel layout.  Grid (q head, q tile, request); q tiles run heaviest-first.  A CTA is three
+warpgroups: two consumers, each owning `block_q` consecutive queries of one q head (the q tile is
+2 * block_q queries), and one producer that walks the KV blocks (`block_kv` tokens) the tile can
+see and copies them into a `max_concurrent_steps`-deep ring of shared-memory slots.  A KV block
+is assembled from pages: one TMA copy per page (`block_kv / page_size` of them, all arriving on
+the slot's barrier), the source a [page_size, D] box of the 2-D arena at row
+`page * rows_per_page + k_row` and column `kv_head * D` (row index + column slice, never a flat
+offset; TMA coordinates are 64-bit-safe).  The page id comes from a scalar read of the page
+table in global memory, clamped to the table.  GQA: each q head's CTA loads its kv head's blocks;
+the G CTAs of one kv head run side by side (q head is the fastest grid axis), so the repeats come
+from L2.
+
+Consumers: S = Q K^T (wgmma, Q and K in shared memory), online softmax in fp32 in log2 units with
+the scale folded into the exp2 argument, P cast to bf16 in registers, O += P V (wgmma, V in shared
+memory).  A two-arrival "schedule" barrier alternates the two consumers so one's softmax overlaps
+the other's MMAs (FA3 ping-pong).  Each consumer splits its block range in three, as the Triton
+kernel does: masked blocks at the window's left edge, unmasked interior blocks, masked blocks on
+the causal diagonal.  Blocks of the CTA's range that one consumer cannot see are "skipped": it
+still waits on and releases the slot and keeps the schedule barrier in step, so every barrier's
+phase stays in sync for both consumers.
+
+Never-written key slots.  TMA copies whole pages, so a block can hold key slots past kv_len
+(unwritten) or pages before the first query's window (tombstoned: the sink page).  Their K rows
+only meet masked scores (a `where`, so NaN cannot pass); their V rows would meet p == 0 in the PV
+MMA, where 0 * NaN = NaN.  So on a block that holds such slots the consumer zeroes those V rows in
+shared memory before its PV MMA (both consumers may do it: the writes are idempotent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from .kv_write import check_view
+from .paged_prefill import _check_args, paged_prefill_attention_reference
+from .words import from_u16, kv_value_dtype, to_u16
+
+__all__ = ["paged_prefill_attention_mgpu", "paged_prefill_attention_reference", "MgpuConfig", "mgpu_available",
+           "check_mgpu_supported"]
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = -1e30  # finite start for the running max: a fully masked first block gives exp2(-inf) = 0, not NaN
+_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+
+
+def mgpu_available() -> tuple[bool, str]:
+    """(True, "") when this jax has the plgpu API this module is written for, else (False, why)."""
+    try:
+        major, minor = (int(x) for x in jax.__version__.split(".")[:2])
+    except ValueError:  # pragma: no cover - odd dev version strings
+        major, minor = 0, 0
+    if (major, minor) < (0, 11):
+        return False, f"the Mosaic GPU prefill kernel is written for jax >= 0.11 (plgpu.kernel API); this is {jax.__version__}"
+    try:
+        from jax.experimental.pallas import mosaic_gpu  # noqa: F401
+    except ImportError as e:  # pragma: no cover
+        return False, f"jax.experimental.pallas.mosaic_gpu does not import: {e}"
+    return True, ""
+
+
+def _plgpu():
+    ok, why = mgpu_available()
+    if not ok:
+        raise NotImplementedError(why)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    """block_q: queries per consumer warpgroup (the CTA's q tile is 2 * block_q); block_kv: KV
+    tokens per pipeline step; max_concurrent_steps: shared-memory ring depth; schedule_barrier:
+    FA3 ping-pong between the two consumers."""
+
+    block_q: int = 64
+    block_kv: int = 128
+    max_concurrent_steps: int = 2
+    schedule_barrier: bool = True
+
+
+def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
+    """Raise NotImplementedError if the Mosaic GPU kernel does not cover this case (pure shape
+    logic: runs on any jax and any backend)."""
+    B, T, Hq, D = q.shape
+    Dv, ps = view.v_head_dim, view.page_size
+
+    def no(why):
+        raise NotImplementedError(f"paged_prefill_attention_mgpu: {why}; use the Triton kernel (paged_prefill_attention)")
+
+    if view.planes != 1:
+        no("fp32 (two-plane) K/V is not supported, only bf16/fp16")
+    vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
+    if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        no(f"K/V dtype {vdt} is not supported, only bf16/fp16")
+    if view.mk != 1 or view.mv != 1:
+        no(f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed")
+    if D != Dv:
+        no(f"head_dim {D} != v_head_dim {Dv}")
+    if D % 64 or D > 256:
+        no(f"head_dim must be a multiple of 64 and <= 256, got {D}")
+    if view.row_words % 8:
+        no(f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)")
+    if view.num_kv_heads * D > view.row_words:
+        no("the kv heads of one token do not fit one arena row")
+    if cfg.block_q != 64:
+        no(f"block_q must be 64 (one wgmma M tile per consumer), got {cfg.block_q}")
+    if cfg.block_kv % 64 or not 64 <= cfg.block_kv <= 256:
+        no(f"block_kv must be 64, 128, 192 or 256, got {cfg.block_kv}")
+    if cfg.max_concurrent_steps < 2:
+        no(f"max_concurrent_steps must be >= 2, got {cfg.max_concurrent_steps}")
+    if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
+        no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
+    if smem_bytes(D, cfg) > _SMEM_LIMIT:
+        no(f"{smem_bytes(D, cfg)} bytes of shared memory needed (limit {_SMEM_LIMIT}); lower block_kv or "
+           "max_concurrent_steps")
+
+
+def smem_bytes(D: int, cfg: MgpuConfig) -> int:
+    """Q/O tiles of both consumers + the K and V rings (2-byte elements) + barriers/reductions."""
+    return 2 * (2 * cfg.block_q * D + 2 * cfg.max_concurrent_steps * cfg.block_kv * D) + 4096
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    n_tiles: int  # q tiles per row (grid axis "q_seq")
+    bq: int
+    bkv: int
+    mcs: int
+    sched: bool
+    G: int
+    D: int
+    P: int  # page-table width
+    page_size: int
+    rows_per_page: int
+    k_row: int
+    v_row: int
+    window: int | None
+    softcap: float | None
+    scale: float
+    has_sinks: bool
+    dtype: object
+    pv_in_scoped_acc: bool = False  # True only for the CPU GPU-interpreter tests
+
+
+def _kernel(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, *refs):
+    if c.has_sinks:
+        sinks_ref, q_ref, arena_ref, o_ref = refs
+    else:
+        sinks_ref, (q_ref, arena_ref, o_ref) = None, refs
+    bq, bkv, mcs, D = c.bq, c.bkv, c.mcs, c.D
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    qo_scratch = plgpu.SMEM((2, bq, D), c.dtype, transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((mcs, bkv, D), c.dtype, transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((mcs, bkv, D), c.dtype, transforms=(tiling, swizzle))
+    # Interpret form only: P goes through shared memory (the GPU interpreter's wgmma takes no
+    # register operand).
+    p_scratch = plgpu.SMEM((2, bq, bkv), c.dtype, transforms=(tiling, swizzle)) if c.pv_in_scoped_acc else None
+    copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
+    pl.run_scoped(
+        functools.partial(_body, plgpu, c, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, arena_ref, o_ref),
+        (qo_scratch, k_scratch, v_scratch, p_scratch),
+        (plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),  # K slot filled
+         plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),  # V slot filled
+         plgpu.Barrier(num_barriers=2)),  # Q tile of each consumer
+        (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),) * 2,  # K / V slot released by both consumers
+        plgpu.Barrier(num_arrivals=2),  # schedule (ping-pong)
+        collective_axes="wg",
+    )
+
+
+def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, arena_ref, o_ref, smem, filled,
+          released, sched):
+    qo_smem2, k_smem, v_smem, p_smem2 = smem
+    k_filled, v_filled, q_filled = filled
+    k_released, v_released = released
+    bq, bkv, mcs, D, G = c.bq, c.bkv, c.mcs, c.D, c.G
+    i32 = jnp.int32
+
+    head = lax.axis_index("heads")
+    tile = (c.n_tiles - 1) - lax.axis_index("q_seq")  # heaviest tiles (most keys) first
+    b = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    hkv = lax.div(head, i32(G))
+    q_len = qlen_ref[b]
+    kv_len = kvlen_ref[b]
+    q_start = kv_len - q_len  # position of the chunk's first query
+
+    def cdiv(a, n):
+        return lax.div(a + (n - 1), i32(n))  # all operands >= 0: truncation == floor
+
+    def wg_range(w):
+        """Block ranges of consumer w: (active, first, i_lo, i_hi, last).  Blocks [first, last) hold
+        every key its queries see; [i_lo, i_hi) need no mask (every query sees every key)."""
+        j0 = tile * (2 * bq) + w * bq
+        active = j0 < q_len
+        last_j = jnp.minimum(j0 + bq, q_len) - 1
+        p_first, p_last = q_start + j0, q_start + last_j
+        hi, u_hi = p_last + 1, p_first + 1
+        if c.window is not None:
+            lo = jnp.maximum(p_first - c.window + 1, 0)
+            u_lo = jnp.maximum(p_last - c.window + 1, 0)
+        else:
+            lo = u_lo = i32(0)
+        first = lax.div(lo, i32(bkv))
+        last = cdiv(hi, bkv)
+        i_lo = jnp.clip(cdiv(u_lo, bkv), first, last)
+        i_hi = jnp.clip(lax.div(u_hi, i32(bkv)), i_lo, last)
+        return active, first, i_lo, i_hi, last
+
+    r0, r1 = wg_range(0), wg_range(1)
+    # The CTA walks the union of both ranges; consumer 0 has the earlier queries, so its range
+    # starts first and consumer 1's ends last.  Consumer 0 idle => consumer 1 idle too.
+    cta_first = r0[1]
+    cta_last = jnp.where(r1[0], r1[4], jnp.where(r0[0], r0[4], cta_first))
+    n_steps = cta_last - cta_first
+
+    def slot_of(kb):
+        return lax.rem(kb - cta_first, i32(mcs))
+
+    # Keys outside [row_lo, kv_len) may be garbage (tombstoned pages, unwritten slots).
+    row_lo = jnp.maximum(q_start - c.window + 1, 0) if c.window is not None else i32(0)
+
+    def schedule():
+        if c.sched:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+    # ------------------------------------------------------------------ consumers
+    @pl.when(wg < 2)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        sel = lambda a, b_: jnp.where(wg == 0, a, b_)  # noqa: E731
+        active = sel(r0[0], r1[0])
+        first = jnp.where(active, sel(r0[1], r1[1]), cta_last)
+        i_lo = jnp.where(active, sel(r0[2], r1[2]), cta_last)
+        i_hi = jnp.where(active, sel(r0[3], r1[3]), cta_last)
+        last = jnp.where(active, sel(r0[4], r1[4]), cta_last)
+        qo_smem = qo_smem2.at[wg]
+        j0 = tile * (2 * bq) + wg * bq
+        q_pos0 = q_start + j0  # position of this consumer's first query
+
+        @pl.when(active)
+        def _load_q():
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(j0, bq), head], qo_smem, q_filled.at[wg])
+            plgpu.barrier_wait(q_filled.at[wg])
+
+        # Scores stay unscaled; m is in log2 units, so the scale folds into exp2's FMA argument.
+        exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
+        wgmma_layout = plgpu.Layout.WGMMA
+        m_i = plgpu.layout_cast(jnp.full((bq,), _NEG_BIG, jnp.float32), wgmma_layout.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), wgmma_layout.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((bq, D), 0.0, jnp.float32), wgmma_layout)
+
+        def skip(kb, _):
+            # A block of the CTA's range this consumer cannot see: keep barrier phases in step.
+            slot = slot_of(kb)
+            plgpu.barrier_wait(k_filled.at[slot])
+            plgpu.barrier_arrive(k_released.at[slot])
+            schedule()
+            plgpu.barrier_wait(v_filled.at[slot])
+            plgpu.barrier_arrive(v_released.at[slot])
+            schedule()
+            return _
+
+        def step(kb, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = slot_of(kb)
+            plgpu.barrier_wait(k_filled.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+                schedule()  # the other consumer's turn on the tensor cores
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+            plgpu.barrier_arrive(k_released.at[slot])
+            if c.softcap is not None:
+                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
+            if masked:
+                q_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 0, layout=wgmma_layout)
+                k_ids = plgpu.broadcasted_iota(jnp.int32, (bq, bkv), 1, layout=wgmma_layout)
+                kp = kb * bkv + k_ids
+                pos = q_pos0 + q_ids
+                vis = kp <= pos
+                if c.window is not None:
+                    vis = vis & (kp > pos - c.window)
+                s = jnp.where(vis, s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(c.dtype)
+            if c.sched:
+                plgpu.barrier_arrive(sched)  # softmax done
+            plgpu.barrier_wait(v_filled.at[slot])
+            if c.sched:
+                plgpu.barrier_wait(sched)  # tensor cores free
+            if masked:
+                k0 = kb * bkv
+
+                @pl.when((k0 < row_lo) | (k0 + bkv > kv_len))
+                def _zero_garbage_v():
+                    v_ref = v_smem.at[slot]
+                    rows = k0 + plgpu.broadcasted_iota(jnp.int32, (bkv, D), 0, layout=wgmma_layout)
+                    v = plgpu.load(v_ref, layout=wgmma_layout)
+                    v_ref[...] = jnp.where((rows >= row_lo) & (rows < kv_len), v, jnp.zeros_like(v))
+                    plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) read
+
+            if c.pv_in_scoped_acc:
+                # Interpret-mode form (the GPU interpreter cannot run run_state over an
+                # accumulator, nor a register operand): P via shared memory, a fresh accumulator
+                # per block, added in registers.
+                p_smem = p_smem2.at[wg]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+                    return acc_ref[...]
+
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, D), jnp.float32))
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            plgpu.barrier_arrive(v_released.at[slot])
+            return acc, m_new, l_i
+
+        if c.sched:
+            pl.when(wg == 1)(schedule)  # consumer 0 goes first
+        lax.fori_loop(cta_first, first, skip, None)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(first, i_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(i_hi, last, functools.partial(step, masked=True), carry)
+        acc, m_i, l_i = carry
+        lax.fori_loop(last, cta_last, skip, None)
+        if c.sched:
+            pl.when(wg == 0)(schedule)
+
+        if c.has_sinks:
+            sk = sinks_ref[head] * _LOG2E  # one extra logit per q head, denominator only
+            m_f = jnp.maximum(m_i, sk)
+            corr = jnp.exp2(m_i - m_f)
+            l_i = l_i * corr + jnp.exp2(sk - m_f)
+            acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
+        out = acc / lax.broadcast_in_dim(l_i, acc.shape, [0])
+        rows = j0 + plgpu.broadcasted_iota(jnp.int32, (bq, D), 0, layout=wgmma_layout)
+        out = jnp.where(rows < q_len, out, jnp.zeros_like(out))  # rows past q_len are 0 (idle: all)
+        qo_smem[...] = out.astype(c.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, o_ref.at[b, pl.ds(j0, bq), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    # ------------------------------------------------------------------ producer
+    @pl.when(wg == 2)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        ps, rpp = c.page_size, c.rows_per_page
+        col = hkv * D
+        rows_per_copy = min(ps, bkv)
+        n_copies = max(1, bkv // ps)
+
+        def pages_of(kb):
+            """Page ids of block kb's copies: scalar reads of the table in global memory, clamped
+            to the table (the read one block past the end is never used)."""
+            return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(ps)), c.P - 1)]
+                         for i in range(n_copies))
+
+        def issue(kb, slot, pages, base_row, smem, bar):
+            for i, page in enumerate(pages):
+                # first arena row of this copy: the page's K (or V) rows, from token kb*bkv + i*rows
+                row = page * rpp + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(ps))
+                plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
+                                        smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
+
+        def fill(i, pages):
+            kb = cta_first + i
+            slot = lax.rem(i, i32(mcs))
+            # The next block's page ids are read before this block's waits, so the table reads'
+            # latency hides behind them; K and V share the ids.
+            nxt = pages_of(kb + 1)
+
+            @pl.when(i >= mcs)
+            def _():
+                plgpu.barrier_wait(k_released.at[slot])
+
+            issue(kb, slot, pages, c.k_row, k_smem, k_filled)
+
+            @pl.when(i >= mcs)
+            def _():
+                plgpu.barrier_wait(v_released.at[slot])
+
+            issue(kb, slot, pages, c.v_row, v_smem, v_filled)
+            return nxt
+
+        lax.fori_loop(0, n_steps, fill, pages_of(cta_first))
+
+        # Observe the last releases too, so every barrier phase the producer took part in is
+        # seen before the scratch goes away (the CTA cannot retire before the consumers anyway).
+        for j in range(mcs):
+            i = n_steps - mcs + j
+
+            @pl.when(i >= 0)
+            def _():
+                slot = lax.rem(i, i32(mcs))
+                plgpu.barrier_wait(k_released.at[slot])
+                plgpu.barrier_wait(v_released.at[slot])
+
+
+def _paged_prefill_mgpu(q, arena, page_table, q_lens, kv_lens, sinks, *, view, window, softcap, scale, kv_dtype,
+                        cfg: MgpuConfig, interpret: bool):
+    plgpu = _plgpu()
+    B, T, Hq, D = q.shape
+    Hkv = view.num_kv_heads
+    dtype = kv_value_dtype(view.planes, kv_dtype)
+    tile_q = 2 * cfg.block_q
+    Tp = -(-T // tile_q) * tile_q
+    out_dtype = q.dtype
+    q = q.astype(dtype)
+    if Tp != T:  # whole q tiles only (the q/o TMA boxes are block_q rows)
+        q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    if arena.dtype != dtype:
+        arena = from_u16(to_u16(arena), dtype)  # same-width view: a bitcast, no copy
+    c = _Static(n_tiles=Tp // tile_q, bq=cfg.block_q, bkv=cfg.block_kv, mcs=cfg.max_concurrent_steps,
+                sched=cfg.schedule_barrier, G=Hq // Hkv, D=D, P=page_table.shape[1], page_size=view.page_size,
+                rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row, window=window,
+                softcap=None if softcap is None else float(softcap),
+                scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None,
+                dtype=dtype, pv_in_scoped_acc=bool(interpret))
+    args = [q_lens, kv_lens, page_table]
+    if sinks is not None:
+        args.append(sinks.astype(jnp.float32))
+    args += [q, arena]
+    out = plgpu.kernel(
+        functools.partial(_kernel, plgpu, c),
+        out_type=jax.ShapeDtypeStruct((B, Tp, Hq, D), dtype),
+        grid=(Hq, c.n_tiles, B),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # CPU tests: jax's GPU interpreter (simulated SMEM, TMA and barriers, race detection).
+        interpret=plgpu.InterpretGPUParams(detect_races=interpret == "races") if interpret else False,
+    )(*args)
+    out = out[:, :T] if Tp != T else out
+    return out.astype(out_dtype)
+
+
+# --------------------------------------------------------------------------- public wrapper
+
+
+@functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_q", "block_kv",
+                                             "max_concurrent_steps", "schedule_barrier", "interpret"))
+def paged_prefill_attention_mgpu(q, arena, page_table, q_lens, kv_lens, *, view, window=None, softcap=None,
+                                 sinks=None, scale=None, kv_dtype=None, block_q=64, block_kv=128,
+                                 max_concurrent_steps=2, schedule_barrier=True, interpret=False):
+    """paged_prefill_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
+
+    q [B, T, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; q_lens, kv_lens
+    int32 [B]; sinks f32 [Hq] or None -> [B, T, Hq, D] in q.dtype.  block_q/block_kv/
+    max_concurrent_steps/schedule_barrier: MgpuConfig.  interpret=True (or "races": with race
+    detection) runs it in jax's GPU interpreter on CPU, slowly, for tests.  Unsupported cases raise
+    NotImplementedError (see the module docstring).
+    """
+    _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
+    check_view(arena, view)
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    cfg = MgpuConfig(block_q, block_kv, max_concurrent_steps, schedule_barrier)
+    check_mgpu_supported(q, view, cfg, kv_dtype)
+    return _paged_prefill_mgpu(q, arena, page_table, q_lens, kv_lens, sinks, view=view, window=window,
+                               softcap=softcap, scale=scale, kv_dtype=kv_dtype, cfg=cfg, interpret=interpret)
