@@ -4,6 +4,7 @@
     umem-jax plan  [--model PRESET] [--budget-gib N] [--page-size N] [--max-model-len N]
     umem-jax serve MODEL [--host 127.0.0.1] [--port 8000] [engine flags]   (OpenAI-compatible server)
     umem-jax generate MODEL --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
+    umem-jax bench [--model tiny] [--workload all] [--arena-gib N] [--out DIR] [--server URL]  (unified vs static)
 
 Engine flags take vLLM's names (--gpu-memory-utilization, --max-num-seqs, --max-num-batched-tokens,
 --max-model-len, --page-size, --load-format, --served-model-name, --seed) plus the arena's own
@@ -135,6 +136,12 @@ def _generate(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .bench import command
+
+    return command.main(args)
+
+
 def _engine_flags(p) -> None:
     p.add_argument("model", nargs="?", help="checkpoint directory, .gguf file, or built-in name (tiny)")
     p.add_argument("--model-path", dest="model_path", help="alias of the positional MODEL")
@@ -193,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default here) is greedy")
     g.set_defaults(fn=_generate)
+
+    from .bench.command import add_arguments as bench_flags
+
+    b = sub.add_parser("bench", help="workload benchmark: unified arena vs static split side by side (issue 6)")
+    bench_flags(b)
+    b.set_defaults(fn=_bench)
 
     args = ap.parse_args(argv)
     try:

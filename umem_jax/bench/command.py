@@ -1,0 +1,119 @@
+"""`umem-jax bench`: the workload benchmark from the command line (flags and the handler).
+
+    umem-jax bench --model tiny --workload shifting --arena-bytes 200000 --scale 0.05 --out out/
+    umem-jax bench --model qwen3.5-4b-like --workload all --arena-gib 4 --out out/     (GPU)
+    umem-jax bench --server http://127.0.0.1:8000 --workload mixed --scale 0.1          (a running server)
+
+Offline (default): the model is built once, then for each workload the unified arena and the
+static split at every --static-ratios setting run side by side with the same arena bytes and
+engine flags; a table and issue 6's ratios are printed last, results.json and PNGs go to --out.
+With --server: the workloads are sent to that server over HTTP (one configuration: whatever the
+server runs), prompts are random ids below --vocab-size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .workload import WORKLOADS
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="built-in name (tiny, the default), a checkpoint path, or a random-weight "
+                   "shape: gemma3-4b-like, nemotronh-8b-like, qwen3.5-4b-like (with --server: the served name)")
+    p.add_argument("--workload", default="all", help=f"{'|'.join(WORKLOADS)}|all, or a comma list")
+    arena = p.add_mutually_exclusive_group()
+    arena.add_argument("--arena-gib", type=float, default=None, help="arena bytes in GiB (small, so memory binds)")
+    arena.add_argument("--arena-bytes", type=int, default=None, help="arena bytes (default: the engine's)")
+    p.add_argument("--static-ratios", default=None, help="static settings as swa:mamba pairs, comma separated "
+                   "('-' where the model has no such memory; a bare number sets the one ratio the model has); "
+                   "default: SGLang's 0.8:0.9 and four more")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest request, rounded up")
+    p.add_argument("--buckets", default="coarse", choices=("coarse", "single", "engine"),
+                   help="step shapes: coarse (few, warm-up compiles them all), single (one per dimension: "
+                   "CPU smoke runs), engine (the engine's powers of two)")
+    p.add_argument("--kernel-impl", default=None, choices=("pallas", "reference"))
+    p.add_argument("--dtype", default="bfloat16", help="weights of a random-weight shape")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--scale", type=float, default=1.0, help="request lengths (and, by default, counts) times this")
+    p.add_argument("--count-scale", type=float, default=None, help="request counts times this (default: --scale)")
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at once "
+                   "per phase)")
+    p.add_argument("--phase-s", type=float, default=1.0, help="seconds between the shifting trace's phases")
+    p.add_argument("--jitter", type=float, default=0.0, help="lengths uniform within +-this fraction")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=None, help="skip runs that would start after this")
+    p.add_argument("--max-run-s", type=float, default=None, help="cap on one run (unfinished requests aborted)")
+    p.add_argument("--out", default=None, help="directory for results.json and the PNGs")
+    p.add_argument("--server", default=None, help="URL of a running umem-jax server: drive it over HTTP")
+    p.add_argument("--vocab-size", type=int, default=256, help="with --server: prompt ids are drawn below this")
+    p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def bucket_kwargs(kind: str, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                  page_size: int) -> dict:
+    from .driver import coarse_buckets
+
+    if kind == "engine":
+        return {}
+    if kind == "coarse":
+        return coarse_buckets(max_num_seqs, max_num_batched_tokens, max_model_len, page_size)
+    pages = -(-max_model_len // page_size)
+    return {"batch_buckets": (1 << (max_num_seqs.bit_length() - 1),), "token_buckets": (max_num_batched_tokens,),
+            "page_buckets": (1 << (pages - 1).bit_length(),)}
+
+
+def _workloads(args, max_len: int | None):
+    from .workload import make_all
+
+    names = [n.strip() for n in args.workload.split(",") if n.strip()]
+    return make_all(names, scale=args.scale, count_scale=args.count_scale, max_len=max_len, rate=args.rate,
+                    phase_s=args.phase_s, jitter=args.jitter, seed=args.seed)
+
+
+def main(args) -> int:
+    deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None
+    arena = int(args.arena_gib * 2**30) if args.arena_gib is not None else args.arena_bytes
+    if args.server:
+        return _server(args)
+    from .sweep import load_bench_model, run_benchmark
+
+    model = load_bench_model(args.model or "tiny", args.dtype, args.seed)
+    workloads = _workloads(args, args.max_model_len or model.config.max_position_embeddings)
+    ps = args.page_size
+    mml = args.max_model_len or -(-(max(w.max_len for w in workloads) + ps) // ps) * ps
+    engine_kwargs = dict(arena_bytes=arena, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
+                         seed=args.seed, kernel_impl=args.kernel_impl,
+                         enable_prefix_caching=args.enable_prefix_caching,
+                         **bucket_kwargs(args.buckets, args.max_num_seqs, args.max_num_batched_tokens, mml, ps))
+    run_benchmark(model, workloads, engine_kwargs=engine_kwargs, statics=args.static_ratios, out_dir=args.out,
+                  deadline=deadline, max_run_s=args.max_run_s, progress=args.progress,
+                  meta={"model": args.model or "tiny", "scale": args.scale, "seed": args.seed})
+    return 0
+
+
+def _server(args) -> int:
+    from .http_driver import run_http
+    from .sweep import table, write_report
+
+    model = args.model  # the served model name; None: the server's first
+    report = {"meta": {"server": args.server, "model": model or "", "scale": args.scale, "seed": args.seed},
+              "workloads": [], "rows": [], "comparisons": [], "runs": []}
+    for wl in _workloads(args, args.max_model_len):
+        print(wl.describe())
+        r = run_http(args.server, wl, wl.prompts(args.vocab_size), model=model, progress=args.progress)
+        report["workloads"].append(wl.to_dict())
+        report["rows"].append(r.summary())
+        report["runs"].append(r.to_dict())
+    if args.out:
+        write_report(report, args.out, plots=True)
+    print(table(report["rows"]))
+    return 0
+
+
+__all__ = ["add_arguments", "bucket_kwargs", "main"]

@@ -1,0 +1,271 @@
+"""Driver: one workload through one offline engine, timed, after a warm-up that compiles first.
+
+    model = load_model("tiny")                               # ONCE: engines on it share compilations
+    engine = build_engine(model, MemoryConfig("static", 0.8, 0.9), arena_bytes=..., **coarse_buckets(...))
+    warm_up(engine)                                          # every step shape this engine can launch
+    result = run(engine, workload, workload.prompts(vocab))  # -> RunResult
+
+The loop adds each request once its arrival time has passed by the wall clock, then steps the
+engine (LLMEngine.add_request / step), and after every step samples the timeline: output tokens
+so far, running / waiting requests and the allocator's usage() (held bytes per band, holes, the
+free gap).  Latencies are measured from each request's scheduled arrival.
+
+Compilations: the engine's jitted step is cached per (model, plan) at module level and per
+step shape by jit, and engines of equal arena bytes have equal arena shapes, so the unified and
+the static engine of a sweep share every compilation.  `warm_up` launches every shape the
+engine's buckets can produce (all-padding rows: they read and write only the sink) and the
+relocation kernel at every move bucket, so compile time stays out of the figures; the run then
+counts XLA compilations (jax.monitoring) and new step shapes, both expected to be 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from ..serving.engine import EngineConfig, LLMEngine
+from ..serving.sampling_params import SamplingParams
+from ..serving.scheduled_batch import Buckets
+from .progress import progress_bar
+from .results import RequestRecord, RunResult, Timeline
+from .workload import Workload
+
+SGLANG_DEFAULTS = (0.8, 0.9)  # (--swa-full-tokens-ratio, --mamba-full-memory-ratio)
+MAX_MOVE_BUCKET = 4096  # relocation batches padded up to this are compiled at warm-up
+
+_compiles = [0]
+_listening = [False]
+
+
+def _on_event(event: str, *_a, **_kw) -> None:
+    if event.endswith("backend_compile_duration"):
+        _compiles[0] += 1
+
+
+def compile_count() -> int:
+    """XLA backend compilations in this process since the driver started listening."""
+    if not _listening[0]:
+        jax.monitoring.register_event_duration_secs_listener(_on_event)
+        _listening[0] = True
+    return _compiles[0]
+
+
+# ------------------------------------------------------------------------------ configurations
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryConfig:
+    """How the arena is split: "unified", or "static" with SGLang's ratios (None where the
+    model has no such memory: no window sub-pool means no swa ratio, no state no mamba ratio)."""
+
+    mode: str = "unified"
+    swa_full_tokens_ratio: float | None = None
+    mamba_full_memory_ratio: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode == "unified":
+            return "unified"
+        f = lambda x: "-" if x is None else f"{x:g}"
+        return f"static {f(self.swa_full_tokens_ratio)}/{f(self.mamba_full_memory_ratio)}"
+
+    @property
+    def is_sglang_default(self) -> bool:
+        return self.mode == "static" and all(
+            v is None or v == d for v, d in zip((self.swa_full_tokens_ratio, self.mamba_full_memory_ratio),
+                                                SGLANG_DEFAULTS))
+
+    def engine_kwargs(self) -> dict:
+        kw = {"memory_mode": self.mode}
+        if self.swa_full_tokens_ratio is not None:
+            kw["swa_full_tokens_ratio"] = self.swa_full_tokens_ratio
+        if self.mamba_full_memory_ratio is not None:
+            kw["mamba_full_memory_ratio"] = self.mamba_full_memory_ratio
+        return kw
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, int(n)).bit_length() - 1)
+
+
+def coarse_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, page_size: int) -> dict:
+    """Few step shapes, so warm-up compiles a few dozen steps instead of hundreds: batch sizes
+    powers of two stepping x4 down from max_num_seqs, prefill widths x4 down from
+    max_num_batched_tokens (three, at least 16), page-table widths x8 down from the pages of
+    max_model_len.  Padding a decode step to a larger batch or page table costs little (padding
+    rows read nothing); padding prefill costs compute, equally in every memory mode."""
+    top_b = _pow2_floor(max_num_seqs)
+    batch = sorted({max(1, top_b >> (2 * k)) for k in range(8)})
+    top_t = max(16, max_num_batched_tokens // 16 * 16)
+    tokens = sorted({max(16, top_t >> (2 * k)) for k in range(3)})
+    pages_needed = -(-max_model_len // page_size)
+    top_p = 1 << max(3, (pages_needed - 1).bit_length())
+    pages = sorted({max(8, top_p >> (3 * k)) for k in range(6)})
+    return {"batch_buckets": tuple(batch), "token_buckets": tuple(tokens), "page_buckets": tuple(pages)}
+
+
+def build_engine(model, memory: MemoryConfig, **engine_kwargs) -> LLMEngine:
+    """An offline engine on `model` (a loaded Model: build it once per sweep) in `memory`'s mode."""
+    return LLMEngine(EngineConfig(model=model, **memory.engine_kwargs(), **engine_kwargs))
+
+
+# ------------------------------------------------------------------------------ warm-up
+
+
+def reachable_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int]]:
+    """Every (B, T, P, checkpoint columns) step shape the scheduler can launch with the engine's
+    buckets: decode [B, 1] at any page width; prefill [B, T] within the token budget (a lone row
+    may take the largest T: Scheduler._fit_shape) and wide enough for a row of T tokens."""
+    bk, cfg = engine.buckets, engine.config
+    ps = cfg.page_size
+    top_b = Buckets.pick(bk.batch, engine.scheduler.cfg.max_num_seqs)
+    batches = [b for b in bk.batch if b <= top_b]
+    limit = max(cfg.max_num_batched_tokens, bk.batch[0] * bk.tokens[-1])
+    kc = engine.runner.kc
+    out = [(b, 1, p, 0) for b in batches for p in bk.pages]
+    for b in batches:
+        for i, t in enumerate(bk.tokens):
+            if b != bk.batch[0] and b * t > limit:
+                continue
+            longest = bk.tokens[i - 1] + 1 if i else 1  # the widest row is longer than the bucket below
+            min_p = Buckets.pick(bk.pages, -(-longest // ps))
+            out += [(b, t, p, kc) for p in bk.pages if p >= min_p]
+    return out
+
+
+def warm_up(engine: LLMEngine, *, probe: bool = True) -> dict:
+    """Compile every reachable step shape and the relocation kernel at every move bucket, then
+    (probe) run one real 2-token request and empty the prefix cache again.
+    -> {"seconds", "shapes", "compiles"}.
+
+    The step shapes are launched with all-padding metadata (the runner's own padding template:
+    page tables, slots and lengths 0), which reads and writes only the sink, as padding rows of a
+    real step do.  This uses the runner's per-shape template and jitted step directly."""
+    from ..arena import apply_moves
+    from ..memory.tables import Move
+
+    t0, c0 = time.perf_counter(), compile_count()
+    runner = engine.runner
+    shapes = reachable_shapes(engine)
+    leaves = runner._leaves()
+    for b, t, p, kc in shapes:
+        layout, template, _ = runner._shape(b, t, p, False, kc)
+        _, runner.arena = runner._step(leaves, runner.arena, template.copy(), runner._prev, None, layout)
+    seen = set()
+    for sp in engine.plan.subpools:
+        rpp = sp.rows_per_page
+        if rpp in seen:
+            continue
+        seen.add(rpp)
+        n, top = 16, min(MAX_MOVE_BUCKET, engine.size.num_rows // rpp)
+        while n <= max(16, top):
+            zeros = np.zeros(n, np.int32)
+            runner.arena = apply_moves(runner.arena, [Move(sp.name, zeros, zeros, rpp)], impl=runner.impl,
+                                       interpret=runner.interpret)
+            n *= 2
+    jax.block_until_ready(runner.arena)
+    if probe:
+        engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                           request_id="umem-bench-warmup")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - t0, "shapes": len(shapes), "compiles": compile_count() - c0}
+
+
+# ------------------------------------------------------------------------------ one run
+
+
+def run(engine: LLMEngine, workload: Workload, prompts: list[list[int]], *, memory: MemoryConfig | None = None,
+        max_run_s: float | None = None, progress: bool = True, temperature: float = 0.0) -> RunResult:
+    """Drive `workload` through `engine` by the wall clock -> RunResult.
+
+    max_run_s: stop admitting and abort every unfinished request once the run is this old (the
+    result is then "truncated").  Engine counters in the result are deltas over the run."""
+    memory = memory or MemoryConfig(engine.config.memory_mode, engine.config.swa_full_tokens_ratio,
+                                    engine.config.mamba_full_memory_ratio)
+    sched, alloc = engine.scheduler, engine.allocator
+    reqs = workload.requests
+    recs = [RequestRecord(r.arrival_s, r.input_len, r.output_len, r.kind) for r in reqs]
+    params = {}
+    tl = Timeline([sp.name for sp in engine.plan.subpools])
+    before, c0, shapes0 = engine.stats(), compile_count(), len(engine.runner.shapes)
+    live: dict[str, int] = {}
+    done_tokens, truncated, i, n = 0, False, 0, len(reqs)
+    t0 = time.time()
+    end = t0
+    with progress_bar(n, f"{workload.name} {memory.label}", progress) as advance:
+        while True:
+            now = time.time() - t0
+            while i < n and reqs[i].arrival_s <= now and not truncated:
+                r = reqs[i]
+                sp = params.get(r.output_len)
+                if sp is None:
+                    sp = params[r.output_len] = SamplingParams(temperature=temperature, max_tokens=r.output_len,
+                                                               ignore_eos=True)
+                try:
+                    live[engine.add_request(prompts[i], sp, request_id=str(i))] = i
+                except ValueError as e:  # e.g. longer than max_model_len: reported, not fatal
+                    recs[i].finish_reason, recs[i].error = "abort", str(e)
+                    advance(1)
+                i += 1
+            if max_run_s is not None and now > max_run_s and not truncated:
+                truncated = True
+                for rid in list(live):
+                    engine.abort_request(rid)
+                for k in range(i, n):
+                    recs[k].finish_reason, recs[k].error = "abort", "not sent: the run hit its time cap"
+                i = n
+            if not engine.has_unfinished_requests():
+                if i >= n:
+                    break
+                tl.add(now, done_tokens, 0, 0, alloc.usage())
+                time.sleep(max(0.0, reqs[i].arrival_s - (time.time() - t0)))
+                continue
+            outs = engine.step()
+            for o in outs:
+                k = live.pop(o.request_id, None)
+                if k is None:
+                    continue
+                _record(recs[k], o, t0 + reqs[k].arrival_s)
+                done_tokens += recs[k].tokens
+                end = max(end, o.metrics.finished_time or time.time())
+            running_tokens = sum(len(q.output_token_ids) for q in sched.running)
+            running_tokens += sum(len(q.output_token_ids) for q in sched.waiting)
+            tl.add(time.time() - t0, done_tokens + running_tokens, len(sched.running), len(sched.waiting),
+                   alloc.usage())
+            if outs:
+                advance(len(outs), note=f"{len(sched.running)} running, {len(sched.waiting)} waiting")
+    after = engine.stats()
+    counters = {k: after[k] - before.get(k, 0) for k in ("num_retractions", "num_preemptions", "num_moved_pages",
+                                                            "relocated_bytes", "num_evictions")}
+    counters.update(compiles=compile_count() - c0, new_shapes=len(engine.runner.shapes) - shapes0,
+                    steps={k: after["num_steps"][k] - before["num_steps"].get(k, 0) for k in after["num_steps"]})
+    return RunResult(workload.name, memory.label, memory.mode, memory.swa_full_tokens_ratio,
+                     memory.mamba_full_memory_ratio, status="truncated" if truncated else "ok", requests=recs,
+                     timeline=tl, duration_s=max(end - t0, 1e-9), arena_bytes=int(engine.size.nbytes),
+                     max_num_seqs=engine.scheduler.cfg.max_num_seqs, counters=counters)
+
+
+def _record(rec: RequestRecord, out, arrival: float) -> None:
+    """Fill `rec` from a finished RequestOutput (times from the engine's host clock)."""
+    m = out.metrics
+    comp = out.outputs[0]
+    rec.tokens = len(comp.token_ids)
+    rec.finish_reason = comp.finish_reason
+    rec.error = out.error
+    rec.retractions = m.num_retractions if m is not None else 0
+    if m is None or m.first_token_time is None:
+        return
+    rec.ttft_s = m.first_token_time - arrival
+    if m.finished_time is not None:
+        rec.e2e_s = m.finished_time - arrival
+        if rec.tokens > 1:
+            rec.tpot_s = (m.finished_time - m.first_token_time) / (rec.tokens - 1)
+
+
+__all__ = ["MemoryConfig", "SGLANG_DEFAULTS", "build_engine", "coarse_buckets", "compile_count", "reachable_shapes",
+           "run", "warm_up"]
