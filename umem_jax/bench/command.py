@@ -20,8 +20,9 @@ from .workload import WORKLOADS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="built-in name (tiny, the default), a checkpoint path, or a random-weight "
-                   "shape: gemma3-4b-like, nemotronh-8b-like, qwen3.5-4b-like (with --server: the served name)")
+    p.add_argument("--model", default=None, help="built-in name (tiny, the default), a checkpoint path, or a "
+                   "random-weight shape: gemma3-4b-like, nemotronh-8b-like, qwen3.5-4b-like (with --server: the "
+                   "served model name)")
     p.add_argument("--workload", default="all", help=f"{'|'.join(WORKLOADS)}|all, or a comma list")
     arena = p.add_mutually_exclusive_group()
     arena.add_argument("--arena-gib", type=float, default=None, help="arena bytes in GiB (small, so memory binds)")

@@ -112,6 +112,21 @@ def build_engine(model, memory: MemoryConfig, **engine_kwargs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, **memory.engine_kwargs(), **engine_kwargs))
 
 
+def capacity(engine: LLMEngine, input_len: int, output_len: int, limit: int = 4096) -> int:
+    """How many requests of this shape the empty arena holds at once, priced by the engine's own
+    demand model over each request's whole life (what the arrival clip prices)."""
+    from ..serving.demand import Demand
+
+    dm = engine.demand
+    d = dm.lifetime(input_len, output_len)
+    times = lambda k: Demand(d.token_pages * k, {w: v * k for w, v in d.window_pages.items()}, d.state_slots * k)
+    lo, hi = 0, limit
+    while lo < hi:  # demand grows with k: the largest k that fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if dm.fits_empty(times(mid)) else (lo, mid - 1)
+    return lo
+
+
 # ------------------------------------------------------------------------------ warm-up
 
 
@@ -267,5 +282,5 @@ def _record(rec: RequestRecord, out, arrival: float) -> None:
             rec.tpot_s = (m.finished_time - m.first_token_time) / (rec.tokens - 1)
 
 
-__all__ = ["MemoryConfig", "SGLANG_DEFAULTS", "build_engine", "coarse_buckets", "compile_count", "reachable_shapes",
-           "run", "warm_up"]
+__all__ = ["MemoryConfig", "SGLANG_DEFAULTS", "build_engine", "capacity", "coarse_buckets", "compile_count",
+           "reachable_shapes", "run", "warm_up"]

@@ -123,8 +123,8 @@ def plot_report(report: dict, out_dir: str) -> list[str]:
     for wl, runs in _runs_by_workload(report).items():
         ph = _phases(report, wl)
         head = f"{model} {wl}".strip()
-        files.append(memory_figure(runs, os.path.join(out_dir, f"{wl}_memory.png"), title=f"{head}: arena bytes by band",
-                                   phases=ph))
+        files.append(memory_figure(runs, os.path.join(out_dir, f"{wl}_memory.png"),
+                                   title=f"{head}: arena bytes by band", phases=ph))
         files.append(throughput_figure(runs, os.path.join(out_dir, f"{wl}_throughput.png"),
                                        title=f"{head}: output throughput", phases=ph))
     return files

@@ -24,7 +24,7 @@ import math
 import os
 import time
 
-from .driver import SGLANG_DEFAULTS, MemoryConfig, build_engine, run, warm_up
+from .driver import SGLANG_DEFAULTS, MemoryConfig, build_engine, capacity, run, warm_up
 from .results import RunResult, ratio
 from .workload import Workload
 
@@ -102,20 +102,31 @@ def sweep(model, workload: Workload, *, engine_kwargs: dict, statics: list[Memor
                                      mem.mamba_full_memory_ratio, status="failed", error=str(e)))
             log(f"  {mem.label:<18} failed: {e}")
             continue
+        holds = {k: capacity(engine, i, o) for k, (i, o) in _shapes(workload).items()}
         warm = warm_up(engine)
         cap = max_run_s
         if deadline is not None:
             cap = min(cap if cap is not None else math.inf, deadline - time.monotonic() - 2.0)
         r = run(engine, workload, prompts, memory=mem, max_run_s=cap, progress=progress)
-        r.warmup = warm
+        r.warmup, r.counters["capacity"] = warm, holds
         s = r.summary()
+        fits = ", ".join(f"{n} {k}" for k, n in holds.items())
         log(f"  {mem.label:<18} {s['status']:<9} {s['out_tok_per_s']:9.1f} tok/s  {s['req_per_s']:7.2f} req/s  "
-            f"peak {s['peak_running']:>3} running  {s['retractions']:>4} retractions  (warm-up "
-            f"{warm['seconds']:.1f} s, {warm['compiles']} compilations)")
+            f"peak {s['peak_running']:>3} running  {s['retractions']:>4} retractions  holds {fits} at once  "
+            f"(warm-up {warm['seconds']:.1f} s, {warm['compiles']} compilations)")
         results.append(r)
         del engine
         gc.collect()
     return results
+
+
+def _shapes(workload: Workload) -> dict[str, tuple[int, int]]:
+    """The longest (input, output) of each kind of request in the trace."""
+    out: dict[str, tuple[int, int]] = {}
+    for r in workload.requests:
+        i, o = out.get(r.kind, (0, 0))
+        out[r.kind] = (max(i, r.input_len), max(o, r.output_len))
+    return out
 
 
 def compare(results: list[RunResult]) -> dict:

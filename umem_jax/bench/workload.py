@@ -191,8 +191,8 @@ def make(name: str, *, scale: float = 1.0, count_scale: float | None = None, max
          jitter: float = 0.0, seed: int = 0, **counts) -> Workload:
     """A named workload ("state-heavy", "kv-heavy", "mixed", "shifting"; "_" works for "-") with
     lengths times `scale` and request counts times `count_scale` (default: `scale`, at least one
-    request of each kind), prompts cut so input + output <= max_len.  `counts` overrides the
-    generator's counts (n, n_short, n_long, phases) before scaling."""
+    request of each kind), prompts cut so input + output <= max_len (jitter included).  `counts`
+    overrides the generator's counts (n, n_short, n_long, phases) before scaling."""
     key = name.replace("_", "-")
     gens = {"state-heavy": state_heavy, "kv-heavy": kv_heavy, "mixed": mixed, "shifting": shifting}
     if key not in gens:
@@ -206,7 +206,8 @@ def make(name: str, *, scale: float = 1.0, count_scale: float | None = None, max
     unknown = set(counts) - set(defaults) - {"phases"}
     if unknown:
         raise ValueError(f"{key} takes no counts {sorted(unknown)}")
-    shapes = {"short": short.scaled(scale, max_len), "long": long.scaled(scale, max_len)}
+    cut = None if max_len is None else int(max_len / (1.0 + max(jitter, 0.0))) - 2  # jittered and rounded: inside
+    shapes = {"short": short.scaled(scale, cut), "long": long.scaled(scale, cut)}
     extra = {"phase_s": phase_s} if key == "shifting" else {}
     return gen(**kw, **{k: v for k, v in shapes.items() if k in _params(gen)}, rate=rate, jitter=jitter, seed=seed,
                **extra)
