@@ -42,6 +42,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+_MEM_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+if __name__ == "__main__" and "--tune" in sys.argv[1:] and not any(k in os.environ for k in _MEM_ENV):
+    # --tune starts a second GPU process (the Mosaic GPU child) while this one holds its arrays:
+    # no preallocation, set before jax can read it (main() repeats it for programmatic calls).
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -535,8 +541,7 @@ def main(argv=None):
         if args.tune and not args.small:
             # The Mosaic GPU child runs between the Triton sweep and the table, while this process
             # is idle; without preallocation both fit on the card (set before the backend starts).
-            if not any(k in os.environ for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_CLIENT_MEM_FRACTION",
-                                                 "XLA_PYTHON_CLIENT_MEM_FRACTION")):
+            if not any(k in os.environ for k in _MEM_ENV):
                 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
             args.deadline = t_start + args.prefill_budget
             args.sweep_reserve = args.mgpu_timeout + 80  # the child, then ~80 s for the table
