@@ -27,6 +27,12 @@ Using the arena in your own jitted function::
 Check your step with `check_in_place(step.lower(...).compile(), arena)`; tests/test_arena.py
 does that for every writer here.  Page ids are physical, page/slot 0 is the sink; row ids are
 int32, which is why `num_rows < 2**31` (the element count may exceed 2**31).
+
+Tensor parallelism (umem_jax.parallel): `Arena.create(plan, num_rows, mesh=mesh)` makes `data`
+[tp, num_rows, row_words] sharded P("tp"): device r holds its heads' slice of every page, laid
+out by the same per-device plan, so page and slot ids mean the same on every device.  Page moves
+and zeroing run per shard under shard_map; the model writes K/V and state inside its own
+shard_map (parallel/sharded_model.py); read_kv / read_state give every shard's rows [tp, ...].
 """
 
 from __future__ import annotations
@@ -66,19 +72,20 @@ class Arena:
     Leaves may be any object during pytree transforms, so nothing here inspects `data` eagerly.
     """
 
-    __slots__ = ("data", "plan", "dtype")
+    __slots__ = ("data", "plan", "dtype", "mesh")
 
-    def __init__(self, data, plan: Plan, dtype=jnp.uint16):
+    def __init__(self, data, plan: Plan, dtype=jnp.uint16, mesh=None):
         self.data = data
         self.plan = plan
         self.dtype = _word_dtype(dtype)
+        self.mesh = mesh  # a "tp" Mesh: data is [tp, rows, words] split on its first axis
 
-    # -- pytree: the array is the child; plan and dtype are static (part of the jit cache key)
+    # -- pytree: the array is the child; plan, dtype and mesh are static (part of the jit cache key)
     def tree_flatten_with_keys(self):
-        return ((jax.tree_util.GetAttrKey("data"), self.data),), (self.plan, self.dtype)
+        return ((jax.tree_util.GetAttrKey("data"), self.data),), (self.plan, self.dtype, self.mesh)
 
     def tree_flatten(self):
-        return (self.data,), (self.plan, self.dtype)
+        return (self.data,), (self.plan, self.dtype, self.mesh)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -86,8 +93,10 @@ class Arena:
 
     # -- construction
     @classmethod
-    def create(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, debug_nan: bool = False, sharding=None) -> "Arena":
-        """Allocate [num_rows, plan.row_words] directly on the device (a jitted fill: no host copy).
+    def create(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, debug_nan: bool = False, sharding=None,
+               mesh=None) -> "Arena":
+        """Allocate [num_rows, plan.row_words] directly on the device (a jitted fill: no host copy);
+        with a `mesh` ("tp" axis), [tp, num_rows, row_words] with each device filling its shard.
 
         debug_nan: fill with the bf16 NaN bit pattern 0x7FC0 instead of zeros, so any read of a
         row nobody wrote shows up as NaN.  sharding: `out_shardings` of the fill (e.g. a
@@ -98,33 +107,49 @@ class Arena:
         dtype = _word_dtype(dtype)
         _check_rows(plan, num_rows)
         fill = NAN_BITS if debug_nan else 0
-        data = _filler((int(num_rows), plan.row_words), dtype.name, fill, sharding)()
-        return cls(data, plan, dtype)
+        shape = (int(num_rows), plan.row_words)
+        if mesh is not None:
+            shape, sharding = (_tp(mesh),) + shape, _sharded(mesh)
+        data = _filler(shape, dtype.name, fill, sharding)()
+        return cls(data, plan, dtype, mesh)
 
     @classmethod
-    def abstract(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, sharding=None) -> "Arena":
+    def abstract(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, sharding=None, mesh=None) -> "Arena":
         """An Arena whose `data` is a ShapeDtypeStruct: for AOT `lower(...)` and memory probes."""
         dtype = _word_dtype(dtype)
         _check_rows(plan, num_rows)
+        shape = (int(num_rows), plan.row_words)
+        if mesh is not None:
+            shape, sharding = (_tp(mesh),) + shape, _sharded(mesh)
         kw = {"sharding": sharding} if sharding is not None else {}
-        return cls(jax.ShapeDtypeStruct((int(num_rows), plan.row_words), dtype, **kw), plan, dtype)
+        return cls(jax.ShapeDtypeStruct(shape, dtype, **kw), plan, dtype, mesh)
 
     def replace(self, data) -> "Arena":
-        """The same plan and dtype around new `data` (what every writer returns)."""
-        return Arena(data, self.plan, self.dtype)
+        """The same plan, dtype and mesh around new `data` (what every writer returns)."""
+        return Arena(data, self.plan, self.dtype, self.mesh)
 
     # -- sizes (static: from the shape, never from the values)
     @property
+    def tp(self) -> int:
+        """Devices the arena is split over (1: not split)."""
+        return 1 if self.mesh is None else _tp(self.mesh)
+
+    @property
     def num_rows(self) -> int:
-        return int(self.data.shape[0])
+        return int(self.data.shape[-2])
 
     @property
     def row_words(self) -> int:
-        return int(self.data.shape[1])
+        return int(self.data.shape[-1])
+
+    @property
+    def shard_nbytes(self) -> int:
+        """Bytes one device holds (all of them when not split)."""
+        return self.num_rows * self.row_words * WORD_BYTES
 
     @property
     def nbytes(self) -> int:
-        return self.num_rows * self.row_words * WORD_BYTES
+        return self.tp * self.shard_nbytes
 
     def num_pages(self, subpool: str) -> int:
         """Pages of `subpool`'s grid that fit in the arena, sink page 0 included."""
@@ -133,6 +158,40 @@ class Arena:
     def __repr__(self) -> str:
         shape = getattr(self.data, "shape", None)
         return f"Arena({self.dtype.name}{list(shape) if shape is not None else '?'}, sub-pools={list(self.plan.names)})"
+
+
+def _tp(mesh) -> int:
+    from .parallel.collectives import TP_AXIS
+
+    return int(mesh.shape[TP_AXIS])
+
+
+def _sharded(mesh):
+    from .parallel.mesh import arena_sharding
+
+    return arena_sharding(mesh)
+
+
+def _per_shard(arena: Arena, fn, *args):
+    """fn(data [rows, words], *args) on every shard of a split arena, args replicated (page ids
+    mean the same on every device); every array fn returns gets a leading [tp] axis (a writer's
+    new data is the new [tp, rows, words] arena).  Plain fn(arena.data, *args) when not split."""
+    if arena.mesh is None:
+        return fn(arena.data, *args)
+    from jax.sharding import PartitionSpec as P
+
+    from .parallel.collectives import TP_AXIS
+    from .parallel.mesh import shard_map
+
+    body = lambda d, *a: jax.tree.map(lambda x: x[None], fn(d[0], *a))
+    return shard_map(body, arena.mesh, in_specs=(P(TP_AXIS),) + (P(),) * len(args), out_specs=P(TP_AXIS))(
+        arena.data, *args)
+
+
+def _unsplit(arena: Arena, what: str) -> None:
+    if arena.mesh is not None:
+        raise NotImplementedError(f"{what} on a tensor-parallel arena: the model writes each device's heads "
+                                  "inside its own shard_map (parallel/sharded_model.py)")
 
 
 def _check_rows(plan: Plan, num_rows: int) -> None:
@@ -195,6 +254,7 @@ def write_kv(arena: Arena, k, v, pages, slots, *, layer: int, model: str = "targ
     k [T, Hkv, D], v [T, Hkv, Dv]; pages, slots int32 [T]: physical page (0 = sink, for padding
     rows) and slot within the page.  Dispatches to pallas_kernels.kv_write.write_kv.
     """
+    _unsplit(arena, "write_kv")
     view = kv_view(arena, layer, model)
     data = kv_write.write_kv(arena.data, k, v, pages, slots, view=view, kv_dtype=kv_dtype, impl=impl,
                              interpret=interpret)
@@ -208,22 +268,23 @@ def read_kv(arena: Arena, page_table, *, layer: int | None = None, model: str = 
 
     page_table int32 [B, P] physical pages -> (k [B, P*page_size, Hkv, D], v [B, P*page_size,
     Hkv, Dv]) in the stored dtype (bf16, or f32 for 2-plane rows).  Give `layer` (looked up in
-    the plan) or an explicit `view`.
+    the plan) or an explicit `view`.  A split arena gives every shard's heads: [tp, B, ...].
     """
     if view is None:
         if layer is None:
             raise ValueError("read_kv needs layer= or view=")
         view = kv_view(arena, layer, model)
-    return kv_write.read_kv_reference(arena.data, page_table, view=view, kv_dtype=kv_dtype)
+    return _per_shard(arena, lambda d, t: kv_write.read_kv_reference(d, t, view=view, kv_dtype=kv_dtype), page_table)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "model", "impl", "interpret"))
 def read_state(arena: Arena, slots, *, layer: int, model: str = "target", impl: str | None = None,
                interpret: bool = False) -> dict:
     """State tensors of layer `layer` for physical slots int32 [B] -> {name: [B, *shape]} in each
-    tensor's dtype (fp32 rebuilt from its two planes).  Dispatches to state_io.read_state."""
-    return state_io.read_state(arena.data, slots, view=state_view(arena, layer, model), impl=impl,
-                               interpret=interpret)
+    tensor's dtype (fp32 rebuilt from its two planes); a split arena gives every shard's:
+    [tp, B, *shape].  Dispatches to state_io.read_state."""
+    view = state_view(arena, layer, model)
+    return _per_shard(arena, lambda d, s: state_io.read_state(d, s, view=view, impl=impl, interpret=interpret), slots)
 
 
 @functools.partial(jax.jit, donate_argnames=("arena",), static_argnames=("layer", "model", "impl", "interpret"))
@@ -231,6 +292,7 @@ def write_state(arena: Arena, slots, tensors: dict, *, layer: int, model: str = 
                 interpret: bool = False) -> Arena:
     """Write {name: [B, *shape]} of layer `layer` into physical slots int32 [B] (0 = sink);
     donates and returns the arena.  Dispatches to state_io.write_state."""
+    _unsplit(arena, "write_state")
     data = state_io.write_state(arena.data, slots, tensors, view=state_view(arena, layer, model), impl=impl,
                                 interpret=interpret)
     return arena.replace(data)
@@ -244,7 +306,8 @@ def move_pages(arena: Arena, src, dst, *, subpool: str, impl: str | None = None,
     (relocate.check_moves checks this on the host).  Dispatches to relocate.move_pages.
     """
     rpp = arena.plan[subpool].rows_per_page
-    return arena.replace(relocate.move_pages(arena.data, src, dst, rows_per_page=rpp, impl=impl, interpret=interpret))
+    move = lambda d, s, t: relocate.move_pages(d, s, t, rows_per_page=rpp, impl=impl, interpret=interpret)
+    return arena.replace(_per_shard(arena, move, src, dst))
 
 
 @functools.partial(jax.jit, donate_argnames=("arena",), static_argnames=("subpool", "impl", "interpret"))
@@ -252,7 +315,8 @@ def zero_pages(arena: Arena, pages, *, subpool: str, impl: str | None = None, in
     """Zero the page envelopes `pages` (int32 [N]) of `subpool`'s grid; donates.  Dispatches to
     relocate.zero_pages."""
     rpp = arena.plan[subpool].rows_per_page
-    return arena.replace(relocate.zero_pages(arena.data, pages, rows_per_page=rpp, impl=impl, interpret=interpret))
+    zero = lambda d, p: relocate.zero_pages(d, p, rows_per_page=rpp, impl=impl, interpret=interpret)
+    return arena.replace(_per_shard(arena, zero, pages))
 
 
 # ---------------------------------------------------------------------------- move batches
@@ -295,9 +359,12 @@ def apply_moves(arena: Arena, moves, plan: Plan | None = None, *, impl: str | No
 # ------------------------------------------------------------------------------ copy checks
 
 
-def _hlo_shape(arena) -> str:
+def _hlo_shapes(arena) -> tuple[str, ...]:
+    """The arena's shapes as one device's HLO spells them (a split arena: that device's
+    [1, rows, words], and the [rows, words] its shard_map body works on)."""
     short = {"uint16": "u16", "bfloat16": "bf16"}[jnp.dtype(arena.dtype).name]
-    return f"{short}[{arena.num_rows},{arena.row_words}]"
+    flat = f"{short}[{arena.num_rows},{arena.row_words}]"
+    return (flat,) if arena.mesh is None else (flat, f"{short}[1,{arena.num_rows},{arena.row_words}]")
 
 
 def check_in_place(compiled, arena: Arena, *, max_temp_bytes: int | None = None) -> dict:
@@ -305,16 +372,19 @@ def check_in_place(compiled, arena: Arena, *, max_temp_bytes: int | None = None)
 
     Checks `compiled.memory_analysis()`: alias bytes >= arena bytes (donated and aliased) and
     temp bytes <= max_temp_bytes (default arena bytes // 8); and that `compiled.as_text()` has
-    no `copy(`/`copy-start(` producing an arena-shaped buffer.
+    no `copy(`/`copy-start(` producing an arena-shaped buffer.  A split arena is checked per
+    device (the compiled SPMD program is one device's): its shard's bytes and [1, rows, words].
     """
     m = compiled.memory_analysis()
-    limit = arena.nbytes // 8 if max_temp_bytes is None else max_temp_bytes
-    shape = _hlo_shape(arena)
+    nbytes = arena.shard_nbytes
+    limit = nbytes // 8 if max_temp_bytes is None else max_temp_bytes
+    shapes = _hlo_shapes(arena)
     copies = [ln.strip() for ln in compiled.as_text().splitlines()
-              if re.search(r"\b(copy|copy-start)\(", ln) and shape in ln.split("=", 1)[-1].split("(", 1)[0]]
-    seen = {"alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes, "arena_bytes": arena.nbytes,
+              if re.search(r"\b(copy|copy-start)\(", ln) and any(sh in ln.split("=", 1)[-1].split("(", 1)[0]
+                                                                   for sh in shapes)]
+    seen = {"alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes, "arena_bytes": nbytes,
             "arena_copies": copies}
-    assert m.alias_size_in_bytes >= arena.nbytes, f"arena not aliased in -> out (not donated?): {seen}"
+    assert m.alias_size_in_bytes >= nbytes, f"arena not aliased in -> out (not donated?): {seen}"
     assert m.temp_size_in_bytes <= limit, f"temporaries above {limit:,} B: the arena is probably copied: {seen}"
     assert not copies, f"arena-shaped copy in the compiled program: {seen}"
     return seen

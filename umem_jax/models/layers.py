@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..parallel.collectives import reduce_sum
 from .config import RopeConfig
 
 
@@ -18,13 +19,19 @@ def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
 
 
 class Linear(nnx.Module):
-    """y = x W^T, W [out, in] as in the checkpoint (no bias: none of our families has one)."""
+    """y = x W^T, W [out, in] as in the checkpoint (no bias: none of our families has one).
+
+    reduce_axis: under tensor parallelism a row-parallel projection holds a slice of `in` on each
+    device and psums its partial outputs over this mesh axis (parallel/sharding.py sets it on the
+    per-device module; None, the default, is the unsplit layer).
+    """
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype))
+        self.reduce_axis = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+        return reduce_sum(jnp.einsum("...i,oi->...o", x, self.weight[...]), self.reduce_axis)
 
 
 class RMSNorm(nnx.Module):

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..memory.plan import Plan, StateView
+from ..parallel.collectives import group_sum
 from ..pallas_kernels.mamba2 import mamba2_decode, mamba2_prefill, softplus
 from .batch import Batch
 from .config import MambaConfig
@@ -110,6 +111,9 @@ class GatedRMSNorm(nnx.Module):
     norm_before_gate=False (Mamba2): w * norm(y * silu(z)).
     norm_before_gate=True (gated DeltaNet): w * norm(y) * silu(z).
     The casts follow transformers: statistics in fp32, w multiplies in the input dtype.
+    Tensor parallelism with fewer groups than devices splits one group over `group_shards`
+    consecutive devices of `reduce_axis` (set by parallel/sharding.py): the sum of squares is
+    then added over them.
     """
 
     def __init__(self, dim: int, *, group_size: int, eps: float, norm_before_gate: bool, dtype):
@@ -117,6 +121,7 @@ class GatedRMSNorm(nnx.Module):
         self.group_size = group_size
         self.eps = eps
         self.norm_before_gate = norm_before_gate
+        self.reduce_axis, self.group_shards = None, 1
 
     def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
         dtype = y.dtype
@@ -125,7 +130,12 @@ class GatedRMSNorm(nnx.Module):
         if not self.norm_before_gate:
             yf = yf * gate
         g = yf.reshape(*yf.shape[:-1], -1, self.group_size)
-        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + self.eps)
+        if self.reduce_axis is None or self.group_shards == 1:
+            ms = jnp.mean(g * g, axis=-1, keepdims=True)
+        else:  # this device holds 1/group_shards of the group's channels
+            ms = group_sum(jnp.sum(g * g, axis=-1, keepdims=True), self.reduce_axis, self.group_shards)
+            ms = ms / (self.group_size * self.group_shards)
+        g = g * jax.lax.rsqrt(ms + self.eps)
         out = self.weight[...] * g.reshape(yf.shape).astype(dtype)
         if self.norm_before_gate:
             out = (out.astype(jnp.float32) * gate).astype(dtype)
