@@ -96,7 +96,7 @@ def generate(model, plan, prompts, n_new: int, *, chunk: int, num_rows: int = 20
     teacher: per request, the tokens to feed instead of the argmax (teacher forcing).
     The batch has len(prompts) + 1 rows; the last is always padding.
     """
-    arena = Arena.create(plan, num_rows, dtype=dtype, debug_nan=debug_nan)
+    arena = Arena.create(plan, num_rows, dtype=dtype, debug_nan=debug_nan, mesh=getattr(model, "mesh", None))
     step = model.jit_forward(**kernel_kw)
     pager = HandPager(plan, num_rows)
     n = len(prompts)

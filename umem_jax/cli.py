@@ -11,6 +11,11 @@ Engine flags take vLLM's names (--gpu-memory-utilization, --max-num-seqs, --max-
 (--memory-mode, --swa-full-tokens-ratio, --mamba-full-memory-ratio, --arena-bytes).  Anything
 the engine cannot run (a model, an option, a JAX backend other than CPU or NVIDIA GPU) is
 refused at startup: exit code 2, the reason on stderr.
+
+Tensor parallelism: --tensor-parallel-size N splits the model and the arena over N devices (KV,
+Mamba2 and gated-DeltaNet heads; the arena budget is per device).  Several hosts: start the same
+command on every host with --dist-init-addr HOST:PORT (process 0's address), --nnodes and
+--node-rank; jax.distributed.initialize runs before anything touches a device.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def _engine(args):
     model = args.model or args.model_path
     if not model:
         raise ValueError("give a model: a checkpoint directory, a .gguf file or a built-in name (tiny)")
+    _start_distributed(args)
     _check_platform()
     cfg = EngineConfig(model=model, tokenizer=args.tokenizer, memory_mode=args.memory_mode,
                        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
@@ -67,7 +73,8 @@ def _engine(args):
                        page_size=args.page_size, max_model_len=args.max_model_len, dtype=args.dtype,
                        load_format=args.load_format, seed=args.seed,
                        enable_prefix_caching=args.enable_prefix_caching,
-                       max_checkpoints_per_path=args.max_checkpoints_per_path)
+                       max_checkpoints_per_path=args.max_checkpoints_per_path,
+                       tensor_parallel_size=args.tensor_parallel_size)
     try:
         engine = LLMEngine(cfg)
     except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
@@ -76,6 +83,16 @@ def _engine(args):
     print(engine.size.summary(engine.regions))
     print(_capacity(engine))
     return engine
+
+
+def _start_distributed(args) -> None:
+    """jax.distributed.initialize for a multi-host start (a no-op for one host).  Every host runs
+    the same scheduler on the same requests, so `serve` (requests reach one host) is refused."""
+    from .parallel.mesh import init_distributed
+
+    if init_distributed(args.dist_init_addr, args.nnodes, args.node_rank) and args.fn is _serve:
+        raise ValueError("multi-host serving is not supported yet (requests reach one host and are not broadcast): "
+                         "run `umem-jax generate` or the offline LLM API with the same requests on every host")
 
 
 def _capacity(engine) -> str:
@@ -162,6 +179,11 @@ def _engine_flags(p) -> None:
                    help="share cached prompt prefixes between requests (default: on)")
     p.add_argument("--max-checkpoints-per-path", type=int, default=4,
                    help="recurrent-state checkpoints the prefix cache keeps on one cached path")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices the model and the arena are split over (heads; arena budget per device)")
+    p.add_argument("--dist-init-addr", default=None, help="multi-host: process 0's HOST:PORT (jax.distributed)")
+    p.add_argument("--nnodes", type=int, default=None, help="multi-host: number of hosts (processes)")
+    p.add_argument("--node-rank", type=int, default=None, help="multi-host: this host's rank, 0 .. nnodes-1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,13 +82,14 @@ class EngineConfig:
     async_scheduling: bool = True
     check_at_idle: bool = True
     debug_nan: bool = False
+    tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
 
     def __post_init__(self):
         if self.memory_mode not in ("unified", "static"):
             raise ValueError(f"memory_mode must be 'unified' or 'static', got {self.memory_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -99,6 +100,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = cfg = config
         self.model = _load(cfg)
+        if cfg.tensor_parallel_size > 1:  # from here on: the per-device model, plan and arena bytes
+            from ..parallel.sharded_model import shard_model
+
+            self.model = shard_model(self.model, cfg.tensor_parallel_size)
         mc = self.model.config
         kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
             mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")

@@ -102,7 +102,7 @@ def step_function(model, plan, impl: str | None, interpret: bool, treedef=None):
     """The jitted step.  With `treedef` (the params' pytree structure) it takes the params as
     their flat list of leaves: flattening the NNX State on every call is Python work per leaf,
     a flat list is flattened by the C++ dispatch path."""
-    key = (model.graphdef, treedef, plan, impl, interpret)
+    key = (model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None))
     if key not in _STEPS:
         forward = model.forward_fn(plan, impl=impl, interpret=interpret)
 
@@ -239,10 +239,12 @@ class Runner:
         self.vocab = model.config.vocab_size
         self.nban = nban
         self.bmax = buckets.batch[-1]
-        self.arena = Arena.create(plan, num_rows, debug_nan=debug_nan)
+        self.arena = Arena.create(plan, num_rows, debug_nan=debug_nan, mesh=getattr(model, "mesh", None))
         self._params_src = None  # the params pytree the flat leaves below come from
         self._leaves()
         self._prev = jnp.zeros((self.bmax,), jnp.int32)
+        if getattr(model, "mesh", None) is not None:  # as the step returns it, so the first step's shape is reused
+            self._prev = jax.device_put(self._prev, jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec()))
         self._rows = RowCache(buckets.pages[-1], 2 * self.bmax)
         self._layouts: dict[tuple, tuple[Layout, np.ndarray, dict]] = {}
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
@@ -382,6 +384,8 @@ class Runner:
             self._leaves()
         tokens, self.arena = self._step(self._params, self.arena, meta, self._prev, counts, lay)
         self._prev = tokens
+        if not tokens.is_fully_addressable:  # multi-host: read this host's replica
+            tokens = tokens.addressable_data(0)
         for i, row in enumerate(rows):
             if row.sample:
                 row.req.pending_row = i

@@ -1,0 +1,160 @@
+"""Tensor-parallel checks that need several devices, run in a subprocess by
+test_tensor_parallel.py (XLA_FLAGS must give the CPU 4 devices before jax starts).
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/_tp_worker.py tiny dense [...]
+
+Each section raises AssertionError with the reason on a mismatch; the last line printed is a
+JSON summary.  Sections:
+  tiny             the tiny hybrid (window + Mamba2 with 1 group + full attention, 2 KV heads)
+                   through the real engine at TP=1, 2 and 4: identical greedy tokens; the arena
+                   split P("tp") with one [1, rows, words] shard per device; the compiled decode
+                   step aliases every shard (check_in_place) and the shards' buffers stay put
+                   over a second round of requests (page moves at idle included)
+  dense            NemotronH and Qwen3.5 fixtures (transformers-checked weights): cache-free
+                   logits of the sharded model at TP=2 (and NemotronH at TP=4: its 2 groups
+                   split over 4 devices) against TP=1
+  arena-fixtures   the same splits: greedy tokens through the arena (hand-paged steps)
+  engine-fixtures  the two fixtures through the engine, TP=2 against TP=1
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = Path(__file__).parent
+# One bucket per dimension: each engine compiles exactly one prefill and one decode step.
+SETTINGS = dict(arena_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64,
+                batch_buckets=(4,), token_buckets=(16,), page_buckets=(16,), kernel_impl="reference")
+# Lengths around the window (16) and the chunk (16): chunked prefill, window pages retired.
+PROMPTS = [[5, 17, 42, 99, 7, 8, 9, 10, 11], [3, 4, 5], list(range(20, 41))]
+
+
+def _greedy(model, tp: int, prompts=PROMPTS, n: int = 10, **kw):
+    from umem_jax import LLM, SamplingParams
+
+    llm = LLM(model, tensor_parallel_size=tp, **{**SETTINGS, **kw})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def _shard_pointers(arena) -> list[int]:
+    return [s.data.unsafe_buffer_pointer() for s in arena.data.addressable_shards]
+
+
+def tiny() -> dict:
+    from jax.sharding import PartitionSpec as P
+
+    from umem_jax.arena import check_in_place
+    from umem_jax.models.config import FULL, MAMBA, SLIDING
+    from umem_jax.models.tiny import tiny_model
+
+    # Three layers (one of each kind) keep the compiles short; G=1 < tp and 2 KV heads < 4
+    # exercise the split norm and the replicated KV heads.
+    model = tiny_model(seed=3, layer_types=(SLIDING, MAMBA, FULL))
+    _, want = _greedy(model, 1)
+    out = {"tokens": want}
+    for tp in (2, 4):
+        llm, got = _greedy(model, tp)
+        assert got == want, f"TP={tp} greedy {got} != TP=1 {want}"
+        runner = llm.llm_engine.runner
+        arena = runner.arena
+        data = arena.data
+        assert data.shape == (tp, arena.num_rows, arena.row_words), data.shape
+        assert data.sharding.spec == P("tp"), data.sharding
+        shards = data.addressable_shards
+        assert len({s.device for s in shards}) == tp and all(s.data.shape == (1, *data.shape[1:]) for s in shards)
+        # The decode step as the engine compiled it: every shard donated and aliased, no copy.
+        lay = next(s for s in runner.shapes if s.T == 1)
+        meta = np.zeros(lay.size, np.int32)
+        compiled = runner._step.lower(runner._params, arena, meta, runner._prev, None, lay).compile()
+        seen = check_in_place(compiled, arena)
+        # And at run time: a second round (compaction moves at idle, steps) keeps every buffer.
+        before = _shard_pointers(runner.arena)
+        _, again = _greedy_again(llm)
+        assert again == want, f"TP={tp} second round {again} != {want}"
+        assert _shard_pointers(runner.arena) == before, "an arena shard moved: not updated in place"
+        out[f"tp{tp}"] = {"alias_bytes": seen["alias_bytes"], "shard_bytes": arena.shard_nbytes,
+                          "moved_pages": runner.num_moved_pages}
+    return out
+
+
+def _greedy_again(llm):
+    from umem_jax import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def _fixture_models():
+    from umem_jax.models.loader import load_model
+
+    return {"nemotron_h": (load_model(HERE / "fixtures" / "nemotron_h_tiny"), (2, 4)),
+            "qwen3_5": (load_model(HERE / "fixtures" / "qwen3_5_tiny"), (2,))}
+
+
+def dense() -> dict:
+    """Sharded cache-free logits == unsplit (fp32: only the psum's order of addition differs)."""
+    from umem_jax.parallel.sharded_model import shard_model
+
+    out = {}
+    toks = jnp.asarray(np.random.default_rng(0).integers(3, 120, size=(2, 12)), jnp.int32)
+    for name, (model, tps) in _fixture_models().items():
+        ref = np.asarray(model.dense_logits(model.params, toks))
+        for tp in tps:
+            sm = shard_model(model, tp)
+            got = np.asarray(sm.dense_logits(sm.params, toks))
+            err = float(np.abs(got - ref).max() / np.abs(ref).max())
+            assert err < 1e-5, f"{name} TP={tp} dense logits differ: rel {err}"
+            assert (got.argmax(-1) == ref.argmax(-1)).all(), f"{name} TP={tp} dense argmax differs"
+            out[f"{name}_tp{tp}"] = err
+    return out
+
+
+def arena_fixtures() -> dict:
+    """Greedy through the arena (hand-paged prefill chunks and decode steps) == unsplit."""
+    from _model_arena import generate
+
+    from umem_jax.memory import plan as make_plan
+    from umem_jax.parallel.sharded_model import shard_model
+
+    out = {}
+    prompts = [np.arange(3, 23), np.arange(40, 47)]
+    run = lambda m: generate(m, make_plan(m.decls(kv_dtype="float32"), page_size=4), prompts, 8, chunk=8,
+                             num_rows=8192).tokens
+    for name, (model, tps) in _fixture_models().items():
+        want = run(model)
+        for tp in tps:
+            got = run(shard_model(model, tp))
+            assert got == want, f"{name} TP={tp} arena greedy {got} != {want}"
+            out[f"{name}_tp{tp}"] = got
+    return out
+
+
+def engine_fixtures() -> dict:
+    out = {}
+    for name, (model, _) in _fixture_models().items():
+        _, want = _greedy(model, 1, max_model_len=64)
+        _, got = _greedy(model, 2, max_model_len=64)
+        assert got == want, f"{name} engine TP=2 greedy {got} != TP=1 {want}"
+        out[name] = want
+    return out
+
+
+SECTIONS = {"tiny": tiny, "dense": dense, "arena-fixtures": arena_fixtures, "engine-fixtures": engine_fixtures}
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE))
+    assert len(jax.devices()) >= 4, f"needs 4 devices (XLA_FLAGS), got {jax.devices()}"
+    summary = {}
+    for section in sys.argv[1:]:
+        t = time.time()
+        summary[section] = SECTIONS[section]()
+        summary[section + "_seconds"] = round(time.time() - t, 1)
+    print(json.dumps(summary))
