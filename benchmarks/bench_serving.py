@@ -12,7 +12,8 @@ static >= 0.97x on each fixed mix).  Written to $OUT/<model>/ (or --out): result
     python3 benchmarks/bench_serving.py --small                                       # CPU smoke (tiny)
 
 Sizing for one GPU call of <= 9 minutes per model, compilation included (warm-up compiles every
-step shape of the coarse buckets, ~30 shapes, before anything is timed):
+step shape of the coarse buckets, ~36, before anything is timed; with --compile-cache, the
+default, a second call on the same machine loads them from out/jax_cache instead):
   * long requests are 16K in / 256 out, not 32K: a 32K prefill of a 4B model takes ~1 s and the
     kv-heavy trace runs through 6 configurations; NemotronH-8B-like has 8K positions, so 6K in.
   * counts are modest (128 short for state-heavy, 8 long for kv-heavy), and `--time-budget-s`
@@ -71,6 +72,9 @@ def parse(argv=None):
     ap.add_argument("--max-run-s", type=float, default=75.0, help="cap on one run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="default: $OUT/bench_serving, else ./bench_serving_out")
+    ap.add_argument("--compile-cache", default=str(Path(__file__).resolve().parents[1] / "out" / "jax_cache"),
+                    help="JAX persistent compilation cache ('' for none; default out/jax_cache, git-ignored): a later "
+                    "call on the same machine skips most of the warm-up")
     ap.add_argument("--small", action="store_true", help="CPU smoke: tiny model, tiny trace, reference kernels")
     ap.add_argument("--no-progress", dest="progress", action="store_false")
     return ap.parse_args(argv)
@@ -81,6 +85,7 @@ def main(argv=None) -> int:
     import jax
 
     from umem_jax.bench.command import bucket_kwargs
+    from umem_jax.bench.driver import enable_compile_cache
     from umem_jax.bench.sweep import load_bench_model, run_benchmark
     from umem_jax.bench.workload import Shape
 
@@ -94,6 +99,8 @@ def main(argv=None) -> int:
         models, short = ["tiny"], Shape(24, 8)
         spec = dict(arena_gib=300 / 2**20, long=(200, 8), n_long=3, n_long_phase=1)
         args.n_short, args.phase_s, args.max_num_seqs, args.max_num_batched_tokens, args.page_size = 16, 0.2, 8, 64, 4
+    if args.compile_cache and not small:
+        enable_compile_cache(args.compile_cache)
     print(f"== bench_serving: jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     status = 0
     for name in models:

@@ -81,6 +81,20 @@ def test_static_settings_follow_the_model():
         static_configs(plan, "0.5")
 
 
+def test_coarse_buckets_few_shapes_and_all_reachable():
+    from umem_jax.bench.driver import coarse_buckets, shapes_of
+    from umem_jax.serving.scheduled_batch import Buckets
+
+    b = coarse_buckets(64, 2048, 20000, 16)
+    bk = Buckets(b["batch_buckets"], b["token_buckets"], b["page_buckets"])
+    assert bk.batch[-1] == 64 and bk.tokens[-1] == 2048 and bk.pages[-1] * 16 >= 20000
+    shapes = shapes_of(bk, 2048, 16, 64, kc=2)
+    assert len(shapes) <= 48 and len(set(shapes)) == len(shapes)
+    assert {(B, P) for B, T, P, _ in shapes if T == 1} == {(B, P) for B in bk.batch for P in bk.pages}
+    assert all(B == 1 or B * T <= 2048 for B, T, _, _ in shapes if T > 1)
+    assert (2, 1024, bk.pages[0], 2) in shapes  # two prompts of up to 1024 tokens share a step
+
+
 def tiny_plan():
     from umem_jax.memory import plan
 
@@ -117,6 +131,10 @@ def test_sweep_rows_unified_and_five_statics(report):
     assert uni["utilization"] is None or 0 < uni["utilization"] <= 1
     # memory binds: the tiny arena cannot hold every request at once
     assert any(r["peak_running"] < len(wl) for r in rows)
+    holds = {run["summary"]["config"]: run["counters"]["capacity"] for run in report["runs"]}
+    assert set(holds["unified"]) == {"short", "long"} and holds["unified"]["short"] < 4 + 4
+    for label, h in holds.items():  # a fixed split never holds more of one kind than the whole arena
+        assert all(h[k] <= holds["unified"][k] for k in h), label
 
 
 def test_sweep_tokens_and_aborts_are_exact(report):

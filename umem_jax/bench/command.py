@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-s", type=float, default=None, help="skip runs that would start after this")
     p.add_argument("--max-run-s", type=float, default=None, help="cap on one run (unfinished requests aborted)")
     p.add_argument("--out", default=None, help="directory for results.json and the PNGs")
+    p.add_argument("--compile-cache", default=None, help="JAX persistent compilation cache directory (a later "
+                   "call on the same machine loads the compiled steps instead of compiling them)")
     p.add_argument("--server", default=None, help="URL of a running umem-jax server: drive it over HTTP")
     p.add_argument("--vocab-size", type=int, default=256, help="with --server: prompt ids are drawn below this")
     p.add_argument("--no-progress", dest="progress", action="store_false")
@@ -81,8 +83,11 @@ def main(args) -> int:
     arena = int(args.arena_gib * 2**30) if args.arena_gib is not None else args.arena_bytes
     if args.server:
         return _server(args)
+    from .driver import enable_compile_cache
     from .sweep import load_bench_model, run_benchmark
 
+    if args.compile_cache:
+        enable_compile_cache(args.compile_cache)
     model = load_bench_model(args.model or "tiny", args.dtype, args.seed)
     workloads = _workloads(args, args.max_model_len or model.config.max_position_embeddings)
     ps = args.page_size

@@ -92,18 +92,23 @@ def _pow2_floor(n: int) -> int:
 
 
 def coarse_buckets(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, page_size: int) -> dict:
-    """Few step shapes, so warm-up compiles a few dozen steps instead of hundreds: batch sizes
-    powers of two stepping x4 down from max_num_seqs, prefill widths x4 down from
-    max_num_batched_tokens (three, at least 16), page-table widths x8 down from the pages of
-    max_model_len.  Padding a decode step to a larger batch or page table costs little (padding
-    rows read nothing); padding prefill costs compute, equally in every memory mode."""
+    """Few step shapes, so warm-up compiles a few dozen steps instead of hundreds.
+
+    batch       1, 2, then powers of two stepping x4 down from max_num_seqs (two prompts of up
+                to half the token budget share a step)
+    tokens      powers of two from max_num_batched_tokens down to 1/16 of it (fine steps: a prompt
+                just over a bucket pads to the next, and a lone row may take the largest)
+    pages       the pages of max_model_len (a power of two) and 1/16 of that
+    Padding a decode step to a larger batch or page table costs little (padding rows read
+    nothing, loops stop at each row's length); padding prefill costs compute, equally in every
+    memory mode."""
     top_b = _pow2_floor(max_num_seqs)
-    batch = sorted({max(1, top_b >> (2 * k)) for k in range(8)})
-    top_t = max(16, max_num_batched_tokens // 16 * 16)
-    tokens = sorted({max(16, top_t >> (2 * k)) for k in range(3)})
+    batch = sorted({b for b in (1, 2) if b <= top_b} | {max(1, top_b >> (2 * k)) for k in range(8)})
+    top_t = _pow2_floor(max(16, max_num_batched_tokens))
+    tokens = sorted({t for t in (top_t >> k for k in range(5)) if t >= 16} | {top_t})
     pages_needed = -(-max_model_len // page_size)
     top_p = 1 << max(3, (pages_needed - 1).bit_length())
-    pages = sorted({max(8, top_p >> (3 * k)) for k in range(6)})
+    pages = sorted({top_p} | ({top_p >> 4} if top_p >> 4 >= 8 else set()))
     return {"batch_buckets": tuple(batch), "token_buckets": tuple(tokens), "page_buckets": tuple(pages)}
 
 
@@ -132,26 +137,43 @@ def capacity(engine: LLMEngine, input_len: int, output_len: int, limit: int = 40
 
 def reachable_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int]]:
     """Every (B, T, P, checkpoint columns) step shape the scheduler can launch with the engine's
-    buckets: decode [B, 1] at any page width; prefill [B, T] within the token budget (a lone row
-    may take the largest T: Scheduler._fit_shape) and wide enough for a row of T tokens."""
-    bk, cfg = engine.buckets, engine.config
-    ps = cfg.page_size
-    top_b = Buckets.pick(bk.batch, engine.scheduler.cfg.max_num_seqs)
+    buckets (see shapes_of)."""
+    cfg = engine.config
+    return shapes_of(engine.buckets, cfg.max_num_batched_tokens, cfg.page_size, engine.scheduler.cfg.max_num_seqs,
+                     engine.runner.kc)
+
+
+def shapes_of(bk: Buckets, max_num_batched_tokens: int, page_size: int, max_num_seqs: int,
+              kc: int = 0) -> list[tuple[int, int, int, int]]:
+    """Decode [B, 1] at any page width; prefill [B, T] within the token budget (a lone row may
+    take the largest T: Scheduler._fit_shape) at the page widths a row of T tokens can need."""
+    top_b = Buckets.pick(bk.batch, max_num_seqs)
     batches = [b for b in bk.batch if b <= top_b]
-    limit = max(cfg.max_num_batched_tokens, bk.batch[0] * bk.tokens[-1])
-    kc = engine.runner.kc
+    limit = max(max_num_batched_tokens, bk.batch[0] * bk.tokens[-1])
     out = [(b, 1, p, 0) for b in batches for p in bk.pages]
     for b in batches:
         for i, t in enumerate(bk.tokens):
             if b != bk.batch[0] and b * t > limit:
                 continue
             longest = bk.tokens[i - 1] + 1 if i else 1  # the widest row is longer than the bucket below
-            min_p = Buckets.pick(bk.pages, -(-longest // ps))
+            if -(-longest // page_size) > bk.pages[-1]:  # no request is that long
+                continue
+            min_p = Buckets.pick(bk.pages, -(-longest // page_size))
             out += [(b, t, p, kc) for p in bk.pages if p >= min_p]
     return out
 
 
-def warm_up(engine: LLMEngine, *, probe: bool = True) -> dict:
+def enable_compile_cache(path: str) -> None:
+    """Keep compiled executables in `path` (JAX's persistent compilation cache), so a later
+    process -- another benchmark call on the same machine -- loads them instead of compiling."""
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def warm_up(engine: LLMEngine, *, probe: bool = True, log=None) -> dict:
     """Compile every reachable step shape and the relocation kernel at every move bucket, then
     (probe) run one real 2-token request and empty the prefix cache again.
     -> {"seconds", "shapes", "compiles"}.
@@ -166,9 +188,13 @@ def warm_up(engine: LLMEngine, *, probe: bool = True) -> dict:
     runner = engine.runner
     shapes = reachable_shapes(engine)
     leaves = runner._leaves()
-    for b, t, p, kc in shapes:
+    for k, (b, t, p, kc) in enumerate(shapes):
         layout, template, _ = runner._shape(b, t, p, False, kc)
         _, runner.arena = runner._step(leaves, runner.arena, template.copy(), runner._prev, None, layout)
+        if log is not None and compile_count() > c0 and (k + 1) % 6 == 0:
+            jax.block_until_ready(runner.arena)
+            log(f"  warm-up: {k + 1}/{len(shapes)} step shapes, {compile_count() - c0} compilations, "
+                f"{time.perf_counter() - t0:.0f} s")
     seen = set()
     for sp in engine.plan.subpools:
         rpp = sp.rows_per_page
@@ -283,4 +309,4 @@ def _record(rec: RequestRecord, out, arrival: float) -> None:
 
 
 __all__ = ["MemoryConfig", "SGLANG_DEFAULTS", "build_engine", "capacity", "coarse_buckets", "compile_count",
-           "reachable_shapes", "run", "warm_up"]
+           "enable_compile_cache", "reachable_shapes", "run", "shapes_of", "warm_up"]

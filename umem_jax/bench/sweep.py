@@ -103,7 +103,7 @@ def sweep(model, workload: Workload, *, engine_kwargs: dict, statics: list[Memor
             log(f"  {mem.label:<18} failed: {e}")
             continue
         holds = {k: capacity(engine, i, o) for k, (i, o) in _shapes(workload).items()}
-        warm = warm_up(engine)
+        warm = warm_up(engine, log=log)
         cap = max_run_s
         if deadline is not None:
             cap = min(cap if cap is not None else math.inf, deadline - time.monotonic() - 2.0)
@@ -150,6 +150,11 @@ def compare(results: list[RunResult]) -> dict:
            "unified_vs_best_static": ratio(g(uni, "out_tok_per_s"), g(best, "out_tok_per_s")),
            "retractions_default_vs_unified": ratio(g(default, "retractions"), g(uni, "retractions"))}
     wl = out["workload"]
+    out["notes"] = [f"{s['config']} aborted {s['aborted']} and cut {s['clipped']} requests"
+                    for s in ([uni] if uni else []) + ([default] if default else []) + ([best] if best else [])
+                    if s["aborted"] or s["clipped"]]
+    if best is not None and not served:
+        out["notes"].append("no static setting served every request in full")
     out["goals"] = {
         "unified_vs_default": _verdict(out["unified_vs_default"], GOALS["unified_vs_default"])
         if wl == "shifting" else "n/a (goal is on the shifting trace)",
@@ -200,7 +205,8 @@ def ratio_lines(comparisons: list[dict]) -> list[str]:
                    f"{_fmt_ratio(c['unified_vs_default'])} [{c['goals']['unified_vs_default']}]; "
                    f"retractions static defaults / unified {_fmt_ratio(c['retractions_default_vs_unified'])} "
                    f"[{c['goals']['retractions_default_vs_unified']}]; unified / best static ({c['best_static']}) "
-                   f"tok/s {_fmt_ratio(c['unified_vs_best_static'])} [{c['goals']['unified_vs_best_static']}]")
+                   f"tok/s {_fmt_ratio(c['unified_vs_best_static'])} [{c['goals']['unified_vs_best_static']}]"
+                   + "".join(f"; NOTE {n}" for n in dict.fromkeys(c.get("notes", ()))))
     return out
 
 
