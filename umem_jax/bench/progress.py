@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 
 
 @contextlib.contextmanager
 def progress_bar(total: int, label: str, enabled: bool = True):
-    """Yields `advance(n, **fields)`; with enabled=False (or without rich) it does nothing.
-    The bar is transient: it leaves the terminal clean for the tables printed after."""
-    if not enabled:
+    """Yields `advance(n, **fields)`; with enabled=False, output not to a terminal (logs of a GPU
+    call) or without rich it does nothing.  The bar is transient: it leaves the terminal clean
+    for the tables printed after."""
+    if not enabled or not sys.stdout.isatty():
         yield lambda n=1, **kw: None
         return
     try:
