@@ -6,5 +6,6 @@
     results.py      per-request records, the memory timeline, the summary row
     sweep.py        unified + static settings side by side, the table, issue 6's ratios
     plots.py        band bytes and throughput over time (matplotlib)
+    progress.py     the progress bar (rich)
     command.py      `umem-jax bench`
 """

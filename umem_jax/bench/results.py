@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-MAX_TIMELINE_POINTS = 1500  # timelines are thinned to this many samples in the JSON
+MAX_TIMELINE_POINTS = 800  # timelines are thinned to this many samples in the JSON (plots need no more)
 
 
 @dataclasses.dataclass
