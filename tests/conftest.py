@@ -11,6 +11,10 @@ import os
 
 import pytest
 
+# CLI commands run in-process keep compiled steps on disk for later starts; tests should not
+# leave files in the user's cache, nor read stale ones.
+os.environ.setdefault("UMEM_JAX_COMPILATION_CACHE", "0")
+
 
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,

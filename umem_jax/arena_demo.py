@@ -1,5 +1,6 @@
-"""The arena at work without a model: a scripted workload through the real allocators and the
-device arena, printing the plan and each band's occupancy after every phase.
+"""`umem-jax arena-demo`: the arena at work without a model -- a scripted workload through the
+real allocators and the device arena, printing the plan and each band's occupancy after every
+phase.
 
 Each live page is stamped on the device with its virtual id; after every phase the demo reads
 every live page back through the tables and checks the stamp, so relocations that lost data
@@ -148,17 +149,21 @@ class Demo:
         return "\n".join(lines)
 
     def bar(self) -> str:
-        """One character per 1/64 of the arena: '#' sink, the sub-pool's initial, '.' free."""
-        cells = ["."] * BAR
-        rows = self.alloc.num_rows
-        spans = [("#", (0, self.plan.sink_rows))]
-        for name, s in self.alloc.usage().subpools.items():
-            if s.span is not None and s.span[1] > s.span[0]:
-                spans.append((name[0].upper(), s.span))
-        for ch, (lo, hi) in spans:
-            for c in range(lo * BAR // rows, max(lo * BAR // rows + 1, -(-hi * BAR // rows))):
-                cells[min(c, BAR - 1)] = ch
-        return "  [" + "".join(cells) + "]"
+        return band_bar(self.alloc)
+
+
+def band_bar(alloc: ChainAllocator) -> str:
+    """One character per 1/64 of the arena: '#' sink, the sub-pool's initial, '.' free."""
+    cells = ["."] * BAR
+    rows = alloc.num_rows
+    spans = [("#", (0, alloc.plan.sink_rows))]
+    for name, s in alloc.usage().subpools.items():
+        if s.span is not None and s.span[1] > s.span[0]:
+            spans.append((name[0].upper(), s.span))
+    for ch, (lo, hi) in spans:
+        for c in range(lo * BAR // rows, max(lo * BAR // rows + 1, -(-hi * BAR // rows))):
+            cells[min(c, BAR - 1)] = ch
+    return "  [" + "".join(cells) + "]"
 
 
 def run(model: str = "tiny-hybrid", budget_mib: float = 4.0, page_size: int = 16, memory_mode: str = "unified",

@@ -1,6 +1,7 @@
 """The `umem-jax` command.
 
-    umem-jax demo  [--model PRESET] [--budget-mib N] [--memory-mode unified|static]
+    umem-jax demo  [--model MODEL] [--arena-mib N] [--memory-mode unified|static]   (the main job)
+    umem-jax arena-demo [--model PRESET] [--budget-mib N] [--memory-mode unified|static]
     umem-jax plan  [--model PRESET] [--budget-gib N] [--page-size N] [--max-model-len N]
     umem-jax serve MODEL [--host 127.0.0.1] [--port 8000] [engine flags]   (OpenAI-compatible server)
     umem-jax generate MODEL --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
@@ -27,7 +28,15 @@ import sys
 def _demo(args) -> int:
     from . import demo
 
-    demo.run(args.model, args.budget_mib, args.page_size, args.memory_mode, args.seed)
+    _check_platform()
+    demo.run(args.model, args.arena_mib, args.memory_mode, args.max_tokens, seed=args.seed)
+    return 0
+
+
+def _arena_demo(args) -> int:
+    from . import arena_demo
+
+    arena_demo.run(args.model, args.budget_mib, args.page_size, args.memory_mode, args.seed)
     return 0
 
 
@@ -42,6 +51,22 @@ def _plan(args) -> int:
     regions = static_regions(p, size.num_rows) if args.memory_mode == "static" else None
     print(size.summary(regions))
     return 0
+
+
+def _compilation_cache() -> None:
+    """Keep XLA's compiled steps on disk ($UMEM_JAX_CACHE/xla, ~/.cache/umem_jax/xla): a model's
+    step shapes compile once per machine, later starts read them back.  UMEM_JAX_COMPILATION_CACHE=0
+    turns it off."""
+    import os
+
+    import jax
+
+    if os.environ.get("UMEM_JAX_COMPILATION_CACHE", "1") == "0":
+        return
+    from .models.loader import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _check_platform() -> None:
@@ -198,10 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--memory-mode", default="unified", choices=("unified", "static"))
         p.add_argument(budget_flag, type=float, default=budget_default)
 
-    d = sub.add_parser("demo", help="scripted allocations through the arena, band occupancy after each phase")
-    common(d, "--budget-mib", 4.0)
+    d = sub.add_parser("demo", help="generate with the built-in default model (Gemma 3 270M, else the tiny "
+                                    "hybrid), then show each band's memory")
+    d.add_argument("--model", default=None, help="a model (default: gemma3-270m if installed, else tiny)")
+    d.add_argument("--arena-mib", type=float, default=48.0)
+    d.add_argument("--memory-mode", default="unified", choices=("unified", "static"))
+    d.add_argument("--max-tokens", type=int, default=24)
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=_demo)
+
+    a = sub.add_parser("arena-demo", help="scripted allocations through the arena (no model), band occupancy "
+                                          "after each phase")
+    common(a, "--budget-mib", 4.0)
+    a.add_argument("--seed", type=int, default=0)
+    a.set_defaults(fn=_arena_demo)
 
     p = sub.add_parser("plan", help="print the plan and the arena sizing for a model shape and budget")
     common(p, "--budget-gib", 16.0)
@@ -230,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(fn=_bench)
 
     args = ap.parse_args(argv)
+    if args.cmd in ("demo", "serve", "generate", "bench"):
+        _compilation_cache()
     try:
         return args.fn(args)
     except ValueError as e:  # plan refusals and sizing errors: the message says what to do

@@ -187,6 +187,10 @@ def warm_up(engine: LLMEngine, *, probe: bool = True, log=None) -> dict:
     t0, c0 = time.perf_counter(), compile_count()
     runner = engine.runner
     shapes = reachable_shapes(engine)
+    runner.precompile(shapes)  # on threads; the launches below then only run (and check) each shape
+    if log is not None:
+        log(f"  warm-up: {len(shapes)} step shapes compiled in {time.perf_counter() - t0:.0f} s "
+            f"({compile_count() - c0} compilations)")
     leaves = runner._leaves()
     for k, (b, t, p, kc) in enumerate(shapes):
         layout, template, _ = runner._shape(b, t, p, False, kc)

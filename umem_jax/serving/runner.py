@@ -302,6 +302,25 @@ class Runner:
             got = self._layouts[key] = (lay, template, spans)
         return got
 
+    def precompile(self, shapes, threads: int = 8) -> int:
+        """Compile step shapes ahead of use -> how many.  shapes: (B, T, P, kc) tuples.
+
+        Each shape is traced and lowered here (Python, one at a time), then XLA compiles them on
+        `threads` threads at once (compilation releases the GIL; a 4B model's step takes tens of
+        seconds to compile, so a few dozen shapes one by one would take many minutes).  The
+        compiled executables land in JAX's caches, so the first launch of each shape compiles
+        nothing."""
+        import concurrent.futures
+
+        leaves = self._leaves()
+        lowered = []
+        for b, t, p, kc in shapes:
+            lay, template, _ = self._shape(b, t, p, False, kc)
+            lowered.append(self._step.lower(leaves, self.arena, template, self._prev, None, lay))
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        return len(lowered)
+
     def launch(self, batch: ScheduledBatch) -> Launched:
         """Pack `batch` (after the scheduler allocated its memory and the moves were applied),
         launch the step without waiting, and mark the sampled tokens as pending.
