@@ -135,7 +135,7 @@ CASES = [
     # a token row spanning several arena rows (row_words = D, mk = Hkv) in a bf16 arena.
     ("bf16_mk2_bf16arena", 2, 4, 64, 16, False, 20, None, False, None, 4, 32, 16, 5,
      [(10, 14), (41, 16)], {"row_words": 64, "arena_dtype": jnp.bfloat16, "tombstone": True}),
-    # the default tiling (prefill_config): bq = 128 / G, BK = 64, T padded to whole q blocks.
+    # the default tiling (prefill_config): bq = 128 / G, BK = 128 (128-row bf16 tile), T padded to whole q blocks.
     ("bf16_default_tiling", 2, 4, 64, 16, False, None, None, False, None, None, None, 40, 10,
      [(0, 40), (100, 33)], {}),
 ]
@@ -219,7 +219,7 @@ def test_shape_checks():
 
 def test_prefill_config_defaults():
     c = prefill_config(4096, 4, 128)
-    assert (c.block_q * 4, c.block_k, c.num_warps) == (128, 64, 8)
+    assert (c.block_q * 4, c.block_k, c.num_warps) == (128, 128, 8)  # the H200 sweep's best
     c = prefill_config(1, 1, 128)  # a decode-like chunk still gets a 16-row tile
     assert c.block_q == 16
     c = prefill_config(4096, 8, 256)
@@ -352,5 +352,5 @@ def test_arena_offsets_are_64bit_past_4gib(monkeypatch, capfd):
     ttir = capfd.readouterr().out
     assert "tt.dot" in ttir
     assert "x!tt.ptr<bf16>" in ttir or "x!tt.ptr<i16>" in ttir
-    # The arena's K/V gathers: [64, 128] tiles of 64-bit offsets.
-    assert "tensor<64x128xi64>" in ttir
+    # The arena's K/V gathers: [block_k, D] = [128, 128] tiles of 64-bit offsets.
+    assert "tensor<128x128xi64>" in ttir

@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, resolve_impl, triton_params
 from .kv_write import check_view, head_slot, read_kv_reference
+from .paged_decode import SMEM_BUDGET
 from .words import from_u16, join_planes, kv_value_dtype, to_u16
 
 __all__ = [
@@ -127,24 +128,44 @@ def _pow2_ceil(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def prefill_config(T: int, G: int, D: int, *, block_q=None, block_k=None, num_warps=None,
-                   num_stages=None) -> PrefillConfig:
-    """Default tiling: ~128 tile rows (64 for D=256) so the two dots are tensor-core sized, BK=64
-    (32 for D=256) to keep the [rows, BK] score tile and [BK, D] K/V tiles in registers and three
-    K/V stages in shared memory.  Checked offline with Triton 3.6 + ptxas for sm_90a: no spills
-    at D=64/128/256 with these defaults (not timed; benchmarks/bench_prefill.py sweeps)."""
+def _stage_bytes(block_k: int, D: int, Dv: int, planes: int) -> int:
+    """Shared memory of one pipeline stage: a [block_k, D] K and a [block_k, Dv] V tile."""
+    return block_k * (D + Dv) * 2 * planes
+
+
+def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int = 1, block_q=None,
+                   block_k=None, num_warps=None, num_stages=None) -> PrefillConfig:
+    """Default tiling: ~128 tile rows (64 for D=256) so the two dots are tensor-core sized, 8 warps
+    and 3 K/V stages.  BK=128 on 128-row bf16 tiles at D <= 128: the H200 sweep (bench_prefill
+    --tune, benchmarks/RESULTS.md) measured (rows 128, BK 128, 8 warps, 3 stages) fastest, 380
+    TFLOP/s geomean vs 337 at BK=64.  Smaller tiles keep BK=64 (64 rows x 4 warps measured 349 at
+    BK=64, 292 at BK=128), fp32 planes too (IEEE FMA dots, no tensor cores), and D=256 keeps BK=32
+    (ptxas for sm_90a: no spills; not timed).  A defaulted BK, then stage count, is trimmed until
+    the K/V stages fit SMEM_BUDGET (paged_decode's budget), so an odd geometry compiles instead of
+    failing at launch; explicit values are kept as given (the tuning sweep sets them)."""
+    Dv = D if Dv is None else Dv
     rows = 128 if D <= 128 else 64
     if block_q is None:
         block_q = 1 << max(0, (rows // G).bit_length() - 1)  # largest power of two <= rows / G
         block_q = min(block_q, _pow2_ceil(T))
         block_q = max(block_q, -(-16 // G))  # Triton dots need >= 16 rows
-    if block_k is None:
-        block_k = 64 if D <= 128 else 32
     if num_warps is None:
         # 4 warps spill heavily on 128-row tiles and on D=256 (ptxas, sm_90a).
         num_warps = 8 if (block_q * G >= 128 or D >= 256) else 4
+    trim_k, trim_stages = block_k is None, num_stages is None
+    if block_k is None:
+        if max(D, Dv) > 128:
+            block_k = 32
+        elif planes == 1 and block_q * G >= 128 and num_warps == 8:
+            block_k = 128
+        else:
+            block_k = 64
     if num_stages is None:
         num_stages = 3  # K/V prefetched two blocks ahead (2 stages leaves the gather latency exposed)
+    while trim_k and block_k > 16 and num_stages * _stage_bytes(block_k, D, Dv, planes) > SMEM_BUDGET:
+        block_k //= 2
+    while trim_stages and num_stages > 2 and num_stages * _stage_bytes(block_k, D, Dv, planes) > SMEM_BUDGET:
+        num_stages -= 1
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         if val <= 0 or val & (val - 1):
             raise ValueError(f"{name} must be a power of two, got {val}")
@@ -448,7 +469,7 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
                                                  softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
     _check_pallas(q, view)
     G = q.shape[2] // view.num_kv_heads
-    cfg = prefill_config(q.shape[1], G, q.shape[3], block_q=block_q, block_k=block_k, num_warps=num_warps,
-                         num_stages=num_stages)
+    cfg = prefill_config(q.shape[1], G, q.shape[3], Dv=view.v_head_dim, planes=view.planes, block_q=block_q,
+                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
     return _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, view=view, window=window,
                                  softcap=softcap, scale=scale, kv_dtype=kv_dtype, cfg=cfg, interpret=interpret)
