@@ -130,8 +130,9 @@ def pairs(prefix, T):
 
 def kernel_fn(view, cfg, *, interpret=False, **kw):
     bq, bk, nw, ns = cfg
-    return jax.jit(functools.partial(paged_prefill_attention, view=view, impl="pallas", interpret=interpret,
-                                     block_q=bq, block_k=bk, num_warps=nw, num_stages=ns, **kw))
+    return jax.jit(functools.partial(paged_prefill_attention, view=view, impl="pallas", backend="triton",
+                                     interpret=interpret, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns,
+                                     **kw))
 
 
 def mgpu_fn(view, cfg, **kw):

@@ -319,7 +319,7 @@ def _lower_cuda(*, B, T, Hkv, G, D, ps, P, fp32=False, window=None, softcap=None
 
     def f(q, a, pt, ql, kl, s):
         return paged_prefill_attention(q, a, pt, ql, kl, sinks=s, view=view, window=window, softcap=softcap,
-                                       impl="pallas")
+                                       impl="pallas", backend="triton")
 
     with _abstract_gpu():
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

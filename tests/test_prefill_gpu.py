@@ -1,5 +1,6 @@
 """paged_prefill_attention on a real GPU: the compiled Triton kernel, and the Mosaic GPU kernel
-(paged_prefill_mgpu.py, needs jax >= 0.11), vs the plain-JAX reference at real shapes (skipped
+(paged_prefill_mgpu.py, needs jax >= 0.11), vs the plain-JAX reference at real shapes, and a small
+hybrid model's prefill through the default (auto) kernel choice vs impl="reference" (skipped
 without an NVIDIA GPU).
 
 Run on the GPU machine:  python -m pytest -q tests/test_prefill_gpu.py
@@ -14,7 +15,8 @@ import pytest
 
 from test_paged_prefill import assert_close, kv_view, make_case  # same helpers as the CPU tests
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
-from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention, paged_prefill_attention_reference
+from umem_jax.pallas_kernels.paged_prefill import (paged_prefill_attention, paged_prefill_attention_reference,
+                                                   prefill_backend)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,12 +57,13 @@ def test_gpu_kernel_matches_reference(case):
     sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
     kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
     ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
-    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas")
+    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", backend="triton")
     assert_close(out, ref, q_lens, fp32=fp32)
 
 
 def test_gpu_kernel_arena_over_4gib():
-    """Pages above the 4 GiB mark of a ~6 GiB arena (int64 offsets in the Triton kernel)."""
+    """Pages above the 4 GiB mark of a ~6 GiB arena: int64 offsets in the Triton kernel, and
+    whatever the auto choice runs (the Mosaic GPU kernel's TMA coordinates on Hopper)."""
     silence_triton_deprecation()
     Hkv, G, D, ps = 8, 4, 128, 16
     view = kv_view(Hkv, D, ps, layer=0)
@@ -72,8 +75,9 @@ def test_gpu_kernel_arena_over_4gib():
                                               q_dtype=jnp.bfloat16, num_pages=num_pages, page_pool=high)
     assert arena.nbytes > 2**32
     ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, view=view)
-    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, impl="pallas")
-    assert_close(out, ref, q_lens, fp32=False)
+    for backend in ("triton", "auto"):
+        out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, impl="pallas", backend=backend)
+        assert_close(out, ref, q_lens, fp32=False)
 
 
 def test_gpu_matches_cudnn_dense():
@@ -85,12 +89,13 @@ def test_gpu_matches_cudnn_dense():
 
     d = build(jax.random.PRNGKey(1), B=2, T=2048, prefix=0, prefixes=[0, 1024], Hq=32, Hkv=8, D=128, ps=16,
               arena_gib=0.5)
-    out = paged_prefill_attention(d["q"], d["arena"], d["page_table"], d["q_lens"], d["kv_lens"], view=d["view"],
-                                  impl="pallas")
     dense = jax.nn.dot_product_attention(d["q_full"], d["k_full"], d["v_full"], is_causal=True,
                                          implementation="cudnn")
-    assert rel_err(out[0], dense[0, :2048]) < 2e-2
-    assert rel_err(out[1], dense[1, 1024:3072]) < 2e-2
+    for backend in ("triton", "auto"):
+        out = paged_prefill_attention(d["q"], d["arena"], d["page_table"], d["q_lens"], d["kv_lens"],
+                                      view=d["view"], impl="pallas", backend=backend)
+        assert rel_err(out[0], dense[0, :2048]) < 2e-2
+        assert rel_err(out[1], dense[1, 1024:3072]) < 2e-2
 
 
 # The Mosaic GPU (plgpu) kernel on the cases it covers: bf16 one-plane K/V, one arena row per token.
@@ -117,3 +122,57 @@ def test_gpu_mgpu_kernel_matches_reference(case):
         out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, block_kv=bkv,
                                            max_concurrent_steps=steps)
         assert_close(out, ref, q_lens, fp32=False)
+
+
+# --------------------------------------------------------------------------- through a model
+
+
+@pytest.mark.parametrize("D,softcap", [(64, None), (256, 50.0)], ids=["d64", "d256_softcap"])
+def test_gpu_model_prefill_auto_matches_reference(D, softcap):
+    """The tiny hybrid model (sliding window 48, full attention and Mamba2 layers; bf16 weights
+    and K/V, page 16) prefills two prompts (150 and 97 tokens) in 64-token chunks, a decoding row
+    sharing the last chunks, then decodes: impl="pallas" with the default kernel choice vs
+    impl="reference", teacher-forced on the reference's tokens, logits within bf16 tolerance (the
+    Triton kernel in interpret mode is 0.018-0.019 off the reference on the same case).  On an
+    H100/H200 with jax >= 0.11 the forward must contain the Mosaic GPU kernel, else the Triton one."""
+    from _model_arena import generate
+    from umem_jax.arena import Arena
+    from umem_jax.memory import plan as make_plan
+    from umem_jax.models.batch import make_batch
+    from umem_jax.models.tiny import tiny_model
+
+    silence_triton_deprecation()
+    m = tiny_model(seed=4, hidden_size=128, head_dim=D, query_pre_attn_scalar=D, sliding_window=48,
+                   attn_logit_softcapping=softcap, dtype="bfloat16")
+    plan = make_plan(m.decls(kv_dtype="bfloat16"), page_size=16)
+    rows, T = 16384, 64
+
+    # Which kernel the model's attention layers get, and that the compiled step really holds it.
+    views = [sp.kv_view(layer, model) for sp in plan.subpools if sp.kv for (model, layer) in sp.layers]
+    q = jax.ShapeDtypeStruct((3, T, m.config.num_heads, D), jnp.bfloat16)
+    kernels = {prefill_backend(q, v)[0] for v in views}
+    assert len(kernels) == 1, kernels
+    batch = make_batch(np.zeros((3, T)), np.full(3, T), np.full(3, T),
+                       {n: np.zeros((3, 16)) for n in plan.names if n != "state"}, np.array([1, 2, 0]))
+    text = m.jit_forward(impl="pallas").lower(m.params, Arena.abstract(plan, rows), batch).as_text()
+    if kernels == {"mgpu"}:
+        assert "mosaic_gpu" in text
+    else:
+        assert "mosaic_gpu" not in text
+    from umem_jax.pallas_kernels.paged_prefill import device_info
+
+    info = device_info()
+    if info.compute_capability and info.compute_capability.startswith("9.") and info.jax_version >= (0, 11):
+        assert kernels == {"mgpu"}, [prefill_backend(q, v) for v in views]
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 320, size=n) for n in (150, 97)]
+    kw = dict(chunk=T, max_len=256, num_rows=rows)
+    ref = generate(m, plan, prompts, 3, impl="reference", **kw)
+    got = generate(m, plan, prompts, 3, impl="pallas", teacher=ref.tokens, **kw)
+    for r, g in zip(ref.logits, got.logits):
+        assert [p for p, _ in r] == [p for p, _ in g]
+        for (_, want), (_, have) in zip(r, g):
+            assert np.isfinite(have).all()
+            err = float(np.abs(have - want).max() / np.abs(want).max())
+            assert err <= 5e-2, err
