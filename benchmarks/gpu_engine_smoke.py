@@ -79,16 +79,16 @@ def main(argv=None) -> int:
             _, got = run(m, "pallas", mode, a.interpret)
             same = sum(r[1] == g[1] for r, g in zip(ref, got))
             bad += same != len(ref)
-            print(f"{Path(m).name:<16} {mode:<8} pallas == reference greedy: {same}/{len(ref)}  ({time.time() - t0:.0f} s)",
-                  flush=True)
+            print(f"{Path(m).name:<16} {mode:<8} pallas == reference greedy: {same}/{len(ref)}  "
+                  f"({time.time() - t0:.0f} s)", flush=True)
             for i, ((prompt, r), (_, g)) in enumerate(zip(ref, got)):
                 d = divergence(llm.llm_engine.model, prompt, r, g)
                 row = dict(model=Path(m).name, mode=mode, prompt=i, prompt_len=len(prompt), same=d is None)
                 if d is not None:
                     row.update(d)
-                    print(f"    prompt {i} ({len(prompt)} tokens) diverges at step {d['step']}: reference {d['ref_token']}"
-                          f", pallas {d['pallas_token']}; reference top-2 {d['dense_argmax']} {d['top1_logit']:.6f} / "
-                          f"{d['runner_up']} {d['top2_logit']:.6f}, margin {d['margin']:.3e} (logit spread "
+                    print(f"    prompt {i} ({len(prompt)} tokens) diverges at step {d['step']}: reference "
+                          f"{d['ref_token']}, pallas {d['pallas_token']}; reference top-2 {d['dense_argmax']} "
+                          f"{d['top1_logit']:.6f} / {d['runner_up']} {d['top2_logit']:.6f}, margin {d['margin']:.3e} (logit spread "
                           f"{d['logit_spread']:.3f}, std {d['logit_std']:.3f}); logit(ref) - logit(pallas) "
                           f"{d['ref_minus_pallas']:.3e}", flush=True)
                 rows.append(row)
