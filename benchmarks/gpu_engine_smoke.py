@@ -86,11 +86,12 @@ def main(argv=None) -> int:
                 row = dict(model=Path(m).name, mode=mode, prompt=i, prompt_len=len(prompt), same=d is None)
                 if d is not None:
                     row.update(d)
-                    print(f"    prompt {i} ({len(prompt)} tokens) diverges at step {d['step']}: reference "
-                          f"{d['ref_token']}, pallas {d['pallas_token']}; reference top-2 {d['dense_argmax']} "
-                          f"{d['top1_logit']:.6f} / {d['runner_up']} {d['top2_logit']:.6f}, margin {d['margin']:.3e} "
-                          f"(logit spread {d['logit_spread']:.3f}, std {d['logit_std']:.3f}); logit(ref) - logit(pallas) "
-                          f"{d['ref_minus_pallas']:.3e}", flush=True)
+                    print(f"    prompt {i} ({len(prompt)} tokens) diverges at step {d['step']}: "
+                          f"reference {d['ref_token']}, pallas {d['pallas_token']}; "
+                          f"reference top-2 {d['dense_argmax']} {d['top1_logit']:.6f} / "
+                          f"{d['runner_up']} {d['top2_logit']:.6f}, margin {d['margin']:.3e} "
+                          f"(logit spread {d['logit_spread']:.3f}, std {d['logit_std']:.3f}); "
+                          f"logit(ref) - logit(pallas) {d['ref_minus_pallas']:.3e}", flush=True)
                 rows.append(row)
     print("engine smoke:", "OK" if not bad else f"{bad} MISMATCHED")
     if os.environ.get("OUT"):
