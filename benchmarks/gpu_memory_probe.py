@@ -45,6 +45,7 @@ from umem_jax.memory import plan as make_plan, size_arena  # noqa: E402
 from umem_jax.models.batch import Batch  # noqa: E402
 from umem_jax.models.registry import build_random  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
+from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV  # noqa: E402
 
 GIB = 2**30
 FAMILIES = {"nemotronh": "nemotronh-8b-like", "qwen35": "qwen3.5-4b-like", "gemma3": "gemma3-4b-like"}
@@ -122,7 +123,8 @@ class StderrLines:
         self.file.close()
 
 
-def probe(fam: str, kind: str, B: int, T: int, arena_gib: float, a, arena_dtype: str = "uint16") -> dict:
+def probe(fam: str, kind: str, B: int, T: int, arena_gib: float, a, arena_dtype: str = "uint16",
+          prefill_backend: str = "auto") -> dict:
     cfg = _config(fam, a.small)
     model = build_random(cfg, cfg.dtype, abstract=True)
     plan = make_plan(model.decls(), page_size=16)
@@ -131,8 +133,8 @@ def probe(fam: str, kind: str, B: int, T: int, arena_gib: float, a, arena_dtype:
     width = -(-max(T, a.ctx) // 16)
     batch = _abstract_batch(plan, B, T, width)
     before = set(glob.glob(os.path.join(DUMP, "*buffer-assignment.txt")))
-    print(f"--- {FAMILIES[fam]} {kind} B={B} T={T} arena {arena_gib:g} GiB {arena.data.shape} {arena_dtype}",
-          flush=True)
+    print(f"--- {FAMILIES[fam]} {kind} B={B} T={T} arena {arena_gib:g} GiB {arena.data.shape} {arena_dtype}"
+          f"{' prefill kernel ' + prefill_backend if kind == 'prefill' else ''}", flush=True)
     t0 = time.time()
     with StderrLines() as log:
         compiled = jax.jit(model.forward_fn(), donate_argnums=1).lower(model.params, arena, batch).compile()
@@ -141,7 +143,8 @@ def probe(fam: str, kind: str, B: int, T: int, arena_gib: float, a, arena_dtype:
     hlo = compiled.as_text()
     ops = arena_ops(hlo, arena.data.shape)
     row = dict(family=FAMILIES[fam], kind=kind, B=B, T=T, arena_gib=arena_gib, arena_dtype=arena_dtype,
-               arena_bytes=arena.nbytes, remat_log=remat,
+               prefill_backend=prefill_backend if kind == "prefill" else None, arena_bytes=arena.nbytes,
+               remat_log=remat,
                compile_s=time.time() - t0, temp_bytes=ma.temp_size_in_bytes, argument_bytes=ma.argument_size_in_bytes,
                output_bytes=ma.output_size_in_bytes, alias_bytes=ma.alias_size_in_bytes, arena_shaped_ops=ops,
                copies_of_arena=ops.get("copy", 0) + ops.get("copy-start", 0))
@@ -175,6 +178,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=2048, help="context the page tables are sized for")
     ap.add_argument("--top", type=int, default=10, help="largest temp values to list")
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU)")
+    ap.add_argument("--no-triton-prefill", dest="triton_prefill", action="store_false",
+                    help="skip the prefill compile with the Triton attention prefill kernel")
     ap.add_argument("--no-bf16-arena", dest="bf16_arena", action="store_false",
                     help="skip the prefill compile over a bfloat16 arena")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds; no new compile starts past it")
@@ -193,21 +198,34 @@ def main(argv=None) -> int:
             # Decode needs one size (its in-place chain is the known-good reference); prefill is
             # compiled at every size, then once more over a bf16 arena (no whole-arena view for
             # the attention prefill kernel; the state kernels view it as uint16 instead).
-            todo = [(g, "uint16") for g in (sizes if kind == "prefill" else sizes[:1])]
+            # The attention prefill kernel is chosen at trace time ($UMEM_JAX_PREFILL, default
+            # auto: Mosaic GPU where supported); the Triton one is what bench_models ran when XLA
+            # warned, so the larger size is compiled with it too.
+            todo = [(g, "uint16", None) for g in (sizes if kind == "prefill" else sizes[:1])]
+            if kind == "prefill" and a.triton_prefill:
+                todo.append((sizes[-1], "uint16", "triton"))
             if kind == "prefill" and a.bf16_arena:
-                todo.append((sizes[-1], "bfloat16"))
-            for gib, dt in todo:
+                todo.append((sizes[-1], "bfloat16", None))
+            for gib, dt, backend in todo:
                 if time.time() > deadline:
                     print(f"--- {FAMILIES[fam]} {kind} {gib:g} GiB {dt} skipped: --budget reached", flush=True)
                     continue
+                saved = os.environ.get(PREFILL_ENV)
                 try:
-                    probe(fam, kind, B, T, gib, a, dt)
+                    if backend:
+                        os.environ[PREFILL_ENV] = backend
+                    probe(fam, kind, B, T, gib, a, dt, backend or saved or "auto")
                 except Exception as e:  # noqa: BLE001 - report and go on: one GPU call
                     print(f"    FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
+                finally:
+                    if saved is None:
+                        os.environ.pop(PREFILL_ENV, None)
+                    else:
+                        os.environ[PREFILL_ENV] = saved
     print("\n== temp growth with the arena (prefill) ==")
     for fam in a.families.split(","):
         rs = [r for r in ROWS if r["family"] == FAMILIES[fam] and r["kind"] == "prefill"
-              and r["arena_dtype"] == "uint16"]
+              and r["arena_dtype"] == "uint16" and r["prefill_backend"] != "triton"]
         if len(rs) >= 2:
             d = (rs[-1]["temp_bytes"] - rs[0]["temp_bytes"]) / (rs[-1]["arena_bytes"] - rs[0]["arena_bytes"])
             print(f"{FAMILIES[fam]:<20} temp {rs[0]['temp_bytes'] / GIB:.3f} -> {rs[-1]['temp_bytes'] / GIB:.3f} GiB "
