@@ -19,7 +19,7 @@ import pytest
 
 from test_paged_prefill import kv_view, make_case
 from umem_jax.pallas_kernels import paged_prefill
-from umem_jax.pallas_kernels.paged_prefill import (PREFILL_ENV, DeviceInfo, paged_prefill_attention,
+from umem_jax.pallas_kernels.paged_prefill import (DEFAULT_BACKEND, PREFILL_ENV, DeviceInfo, paged_prefill_attention,
                                                    paged_prefill_attention_reference, prefill_backend, prefill_config)
 
 H200 = DeviceInfo("gpu", "9.0", (0, 11))
@@ -32,8 +32,9 @@ def q_of(view, Hq=None, T=64, B=2, dtype=jnp.bfloat16):
 
 
 @pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    monkeypatch.delenv(PREFILL_ENV, raising=False)
+def _auto(monkeypatch):
+    # The decision under test is "auto"'s; the unset default is checked on its own below.
+    monkeypatch.setenv(PREFILL_ENV, "auto")
 
 
 # --------------------------------------------------------------------------- the pure decision
@@ -129,7 +130,7 @@ def test_env_override(monkeypatch):
     assert prefill_backend(q, view, device=H200)[0] == "mgpu"
     assert prefill_backend(q, view, device=CPU)[0] == "triton"
     monkeypatch.setenv(PREFILL_ENV, "")
-    assert prefill_backend(q, view, device=H200)[0] == "mgpu"  # empty == unset == auto
+    assert prefill_backend(q, view, device=H200)[0] == DEFAULT_BACKEND == "triton"  # empty == unset
     # The argument wins over the environment.
     monkeypatch.setenv(PREFILL_ENV, "mgpu")
     assert prefill_backend(q, view, backend="triton", device=H200)[0] == "triton"
@@ -193,7 +194,7 @@ def test_old_jax_never_imports_mgpu_module():
         assert "umem_jax.pallas_kernels.paged_prefill_mgpu" not in sys.modules
         print("ok")
     """)
-    env = {k: v for k, v in os.environ.items() if k != PREFILL_ENV}
+    env = {**os.environ, PREFILL_ENV: "auto"}  # the choice that would import it on a new jax
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"  # also on the GPU machine: the check expects the CPU device
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """paged_prefill_attention on a real GPU: the compiled Triton kernel, and the Mosaic GPU kernel
 (paged_prefill_mgpu.py, needs jax >= 0.11), vs the plain-JAX reference at real shapes, and a small
-hybrid model's prefill through the default (auto) kernel choice vs impl="reference" (skipped
+hybrid model's prefill through the "auto" kernel choice (opt-in) vs impl="reference" (skipped
 without an NVIDIA GPU).
 
 Run on the GPU machine:  python -m pytest -q tests/test_prefill_gpu.py
@@ -15,8 +15,8 @@ import pytest
 
 from test_paged_prefill import assert_close, kv_view, make_case  # same helpers as the CPU tests
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
-from umem_jax.pallas_kernels.paged_prefill import (paged_prefill_attention, paged_prefill_attention_reference,
-                                                   prefill_backend)
+from umem_jax.pallas_kernels.paged_prefill import (PREFILL_ENV, paged_prefill_attention,
+                                                   paged_prefill_attention_reference, prefill_backend)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -128,7 +128,7 @@ def test_gpu_mgpu_kernel_matches_reference(case):
 
 
 @pytest.mark.parametrize("D,softcap", [(64, None), (256, 50.0)], ids=["d64", "d256_softcap"])
-def test_gpu_model_prefill_auto_matches_reference(D, softcap):
+def test_gpu_model_prefill_auto_matches_reference(D, softcap, monkeypatch):
     """The tiny hybrid model (sliding window 48, full attention and Mamba2 layers; bf16 weights
     and K/V, page 16) prefills two prompts (150 and 97 tokens) in 64-token chunks, a decoding row
     sharing the last chunks, then decodes: impl="pallas" with the default kernel choice vs
@@ -142,6 +142,7 @@ def test_gpu_model_prefill_auto_matches_reference(D, softcap):
     from umem_jax.models.tiny import tiny_model
 
     silence_triton_deprecation()
+    monkeypatch.setenv(PREFILL_ENV, "auto")  # the opt-in this test is here to clear
     m = tiny_model(seed=4, hidden_size=128, head_dim=D, query_pre_attn_scalar=D, sliding_window=48,
                    attn_logit_softcapping=softcap, dtype="bfloat16")
     plan = make_plan(m.decls(kv_dtype="bfloat16"), page_size=16)
