@@ -74,7 +74,8 @@ from flax import nnx  # noqa: E402
 from umem_jax.arena import Arena, apply_moves  # noqa: E402
 from umem_jax.memory import ChainAllocator, plan as make_plan, size_arena  # noqa: E402
 from umem_jax.models.batch import make_batch  # noqa: E402
-from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig, from_hf_config  # noqa: E402
+from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig  # noqa: E402
+from umem_jax.models.gemma3 import gemma3_4b_like  # noqa: E402
 from umem_jax.models.model import Model  # noqa: E402
 from umem_jax.models.nemotron_h import nemotron_h_config  # noqa: E402
 from umem_jax.models.qwen3_5 import qwen3_5_config  # noqa: E402
@@ -91,16 +92,6 @@ JSON_PATH: str | None = None
 
 NEMOTRON_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # Nemotron-H-8B: 52 blocks
 MLP_BLOCK = "mlp"  # NemotronH's third block type
-
-
-def gemma3_4b_like(dtype="bfloat16"):
-    return from_hf_config({
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
-        "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
-        "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
-        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256,
-        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "dtype": dtype})
 
 
 def nemotronh_8b_like(dtype="bfloat16"):

@@ -21,6 +21,7 @@ def test_retraction_outputs_identical_to_unconstrained():
     e = tight.llm_engine
     assert e.scheduler.num_retractions > 0
     assert e.stats()["num_moved_pages"] > 0  # pages were relocated under the live requests, data followed
+    assert 0 < e.stats()["num_compactions"] <= sum(e.num_steps.values())
     assert sum(o.metrics.num_retractions for o in outs) == e.scheduler.num_retractions
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy(LONG, 50)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -89,3 +90,34 @@ def test_max_tokens_clipped_by_the_memory_clip():
     assert len(out.outputs[0].token_ids) == clipped and out.outputs[0].finish_reason == "length"
     assert out.metrics.num_retractions == 0  # admitted alone means it fits
     assert_idle_clean(eng_llm)
+
+
+def test_warmup_compiles_every_reachable_shape_before_the_first_request():
+    # A batch bucket no other test uses, so these shapes are new to this process.
+    from _engine_utils import compile_count
+
+    eng = llm(batch_buckets=(2,), max_num_seqs=2).llm_engine
+    shapes = eng.reachable_shapes()
+    assert [s[1] for s in shapes] == [1, 32] and shapes[0][0] == 2  # decode first, then the prefill
+    assert eng.warmup() == len(shapes)
+    before = compile_count()
+    outs = _generate(eng, LONG[:2])
+    assert compile_count() == before  # nothing left to compile: the steps ran on the warm executables
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    st = eng.stats()
+    assert st["num_compilations"] == len(shapes) and st["num_compactions"] >= 0
+    _check_idle(eng)
+
+
+def _generate(eng, ps):
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in ps]
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o
+    return [done[i] for i in ids]
+
+
+def _check_idle(eng):
+    eng.check_idle()
+    assert not eng.scheduler.running and not eng.scheduler.waiting

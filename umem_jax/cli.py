@@ -146,7 +146,8 @@ def _serve(args) -> int:
 
     engine = _engine(args)
     names = args.served_model_name or [str(args.model or args.model_path)]
-    aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]))
+    aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
+                          warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes)
     print(f"serving {names} on http://{args.host}:{args.port} (GET /health is 503 until warm)", flush=True)
     serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path))
     return 0
@@ -249,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None)
     s.add_argument("--max-waiting-requests", type=int, default=1024, help="queue length at which requests get 503")
+    s.add_argument("--warmup-shapes", type=int, default=32,
+                   help="step shapes compiled before /health turns 200, decode first (-1: every reachable one; "
+                   "the rest compile on first use; compiled steps are kept on disk for the next start)")
     s.set_defaults(fn=_serve)
 
     g = sub.add_parser("generate", help="generate for one prompt, then print the arena memory per band")

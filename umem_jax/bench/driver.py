@@ -137,30 +137,14 @@ def capacity(engine: LLMEngine, input_len: int, output_len: int, limit: int = 40
 
 def reachable_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int]]:
     """Every (B, T, P, checkpoint columns) step shape the scheduler can launch with the engine's
-    buckets (see shapes_of)."""
-    cfg = engine.config
-    return shapes_of(engine.buckets, cfg.max_num_batched_tokens, cfg.page_size, engine.scheduler.cfg.max_num_seqs,
-                     engine.runner.kc)
+    buckets (LLMEngine.reachable_shapes)."""
+    return engine.reachable_shapes()
 
 
 def shapes_of(bk: Buckets, max_num_batched_tokens: int, page_size: int, max_num_seqs: int,
               kc: int = 0) -> list[tuple[int, int, int, int]]:
-    """Decode [B, 1] at any page width; prefill [B, T] within the token budget (a lone row may
-    take the largest T: Scheduler._fit_shape) at the page widths a row of T tokens can need."""
-    top_b = Buckets.pick(bk.batch, max_num_seqs)
-    batches = [b for b in bk.batch if b <= top_b]
-    limit = max(max_num_batched_tokens, bk.batch[0] * bk.tokens[-1])
-    out = [(b, 1, p, 0) for b in batches for p in bk.pages]
-    for b in batches:
-        for i, t in enumerate(bk.tokens):
-            if b != bk.batch[0] and b * t > limit:
-                continue
-            longest = bk.tokens[i - 1] + 1 if i else 1  # the widest row is longer than the bucket below
-            if -(-longest // page_size) > bk.pages[-1]:  # no request is that long
-                continue
-            min_p = Buckets.pick(bk.pages, -(-longest // page_size))
-            out += [(b, t, p, kc) for p in bk.pages if p >= min_p]
-    return out
+    """Every launchable (B, T, P, kc) step shape: Buckets.reachable."""
+    return bk.reachable(max_num_batched_tokens, page_size, max_num_seqs, kc)
 
 
 def enable_compile_cache(path: str) -> None:

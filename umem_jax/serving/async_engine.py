@@ -98,14 +98,18 @@ class _Track:
 class AsyncLLMEngine:
     """Owns the engine thread.  max_waiting_requests: queue length at which new requests get
     EngineOverloaded (None: no limit); metrics: where to count; warmup: run one short request
-    before reporting ready (compiles the smallest prefill and decode shapes)."""
+    before reporting ready (compiles the smallest prefill and decode shapes); warmup_shapes: before
+    that, compile this many of the reachable step shapes, decode first (LLMEngine.warmup; None:
+    all of them, 0: none)."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = 1024,
-                 metrics: EngineMetrics | None = None, warmup: bool = True, metrics_interval_s: float = 0.25):
+                 metrics: EngineMetrics | None = None, warmup: bool = True, warmup_shapes: int | None = 0,
+                 metrics_interval_s: float = 0.25):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self.warmup = warmup
+        self.warmup_shapes = warmup_shapes
         self.metrics_interval_s = metrics_interval_s
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -307,6 +311,8 @@ class AsyncLLMEngine:
         decode shapes before /health says 200."""
         eng = self.engine
         t0 = time.perf_counter()
+        if self.warmup_shapes != 0:
+            eng.warmup(self.warmup_shapes)
         eng.add_request(list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                         request_id="umem-warmup")
         while eng.has_unfinished_requests():

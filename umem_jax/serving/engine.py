@@ -338,6 +338,25 @@ class LLMEngine:
         req.finish_reason = status.value
         req.stop_reason = stop_reason
 
+    # ------------------------------------------------------------------ compilation
+    def reachable_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (B, T, P, checkpoint columns) step shape the scheduler can launch, decode first."""
+        cfg = self.config
+        return self.buckets.reachable(cfg.max_num_batched_tokens, cfg.page_size, self.scheduler.cfg.max_num_seqs,
+                                      self.runner.kc)
+
+    def warmup(self, max_shapes: int | None = None, threads: int = 8) -> int:
+        """Compile step shapes before serving -> how many.  Decode shapes come first (every
+        steady step is one), then prefill; `max_shapes` caps the list (None: all reachable).
+        Shapes left out compile on first use (`num_compilations` counts launched shapes)."""
+        shapes = self.reachable_shapes()
+        if max_shapes is not None:
+            shapes = shapes[:max_shapes]
+        t0 = time.perf_counter()
+        n = self.runner.precompile(shapes, threads=threads)
+        log.info("umem_jax: %d step shapes compiled in %.1f s", n, time.perf_counter() - t0)
+        return n
+
     # ------------------------------------------------------------------ checks and numbers
     def check_idle(self) -> None:
         """Allocator invariants + no leaks: at idle every page and slot is free or held by the
@@ -373,6 +392,7 @@ class LLMEngine:
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
             "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
+            "num_compactions": self.runner.num_compactions,
             **self._cache_stats(),
         }
 

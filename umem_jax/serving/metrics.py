@@ -20,7 +20,7 @@ Arena (all bands)
   umem:num_moved_pages_total                counter    pages relocated (compaction, float moves)
   umem:relocated_bytes_total                counter    bytes copied by those relocations
   umem:num_evictions_total                  counter    pages evicted from the prefix cache
-  umem:num_compactions_total                counter    read from engine.stats() when it reports them
+  umem:num_compactions_total                counter    steps that applied page relocations first
 Prefix cache (vLLM's names; 0 without a prefix cache)
   umem:prefix_cache_queries_total           counter    prompt tokens looked up
   umem:prefix_cache_hits_total              counter    ...of which found cached

@@ -249,6 +249,7 @@ class Runner:
         self._layouts: dict[tuple, tuple[Layout, np.ndarray, dict]] = {}
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
         self.num_moved_pages = 0  # pages relocated by compaction / float moves
+        self.num_compactions = 0  # batches of relocations applied (one per step at most)
         self.relocated_bytes = 0
         self.num_copied_slots = 0  # state slots copied (prefix-cache checkpoints saved / restored)
         self.row_bytes = allocator.row_bytes
@@ -272,6 +273,7 @@ class Runner:
         if moves:
             self.arena = apply_moves(self.arena, moves, impl=self.impl, interpret=self.interpret)
             relocations = [m for m in moves if not m.copy]
+            self.num_compactions += bool(relocations)
             self.num_moved_pages += sum(len(m) for m in relocations)
             self.relocated_bytes += sum(len(m) * m.rows_per_page for m in relocations) * self.row_bytes
             self.num_copied_slots += sum(len(m) for m in moves if m.copy)

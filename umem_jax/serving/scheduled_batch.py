@@ -44,6 +44,26 @@ class Buckets:
         return cls(_pow2_upto(1, max_num_seqs), _pow2_upto(min(16, max_num_batched_tokens), max_num_batched_tokens),
                    _pow2_upto(min(8, max_pages), max_pages))
 
+    def reachable(self, max_num_batched_tokens: int, page_size: int, max_num_seqs: int,
+                  kc: int = 0) -> list[tuple[int, int, int, int]]:
+        """Every (B, T, P, kc) step shape the scheduler can launch, decode first: decode [B, 1] at
+        any page width; prefill [B, T] within the token budget (a lone row may take the largest T:
+        Scheduler._fit_shape) at the page widths a row of T tokens can need."""
+        top_b = self.pick(self.batch, max_num_seqs)
+        batches = [b for b in self.batch if b <= top_b]
+        limit = max(max_num_batched_tokens, self.batch[0] * self.tokens[-1])
+        out = [(b, 1, p, 0) for b in batches for p in self.pages]
+        for b in batches:
+            for i, t in enumerate(self.tokens):
+                if b != self.batch[0] and b * t > limit:
+                    continue
+                longest = self.tokens[i - 1] + 1 if i else 1  # the widest row is longer than the bucket below
+                if -(-longest // page_size) > self.pages[-1]:  # no request is that long
+                    continue
+                min_p = self.pick(self.pages, -(-longest // page_size))
+                out += [(b, t, p, kc) for p in self.pages if p >= min_p]
+        return out
+
     @staticmethod
     def pick(sizes: tuple[int, ...], n: int) -> int:
         i = bisect.bisect_left(sizes, n)
