@@ -96,7 +96,7 @@ def run(model: str | None = None, arena_mib: float = 48.0, memory_mode: str = "u
     engine = LLMEngine(EngineConfig(model=loaded, arena_bytes=int(arena_mib * 2**20), memory_mode=memory_mode,
                                     max_num_seqs=16, max_num_batched_tokens=256, seed=seed,
                                     max_model_len=min(1024, loaded.config.max_position_embeddings),
-                                    batch_buckets=(4, 16), token_buckets=(32, 256), page_buckets=(64,)))
+                                    batch_buckets=(4, 16), token_buckets=(64, 256), page_buckets=(64,)))
     out(f"model {name!r} loaded in {time.perf_counter() - t0:.1f} s ({engine.model.param_bytes / 2**20:.0f} MiB "
         f"of weights, {engine.model.config.dtype}); {memory_mode} arena of {arena_mib:g} MiB")
     out(engine.plan.table())
@@ -122,7 +122,7 @@ def run(model: str | None = None, arena_mib: float = 48.0, memory_mode: str = "u
     # 2. many short requests at once
     t0 = time.perf_counter()
     short = [rng.integers(1, vocab, int(rng.integers(24, 64))).tolist() for _ in range(short_requests)]
-    outs = _run(engine, watch, short, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True))
+    outs = _run(engine, watch, short, SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True))
     n = sum(len(o.outputs[0].token_ids) for o in outs)
     out(f"\n== phase 2: {short_requests} short requests at once: {n} tokens in {time.perf_counter() - t0:.1f} s")
     out(watch.report("after phase 2 (peak: while they ran)"))

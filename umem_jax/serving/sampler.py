@@ -12,6 +12,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 from .sampling_params import SamplingParams
@@ -65,26 +66,44 @@ def apply_penalties(logits, prompt_counts, output_counts, rep, presence, frequen
 
 
 def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step):
-    """logits [B, V] f32 -> tokens [B] i32.  Sorting once serves top-k, top-p and min-p."""
+    """logits [B, V] f32 -> tokens [B] i32.
+
+    Greedy rows take the argmax.  A sampling row without top-k / top-p / min-p draws from its
+    tempered logits directly; only rows with a cut need the vocabulary sorted (one sort serves
+    all three cuts).  The sort over [B, V] is the costly part (V is 128K-262K), so it runs only
+    when some row needs it (lax.cond on the device), and each row's token depends on its own
+    parameters and seed alone, never on which branch its batch took."""
     B, V = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    scaled = logits / t
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(V)[None, :]
-    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
-    # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
-    cum_before = jnp.cumsum(probs, axis=-1) - probs
-    keep &= cum_before < top_p[:, None]
-    keep &= probs >= min_p[:, None] * probs[:, :1]
-    keep = keep.at[:, 0].set(True)
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, step)
-    choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    stochastic = temperature > 0
+    cut = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
+
+    def draw(_):
+        t = jnp.where(stochastic, temperature, 1.0)[:, None]
+        scaled = logits / t
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, step)
+        plain = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+
+        def with_cuts(_):
+            order = jnp.argsort(-scaled, axis=-1)
+            sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            rank = jnp.arange(V)[None, :]
+            keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+            # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
+            cum_before = jnp.cumsum(probs, axis=-1) - probs
+            keep &= cum_before < top_p[:, None]
+            keep &= probs >= min_p[:, None] * probs[:, :1]
+            keep = keep.at[:, 0].set(True)
+            masked = jnp.where(keep, sorted_logits, -jnp.inf)
+            choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
+            return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+        sampled = lax.cond(jnp.any(stochastic & cut), with_cuts, lambda _: plain, None)
+        return jnp.where(cut, sampled, plain)
+
+    sampled = lax.cond(jnp.any(stochastic), draw, lambda _: greedy, None)
+    return jnp.where(stochastic, sampled, greedy)
 
 
 @jax.jit
