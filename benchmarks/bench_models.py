@@ -77,8 +77,8 @@ from umem_jax.models.batch import make_batch  # noqa: E402
 from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig  # noqa: E402
 from umem_jax.models.gemma3 import gemma3_4b_like  # noqa: E402
 from umem_jax.models.model import Model  # noqa: E402
-from umem_jax.models.nemotron_h import nemotron_h_config  # noqa: E402
-from umem_jax.models.qwen3_5 import qwen3_5_config  # noqa: E402
+from umem_jax.models.nemotron_h import nemotron_h_8b_like  # noqa: E402
+from umem_jax.models.qwen3_5 import qwen3_5_4b_like  # noqa: E402
 from umem_jax.models.registry import model_class  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
 
@@ -90,26 +90,7 @@ JSON_PATH: str | None = None
 
 # =============================================================================== configs
 
-NEMOTRON_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # Nemotron-H-8B: 52 blocks
 MLP_BLOCK = "mlp"  # NemotronH's third block type
-
-
-def nemotronh_8b_like(dtype="bfloat16"):
-    return nemotron_h_config({
-        "hybrid_override_pattern": NEMOTRON_8B_PATTERN, "vocab_size": 131072, "hidden_size": 4096,
-        "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-        "mamba_num_heads": 128, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
-        "chunk_size": 128, "layer_norm_epsilon": 1e-5, "tie_word_embeddings": False, "dtype": dtype})
-
-
-def qwen35_4b_like(dtype="bfloat16"):
-    return qwen3_5_config({
-        "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
-        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4,
-        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
-        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
-        "dtype": dtype})
 
 
 def _gemma_tiny(c):
@@ -141,9 +122,9 @@ def _reduce(c, types, **kw):
 FAMILIES = {
     "gemma3": dict(name="gemma3-4b-like", full=gemma3_4b_like, tiny=_gemma_tiny,
                    check=lambda c: _reduce(c, (SLIDING, FULL), sliding_window=32)),
-    "nemotronh": dict(name="nemotronh-8b-like", full=nemotronh_8b_like, tiny=_nemotron_tiny,
+    "nemotronh": dict(name="nemotronh-8b-like", full=nemotron_h_8b_like, tiny=_nemotron_tiny,
                       check=lambda c: _reduce(c, (MAMBA, FULL, MLP_BLOCK), time_step_min=0.0)),
-    "qwen35": dict(name="qwen3.5-4b-like", full=qwen35_4b_like, tiny=_qwen_tiny,
+    "qwen35": dict(name="qwen3.5-4b-like", full=qwen3_5_4b_like, tiny=_qwen_tiny,
                    check=lambda c: _reduce(c, (MAMBA, FULL))),
 }
 ALIASES = {v["name"]: k for k, v in FAMILIES.items()}

@@ -96,6 +96,18 @@ def make_case(rng, view, rows, *, T, P, Hq, q_dtype, window=None, tombstone=Fals
     return (jnp.asarray(q, q_dtype), arena, jnp.asarray(table), jnp.asarray(q_lens), jnp.asarray(kv_lens))
 
 
+def bf16_case(name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows, *, tombstone=False):
+    """A bf16 one-plane case seeded by its name -> (q, arena, page_table, q_lens, kv_lens, kw, ref):
+    kw holds the attention options, ref the reference output (the Mosaic GPU tests' cases)."""
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    view = kv_view(Hkv, D, ps)
+    q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.bfloat16,
+                                              window=window, tombstone=tombstone)
+    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
+    return q, arena, pt, q_lens, kv_lens, kw, paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+
+
 def assert_close(out, ref, q_lens, *, fp32):
     out = np.asarray(jnp.asarray(out, jnp.float32))
     ref = np.asarray(jnp.asarray(ref, jnp.float32))

@@ -16,15 +16,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from test_paged_prefill import assert_close, kv_view, make_case
-from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention_reference
+from test_paged_prefill import assert_close, bf16_case, kv_view
 from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available, paged_prefill_attention_mgpu
 
 HAVE_MGPU, WHY_NOT = mgpu_available()
-needs_mgpu = pytest.mark.skipif(not HAVE_MGPU, reason=WHY_NOT or "")
+needs_mgpu = pytest.mark.skipif(not HAVE_MGPU, reason=WHY_NOT or "the Mosaic GPU kernel is unavailable here")
 
 # (name, Hkv, G, D, ps, window, softcap, sinks, T, P, rows, cfg, extra)
 CASES = [
@@ -48,14 +46,8 @@ CASES = [
 @needs_mgpu
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_mgpu_interpret_matches_reference(case):
-    name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows, cfg, extra = case
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    view = kv_view(Hkv, D, ps)
-    q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.bfloat16,
-                                              window=window, tombstone=extra.get("tombstone", False))
-    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
-    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
-    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+    *geometry, cfg, extra = case
+    q, arena, pt, q_lens, kv_lens, kw, ref = bf16_case(*geometry, tombstone=extra.get("tombstone", False))
     out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, block_kv=64,
                                        interpret=extra.get("interpret", True), **cfg)
     assert out.shape == ref.shape and out.dtype == q.dtype

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_paged_prefill import assert_close, kv_view, make_case  # same helpers as the CPU tests
+from test_paged_prefill import assert_close, bf16_case, kv_view, make_case  # same helpers as the CPU tests
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_prefill import (PREFILL_ENV, paged_prefill_attention,
                                                    paged_prefill_attention_reference, prefill_backend)
@@ -111,13 +111,8 @@ def test_gpu_mgpu_kernel_matches_reference(case):
     if not ok:
         pytest.skip(why)
     name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, T, P, rows, extra = case
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    view = kv_view(Hkv, D, ps)
-    q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.bfloat16,
-                                              window=window, tombstone=extra.get("tombstone", False))
-    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
-    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
-    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+    q, arena, pt, q_lens, kv_lens, kw, ref = bf16_case(name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows,
+                                                       tombstone=extra.get("tombstone", False))
     for bkv, steps in ((128, 2), (64, 3)) if D <= 128 else ((64, 2),):
         out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, block_kv=bkv,
                                            max_concurrent_steps=steps)
@@ -131,7 +126,7 @@ def test_gpu_mgpu_kernel_matches_reference(case):
 def test_gpu_model_prefill_auto_matches_reference(D, softcap, monkeypatch):
     """The tiny hybrid model (sliding window 48, full attention and Mamba2 layers; bf16 weights
     and K/V, page 16) prefills two prompts (150 and 97 tokens) in 64-token chunks, a decoding row
-    sharing the last chunks, then decodes: impl="pallas" with the default kernel choice vs
+    sharing the last chunks, then decodes: impl="pallas" with the "auto" kernel choice vs
     impl="reference", teacher-forced on the reference's tokens, logits within bf16 tolerance (the
     Triton kernel in interpret mode is 0.018-0.019 off the reference on the same case).  On an
     H100/H200 with jax >= 0.11 the forward must contain the Mosaic GPU kernel, else the Triton one."""
