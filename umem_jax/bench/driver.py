@@ -162,27 +162,17 @@ def warm_up(engine: LLMEngine, *, probe: bool = True, log=None) -> dict:
     (probe) run one real 2-token request and empty the prefix cache again.
     -> {"seconds", "shapes", "compiles"}.
 
-    The step shapes are launched with all-padding metadata (the runner's own padding template:
-    page tables, slots and lengths 0), which reads and writes only the sink, as padding rows of a
-    real step do.  This uses the runner's per-shape template and jitted step directly."""
+    The step shapes compile through LLMEngine.warmup (ahead of time, on threads); the probe
+    request then runs the whole path once."""
     from ..arena import apply_moves
     from ..memory.tables import Move
 
     t0, c0 = time.perf_counter(), compile_count()
     runner = engine.runner
-    shapes = reachable_shapes(engine)
-    runner.precompile(shapes)  # on threads; the launches below then only run (and check) each shape
+    n_shapes = engine.warmup()
     if log is not None:
-        log(f"  warm-up: {len(shapes)} step shapes compiled in {time.perf_counter() - t0:.0f} s "
+        log(f"  warm-up: {n_shapes} step shapes compiled in {time.perf_counter() - t0:.0f} s "
             f"({compile_count() - c0} compilations)")
-    leaves = runner._leaves()
-    for k, (b, t, p, kc) in enumerate(shapes):
-        layout, template, _ = runner._shape(b, t, p, False, kc)
-        _, runner.arena = runner._step(leaves, runner.arena, template.copy(), runner._prev, None, layout)
-        if log is not None and compile_count() > c0 and (k + 1) % 6 == 0:
-            jax.block_until_ready(runner.arena)
-            log(f"  warm-up: {k + 1}/{len(shapes)} step shapes, {compile_count() - c0} compilations, "
-                f"{time.perf_counter() - t0:.0f} s")
     seen = set()
     for sp in engine.plan.subpools:
         rpp = sp.rows_per_page
@@ -202,7 +192,7 @@ def warm_up(engine: LLMEngine, *, probe: bool = True, log=None) -> dict:
         while engine.has_unfinished_requests():
             engine.step()
         engine.reset_prefix_cache()
-    return {"seconds": time.perf_counter() - t0, "shapes": len(shapes), "compiles": compile_count() - c0}
+    return {"seconds": time.perf_counter() - t0, "shapes": n_shapes, "compiles": compile_count() - c0}
 
 
 # ------------------------------------------------------------------------------ one run
