@@ -389,6 +389,8 @@ def check_family(fam: str, model: Model, run: "Stepper", plan, num_rows: int, a,
 def setup(cfg, a, arena_bytes: int, seed: int = 0):
     """Random model, plan, arena of `arena_bytes` and the donated step -> (model, plan, rows, Stepper, counts)."""
     model = build_model(cfg, seed)
+    if a.fuse:  # as the engine serves it (EngineConfig.fuse_projections)
+        model = model.fuse_projections()
     _block(model.params)
     counts = dict(params=sum(x.size for x in jax.tree.leaves(model.params)),
                   param_bytes=sum(x.nbytes for x in jax.tree.leaves(model.params)))
@@ -562,6 +564,8 @@ def parse(argv):
     ap.add_argument("--arena-gib", type=float, default=None, help="arena bytes (default 32 GiB; --small 1/32)")
     ap.add_argument("--check-arena-mib", type=float, default=None, help="arena of the correctness check (256; 16)")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--no-fuse", dest="fuse", action="store_false",
+                    help="keep q/k/v, gate/up and GDN input projections as separate matmuls")
     ap.add_argument("--iters", type=int, default=None, help="steps per timed trial (default decode 10, prefill 3)")
     ap.add_argument("--trials", type=int, default=None, help="timed trials, median (default 5)")
     ap.add_argument("--tol", type=float, default=5e-2, help="max rel err of the correctness check (bf16)")

@@ -114,10 +114,10 @@ def main(argv=None) -> int:
     model = build_model(cfg)
     _block(model.params)
     t = time.time()
-    one = run_tp(model, a)
+    one = run_tp(model.fuse_projections(), a)  # fused as the engine serves it
     print(f"TP=1 done in {time.time() - t:.0f} s", flush=True)
     t = time.time()
-    sharded = shard_model(model, a.tp)
+    sharded = shard_model(model, a.tp).fuse_projections()
     del model  # the unsplit weights leave device 0 before the split arena is made
     gc.collect()
     print(f"split over {a.tp} devices in {time.time() - t:.0f} s ({sharded.param_bytes / GIB:.2f} GiB of weights "

@@ -38,14 +38,15 @@ GOALS = {"unified_vs_default": 1.5, "retractions_default_vs_unified": 2.0, "unif
 
 def load_bench_model(name: str, dtype: str = "bfloat16", seed: int = 0):
     """A Model by name: a random-weight realistic shape (registry.random_shape_names()), or
-    anything loader.load_model takes (a built-in name like "tiny", a directory, a .gguf)."""
+    anything loader.load_model takes (a built-in name like "tiny", a directory, a .gguf); with its
+    projections fused once here, as every engine of the sweep would (they then share it)."""
     from ..models.registry import build_random, random_shape_names
 
     if name in random_shape_names():
-        return build_random(name, dtype, seed=seed)
+        return build_random(name, dtype, seed=seed).fuse_projections()
     from ..models.loader import load_model
 
-    return load_model(name)
+    return load_model(name).fuse_projections()
 
 
 def static_configs(plan, ratios=None) -> list[MemoryConfig]:

@@ -23,7 +23,7 @@ from ..pallas_kernels.paged_decode import paged_decode_attention
 from ..pallas_kernels.paged_prefill import paged_prefill_attention
 from .batch import Batch
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, apply_rope, rope_inv_freq
+from .layers import FusedLinear, Linear, RMSNorm, apply_rope, rope_inv_freq
 
 _NEG = -1e30  # finite, so fully masked rows (padding) give zeros, not NaN
 
@@ -69,13 +69,29 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dt)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = nnx.data(None)  # FusedLinear over q | k | v once fuse_projections() ran
+
+    def fuse_projections(self) -> bool:
+        """Replace q_proj, k_proj and v_proj by one FusedLinear over their stacked weights."""
+        if self.qkv_proj is not None:  # fused already
+            return False
+        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        self.q_proj = self.k_proj = self.v_proj = None
+        return True
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, d] -> the three projections, flat: q_proj(x), k_proj(x), v_proj(x)."""
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def project(self, x: jax.Array, positions: jax.Array):
         """x [B, T, d], positions [B, T] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.reshape(b, t, self.num_heads, self.head_dim)
+        k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = rope_inv_freq(self.rope, self.head_dim)

@@ -22,7 +22,7 @@ from flax import nnx
 from ..pallas_kernels.gated_deltanet import L2NORM_EPS, gdn_decode, gdn_prefill
 from ..pallas_kernels.mamba2 import softplus
 from .batch import Batch
-from .layers import Linear
+from .layers import FusedLinear, Linear
 from .mamba2_mixer import DepthwiseConv1d, GatedRMSNorm, StateSlot, first_chunk
 
 
@@ -48,12 +48,27 @@ class GatedDeltaNet(nnx.Module):
         self.A_log = nnx.Param(jnp.log(jnp.linspace(0.5, 16.0, v_heads)).astype(dtype))
         self.norm = GatedRMSNorm(v_dim, group_size=v_dim, eps=eps, norm_before_gate=True, dtype=dtype)
         self.out_proj = Linear(self.value_dim, hidden, dtype=dtype, rngs=rngs)
+        self.in_proj = nnx.data(None)  # FusedLinear over qkv | z | b | a once fuse_projections() ran
 
-    def _out(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        """o [B, T, Hv, Dv] -> out_proj(GatedRMSNorm(o, z)) [B, T, hidden]."""
+    def fuse_projections(self) -> bool:
+        """Replace the four input projections by one FusedLinear over their stacked weights."""
+        if self.in_proj is not None:  # fused already
+            return False
+        self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
+        return True
+
+    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """x [B, T, hidden] -> qkv [B, T, conv_dim], z [B, T, Hv*Dv], b [B, T, Hv], a [B, T, Hv]."""
+        if self.in_proj is not None:
+            return self.in_proj(x)
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def _out(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
+        """o [B, T, Hv, Dv], z [B, T, Hv*Dv] -> out_proj(GatedRMSNorm(o, z)) [B, T, hidden]."""
         b, t = o.shape[:2]
-        z = self.in_proj_z(x).reshape(b, t, self.v_heads, self.v_dim)
-        o = self.norm(o.astype(x.dtype), z)
+        z = z.reshape(b, t, self.v_heads, self.v_dim)
+        o = self.norm(o.astype(dtype), z)
         return self.out_proj(o.reshape(b, t, self.value_dim))
 
     # ------------------------------------------------------------------ dense (cache-free)
@@ -64,15 +79,16 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         mask = valid[..., None].astype(x.dtype)
         x = x * mask
-        qkv = jax.nn.silu(self.conv1d.dense(self.in_proj_qkv(x))) * mask.astype(jnp.float32)
+        qkv, z, beta, a = self._project(x)
+        qkv = jax.nn.silu(self.conv1d.dense(qkv)) * mask.astype(jnp.float32)
         r = self.v_heads // self.k_heads
         q = _l2norm(qkv[..., :self.key_dim].reshape(b, t, self.k_heads, self.k_dim)) * self.k_dim ** -0.5
         k = _l2norm(qkv[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.k_heads, self.k_dim))
         q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)              # [B, T, Hv, Dk]
         v = qkv[..., 2 * self.key_dim:].reshape(b, t, self.v_heads, self.v_dim)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        beta = jax.nn.sigmoid(beta.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * softplus(
-            self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
 
         def step(s, inp):  # s [B, Hv, Dk, Dv], HF's layout
             q_t, k_t, v_t, g_t, beta_t = inp
@@ -84,12 +100,12 @@ class GatedDeltaNet(nnx.Module):
         sw = lambda a: jnp.swapaxes(a, 0, 1)
         s0 = jnp.zeros((b, self.v_heads, self.k_dim, self.v_dim), jnp.float32)
         _, o = jax.lax.scan(step, s0, (sw(q), sw(k), sw(v), sw(g), sw(beta)))
-        return self._out(sw(o), x)
+        return self._out(sw(o), z, x.dtype)
 
     # ------------------------------------------------------------------ serving path
     def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: StateSlot):
         """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
-        qkv, a, b = self.in_proj_qkv(x), self.in_proj_a(x), self.in_proj_b(x)
+        qkv, z, b, a = self._project(x)
         params = (self.conv1d.kernel_weight, self.A_log[...], self.dt_bias[...])
         if x.shape[1] == 1:
             o, arena = gdn_decode(arena, batch.state_slots, qkv[:, 0], a[:, 0], b[:, 0], *params, view=slot.view,
@@ -99,7 +115,7 @@ class GatedDeltaNet(nnx.Module):
             o, arena = gdn_prefill(arena, batch.state_slots, qkv, a, b, batch.q_lens, *params, view=slot.view,
                                    reset=first_chunk(batch), checkpoint_positions=batch.checkpoint_positions,
                                    checkpoint_slots=batch.checkpoint_slots, **slot.kernel_kw)
-        return self._out(o, x), arena
+        return self._out(o, z, x.dtype), arena
 
 
 __all__ = ["GatedDeltaNet"]

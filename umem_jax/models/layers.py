@@ -34,6 +34,27 @@ class Linear(nnx.Module):
         return reduce_sum(jnp.einsum("...i,oi->...o", x, self.weight[...]), self.reduce_axis)
 
 
+class FusedLinear(nnx.Module):
+    """Several column projections of the same input as one matmul: y_i = x W_i^T for each part.
+
+    weight [sum(out_i), in] is the parts' weights stacked along `out` (also [tp, sum, in] for a
+    stacked tensor-parallel leaf: the concatenation is on axis -2 either way).  At small batch a
+    projection is a weight read; one launch over the stacked weight avoids a launch per part and
+    lets the GEMM reach the copy rate (Qwen3.5-4B-like decode at B=64: -0.3 ms of 7.4 ms on the H200).
+    """
+
+    def __init__(self, parts: list[Linear]):
+        if any(p.reduce_axis is not None for p in parts):
+            raise ValueError("only column-parallel projections (no psum) can be fused")
+        self.sizes = tuple(int(p.weight.shape[-2]) for p in parts)
+        self.weight = nnx.Param(jnp.concatenate([p.weight[...] for p in parts], axis=-2))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
+        return tuple(y[..., e - n:e] for e, n in zip(ends, self.sizes))
+
+
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * (offset + w), in fp32, cast back to x's dtype.
 
@@ -96,6 +117,16 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
         self.act = act
+        self.gate_up = nnx.data(None)  # FusedLinear once fuse_projections() ran
+
+    def fuse_projections(self) -> bool:
+        """Replace gate_proj and up_proj by one FusedLinear over their stacked weights."""
+        if self.gate_up is not None:  # fused already
+            return False
+        self.gate_up = FusedLinear([self.gate_proj, self.up_proj])
+        self.gate_proj = self.up_proj = None
+        return True
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(activation(self.act)(gate) * up)

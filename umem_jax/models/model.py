@@ -40,6 +40,23 @@ class Model:
         graphdef, params = nnx.split(module)
         return cls(module.config, graphdef, params, type(module), **kw)
 
+    def fuse_projections(self) -> "Model":
+        """The same model with every group of column projections that read one input (attention
+        q|k|v, MLP gate|up, gated-DeltaNet qkv|z|b|a) as one matmul over stacked weights.
+
+        Done once after loading (the checkpoint keeps its own names); the stacked copies replace
+        the parts, whose arrays are freed when the caller drops this Model.  Same math: each
+        output column is the same dot product.  Modules without a `fuse_projections` method
+        (Mamba2's in_proj is one matmul already) are left as they are; a fused model comes back as is.
+        """
+        module = nnx.merge(self.graphdef, self.params)
+        iter_modules = getattr(nnx, "iter_modules", None) or (lambda m: m.iter_modules())
+        fusable = [sub for _, sub in iter_modules(module) if hasattr(sub, "fuse_projections")]
+        if not sum(sub.fuse_projections() for sub in fusable):  # nothing to fuse, or fused already
+            return self
+        graphdef, params = nnx.split(module)
+        return dataclasses.replace(self, graphdef=graphdef, params=params)
+
     @property
     def param_bytes(self) -> int:
         """Device bytes of the weights (for sizing the arena from what is left)."""

@@ -145,9 +145,9 @@ class NoPEAttention(Attention):
     def project(self, x: jax.Array, positions: jax.Array):
         """x [B, T, d] -> q [B, T, Hq, D], k and v [B, T, Hkv, D]; positions unused."""
         b, t, _ = x.shape
-        return (self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim),
-                self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim),
-                self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim))
+        q, k, v = self.project_qkv(x)
+        return (q.reshape(b, t, self.num_heads, self.head_dim), k.reshape(b, t, self.num_kv_heads, self.head_dim),
+                v.reshape(b, t, self.num_kv_heads, self.head_dim))
 
 
 class SquaredReLUMLP(nnx.Module):

@@ -155,10 +155,11 @@ class GatedAttention(Attention):
         """x [B, T, d] -> q [B, T, Hq, D], gate [B, T, Hq*D], k and v [B, T, Hkv, D]."""
         b, t, _ = x.shape
         hq, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        qg = self.q_proj(x).reshape(b, t, hq, 2 * hd)
+        qg, k, v = self.project_qkv(x)
+        qg = qg.reshape(b, t, hq, 2 * hd)
         q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(b, t, hq * hd)
-        k = self.k_norm(self.k_proj(x).reshape(b, t, hkv, hd))
-        v = self.v_proj(x).reshape(b, t, hkv, hd)
+        k = self.k_norm(k.reshape(b, t, hkv, hd))
+        v = v.reshape(b, t, hkv, hd)
         return self._rope(q, positions), gate, self._rope(k, positions), v
 
     def project(self, x: jax.Array, positions: jax.Array):

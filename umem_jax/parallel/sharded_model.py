@@ -50,6 +50,22 @@ class ShardedModel(Model):
         leaves = jax.tree.leaves(self.params)
         return sum(x.nbytes // self.tp if s else x.nbytes for x, s in zip(leaves, self.stacked))
 
+    def fuse_projections(self) -> "ShardedModel":
+        """Model.fuse_projections on the per-device module.  The fused weights are column-parallel
+        like their parts: stacked [tp, sum(out_local), in], concatenated per device (axis -2) and
+        kept on the tp axis, so device r's fused matrix holds exactly its heads' rows."""
+        flags = {_name(p): s for (p, _), s in zip(jax.tree_util.tree_flatten_with_path(self.params)[0], self.stacked)}
+        fused = Model.fuse_projections(self)
+        if fused is self:
+            return self
+        got, treedef = jax.tree_util.tree_flatten_with_path(fused.params)
+        leaves, stacked = [], []
+        for path, x in got:
+            s = flags.get(_name(path), True)  # a new leaf is a fused column-parallel weight: split
+            leaves.append(jax.device_put(x, NamedSharding(self.mesh, P(TP_AXIS) if s else P())))
+            stacked.append(s)
+        return dataclasses.replace(fused, params=jax.tree.unflatten(treedef, leaves), stacked=tuple(stacked))
+
     def _specs(self) -> list:
         return [P(TP_AXIS) if s else P() for s in self.stacked]
 

@@ -83,6 +83,7 @@ class EngineConfig:
     check_at_idle: bool = True
     debug_nan: bool = False
     tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
+    fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
 
     def __post_init__(self):
         if self.memory_mode not in ("unified", "static"):
@@ -104,6 +105,8 @@ class LLMEngine:
             from ..parallel.sharded_model import shard_model
 
             self.model = shard_model(self.model, cfg.tensor_parallel_size)
+        if cfg.fuse_projections:  # before sizing the arena: the separate weights are freed here
+            self.model = self.model.fuse_projections()
         mc = self.model.config
         kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
             mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
