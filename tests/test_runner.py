@@ -269,3 +269,21 @@ def test_engine_text_leaves_stop_token_out():
     assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop
     tok = m.get_tokenizer()
     assert out.text == tok.decode(full.token_ids[:k]) and full.text == tok.decode(full.token_ids)
+
+
+def test_layout_fields_start_256_byte_aligned():
+    """Kernels get views of the packed metadata (the page tables, q/kv lengths, slots): each of
+    those starts on a 256-byte boundary of the buffer; the sampling fields stay one block."""
+    from umem_jax.serving.runner import FIELD_ALIGN, Layout, _ROW_SAMPLING
+
+    for B, T, P, kc in [(1, 1, 3, 0), (5, 17, 7, 2), (64, 1, 129, 0)]:
+        lay = Layout(B, T, P, ("full", "sliding_4096"), 64, 3, True, kc)
+        offs = {n: at for n, (at, _) in lay.offsets.items() if n != "_size"}
+        for name, at in offs.items():
+            if name not in _ROW_SAMPLING[1:]:
+                assert at % FIELD_ALIGN == 0 and FIELD_ALIGN * 4 == 256, (name, at)
+        a = offs[_ROW_SAMPLING[0]]
+        assert [offs[f] for f in _ROW_SAMPLING] == [a + j * B for j in range(len(_ROW_SAMPLING))]
+        ends = sorted((at, at + int(np.prod(shape))) for n, (at, shape) in lay.offsets.items() if n != "_size")
+        assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:]))  # no overlap
+        assert lay.size >= ends[-1][1]

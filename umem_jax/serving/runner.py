@@ -31,6 +31,7 @@ from ..models.batch import Batch
 from .sampler import SamplingBatch, sample, sample_with_penalties
 from .scheduler import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 
+FIELD_ALIGN = 64  # int32 words: 256 bytes
 _INT_SAMPLING = ("top_k", "seed", "step")
 _FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -61,8 +62,14 @@ class Layout:
 
     @functools.cached_property
     def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Every field but the sampling block's later ones starts at a multiple of FIELD_ALIGN:
+        unpack's slices are views of the meta buffer (no copy), and a kernel may require 256-byte
+        aligned inputs (the Mosaic GPU prefill refused an unaligned page-table view on the H200:
+        "Input buffer 2 is not 256-byte aligned").  The sampling fields stay one block."""
         out, at = {}, 0
         for name, shape in self.fields():
+            if name not in _ROW_SAMPLING[1:]:  # the per-row sampling fields stay one block
+                at = -(-at // FIELD_ALIGN) * FIELD_ALIGN
             out[name] = (at, shape)
             at += int(np.prod(shape))
         out["_size"] = (at, ())
