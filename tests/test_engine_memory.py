@@ -15,21 +15,21 @@ LONG = prompts(5, 17, 40, 70, seed=4)
 
 
 def test_retraction_outputs_identical_to_unconstrained():
-    # new_token_ratio=0: admit on the current pass alone, so decode outgrows the arena
+    # new_token_ratio=0: admission reserves whole prompts but no outputs, so decode outgrows the arena
     tight = llm(new_token_ratio=0.0)
-    outs = tight.generate(LONG, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    outs = tight.generate(LONG, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
     e = tight.llm_engine
     assert e.scheduler.num_retractions > 0
     assert e.stats()["num_moved_pages"] > 0  # pages were relocated under the live requests, data followed
     assert 0 < e.stats()["num_compactions"] <= sum(e.num_steps.values())
     assert sum(o.metrics.num_retractions for o in outs) == e.scheduler.num_retractions
-    assert [o.outputs[0].token_ids for o in outs] == dense_greedy(LONG, 50)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy(LONG, 70)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     assert_idle_clean(tight)
 
 
 def test_seeded_sampling_survives_retraction():
-    sp = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=50, ignore_eos=True) for i in range(4)]
+    sp = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=70, ignore_eos=True) for i in range(4)]
     tight = llm(new_token_ratio=0.0)
     squeezed = tight.generate(LONG, sp)
     assert tight.llm_engine.scheduler.num_retractions > 0

@@ -196,3 +196,19 @@ def test_buckets():
         Buckets.pick(b.batch, 49)
     with pytest.raises(ValueError):
         Buckets((1,), (1,), (8,))
+
+
+def test_chunked_prompt_rest_is_reserved_at_admission():
+    """A long prompt arriving while short requests decode is admitted only when ALL of its prompt
+    fits beside their reservations.  Priced on its first chunk alone (the rule before), it was
+    admitted at once in this arena, its later chunks then ran the decoding requests out of pages,
+    and it was retracted and recomputed: one retraction, 49 steps instead of 43."""
+    sim = make(220 << 10, max_num_seqs=8)
+    for _ in range(4):
+        sim.add(20, 30)
+    for _ in range(3):
+        sim.step()
+    long = sim.add(200, 4)
+    sim.run()
+    assert sim.sch.num_retractions == 0 and long.metrics.num_retractions == 0
+    assert long.num_output == 4 and len(sim.steps) == 43

@@ -157,7 +157,7 @@ class Scheduler(PrefixSharing):
                 if admitted:
                     ok = self._fits_or_evict(lambda: d) or self._make_room(lambda: d, req, rows)
                     break
-                fut = self.demand.reservation(req, self._reserve_tokens(req), after=end)
+                fut = self.demand.reservation(req, self._reserve_tokens(req, after=end), after=end)
                 need = lambda: d + fut + self._reservations() + admitted_fut
                 ok = self._fits_or_evict(need)
                 if not ok and not self.running:
@@ -235,19 +235,26 @@ class Scheduler(PrefixSharing):
         return [r for r in rows if len(r.pages) * ps <= r.num_computed or len(r.slots) < slots]
 
     # ------------------------------------------------------------------ pressure
-    def _reserve_tokens(self, req: Request) -> int:
-        return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
+    def _reserve_tokens(self, req: Request, after: int | None = None) -> int:
+        """Tokens to keep free for `req` beyond `after` (default: what it has computed): the rest
+        of its prompt, all of it (a chunked prompt needs every page before its first output; left
+        out, later admissions take those pages and the prompt's next chunk retracts them), plus
+        the decaying ratio of the outputs it may still produce."""
+        a = req.num_computed if after is None else after
+        rest = 0 if req.decode_ready and after is None else max(0, req.num_tokens - a)
+        return rest + math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
 
     def _reservations(self) -> Demand:
-        """Decode reservations of every running request (what admission must leave free);
+        """Reservations of every running request: the rest of a chunked prompt and the decode
+        reservation (what admission must leave free);
         memoised within one prefill schedule until a retraction changes the running set (the
         requests admitted meanwhile are not decoding yet: their share is `admitted_fut`)."""
         key = self.num_retractions
         if self._reserved is not None and self._reserved[0] == key:
             return self._reserved[1]
         total = Demand()
-        for r in self.running:
-            if r.decode_ready and r.wants_step:
+        for r in self.running:  # decoding, or admitted with part of its prompt still to compute
+            if r.wants_step or not r.decode_ready:
                 total = total + self.demand.reservation(r, self._reserve_tokens(r))
         self._reserved = (key, total)
         return total
