@@ -171,6 +171,22 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, model_ro
             if not s.finished:
                 engine.abort(s.request_id)
 
+    def _event_stream(streams, chunks) -> StreamingResponse:
+        """SSE response of the `chunks` async generator (response models): an error mid-stream
+        becomes an error event, whatever is unfinished is aborted (frees its pages) and the
+        stream ends with [DONE] in every case."""
+        async def events():
+            try:
+                async for chunk in chunks:
+                    yield _sse(chunk)
+            except APIError as e:
+                yield _sse(error_body(e.status, e.message))
+            finally:
+                _abort_unfinished(streams)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
         model = _check(body)
@@ -181,23 +197,17 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, model_ro
         streams, q = await _start(prompts, body, rid)
         usage = lambda toks: UsageInfo.of(sum(s.prompt_tokens for s in streams), sum(toks))
         if body.stream:
-            async def events():
+            async def chunks():
                 toks = [0] * len(streams)
-                try:
-                    async for i, d in _deltas(streams, q, None):
-                        toks[i] = d.completion_tokens
-                        if d.text or d.finish_reason is not None:
-                            yield _sse(CompletionChunk(id=rid, model=model, choices=[CompletionChoice(
-                                index=i, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason)]))
-                    if body.include_usage:
-                        yield _sse(CompletionChunk(id=rid, model=model, choices=[], usage=usage(toks)))
-                except APIError as e:
-                    yield _sse(error_body(e.status, e.message))
-                finally:
-                    _abort_unfinished(streams)
-                yield "data: [DONE]\n\n"
+                async for i, d in _deltas(streams, q, None):
+                    toks[i] = d.completion_tokens
+                    if d.text or d.finish_reason is not None:
+                        yield CompletionChunk(id=rid, model=model, choices=[CompletionChoice(
+                            index=i, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                if body.include_usage:
+                    yield CompletionChunk(id=rid, model=model, choices=[], usage=usage(toks))
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(streams, chunks())
         texts, toks, ends = [""] * len(streams), [0] * len(streams), [(None, None)] * len(streams)
         try:
             async for i, d in _deltas(streams, q, raw):
@@ -223,27 +233,21 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, model_ro
         rid = random_id("chatcmpl")
         streams, q = await _start([ids], body, rid)
         if body.stream:
-            async def events():
+            async def chunks():
                 toks = 0
-                try:
-                    yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                        index=0, delta=DeltaMessage(role="assistant", content=""))]))
-                    async for _, d in _deltas(streams, q, None):
-                        toks = d.completion_tokens
-                        if d.text or d.finish_reason is not None:
-                            yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                                index=0, delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason,
-                                stop_reason=d.stop_reason)]))
-                    if body.include_usage:
-                        yield _sse(ChatCompletionChunk(id=rid, model=model, choices=[],
-                                                       usage=UsageInfo.of(streams[0].prompt_tokens, toks)))
-                except APIError as e:
-                    yield _sse(error_body(e.status, e.message))
-                finally:
-                    _abort_unfinished(streams)
-                yield "data: [DONE]\n\n"
+                yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+                    index=0, delta=DeltaMessage(role="assistant", content=""))])
+                async for _, d in _deltas(streams, q, None):
+                    toks = d.completion_tokens
+                    if d.text or d.finish_reason is not None:
+                        yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+                            index=0, delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason,
+                            stop_reason=d.stop_reason)])
+                if body.include_usage:
+                    yield ChatCompletionChunk(id=rid, model=model, choices=[],
+                                              usage=UsageInfo.of(streams[0].prompt_tokens, toks))
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return _event_stream(streams, chunks())
         text, toks, end = "", 0, (None, None)
         try:
             async for _, d in _deltas(streams, q, raw):
