@@ -63,6 +63,8 @@ def parse(argv=None):
     ap.add_argument("--static-ratios", default=None, help="swa:mamba pairs (default: 0.8:0.9 and four more)")
     ap.add_argument("--n-short", type=int, default=128, help="short requests of the state-heavy trace")
     ap.add_argument("--short", default="512,128", help="short request: input,output tokens")
+    ap.add_argument("--long", default=None, help="long request: input,output tokens (default: the model's, e.g. "
+                    "16384,256; longer outputs make the trace decode-bound, where the memory split decides)")
     ap.add_argument("--phase-s", type=float, default=2.0, help="seconds between the shifting trace's phases")
     ap.add_argument("--jitter", type=float, default=0.2, help="request lengths uniform within +-this fraction")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
             print(f"unknown model {name!r}; choose from {', '.join(MODELS)}", file=sys.stderr)
             return 2
         spec = spec if small else MODELS[name]
+        if args.long and not small:
+            spec = dict(spec, long=tuple(int(x) for x in args.long.split(",")))
         wls = workloads(names, spec, short=short, n_short=args.n_short, phase_s=args.phase_s, jitter=args.jitter,
                         seed=args.seed)
         ps = args.page_size

@@ -7,14 +7,15 @@ One model (random bf16 weights, made on the device), one arena, one batch of B r
 (page tables from the engine's allocator, as bench_models does); then the same donated step
 compiled in variants, each timed (median of --trials runs of --iters back-to-back steps):
 
-  full           the step as served (bench_models' decode row)
+  full           the step with separate projections (as served before Model.fuse_projections)
   no_gdn         gated DeltaNet state kernels replaced by a stub (zeros out, arena untouched)
   no_attn        K/V write and paged decode attention stubbed
   no_head        LM head replaced by a [B, 128] slice of it
   no_kernels     no_gdn + no_attn: what remains is XLA (projections, norms, MLPs, glue)
   fused_proj     full, with each GDN layer's four input projections (qkv, z, b, a) as one matmul
                  and each MLP's gate/up as one, over weights concatenated once before timing
-                 (fewer, larger GEMM launches; the same bytes)
+                 (fewer, larger GEMM launches; the same bytes).  The engine now serves this way
+                 (plus attention q|k|v), see Model.fuse_projections
 and isolated kernels at the step's shapes: one GDN decode layer, one attention layer's decode
 (K/V read at ctx), the LM head matmul.  The table gives ms, the difference to `full`, the bytes
 each part must move and the rate that implies; the last line counts the kernels (fusions, custom
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
     silence_triton_deprecation()
     t0 = time.time()
     deadline = t0 + a.budget
-    cfg = bm.qwen35_4b_like("bfloat16")
+    cfg = bm.qwen3_5_4b_like("bfloat16")
     if a.small:
         cfg = bm._qwen_tiny(cfg)
         a.batch, a.ctx, a.arena_gib, a.iters, a.trials = 2, 64, 1 / 32, 1, 1
