@@ -86,3 +86,19 @@ def test_fused_linear_splits_in_part_order():
 def test_fusing_twice_is_a_no_op():
     fused = tiny_model(seed=1).fuse_projections()
     assert fused.fuse_projections() is fused
+
+
+def test_donated_fusion_deletes_the_parts():
+    """donate=True (what the engine does with a model it loaded): each part's array is deleted as
+    soon as its group is stacked, the fused model is the same model, the rest is untouched."""
+    model = tiny_model(seed=2, dtype="float32")
+    ref = model.fuse_projections()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(1, model.config.vocab_size, size=(1, 11)), jnp.int32)
+    want = np.asarray(ref.dense_logits(ref.params, tokens))
+    donor = tiny_model(seed=2, dtype="float32")
+    before = jax.tree_util.tree_flatten_with_path(donor.params)[0]
+    fused = donor.fuse_projections(donate=True)
+    keys = lambda path: [str(k.key) for k in path if hasattr(k, "key")]
+    gone = {keys(p)[keys(p).index("weight") - 1] for p, x in before if x.is_deleted()}
+    assert gone == {n for n in SEPARATE if n in _names(donor.params)}  # every part, nothing else
+    np.testing.assert_array_equal(np.asarray(fused.dense_logits(fused.params, tokens)), want)

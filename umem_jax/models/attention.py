@@ -71,11 +71,11 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.qkv_proj = nnx.data(None)  # FusedLinear over q | k | v once fuse_projections() ran
 
-    def fuse_projections(self) -> bool:
+    def fuse_projections(self, donate: bool = False) -> bool:
         """Replace q_proj, k_proj and v_proj by one FusedLinear over their stacked weights."""
         if self.qkv_proj is not None:  # fused already
             return False
-        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = FusedLinear([self.q_proj, self.k_proj, self.v_proj], donate=donate)
         self.q_proj = self.k_proj = self.v_proj = None
         return True
 

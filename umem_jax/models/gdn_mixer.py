@@ -50,11 +50,11 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(self.value_dim, hidden, dtype=dtype, rngs=rngs)
         self.in_proj = nnx.data(None)  # FusedLinear over qkv | z | b | a once fuse_projections() ran
 
-    def fuse_projections(self) -> bool:
+    def fuse_projections(self, donate: bool = False) -> bool:
         """Replace the four input projections by one FusedLinear over their stacked weights."""
         if self.in_proj is not None:  # fused already
             return False
-        self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.in_proj = FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a], donate=donate)
         self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
         return True
 

@@ -40,19 +40,21 @@ class Model:
         graphdef, params = nnx.split(module)
         return cls(module.config, graphdef, params, type(module), **kw)
 
-    def fuse_projections(self) -> "Model":
+    def fuse_projections(self, *, donate: bool = False) -> "Model":
         """The same model with every group of column projections that read one input (attention
         q|k|v, MLP gate|up, gated-DeltaNet qkv|z|b|a) as one matmul over stacked weights.
 
         Done once after loading (the checkpoint keeps its own names); the stacked copies replace
-        the parts, whose arrays are freed when the caller drops this Model.  Same math: each
+        the parts, whose arrays are freed when the caller drops this Model -- or at once, layer by
+        layer, with donate=True (this Model's params are then unusable: the engine donates a
+        model it loaded itself, so the weights never exist twice).  Same math: each
         output column is the same dot product.  Modules without a `fuse_projections` method
         (Mamba2's in_proj is one matmul already) are left as they are; a fused model comes back as is.
         """
         module = nnx.merge(self.graphdef, self.params)
         iter_modules = getattr(nnx, "iter_modules", None) or (lambda m: m.iter_modules())
         fusable = [sub for _, sub in iter_modules(module) if hasattr(sub, "fuse_projections")]
-        if not sum(sub.fuse_projections() for sub in fusable):  # nothing to fuse, or fused already
+        if not sum(sub.fuse_projections(donate) for sub in fusable):  # nothing to fuse, or fused already
             return self
         graphdef, params = nnx.split(module)
         return dataclasses.replace(self, graphdef=graphdef, params=params)

@@ -50,12 +50,12 @@ class ShardedModel(Model):
         leaves = jax.tree.leaves(self.params)
         return sum(x.nbytes // self.tp if s else x.nbytes for x, s in zip(leaves, self.stacked))
 
-    def fuse_projections(self) -> "ShardedModel":
+    def fuse_projections(self, *, donate: bool = False) -> "ShardedModel":
         """Model.fuse_projections on the per-device module.  The fused weights are column-parallel
         like their parts: stacked [tp, sum(out_local), in], concatenated per device (axis -2) and
         kept on the tp axis, so device r's fused matrix holds exactly its heads' rows."""
         flags = {_name(p): s for (p, _), s in zip(jax.tree_util.tree_flatten_with_path(self.params)[0], self.stacked)}
-        fused = Model.fuse_projections(self)
+        fused = Model.fuse_projections(self, donate=donate)
         if fused is self:
             return self
         got, treedef = jax.tree_util.tree_flatten_with_path(fused.params)

@@ -105,8 +105,8 @@ class LLMEngine:
             from ..parallel.sharded_model import shard_model
 
             self.model = shard_model(self.model, cfg.tensor_parallel_size)
-        if cfg.fuse_projections:  # before sizing the arena: the separate weights are freed here
-            self.model = self.model.fuse_projections()
+        if cfg.fuse_projections:  # before sizing the arena; a model this engine made is donated
+            self.model = self.model.fuse_projections(donate=self.model is not cfg.model)
         mc = self.model.config
         kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
             mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
