@@ -1,0 +1,162 @@
+"""The scheduler's memory decisions on a serving trace, on the host: no model, no device.
+
+    python3 benchmarks/simulate_admission.py                       # qwen3.5-4b-like, bench_serving's shifting trace
+    python3 benchmarks/simulate_admission.py --short 512,1024 --long 8192,1024 --arena-gib 2.5
+
+The engine's own pieces (plan from the model's declarations, sized arena, ChainAllocator with or
+without static regions, DemandModel, Scheduler) run the trace that benchmarks/bench_serving.py
+drives on the GPU, with the same engine settings; a step "takes" the time of a simple cost model
+fitted to the H200 (bench_models / bench_engine, 2026-12-02):
+
+    prefill step  PREFILL_S_PER_TOKEN * tokens computed          (2048-token chunk ~ 100 ms)
+    decode step   DECODE_BASE_S + DECODE_S_PER_ROW * rows + K/V read at the rows' lengths
+
+so arrivals interleave with steps roughly as on the GPU.  What it reports is exact for the
+scheduler (admissions, retractions, peak running, utilization of the arena by live requests);
+the times are the cost model's, so tok/s here is a model figure, not a measurement.
+
+`--rule before` replays admission as it was before it reserved the rest of a chunked prompt
+(the first chunk alone was priced), to show what that change does to retractions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+from umem_jax.bench.sweep import static_configs  # noqa: E402
+from umem_jax.memory import ChainAllocator, plan as make_plan, size_arena, static_regions  # noqa: E402
+from umem_jax.memory.sizing import budget_bytes  # noqa: E402
+from umem_jax.models.registry import build_random  # noqa: E402
+from umem_jax.serving.demand import DemandModel  # noqa: E402
+from umem_jax.serving.request import Request, RequestStatus  # noqa: E402
+from umem_jax.serving.sampling_params import SamplingParams  # noqa: E402
+from umem_jax.serving.scheduler import Buckets, Scheduler, SchedulerConfig  # noqa: E402
+
+PREFILL_S_PER_TOKEN = 100e-3 / 2048
+DECODE_BASE_S = 2.6e-3  # weights of a 4B model at ~3.3 TB/s
+DECODE_S_PER_ROW = 0.03e-3  # 24 gated-DeltaNet layers' state read + written per row
+KV_S_PER_TOKEN = 32 * 1024 / 3.3e12  # Qwen3.5-4B-like: 8 attention layers x 4 KV heads x 256 x K,V in bf16
+
+
+def _before(self, req, after=None):  # the rule before: outputs only
+    return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
+
+
+def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
+             max_model_len: int, rule: str = "now", **sched_kw) -> dict:
+    regions = None
+    if mem.mode == "static":
+        regions = static_regions(plan, num_rows, swa_full_tokens_ratio=mem.swa_full_tokens_ratio,
+                                 mamba_full_memory_ratio=mem.mamba_full_memory_ratio)
+    alloc = ChainAllocator(plan, num_rows, static_regions=regions)
+    buckets = Buckets.default(max_num_seqs, budget_tokens, -(-max_model_len // page_size))
+    dm = DemandModel(plan, chunk=min(budget_tokens, buckets.tokens[-1]),
+                     empty=ChainAllocator(plan, num_rows, static_regions=regions))
+    sch = Scheduler(SchedulerConfig(max_num_seqs, budget_tokens, buckets, **sched_kw), alloc, dm)
+    if rule == "before":
+        sch._reserve_tokens = _before.__get__(sch)
+    windows = tuple(n for n, _ in dm.windows)
+    pending = sorted(trace.requests, key=lambda r: r.arrival_s)
+    t, i, out_tokens, steps, peak, util = 0.0, 0, 0, 0, 0, []
+    while i < len(pending) or sch.has_work():
+        while i < len(pending) and pending[i].arrival_s <= t:
+            r = pending[i]
+            m = dm.clip(r.input_len, r.output_len)
+            req = Request(str(i), None, [5] * r.input_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                          arrival=i, seed=0, max_tokens=m if m is not None else r.output_len, windows=windows)
+            sch.add(req)
+            i += 1
+        if not sch.has_work():
+            t = pending[i].arrival_s
+            continue
+        b = sch.schedule()
+        if b is None:
+            raise RuntimeError("the scheduler stalled with work queued")
+        steps += 1
+        peak = max(peak, len(sch.running))
+        if b.kind == "prefill":
+            t += PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
+        else:
+            t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + KV_S_PER_TOKEN * sum(r.end for r in b.rows)
+        if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: how much of it live requests hold
+            u = alloc.usage()
+            util.append(u.live_bytes / u.total_bytes)
+        for row in b.rows:
+            if row.sample:
+                row.req.output_token_ids.append(7)
+                out_tokens += 1
+                if row.req.num_output >= row.req.max_tokens:
+                    sch.finish(row.req, RequestStatus.FINISHED_LENGTH)
+        alloc.take_moves()
+    assert not alloc.leaks()
+    return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
+                retractions=sch.num_retractions, util=float(np.mean(util)) if util else None)
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv=None) -> list[dict]:
+    """Parse argv, simulate every (rule, configuration), print a line each -> the rows."""
+    import bench_serving as bs
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen3.5-4b-like", choices=sorted(bs.MODELS))
+    ap.add_argument("--workload", default="shifting", choices=bs.ORDER)
+    ap.add_argument("--arena-gib", type=float, default=None)
+    ap.add_argument("--short", default="512,128")
+    ap.add_argument("--long", default=None)
+    ap.add_argument("--n-short", type=int, default=128)
+    ap.add_argument("--phase-s", type=float, default=2.0)
+    ap.add_argument("--static-ratios", default=None)
+    ap.add_argument("--ratio", type=float, default=None, help="SchedulerConfig.new_token_ratio (default the engine's)")
+    ap.add_argument("--min-ratio", type=float, default=None, help="SchedulerConfig.min_new_token_ratio")
+    ap.add_argument("--decay", type=float, default=None, help="SchedulerConfig.new_token_ratio_decay")
+    ap.add_argument("--rule", default="now,before", help="comma list: now (reserve a chunked prompt's rest), before")
+    a = ap.parse_args(argv)
+    from umem_jax.bench.workload import Shape
+
+    spec = dict(bs.MODELS[a.model])
+    if a.long:
+        spec["long"] = tuple(int(x) for x in a.long.split(","))
+    short = Shape(*(int(x) for x in a.short.split(",")))
+    (trace,) = bs.workloads([a.workload], spec, short=short, n_short=a.n_short, phase_s=a.phase_s, jitter=0.2, seed=0)
+    page_size, max_num_seqs, budget_tokens = 16, 64, 2048
+    mml = -(-(trace.max_len + page_size) // page_size) * page_size
+    model = build_random(a.model, abstract=True)
+    plan = make_plan(model.decls(), page_size=page_size)
+    arena = a.arena_gib if a.arena_gib is not None else spec["arena_gib"]
+    num_rows = size_arena(plan, budget_bytes(fixed_bytes=int(arena * 2**30), plan=plan)).num_rows
+    from umem_jax.bench.driver import MemoryConfig
+
+    configs = [MemoryConfig()] + static_configs(plan, a.static_ratios)
+    print(f"{a.model}, {trace.describe()}, arena {arena:g} GiB; "
+          f"cost model: prefill {PREFILL_S_PER_TOKEN * 2048 * 1e3:.0f} ms per 2048 tokens, decode "
+          f"{DECODE_BASE_S * 1e3:.1f} ms + {DECODE_S_PER_ROW * 1e3:.2f} ms per row + K/V", flush=True)
+    sched_kw = {k: v for k, v in (("new_token_ratio", a.ratio), ("min_new_token_ratio", a.min_ratio),
+                                   ("new_token_ratio_decay", a.decay)) if v is not None}
+    rows = []
+    for rule in [r.strip() for r in a.rule.split(",") if r.strip()]:
+        for mem in configs:
+            rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
+                                 page_size=page_size, max_model_len=mml, rule=rule, **sched_kw))
+            r = rows[-1]
+            print(f"  {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
+                  f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  "
+                  f"{r['retractions']:>3} retractions  utilization under load "
+                  f"{'-' if r['util'] is None else format(r['util'], '.2f')}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
