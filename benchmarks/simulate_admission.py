@@ -65,15 +65,19 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         sch._reserve_tokens = _before.__get__(sch)
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
-    t, i, out_tokens, steps, peak, util = 0.0, 0, 0, 0, 0, []
+    t, i, out_tokens, steps, peak, util, refused, clipped = 0.0, 0, 0, 0, 0, [], 0, 0
     while i < len(pending) or sch.has_work():
         while i < len(pending) and pending[i].arrival_s <= t:
             r = pending[i]
             m = dm.clip(r.input_len, r.output_len)
-            req = Request(str(i), None, [5] * r.input_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                          arrival=i, seed=0, max_tokens=m if m is not None else r.output_len, windows=windows)
-            sch.add(req)
             i += 1
+            if m is None:  # the engine refuses it at arrival: it does not fit even an empty arena
+                refused += 1
+                continue
+            clipped += m < r.output_len
+            req = Request(str(i), None, [5] * r.input_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                          arrival=i, seed=0, max_tokens=m, windows=windows)
+            sch.add(req)
         if not sch.has_work():
             t = pending[i].arrival_s
             continue
@@ -98,7 +102,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         alloc.take_moves()
     assert not alloc.leaks()
     return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
-                retractions=sch.num_retractions, util=float(np.mean(util)) if util else None)
+                retractions=sch.num_retractions, util=float(np.mean(util)) if util else None, refused=refused,
+                clipped=clipped)
 
 
 def main(argv=None) -> int:
@@ -154,7 +159,9 @@ def run(argv=None) -> list[dict]:
             print(f"  {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
                   f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  "
                   f"{r['retractions']:>3} retractions  utilization under load "
-                  f"{'-' if r['util'] is None else format(r['util'], '.2f')}", flush=True)
+                  f"{'-' if r['util'] is None else format(r['util'], '.2f')}"
+                  + (f"  refused {r['refused']} (too long for the split)" if r["refused"] else "")
+                  + (f"  clipped {r['clipped']}" if r["clipped"] else ""), flush=True)
     return rows
 
 
