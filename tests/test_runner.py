@@ -12,7 +12,7 @@ import pytest
 from _engine_utils import tiny
 from umem_jax.serving.request import Request
 from umem_jax.serving.runner import _FLOAT_SAMPLING, _INT_SAMPLING, RowCache
-from umem_jax.serving.sampler import SamplingBatch
+from umem_jax.serving.sampler import MODES, SamplingBatch, sampling_mode
 from umem_jax.serving.sampling_params import SamplingParams
 from umem_jax.serving.scheduler import Row, ScheduledBatch
 
@@ -29,7 +29,15 @@ def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
     """The per-row packing (what launch did before it was vectorised)."""
     rows = batch.rows
     penalties = any(r.sample and r.req.params.has_penalties for r in rows)
-    lay = runner.layout(batch, penalties)
+    need = max((MODES.index(sampling_mode(r.req.params.temperature, max(r.req.params.top_k, 0), r.req.params.top_p,
+                                          r.req.params.min_p)) for r in rows if r.sample), default=0)
+    lay = runner.layout(batch, penalties, MODES[need])
+    for mode in MODES[need + 1:]:  # a covering mode already compiled is reused
+        if lay in runner._ready:
+            break
+        cover = runner.layout(batch, penalties, mode)
+        if cover in runner._ready:
+            lay = cover
     meta = np.zeros(lay.size, np.int32)
     v = lay.host_views(meta)
     v["src"][:] = -1
@@ -287,3 +295,42 @@ def test_layout_fields_start_256_byte_aligned():
         ends = sorted((at, at + int(np.prod(shape))) for n, (at, shape) in lay.offsets.items() if n != "_size")
         assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:]))  # no overlap
         assert lay.size >= ends[-1][1]
+
+
+def test_sampler_mode_is_the_least_the_rows_need_and_a_compiled_cover_is_reused():
+    """The step's sampler variant is static (no lax.cond, see the next test): greedy batches
+    never trace the vocabulary sort; a sampled row with a cut selects "cuts"; a batch whose
+    least mode was not compiled runs in a compiled mode that covers it instead of compiling."""
+    h = Harness()
+    greedy = SamplingParams(temperature=0.0, max_tokens=64)
+    plain = SamplingParams(temperature=0.8, max_tokens=64)
+    cut = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=64)
+    a, b = h.request(out=3, params=greedy, pages=4), h.request(out=3, params=plain, pages=4)
+    h.check(decode([a]))
+    assert h.calls[-1][1].sampling == "greedy"
+    h.check(decode([a, b]))
+    assert h.calls[-1][1].sampling == "random"
+    c = h.request(out=3, params=cut, pages=4)
+    h.check(decode([a, c]))
+    lay_cuts = h.calls[-1][1]
+    assert lay_cuts.sampling == "cuts" and lay_cuts.B == 2
+    # At a shape where only "cuts" is ready (as precompile leaves it), a "random" batch uses it.
+    lay_new = h.runner._shape(4, 1, 8, False, 0, "cuts")[0]
+    h.runner._ready.add(lay_new)
+    d = h.request(out=3, params=plain, pages=4)
+    h.check(decode([b, d, a]))  # B bucket 4: only "cuts" is ready there
+    assert h.calls[-1][1] == lay_new
+
+
+@pytest.mark.parametrize("mode", ["greedy", "random", "cuts"])
+def test_step_has_no_device_conditional(mode):
+    """XLA on the GPU decides a conditional on the host (predicate copied back, stream
+    synchronised), which would block the launch of the next step behind this one: the decode
+    step must contain none, in any sampler mode.  (Loops are not checked: on the CPU the
+    sampler's threefry lowers to a rolled loop, on the GPU to one kernel.)"""
+    eng = _engine(kernel_impl="reference")
+    r = eng.runner
+    for B, T, P, kc in ((2, 1, 8, 0), (2, 16, 8, r.kc)):  # decode, and prefill with state checkpoints
+        lay, template, _ = r._shape(B, T, P, False, kc, mode)
+        text = r._step.lower(r._leaves(), r.arena, template, r._prev, None, lay).as_text()
+        assert "stablehlo.if" not in text and "stablehlo.case" not in text, (B, T, mode)

@@ -4,15 +4,34 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from umem_jax.serving.sampler import SamplingBatch, apply_penalties, sample
+from umem_jax.serving.sampler import MODES, SamplingBatch, apply_penalties, sample
 from umem_jax.serving.sampling_params import SamplingParams
 
 
-def run(logits, params, seeds=None, steps=None):
+def run(logits, params, seeds=None, steps=None, mode=None):
+    """Tokens in the least sampler mode the rows need (as the engine picks it), or in `mode`."""
     B = logits.shape[0]
     n = len(params)
     sb = SamplingBatch.build(params, seeds or list(range(n)), steps or [0] * n, B)
-    return np.asarray(sample(jnp.asarray(logits), **sb.arrays()))
+    return np.asarray(sample(jnp.asarray(logits), **sb.arrays(), mode=mode or sb.mode))
+
+
+def test_every_mode_that_covers_the_rows_gives_the_same_tokens():
+    """The engine compiles the sampler per mode and may run a batch in a covering mode that was
+    compiled already: a row's token must not depend on which."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(8, 300)).astype(np.float32) * 2
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    mixed = greedy + [SamplingParams(temperature=0.9)] * 3
+    cut = mixed + [SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=1.1, top_p=0.5)]
+    for ps, least in ((greedy, "greedy"), (mixed, "random"), (cut, "cuts")):
+        sb = SamplingBatch.build(ps, list(range(len(ps))), [4] * len(ps), 8)
+        assert sb.mode == least
+        outs = [run(logits, ps, steps=[4] * len(ps), mode=m) for m in MODES[MODES.index(least):]]
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+    with pytest.raises(ValueError, match="sampling mode"):
+        run(logits, greedy, mode="nucleus")
 
 
 def test_greedy_is_argmax_and_padding_rows_are_greedy():

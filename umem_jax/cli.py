@@ -139,6 +139,16 @@ def _capacity(engine) -> str:
             f"(--max-num-seqs {cfg.max_num_seqs}); each band alone: {'; '.join(kinds)}")
 
 
+def _sampling_modes(text: str) -> tuple[str, ...]:
+    from .serving.sampler import MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise SystemExit(f"--warmup-sampling {text!r}: a comma list of {', '.join(MODES)}")
+    return modes
+
+
 def _serve(args) -> int:
     from .serving.api_server import serve
     from .serving.async_engine import AsyncLLMEngine
@@ -147,7 +157,8 @@ def _serve(args) -> int:
     engine = _engine(args)
     names = args.served_model_name or [str(args.model or args.model_path)]
     aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
-                          warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes)
+                          warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes,
+                          warmup_sampling=_sampling_modes(args.warmup_sampling))
     print(f"serving {names} on http://{args.host}:{args.port} (GET /health is 503 until warm)", flush=True)
     serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path))
     return 0
@@ -253,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--warmup-shapes", type=int, default=32,
                    help="step shapes compiled before /health turns 200, decode first (-1: every reachable one; "
                    "the rest compile on first use; compiled steps are kept on disk for the next start)")
+    s.add_argument("--warmup-sampling", default="greedy,cuts",
+                   help="sampler variants each warm-up shape is compiled in: greedy (temperature 0), random "
+                   "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request)")
     s.set_defaults(fn=_serve)
 
     g = sub.add_parser("generate", help="generate for one prompt, then print the arena memory per band")

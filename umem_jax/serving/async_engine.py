@@ -100,16 +100,17 @@ class AsyncLLMEngine:
     EngineOverloaded (None: no limit); metrics: where to count; warmup: run one short request
     before reporting ready (compiles the smallest prefill and decode shapes); warmup_shapes: before
     that, compile this many of the reachable step shapes, decode first (LLMEngine.warmup; None:
-    all of them, 0: none)."""
+    all of them, 0: none), each in the sampler modes of warmup_sampling."""
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = 1024,
                  metrics: EngineMetrics | None = None, warmup: bool = True, warmup_shapes: int | None = 0,
-                 metrics_interval_s: float = 0.25):
+                 warmup_sampling=("greedy", "cuts"), metrics_interval_s: float = 0.25):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self.warmup = warmup
         self.warmup_shapes = warmup_shapes
+        self.warmup_sampling = tuple(warmup_sampling)
         self.metrics_interval_s = metrics_interval_s
         self.error: BaseException | None = None
         self._ready = threading.Event()
@@ -312,7 +313,7 @@ class AsyncLLMEngine:
         eng = self.engine
         t0 = time.perf_counter()
         if self.warmup_shapes != 0:
-            eng.warmup(self.warmup_shapes)
+            eng.warmup(self.warmup_shapes, sampling=self.warmup_sampling)
         eng.add_request(list(range(1, 9)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                         request_id="umem-warmup")
         while eng.has_unfinished_requests():

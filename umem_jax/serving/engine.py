@@ -348,15 +348,17 @@ class LLMEngine:
         return self.buckets.reachable(cfg.max_num_batched_tokens, cfg.page_size, self.scheduler.cfg.max_num_seqs,
                                       self.runner.kc)
 
-    def warmup(self, max_shapes: int | None = None, threads: int = 8) -> int:
-        """Compile step shapes before serving -> how many.  Decode shapes come first (every
-        steady step is one), then prefill; `max_shapes` caps the list (None: all reachable).
-        Shapes left out compile on first use (`num_compilations` counts launched shapes)."""
+    def warmup(self, max_shapes: int | None = None, threads: int = 8, sampling=("greedy",)) -> int:
+        """Compile step shapes before serving -> how many compilations.  Decode shapes come first
+        (every steady step is one), then prefill; `max_shapes` caps the list (None: all
+        reachable); each in every sampler mode of `sampling` ("greedy", "random", "cuts": the
+        last covers any request, the first is the fastest).  Shapes left out compile on first
+        use (`num_compilations` counts launched shapes)."""
         shapes = self.reachable_shapes()
         if max_shapes is not None:
             shapes = shapes[:max_shapes]
         t0 = time.perf_counter()
-        n = self.runner.precompile(shapes, threads=threads)
+        n = self.runner.precompile(shapes, threads=threads, sampling=tuple(sampling))
         log.info("umem_jax: %d step shapes compiled in %.1f s", n, time.perf_counter() - t0)
         return n
 

@@ -28,7 +28,7 @@ from jax import lax
 from ..arena import Arena, apply_moves
 from ..memory.chain import ChainAllocator
 from ..models.batch import Batch
-from .sampler import SamplingBatch, sample, sample_with_penalties
+from .sampler import MODES, SamplingBatch, sample, sample_with_penalties, sampling_mode
 from .scheduler import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 
 FIELD_ALIGN = 64  # int32 words: 256 bytes
@@ -49,6 +49,7 @@ class Layout:
     nban: int  # banned-token columns per row (min_tokens)
     penalties: bool = False
     kc: int = 0  # state checkpoint columns per row (prefill with a prefix cache; 0: none)
+    sampling: str = "greedy"  # the sampler's static mode (sampler.MODES): what the rows need at most
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         B = self.B
@@ -129,9 +130,9 @@ def step_function(model, plan, impl: str | None, interpret: bool, treedef=None):
             samp = [f[n] for n in ("temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty",
                                    "presence_penalty", "frequency_penalty")]
             if layout.penalties:
-                toks = sample_with_penalties(logits, counts[0], counts[1], *samp)
+                toks = sample_with_penalties(logits, counts[0], counts[1], *samp, mode=layout.sampling)
             else:
-                toks = sample(logits, *samp)
+                toks = sample(logits, *samp, mode=layout.sampling)
             out = jnp.zeros((layout.bmax,), jnp.int32).at[: layout.B].set(toks.astype(jnp.int32))
             return out, arena
 
@@ -179,6 +180,7 @@ class RowCache:
         self.vids = np.full((capacity, self.width), -1, np.int32)
         self.samp = np.zeros((capacity, len(_ROW_SAMPLING)), np.int32)
         self.pen = np.zeros(capacity, bool)  # the request's params use penalties
+        self.mode = np.zeros(capacity, np.int8)  # index in sampler.MODES of what the params need
         self.entries: dict[int, list] = {}  # id(req) -> [row, req, pages (copy), params, seed]
         self.free = list(range(capacity - 1, -1, -1))
 
@@ -202,6 +204,7 @@ class RowCache:
         self.samp[row, 3:] = _words([p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
                                      p.frequency_penalty], np.float32)
         self.pen[row] = p.has_penalties
+        self.mode[row] = MODES.index(sampling_mode(p.temperature, max(p.top_k, 0), p.top_p, p.min_p))
         self.vids[row] = -1
         e = [row, req, [], p, req.seed]
         self.entries[id(req)] = e
@@ -231,6 +234,7 @@ class RowCache:
             self.vids = np.concatenate([self.vids, np.full((cap, self.width), -1, np.int32)])
             self.samp = np.concatenate([self.samp, np.zeros_like(self.samp)])
             self.pen = np.concatenate([self.pen, np.zeros_like(self.pen)])
+            self.mode = np.concatenate([self.mode, np.zeros_like(self.mode)])
             self.free += range(2 * cap - 1, cap - 1, -1)
 
 
@@ -255,6 +259,7 @@ class Runner:
         self._rows = RowCache(buckets.pages[-1], 2 * self.bmax)
         self._layouts: dict[tuple, tuple[Layout, np.ndarray, dict]] = {}
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
+        self._ready: set[Layout] = set()  # shapes launched or precompiled (a covering sampling mode is reused)
         self.num_moved_pages = 0  # pages relocated by compaction / float moves
         self.num_compactions = 0  # batches of relocations applied (one per step at most)
         self.relocated_bytes = 0
@@ -285,19 +290,20 @@ class Runner:
             self.relocated_bytes += sum(len(m) * m.rows_per_page for m in relocations) * self.row_bytes
             self.num_copied_slots += sum(len(m) for m in moves if m.copy)
 
-    def layout(self, batch: ScheduledBatch, penalties: bool = False) -> Layout:
+    def layout(self, batch: ScheduledBatch, penalties: bool = False, sampling: str = "greedy") -> Layout:
         bk = self.buckets
         B = Buckets.pick(bk.batch, len(batch.rows))
         T = 1 if batch.kind == "decode" else Buckets.pick(bk.tokens, max(r.end - r.start for r in batch.rows))
         P = Buckets.pick(bk.pages, max(len(r.req.pages) for r in batch.rows))
-        return self._shape(B, T, P, penalties, self.kc if batch.kind == "prefill" else 0)[0]
+        return self._shape(B, T, P, penalties, self.kc if batch.kind == "prefill" else 0, sampling)[0]
 
-    def _shape(self, B: int, T: int, P: int, penalties: bool, kc: int = 0) -> tuple[Layout, np.ndarray, dict]:
+    def _shape(self, B: int, T: int, P: int, penalties: bool, kc: int = 0,
+               sampling: str = "greedy") -> tuple[Layout, np.ndarray, dict]:
         """(layout, its padding template, where each field sits), made once per shape."""
-        key = (B, T, P, penalties, kc)
+        key = (B, T, P, penalties, kc, sampling)
         got = self._layouts.get(key)
         if got is None:
-            lay = Layout(B, T, P, self.pools, self.bmax, self.nban, penalties, kc)
+            lay = Layout(B, T, P, self.pools, self.bmax, self.nban, penalties, kc, sampling)
             template = np.zeros(lay.size, np.int32)
             spans = {n: (at, at + int(np.prod(shape)), shape) for n, (at, shape) in lay.offsets.items() if n != "_size"}
             for name, value in _PAD.items():
@@ -311,8 +317,10 @@ class Runner:
             got = self._layouts[key] = (lay, template, spans)
         return got
 
-    def precompile(self, shapes, threads: int = 8) -> int:
-        """Compile step shapes ahead of use -> how many.  shapes: (B, T, P, kc) tuples.
+    def precompile(self, shapes, threads: int = 8, sampling=("greedy",)) -> int:
+        """Compile step shapes ahead of use -> how many.  shapes: (B, T, P, kc) tuples, each
+        compiled in every sampler mode of `sampling` (sampler.MODES; a step whose rows need a
+        mode that was not compiled runs in a compiled mode that covers it, else compiles).
 
         Each shape is traced and lowered here (Python, one at a time), then XLA compiles them on
         `threads` threads at once (compilation releases the GIL; a 4B model's step takes tens of
@@ -324,8 +332,10 @@ class Runner:
         leaves = self._leaves()
         lowered = []
         for b, t, p, kc in shapes:
-            lay, template, _ = self._shape(b, t, p, False, kc)
-            lowered.append(self._step.lower(leaves, self.arena, template, self._prev, None, lay))
+            for mode in sampling:
+                lay, template, _ = self._shape(b, t, p, False, kc, mode)
+                lowered.append(self._step.lower(leaves, self.arena, template, self._prev, None, lay))
+                self._ready.add(lay)
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
         return len(lowered)
@@ -362,11 +372,19 @@ class Runner:
         ix = np.array(ix, np.intp)
         smp = np.array(sample, bool)
         penalties = bool((cache.pen[ix] & smp).any())
+        sampling = MODES[int(cache.mode[ix][smp].max(initial=0))]  # rows that sample nothing need nothing
         bk = self.buckets
         B = Buckets.pick(bk.batch, n)
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(len(e[2]) for e in es))
-        lay, template, spans = self._shape(B, T, P, penalties, 0 if decode else self.kc)
+        kc = 0 if decode else self.kc
+        lay, template, spans = self._shape(B, T, P, penalties, kc, sampling)
+        if lay not in self._ready:  # a compiled step whose sampler covers these rows saves a compilation
+            for mode in MODES[MODES.index(sampling) + 1:]:
+                cover = self._shape(B, T, P, penalties, kc, mode)
+                if cover[0] in self._ready:
+                    lay, template, spans = cover
+                    break
         meta = template.copy()
 
         def field(name):
@@ -408,6 +426,7 @@ class Runner:
                 ban[i, : len(ids)] = ids
         counts = self._counts(rows, lay.B) if penalties else None
         self.shapes.add(lay)
+        self._ready.add(lay)
         if self.model.params is not self._params_src:
             self._leaves()
         tokens, self.arena = self._step(self._params, self.arena, meta, self._prev, counts, lay)

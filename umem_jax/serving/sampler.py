@@ -1,8 +1,13 @@
 """Sampler: one jitted function from last-token logits to next tokens, per-row parameters.
 
-Every option is a per-row array so one compiled function serves any mix of greedy and sampled
-requests in a batch (no recompiles when the mix changes).  Penalties need token counts; they are
-a separate static variant because building counts costs a [B, V] scatter.
+Every option is a per-row array, so a compiled sampler serves any mix of requests in a batch.
+What the batch needs at most is a static `mode`, chosen on the host from the rows' parameters:
+"greedy" (argmax only), "random" (some row samples, none cuts) or "cuts" (some row has a top-k /
+top-p / min-p cut: the [B, V] vocabulary sort).  It is static rather than a lax.cond because XLA
+on the GPU decides a conditional on the host: it copies the predicate back and waits for the
+stream, so the next step could not be launched while this one runs.  A row's token is the same
+in every mode that covers it.  Penalties need token counts; they are a separate static variant
+because building counts costs a [B, V] scatter.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 
 from .sampling_params import SamplingParams
@@ -55,6 +59,10 @@ class SamplingBatch:
     def arrays(self) -> dict:
         return dataclasses.asdict(self)
 
+    @property
+    def mode(self) -> str:
+        return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)
+
 
 def apply_penalties(logits, prompt_counts, output_counts, rep, presence, frequency):
     """vLLM penalties.  logits [B, V] f32; counts [B, V] (tokens seen in prompt / output)."""
@@ -65,26 +73,45 @@ def apply_penalties(logits, prompt_counts, output_counts, rep, presence, frequen
     return logits
 
 
-def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step):
+MODES = ("greedy", "random", "cuts")  # each covers the ones before it
+
+
+def sampling_mode(temperature, top_k, top_p, min_p) -> str:
+    """The least mode that covers rows with these parameters (numpy arrays or scalars)."""
+    stochastic = np.asarray(temperature) > 0
+    if not stochastic.any():
+        return "greedy"
+    cut = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0.0)
+    return "cuts" if (stochastic & cut).any() else "random"
+
+
+def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode: str = "cuts"):
     """logits [B, V] f32 -> tokens [B] i32.
 
     Greedy rows take the argmax.  A sampling row without top-k / top-p / min-p draws from its
     tempered logits directly; only rows with a cut need the vocabulary sorted (one sort serves
-    all three cuts).  The sort over [B, V] is the costly part (V is 128K-262K), so it runs only
-    when some row needs it (lax.cond on the device), and each row's token depends on its own
-    parameters and seed alone, never on which branch its batch took."""
+    all three cuts).  The sort over [B, V] is the costly part (V is 128K-262K), so it is traced
+    only in mode "cuts"; a mode that does not cover a row's parameters gives that row a wrong
+    token (the host picks the mode: `sampling_mode`).  Each row's token depends on its own
+    parameters and seed alone, never on the mode its batch took."""
+    if mode not in MODES:
+        raise ValueError(f"sampling mode {mode!r}: one of {MODES}")
     B, V = logits.shape
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy
     stochastic = temperature > 0
     cut = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
 
-    def draw(_):
+    def draw():
         t = jnp.where(stochastic, temperature, 1.0)[:, None]
         scaled = logits / t
         keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, step)
         plain = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+        if mode == "random":
+            return plain
 
-        def with_cuts(_):
+        def with_cuts():
             order = jnp.argsort(-scaled, axis=-1)
             sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
             probs = jax.nn.softmax(sorted_logits, axis=-1)
@@ -99,25 +126,24 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step):
             choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
             return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
-        sampled = lax.cond(jnp.any(stochastic & cut), with_cuts, lambda _: plain, None)
-        return jnp.where(cut, sampled, plain)
+        return jnp.where(cut, with_cuts(), plain)
 
-    sampled = lax.cond(jnp.any(stochastic), draw, lambda _: greedy, None)
-    return jnp.where(stochastic, sampled, greedy)
+    return jnp.where(stochastic, draw(), greedy)
 
 
-@jax.jit
+@partial(jax.jit, static_argnames=("mode",))
 def sample(logits, temperature, top_k, top_p, min_p, seed, step, repetition_penalty, presence_penalty,
-           frequency_penalty):
-    """Next tokens [B] for last-token logits [B, V], no penalties (their arrays are ignored)."""
+           frequency_penalty, mode: str = "cuts"):
+    """Next tokens [B] for last-token logits [B, V], no penalties (their arrays are ignored).
+    mode: see `sampling_mode` ("cuts", the default, covers every row)."""
     del repetition_penalty, presence_penalty, frequency_penalty
-    return _sample_rows(logits.astype(jnp.float32), temperature, top_k, top_p, min_p, seed, step)
+    return _sample_rows(logits.astype(jnp.float32), temperature, top_k, top_p, min_p, seed, step, mode)
 
 
-@partial(jax.jit, static_argnames=())
+@partial(jax.jit, static_argnames=("mode",))
 def sample_with_penalties(logits, prompt_counts, output_counts, temperature, top_k, top_p, min_p, seed, step,
-                          repetition_penalty, presence_penalty, frequency_penalty):
+                          repetition_penalty, presence_penalty, frequency_penalty, mode: str = "cuts"):
     """As `sample`, after applying penalties from token counts [B, V]."""
     logits = apply_penalties(logits.astype(jnp.float32), prompt_counts, output_counts, repetition_penalty,
                              presence_penalty, frequency_penalty)
-    return _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step)
+    return _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode)
