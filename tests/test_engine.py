@@ -45,12 +45,18 @@ def test_static_mode_same_outputs():
 
 
 def test_compile_counter_stops_growing(engine_llm):
+    """Each step shape compiles once per sampler variant the traffic needs (greedy, random,
+    cuts: a static choice, see sampler.py); after that, other lengths and batch mixes in the
+    same buckets compile nothing."""
     e = engine_llm.llm_engine
     engine_llm.generate(prompts(3, 33, 9, seed=1), GREEDY)  # warm: both shapes
+    assert e.runner.num_compilations == 2  # one decode and one prefill shape
+    engine_llm.generate(prompts(2, 30, 9, seed=4), SamplingParams(temperature=0.7, seed=4, max_tokens=9))
     shapes, compiles = e.runner.num_compilations, compile_count()
-    assert shapes == 2  # one decode and one prefill shape
+    assert shapes == 4  # the same two shapes with the "random" sampler
     for seed in (2, 3):  # other lengths, other batch mixes, same buckets: nothing new
         engine_llm.generate(prompts(1, 20, 64, 2, seed=seed), SamplingParams(temperature=0.7, seed=seed, max_tokens=9))
+        engine_llm.generate(prompts(2, 17, 40, seed=seed), GREEDY)
     assert e.runner.num_compilations == shapes
     assert compile_count() == compiles, "the steady state recompiled something"
     assert_idle_clean(engine_llm)

@@ -106,11 +106,19 @@ def test_warmup_compiles_every_reachable_shape_before_the_first_request():
     assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     st = eng.stats()
     assert st["num_compilations"] == len(shapes) and st["num_compactions"] >= 0
+    # Sampled requests: the "cuts" sampler warmed up covers them, no step compiles on first use
+    # (every step launched is one warm-up compiled; a page-move batch size may still be new).
+    assert eng.warmup(sampling=("cuts",)) == len(shapes)
+    warm = set(eng.runner._ready)
+    outs = _generate(eng, LONG[:2], SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True))
+    assert eng.runner.shapes <= warm and {lay.sampling for lay in eng.runner.shapes} == {"greedy", "cuts"}
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
     _check_idle(eng)
 
 
-def _generate(eng, ps):
-    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in ps]
+def _generate(eng, ps, sp=None):
+    sp = sp or SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = [eng.add_request(p, sp) for p in ps]
     done = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
