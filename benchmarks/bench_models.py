@@ -69,7 +69,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from umem_jax.arena import Arena, apply_moves  # noqa: E402
 from umem_jax.memory import ChainAllocator, plan as make_plan, size_arena  # noqa: E402
@@ -79,7 +78,7 @@ from umem_jax.models.gemma3 import gemma3_4b_like  # noqa: E402
 from umem_jax.models.model import Model  # noqa: E402
 from umem_jax.models.nemotron_h import nemotron_h_8b_like  # noqa: E402
 from umem_jax.models.qwen3_5 import qwen3_5_4b_like  # noqa: E402
-from umem_jax.models.registry import model_class  # noqa: E402
+from umem_jax.models.registry import build_random  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
 
 GIB = 2**30
@@ -131,17 +130,9 @@ ALIASES = {v["name"]: k for k, v in FAMILIES.items()}
 
 
 def build_model(cfg, seed: int = 0) -> Model:
-    """Random weights of `cfg` made on the default device inside one jit (in cfg.dtype; nothing
-    passes through the host).  The graph comes from an abstract build.  The key is an "rbg" key
-    (XLA's RngBitGenerator): the values do not matter here and it compiles faster than threefry."""
-    cls = model_class(cfg.architecture)
-
-    def make():
-        return cls(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg")))
-
-    graphdef, _ = nnx.split(nnx.eval_shape(make))
-    params = jax.jit(lambda: nnx.split(make())[1])()
-    return Model(cfg, graphdef, params, cls)
+    """Random weights of `cfg` made on the default device (in cfg.dtype; nothing passes through the
+    host), by registry.build_random: one jitted generator per distinct weight shape."""
+    return build_random(cfg, cfg.dtype, seed=seed)
 
 
 # =============================================================================== output

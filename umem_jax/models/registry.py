@@ -60,8 +60,7 @@ def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abst
     """A Model of a realistic shape with random weights, for benchmarks (no checkpoint needed).
 
     name_or_config: a name from `random_shape_names()` or a ModelConfig.  The weights are made
-    inside one jit on the default device (an 8B model in bf16 is 16 GB: nothing goes through the
-    host).  abstract=True gives jax.ShapeDtypeStruct leaves instead (weight bytes for sizing,
+    on the default device (an 8B model in bf16 is 16 GB: nothing goes through the host).  abstract=True gives jax.ShapeDtypeStruct leaves instead (weight bytes for sizing,
     no memory).  Returns a `model.Model`.
     """
     import dataclasses
@@ -79,10 +78,14 @@ def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abst
     else:
         cfg = dataclasses.replace(name_or_config, dtype=dtype)
     cls = model_class(cfg.architecture)
-    # unsafe_rbg: XLA compiles the one-jit init of a 4B model in ~60% of threefry's time (one RNG
-    # op per weight instead of a hash expanded per weight); the values only need to be random.
+    # unsafe_rbg: one RNG op per weight instead of a hash expanded per weight; the values only
+    # need to be random.
     build = lambda: cls(cfg, rngs=nnx.Rngs(jax.random.key(seed, impl="unsafe_rbg")))
-    graphdef, params = nnx.split(nnx.eval_shape(build))  # ShapeDtypeStruct leaves
-    if not abstract:
-        params = jax.jit(lambda: nnx.split(build())[1])()
+    if abstract:
+        graphdef, params = nnx.split(nnx.eval_shape(build))  # ShapeDtypeStruct leaves
+        return Model(cfg, graphdef, params, cls)
+    # Built eagerly, not in one jit: each weight comes from a jitted generator cached per shape
+    # (layers._init), so the device compiles ~10 small programs; the one jit over the whole
+    # constructor (a generator kernel per weight) took 124 s to build a 4B model on the H200.
+    graphdef, params = nnx.split(build())
     return Model(cfg, graphdef, params, cls)
