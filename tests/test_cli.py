@@ -58,3 +58,11 @@ def test_plan_command_prints_table_and_sizes(capsys):
 def test_plan_command_refuses_with_reason(capsys):
     assert cli.main(["plan", "--model", "nemotronh-8b-like", "--budget-gib", "0.05", "--max-model-len", "4096"]) == 2
     assert "umem-jax:" in capsys.readouterr().err
+
+
+def test_serve_warmup_sampling_is_checked():
+    from umem_jax.cli import _sampling_modes
+
+    assert _sampling_modes("greedy, cuts") == ("greedy", "cuts")
+    with pytest.raises(SystemExit, match="greedy, random, cuts"):
+        _sampling_modes("greedy,nucleus")
