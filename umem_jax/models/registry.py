@@ -60,8 +60,9 @@ def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abst
     """A Model of a realistic shape with random weights, for benchmarks (no checkpoint needed).
 
     name_or_config: a name from `random_shape_names()` or a ModelConfig.  The weights are made
-    on the default device (an 8B model in bf16 is 16 GB: nothing goes through the host).  abstract=True gives jax.ShapeDtypeStruct leaves instead (weight bytes for sizing,
-    no memory).  Returns a `model.Model`.
+    on the default device (an 8B model in bf16 is 16 GB: nothing goes through the host).
+    abstract=True gives jax.ShapeDtypeStruct leaves instead (weight bytes for sizing, no memory).
+    Returns a `model.Model`.
     """
     import dataclasses
 
