@@ -5,7 +5,7 @@ from __future__ import annotations
 import types
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from umem_jax.memory import LayerDecl, MHA, Full, Part, full_attention, plan, recurrent_state, window_attention
 from umem_jax.memory.declarations import mamba2_state_tensors
@@ -169,6 +169,7 @@ def _check_regions(p, num_rows, regions):
 
 @settings(max_examples=40, deadline=None)
 @given(mb=st.integers(2, 4096), swa=st.floats(0.1, 4.0), mamba=st.floats(0.1, 4.0))
+@example(mb=207, swa=3.557945297641679, mamba=1.3802400636755896)
 def test_static_regions_tile_and_ratios(mb, swa, mamba):
     p = _three_kinds()
     s = size_arena(p, mb * MiB)
@@ -178,8 +179,12 @@ def test_static_regions_tile_and_ratios(mb, swa, mamba):
     full_tokens = pages["full"] * 16
     win = {n: pages[n] * 16 for n in ("window512", "window128")}
     state_bytes = pages["state"] * p.state.entry_bytes
-    # ratios hold up to page rounding (a page or a slot per region, relative to the region)
-    tol = lambda n: 1.0 / max(n, 1) + 2.0 / max(pages["full"], 1)
+    # Ratios hold up to page rounding: a page (or slot) of the region itself, and the full region
+    # takes the rows left over, so it moves by up to one page of every other region (in rows) plus
+    # one of its own (hypothesis found 2.2 full pages with a 19-row state slot and two windows).
+    others = sum(sp.rows_per_page for sp in p.subpools if sp.name != "full")
+    slack = (1.0 + others / p.full.rows_per_page) / max(pages["full"], 1)
+    tol = lambda n: 1.0 / max(n, 1) + slack
     assert abs(sum(win.values()) / full_tokens - swa) <= swa * (tol(pages["window128"]) + tol(pages["window512"]))
     assert abs(state_bytes / (full_tokens * p.full.entry_bytes) - mamba) <= mamba * tol(pages["state"])
     # several windows share in proportion to their lengths (512 : 128)
