@@ -21,11 +21,8 @@ def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     generator per distinct (shape, dtype, std): a 4B model's ~500 weights are ~10 shapes, so the
     device compiles ~10 small programs instead of one program with a generator per weight (the
     one-jit build of a 4B model took 124 s on the H200, most likely that compilation; the eager
-    build is not yet timed there).  The values are the same either way."""
-    key = rngs.params()
-    if isinstance(key, jax.core.Tracer):
-        return std * jax.random.normal(key, shape, dtype)
-    return _normal(key, tuple(shape), jnp.dtype(dtype), float(std))
+    build is not yet timed there).  Inside a jit (an abstract build) the generator is inlined."""
+    return _normal(rngs.params(), tuple(shape), jnp.dtype(dtype), float(std))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
