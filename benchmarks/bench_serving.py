@@ -44,13 +44,16 @@ MODELS = {
 ORDER = ("shifting", "state-heavy", "kv-heavy", "mixed")
 
 
-def workloads(names, spec: dict, *, short, n_short: int, phase_s: float, jitter: float, seed: int, scale: float = 1.0):
+def workloads(names, spec: dict, *, short, n_short: int, phase_s: float, jitter: float, seed: int, scale: float = 1.0,
+              phases: int = 4, spread: bool = False):
+    """The named traces at `spec`'s sizes; the shifting one has `phases` phases of n_short * 3/8
+    short or spec["n_long_phase"] long requests, all at each phase's start or `spread` over it."""
     from umem_jax.bench.workload import Shape, make
 
     long = Shape(*spec["long"])
     counts = {"state-heavy": dict(n=n_short), "kv-heavy": dict(n=spec["n_long"]),
               "mixed": dict(n_short=n_short // 2, n_long=spec["n_long_phase"]),
-              "shifting": dict(n_short=n_short * 3 // 8, n_long=spec["n_long_phase"], phases=4)}
+              "shifting": dict(n_short=n_short * 3 // 8, n_long=spec["n_long_phase"], phases=phases, spread=spread)}
     return [make(n, scale=scale, count_scale=1.0, short=short, long=long, phase_s=phase_s, jitter=jitter, seed=seed,
                  **counts[n]) for n in names]
 
@@ -66,6 +69,11 @@ def parse(argv=None):
     ap.add_argument("--long", default=None, help="long request: input,output tokens (default: the model's, e.g. "
                     "16384,256; longer outputs make the trace decode-bound, where the memory split decides)")
     ap.add_argument("--phase-s", type=float, default=2.0, help="seconds between the shifting trace's phases")
+    ap.add_argument("--phases", type=int, default=4, help="phases of the shifting trace (>= 4: 3 shifts)")
+    ap.add_argument("--spread", action="store_true", help="shifting trace: each phase's requests arrive over the "
+                    "phase (Poisson), sustained load, instead of all at its start")
+    ap.add_argument("--n-long-phase", type=int, default=None, help="long requests per long phase of the shifting "
+                    "trace (default: the model's)")
     ap.add_argument("--jitter", type=float, default=0.2, help="request lengths uniform within +-this fraction")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -118,8 +126,10 @@ def main(argv=None) -> int:
         spec = spec if small else MODELS[name]
         if args.long and not small:
             spec = dict(spec, long=tuple(int(x) for x in args.long.split(",")))
+        if args.n_long_phase is not None:
+            spec = dict(spec, n_long_phase=args.n_long_phase)
         wls = workloads(names, spec, short=short, n_short=args.n_short, phase_s=args.phase_s, jitter=args.jitter,
-                        seed=args.seed)
+                        seed=args.seed, phases=args.phases, spread=args.spread)
         ps = args.page_size
         mml = -(-(max(w.max_len for w in wls) + ps) // ps) * ps
         arena = args.arena_gib if args.arena_gib is not None else spec["arena_gib"]

@@ -64,6 +64,25 @@ def test_shifting_alternates_phases():
         W.shifting(phases=3)
 
 
+def test_shifting_spread_sustains_load_through_each_phase():
+    n_short, n_long, phase_s = 200, 40, 4.0
+    wl = W.shifting(n_short, n_long, phases=4, phase_s=phase_s, short=SHORT, long=LONG, spread=True, seed=5)
+    assert len(wl) == 2 * n_short + 2 * n_long
+    for kind, start in wl.phases:
+        # phases of one kind are 2 * phase_s apart, so this window holds phase k's requests only
+        t = sorted(r.arrival_s for r in wl.requests if r.kind == kind and start <= r.arrival_s < start + 2 * phase_s)
+        n = n_short if kind == "short" else n_long
+        assert len(t) == n and t[0] > start  # Poisson: none at the phase's first instant
+        # rate n / phase_s: the last arrival lands near the phase's end, not at its start
+        assert 0.6 * phase_s < t[-1] - start < 1.6 * phase_s
+    assert W.make("shifting", spread=True, phase_s=1.0) != W.make("shifting", phase_s=1.0)
+    with pytest.raises(ValueError, match="not both"):
+        W.shifting(spread=True, rate=5.0)
+    with pytest.raises(ValueError, match="shifting"):
+        W.make("state-heavy", spread=True)
+    assert [w.name for w in W.make_all("all", spread=True, phase_s=1.0)] == list(W.WORKLOADS)
+
+
 def test_prompts_are_seeded_random_ids():
     wl = _trace()
     p = wl.prompts(320)

@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at once "
                    "per phase)")
     p.add_argument("--phase-s", type=float, default=1.0, help="seconds between the shifting trace's phases")
+    p.add_argument("--spread", action="store_true", help="shifting trace: each phase's requests arrive over the "
+                   "phase (Poisson at count / phase-s), sustained load, instead of all at its start")
     p.add_argument("--jitter", type=float, default=0.0, help="lengths uniform within +-this fraction")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None, help="skip runs that would start after this")
@@ -75,7 +77,7 @@ def _workloads(args, max_len: int | None):
 
     names = [n.strip() for n in args.workload.split(",") if n.strip()]
     return make_all(names, scale=args.scale, count_scale=args.count_scale, max_len=max_len, rate=args.rate,
-                    phase_s=args.phase_s, jitter=args.jitter, seed=args.seed)
+                    phase_s=args.phase_s, spread=args.spread, jitter=args.jitter, seed=args.seed)
 
 
 def main(args) -> int:

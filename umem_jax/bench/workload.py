@@ -12,7 +12,9 @@ Four shapes of traffic, each aimed at one side of the memory split:
   shifting     phases alternating short-heavy and long-heavy (at least 3 shifts): a fixed split
                is wrong for every other phase
 
-Arrivals: all of a phase at its start (rate=None), or Poisson at `rate` requests/s from it.
+Arrivals: all of a phase at its start (rate=None), or Poisson at `rate` requests/s from it; the
+shifting trace can also spread each phase's requests over the phase (Poisson at n / phase_s),
+so load is sustained through every phase instead of arriving as one burst per phase.
 Requests run with ignore_eos and max_tokens = output_len, so every output length is exact.
 `make(name, scale=...)` shrinks lengths and counts from the defaults (scale 0.02 gives a CPU
 smoke trace of a few dozen tokens per request).
@@ -171,28 +173,36 @@ def mixed(n_short: int = 64, n_long: int = 4, *, short: Shape = SHORT, long: Sha
 
 
 def shifting(n_short: int = 48, n_long: int = 4, *, phases: int = 4, phase_s: float = 1.0, short: Shape = SHORT,
-             long: Shape = LONG, rate: float | None = None, jitter: float = 0.0, seed: int = 0) -> Workload:
+             long: Shape = LONG, rate: float | None = None, spread: bool = False, jitter: float = 0.0,
+             seed: int = 0) -> Workload:
     """`phases` phases alternating short-heavy (n_short short requests) and long-heavy (n_long
-    long ones), starting short; phase k arrives from k * phase_s.  At least 4 phases (3 shifts)."""
+    long ones), starting short; phase k arrives from k * phase_s.  At least 4 phases (3 shifts).
+    spread: each phase's n requests arrive as a Poisson process of n / phase_s per second from its
+    start (sustained load; `rate` must then be None)."""
     if phases < 4:
         raise ValueError(f"a shifting trace needs at least 4 phases (3 shifts), got {phases}")
+    if spread and rate is not None:
+        raise ValueError("spread sets each phase's rate (n / phase_s): give rate or spread, not both")
+    if spread and phase_s <= 0:
+        raise ValueError(f"spread needs phase_s > 0, got {phase_s}")
     rng = np.random.default_rng(seed)
     reqs, marks = [], []
     for k in range(phases):
         kind, shape, n = ("short", short, n_short) if k % 2 == 0 else ("long", long, n_long)
         start = k * phase_s
         marks.append((kind, start))
-        reqs += _phase(rng, [(kind, shape)] * n, start, rate, jitter)
+        reqs += _phase(rng, [(kind, shape)] * n, start, n / phase_s if spread else rate, jitter)
     return _workload("shifting", reqs, marks, seed)
 
 
 def make(name: str, *, scale: float = 1.0, count_scale: float | None = None, max_len: int | None = None,
          short: Shape = SHORT, long: Shape = LONG, rate: float | None = None, phase_s: float = 1.0,
-         jitter: float = 0.0, seed: int = 0, **counts) -> Workload:
+         spread: bool = False, jitter: float = 0.0, seed: int = 0, **counts) -> Workload:
     """A named workload ("state-heavy", "kv-heavy", "mixed", "shifting"; "_" works for "-") with
     lengths times `scale` and request counts times `count_scale` (default: `scale`, at least one
     request of each kind), prompts cut so input + output <= max_len (jitter included).  `counts`
-    overrides the generator's counts (n, n_short, n_long, phases) before scaling."""
+    overrides the generator's counts (n, n_short, n_long, phases) before scaling; `spread` spreads
+    the shifting trace's arrivals over each phase (see `shifting`)."""
     key = name.replace("_", "-")
     gens = {"state-heavy": state_heavy, "kv-heavy": kv_heavy, "mixed": mixed, "shifting": shifting}
     if key not in gens:
@@ -208,7 +218,9 @@ def make(name: str, *, scale: float = 1.0, count_scale: float | None = None, max
         raise ValueError(f"{key} takes no counts {sorted(unknown)}")
     cut = None if max_len is None else int(max_len / (1.0 + max(jitter, 0.0))) - 2  # jittered and rounded: inside
     shapes = {"short": short.scaled(scale, cut), "long": long.scaled(scale, cut)}
-    extra = {"phase_s": phase_s} if key == "shifting" else {}
+    if spread and key != "shifting":
+        raise ValueError(f"spread applies to the shifting trace's phases, not to {key}")
+    extra = {"phase_s": phase_s, "spread": spread} if key == "shifting" else {}
     return gen(**kw, **{k: v for k, v in shapes.items() if k in _params(gen)}, rate=rate, jitter=jitter, seed=seed,
                **extra)
 
@@ -220,11 +232,12 @@ def _params(fn) -> dict:
 
 
 def make_all(names=WORKLOADS, **kw) -> list[Workload]:
-    """make() for each name ("all" expands to every workload)."""
+    """make() for each name ("all" expands to every workload); `spread` goes to the shifting one."""
     names = [names] if isinstance(names, str) else list(names)
     if "all" in names:
         names = list(WORKLOADS)
-    return [make(n, **kw) for n in names]
+    spread = kw.pop("spread", False)  # only the shifting trace has phases to spread over
+    return [make(n, **kw, **({"spread": spread} if n.replace("_", "-") == "shifting" else {})) for n in names]
 
 
 __all__ = ["LONG", "SHORT", "Shape", "TraceRequest", "WORKLOADS", "Workload", "kv_heavy", "make", "make_all",
