@@ -90,9 +90,9 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
             t += PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
         else:
             t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + KV_S_PER_TOKEN * sum(r.end for r in b.rows)
-        if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: how much of it live requests hold
+        if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
-            util.append(u.live_bytes / u.total_bytes)
+            util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
         for row in b.rows:
             if row.sample:
                 row.req.output_token_ids.append(7)
@@ -102,8 +102,9 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         alloc.take_moves()
     assert not alloc.leaks()
     return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
-                retractions=sch.num_retractions, util=float(np.mean(util)) if util else None, refused=refused,
-                clipped=clipped)
+                retractions=sch.num_retractions, util=float(np.mean(util, axis=0)[0]) if util else None,
+                split=dict(zip(("live", "holes", "free", "sink"), np.mean(util, axis=0).tolist())) if util else None,
+                refused=refused, clipped=clipped)
 
 
 def main(argv=None) -> int:
@@ -123,6 +124,11 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--long", default=None)
     ap.add_argument("--n-short", type=int, default=128)
     ap.add_argument("--phase-s", type=float, default=2.0)
+    ap.add_argument("--phases", type=int, default=4, help="phases of the shifting trace")
+    ap.add_argument("--spread", action="store_true", help="shifting: arrivals spread over each phase (Poisson)")
+    ap.add_argument("--n-long-phase", type=int, default=None, help="long requests per long phase (default: model's)")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--static-ratios", default=None)
     ap.add_argument("--ratio", type=float, default=None, help="SchedulerConfig.new_token_ratio (default the engine's)")
     ap.add_argument("--min-ratio", type=float, default=None, help="SchedulerConfig.min_new_token_ratio")
@@ -135,8 +141,11 @@ def run(argv=None) -> list[dict]:
     if a.long:
         spec["long"] = tuple(int(x) for x in a.long.split(","))
     short = Shape(*(int(x) for x in a.short.split(",")))
-    (trace,) = bs.workloads([a.workload], spec, short=short, n_short=a.n_short, phase_s=a.phase_s, jitter=0.2, seed=0)
-    page_size, max_num_seqs, budget_tokens = 16, 64, 2048
+    if a.n_long_phase is not None:
+        spec["n_long_phase"] = a.n_long_phase
+    (trace,) = bs.workloads([a.workload], spec, short=short, n_short=a.n_short, phase_s=a.phase_s, jitter=0.2, seed=0,
+                            phases=a.phases, spread=a.spread)
+    page_size, max_num_seqs, budget_tokens = 16, a.max_num_seqs, a.max_num_batched_tokens
     mml = -(-(trace.max_len + page_size) // page_size) * page_size
     model = build_random(a.model, abstract=True)
     plan = make_plan(model.decls(), page_size=page_size)
@@ -160,6 +169,8 @@ def run(argv=None) -> list[dict]:
                   f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  "
                   f"{r['retractions']:>3} retractions  utilization under load "
                   f"{'-' if r['util'] is None else format(r['util'], '.2f')}"
+                  + ("" if r["split"] is None else " (holes {holes:.3f}, free gap {free:.3f}, sink {sink:.3f})"
+                     .format(**r["split"]))
                   + (f"  refused {r['refused']} (too long for the split)" if r["refused"] else "")
                   + (f"  clipped {r['clipped']}" if r["clipped"] else ""), flush=True)
     return rows

@@ -23,3 +23,20 @@ def test_simulated_shifting_trace_runs_every_request(capsys):
         assert r["retractions"] >= 0
     out = capsys.readouterr().out
     assert "qwen3.5-4b-like, shifting:" in out and out.count("retractions") == 4
+
+
+def test_utilization_split_tiles_the_arena_and_spread_trace_runs(capsys):
+    rows = sim.run(["--model", "nemotronh-8b-like", "--n-short", "32", "--short", "512,32", "--long", "2048,32",
+                    "--static-ratios", "0.9", "--rule", "now", "--arena-gib", "1", "--phases", "6", "--phase-s", "0.5",
+                    "--spread", "--n-long-phase", "4", "--max-num-seqs", "16", "--max-num-batched-tokens", "1024"])
+    assert [r["config"] for r in rows] == ["unified", "static -/0.9"]
+    for r in rows:
+        if r["split"] is None:  # memory never bound in this configuration
+            continue
+        parts = r["split"]
+        assert parts["live"] == r["util"] and all(0.0 <= v <= 1.0 for v in parts.values())
+        # the sink, the bands' spans (live + holes) and the free gap tile the arena
+        assert abs(sum(parts.values()) - 1.0) < 1e-9 and parts["sink"] > 0  # NemotronH's sink: one state slot
+    out = capsys.readouterr().out
+    assert "48 requests" in out and "sink" in out
+
