@@ -39,4 +39,3 @@ def test_utilization_split_tiles_the_arena_and_spread_trace_runs(capsys):
         assert abs(sum(parts.values()) - 1.0) < 1e-9 and parts["sink"] > 0  # NemotronH's sink: one state slot
     out = capsys.readouterr().out
     assert "48 requests" in out and "sink" in out
-
