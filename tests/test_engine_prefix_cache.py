@@ -50,6 +50,8 @@ def test_hits_resume_at_checkpoints_and_match_dense(cached):
     assert pc["shortened_tokens"] == 48 - 32  # b found 48 tokens but only 32 had a checkpoint
     assert pc["adopted_pages"] > 0  # b's own pages before its fork replaced tombstoned ones
     assert pc["copied_slots"] == 3 and pc["checkpoints_taken"] > 0
+    # idle: every live byte is the cache's alone, so all of it is evictable
+    assert st["evictable_bytes"] == st["live_bytes"] > 0
     assert_idle_clean(cached)
 
 
@@ -120,7 +122,7 @@ def test_disabled():
     assert run(off, p, 6) == (want, 0) and run(off, p, 6) == (want, 0)
     st = off.llm_engine.stats()
     assert not st["prefix_cache"]["enabled"] and st["prefix_cache_hits"] == 0
-    assert all(v == 0 for v in st["held"].values())
+    assert all(v == 0 for v in st["held"].values()) and st["evictable_bytes"] == 0
     assert off.reset_prefix_cache()
     assert_idle_clean(off)
 

@@ -21,10 +21,11 @@ class FakeEngine:
         self.plan = make_plan(preset("tiny-hybrid"), page_size=16)
         self.allocator = ChainAllocator(self.plan, size_arena(self.plan, 4 << 20).num_rows)
         self.counts = {"num_retractions": 0, "num_preemptions": 0, "num_compilations": 0}
-        self.running = self.waiting = 0
+        self.running = self.waiting = self.evictable = 0
 
     def stats(self) -> dict:
-        return {"num_running": self.running, "num_waiting": self.waiting, **self.counts}
+        return {"num_running": self.running, "num_waiting": self.waiting, "evictable_bytes": self.evictable,
+                **self.counts}
 
 
 def scrape(m: EngineMetrics) -> dict:
@@ -49,6 +50,7 @@ def test_band_gauges_are_the_allocators_exact_numbers():
     vids = eng.allocator.alloc_token_pages(5, window_pages={"window64": 2})
     slots = eng.allocator.alloc_state_slots(3)
     eng.running = 2
+    eng.evictable = eng.plan["full"].page_bytes  # say the prefix cache alone holds one of the full pages
     m.snapshot(eng)
     s, u = scrape(m), eng.allocator.usage()
     for name, kind, window, unit, held in (("full", "full", "", "pages", 5), ("window64", "window", "64", "pages", 2),
@@ -60,7 +62,10 @@ def test_band_gauges_are_the_allocators_exact_numbers():
         assert s[("umem:arena_band_available", key)] == sp.available
         assert 0 < s[("umem:arena_band_usage_perc", key)] < 1
     assert s[("umem:num_requests_running", ())] == 2
-    assert s[("umem:kv_cache_usage_perc", ())] == pytest.approx(u.live_bytes / (u.total_bytes - u.sink_bytes))
+    assert s[("umem:arena_evictable_bytes", ())] == eng.evictable
+    # what requests hold: evictable pages count as free, as in vLLM's and SGLang's usage
+    assert s[("umem:kv_cache_usage_perc", ())] == pytest.approx((u.live_bytes - eng.evictable)
+                                                                / (u.total_bytes - u.sink_bytes))
     parts = sum(s[("umem:arena_bytes", (("part", p),))] for p in ("live", "holes", "free", "sink"))
     assert parts == s[("umem:arena_total_bytes", ())] == u.total_bytes
     eng.allocator.free_token_pages(vids)

@@ -59,6 +59,23 @@ def check(alloc, owner, cache, *seqs):
     assert not alloc.leaks(token_pages=vids + [p for s in seqs for p in s.pages], state_slots=slots)
 
 
+def evictable_reference(cache) -> dict[str, int]:
+    """evictable_by_subpool by walking the tree: a node no request's path runs through (page
+    refcount 1: the tree's own) with its window pages, and every unpinned checkpoint."""
+    plan = cache.allocator.plan
+    out = {plan.full.name: 0, **{n: 0 for n in cache.owner.windows}}
+    if plan.state is not None:
+        out[plan.state.name] = 0
+    for x in cache.nodes():
+        if cache.owner.refs[x.vid] == 1:
+            out[plan.full.name] += 1
+            for n in x.wins:
+                out[n] += 1
+        if x.ckpt and not x.pins:
+            out[plan.state.name] += 1
+    return out
+
+
 def bound(alloc, vids):
     return (alloc.translate_pages(np.asarray(vids, np.int32), "window16") > 0).tolist()
 
@@ -118,10 +135,16 @@ def test_checkpoint_cap_pins_and_eviction_order():
     win = [d for d in range(1, 13) if "window16" in cache.find(toks, d).wins]
     assert win == list(range(1, 11))  # pages a resume at 16, 32 or 40 reads in the window
     # the request still holds every page: only checkpoints are evictable (not the pinned one)
+    state = alloc.plan.state.name
+    assert cache.evictable_by_subpool() == {"full": 0, "window16": 0, state: 2} == evictable_reference(cache)
     assert cache.evict() == 2 and cache.num_checkpoints == 1 and cache.num_pages == 12
     s.advance(48)
     s.free()
+    ev = cache.evictable_by_subpool()  # every page now: the request is gone; the pinned checkpoint stays
+    assert ev == evictable_reference(cache) and ev["full"] == 12 and ev[state] == 0
+    assert ev["window16"] == cache.num_window_pages["window16"] > 0
     cache.unpin(cache.find(toks, 4))
+    assert cache.evictable_by_subpool() == {**ev, state: 1} == evictable_reference(cache)
     check(alloc, owner, cache)
     order = []
     cache.evict(lambda: bool(order.append(cache.num_pages)) and False)
@@ -163,7 +186,7 @@ def test_scheduler_with_the_cache_keeps_every_count_under_pressure():
     sch = Scheduler(cfg, alloc, dm)
     rng = np.random.default_rng(3)
     bases = [rng.integers(3, 300, 70).tolist() for _ in range(3)]
-    n = 0
+    n = shared = 0
     for wave in range(6):
         for _ in range(5):
             prompt = bases[rng.integers(3)][: rng.integers(6, 70)] + rng.integers(3, 300, rng.integers(0, 9)).tolist()
@@ -185,7 +208,12 @@ def test_scheduler_with_the_cache_keeps_every_count_under_pressure():
                         sch.finish(row.req, RequestStatus.FINISHED_LENGTH)
             alloc.check_invariants()
             assert sch.check_refs() == []
+            assert sch.cache.evictable_by_subpool() == evictable_reference(sch.cache)
+            shared += any(sch.cache.owner.refs[v] > 1 for r in sch.running for v in r.pages)
             alloc.take_moves()
+    assert shared  # requests held cached pages at times: those were not counted as evictable
+    # idle: every page and checkpoint left is the cache's alone, and eviction frees exactly those
+    assert sch.cache.evictable_by_subpool() == sch.cache.held_by_subpool()
     pages, slots = sch.held_ids()
     assert not alloc.leaks(token_pages=pages, state_slots=slots)
     st = sch.cache.stats()

@@ -70,8 +70,11 @@ class EngineMetrics:
         L = ("model_name",)
         self.running = Gauge("umem:num_requests_running", "Requests holding arena memory.", L, registry=r).labels(m)
         self.waiting = Gauge("umem:num_requests_waiting", "Requests waiting to be scheduled.", L, registry=r).labels(m)
-        self.kv_usage = Gauge("umem:kv_cache_usage_perc", "Live arena bytes / usable arena bytes (0-1).", L,
+        self.kv_usage = Gauge("umem:kv_cache_usage_perc", "Arena bytes requests hold / usable arena bytes (0-1); "
+                              "pages only the prefix cache holds count as free (eviction frees them on demand).", L,
                               registry=r).labels(m)
+        self.evictable = Gauge("umem:arena_evictable_bytes", "Live arena bytes only the prefix cache holds.", L,
+                               registry=r).labels(m)
         self.arena_total = Gauge("umem:arena_total_bytes", "Arena size in bytes.", L, registry=r).labels(m)
         self.arena_bytes = Gauge("umem:arena_bytes", "Arena bytes by part (live, holes, free, sink).",
                                  L + ("part",), registry=r)
@@ -116,8 +119,9 @@ class EngineMetrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         usable = max(1, u.total_bytes - u.sink_bytes)
-        self.kv_usage.set(u.live_bytes / usable)
+        self.kv_usage.set((u.live_bytes - stats["evictable_bytes"]) / usable)  # cached-only pages count as free
         self.arena_total.set(u.total_bytes)
+        self.evictable.set(stats["evictable_bytes"])
         for part, v in (("live", u.live_bytes), ("holes", u.hole_bytes), ("free", u.free_bytes),
                         ("sink", u.sink_bytes)):
             self.arena_bytes.labels(m, part).set(v)

@@ -111,6 +111,12 @@ class PrefixCache:
         self.num_pages = 0
         self.num_checkpoints = 0
         self.num_window_pages = {n: 0 for n in owner.windows}
+        # which page ids the tree holds (and holds window refs of), and the pinned nodes: so
+        # evictable_by_subpool is a few vector ops per call, not a walk of the tree
+        cap = owner.refs.size
+        self._in_tree = np.zeros(cap, bool)
+        self._win_in_tree = {n: np.zeros(cap, bool) for n in owner.windows}
+        self._pinned: set[Node] = set()
         # counters (monotone)
         self.queries = self.query_tokens = self.hits = self.hit_tokens = 0
         self.shortened_tokens = 0  # matched but not resumable (window rows / checkpoint missing)
@@ -186,6 +192,7 @@ class PrefixCache:
             if child is None:
                 child = Node(key, vids[d], node, d + 1)
                 self.owner.take([child.vid])
+                self._in_tree[child.vid] = True
                 node.children[key] = child
                 self.num_pages += 1
             child.stamp = t
@@ -279,11 +286,13 @@ class PrefixCache:
 
     def _hold_window(self, node: Node, n: str) -> None:
         self.owner.take_window([node.vid], n)
+        self._win_in_tree[n][node.vid] = True
         node.wins.add(n)
         self.num_window_pages[n] += 1
 
     def _let_window_go(self, node: Node, n: str) -> None:
         self.owner.release_window([node.vid], n)
+        self._win_in_tree[n][node.vid] = False
         node.wins.discard(n)
         self.num_window_pages[n] -= 1
 
@@ -297,15 +306,19 @@ class PrefixCache:
         for n in sorted(node.wins):
             self._let_window_go(node, n)
         self.owner.release([node.vid])
+        self._in_tree[node.vid], self._in_tree[vid] = False, True
         node.vid = vid
         self.adopted_pages += 1
 
     def pin(self, node: Node) -> None:
         """Keep node's checkpoint until `unpin` (a hit restores from it once admitted)."""
         node.pins += 1
+        self._pinned.add(node)
 
     def unpin(self, node: Node) -> None:
         node.pins -= 1
+        if not node.pins:
+            self._pinned.discard(node)
 
     def _drop_checkpoint(self, x: Node) -> None:
         self.allocator.free_state_slots([x.ckpt])
@@ -355,6 +368,7 @@ class PrefixCache:
             self._drop_checkpoint(x)
             self.evicted_checkpoints += 1
         self.owner.release([x.vid])
+        self._in_tree[x.vid] = False
         parent = x.parent
         del parent.children[x.key]
         x.alive = False
@@ -387,6 +401,19 @@ class PrefixCache:
         out = {plan.full.name: self.num_pages, **self.num_window_pages}
         if plan.state is not None:
             out[plan.state.name] = self.num_checkpoints
+        return out
+
+    def evictable_by_subpool(self) -> dict[str, int]:
+        """Pages (slots) only the cache holds, per sub-pool: what eviction could free now without
+        touching a request (a page a request also holds is the request's, with its window pages;
+        a checkpoint is the cache's unless an admission pinned it).  What admission sees as reclaimable, so usage
+        reports leave it out of the bytes requests hold (as SGLang's token usage leaves out its
+        evictable radix-cache tokens)."""
+        plan = self.allocator.plan
+        only = self._in_tree & (self.owner.refs == 1)  # no request's path runs through it: it can go
+        out = {plan.full.name: int(only.sum()), **{n: int((m & only).sum()) for n, m in self._win_in_tree.items()}}
+        if plan.state is not None:
+            out[plan.state.name] = self.num_checkpoints - sum(1 for x in self._pinned if x.alive and x.ckpt)
         return out
 
     def stats(self) -> dict:
