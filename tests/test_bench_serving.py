@@ -178,6 +178,23 @@ def test_timelines_monotone_and_bands_inside_the_arena(report):
             bands = sum(tl[f"band:{b}"][i] for b in tl["bands"])
             assert bands == tl["live"][i] and bands <= arena
             assert tl["live"][i] + tl["holes"][i] + tl["free"][i] + tl["sink"][i] == arena
+            assert 0 <= tl["evictable"][i] <= tl["live"][i]  # the cache's own pages are part of live
+        if run["summary"]["utilization"] is not None:  # requests' bytes only: cache-only pages left out
+            assert run["summary"]["utilization"] <= run["summary"]["utilization_with_cache"]
+    # the trace's random prompts share no prefix: what finished requests leave cached is all evictable
+    assert any(max(run["timeline"]["evictable"]) > 0 for run in report["runs"])
+
+
+def test_utilization_counts_what_requests_hold():
+    from umem_jax.bench.results import RunResult, Timeline
+
+    tl = Timeline(["full"])
+    usage = dict(live_bytes=800, hole_bytes=100, free_bytes=50, sink_bytes=50, held_bytes={"full": 800})
+    for t, (waiting, evictable) in enumerate([(0, 0), (2, 300), (3, 100), (1, 200)]):
+        tl.add(float(t), t, 4, waiting, {**usage, "evictable_bytes": evictable})
+    run = RunResult("w", "unified", "unified", timeline=tl, arena_bytes=1000, max_num_seqs=8)
+    assert run.utilization(with_cache=True) == 0.8  # every bound sample: 800 live of 1000
+    assert run.utilization() == 0.6  # median of 500, 700, 600
 
 
 def test_json_png_table_and_ratios_written(report):

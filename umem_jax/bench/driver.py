@@ -241,7 +241,8 @@ def run(engine: LLMEngine, workload: Workload, prompts: list[list[int]], *, memo
             if not engine.has_unfinished_requests():
                 if i >= n:
                     break
-                tl.add(now, done_tokens, 0, 0, alloc.usage())
+                u = alloc.usage()
+                tl.add(now, done_tokens, 0, 0, u, engine.evictable_bytes(u))
                 time.sleep(max(0.0, reqs[i].arrival_s - (time.time() - t0)))
                 continue
             outs = engine.step()
@@ -254,8 +255,9 @@ def run(engine: LLMEngine, workload: Workload, prompts: list[list[int]], *, memo
                 end = max(end, o.metrics.finished_time or time.time())
             running_tokens = sum(len(q.output_token_ids) for q in sched.running)
             running_tokens += sum(len(q.output_token_ids) for q in sched.waiting)
-            tl.add(time.time() - t0, done_tokens + running_tokens, len(sched.running), len(sched.waiting),
-                   alloc.usage())
+            u = alloc.usage()
+            tl.add(time.time() - t0, done_tokens + running_tokens, len(sched.running), len(sched.waiting), u,
+                   engine.evictable_bytes(u))
             if outs:
                 advance(len(outs), note=f"{len(sched.running)} running, {len(sched.waiting)} waiting")
     after = engine.stats()

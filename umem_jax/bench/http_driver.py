@@ -49,7 +49,7 @@ def _usage(m: dict) -> dict:
     bands = {k.split(":", 2)[2]: v for k, v in m.items() if k.startswith("umem:arena_band_held_bytes:")}
     return {"live_bytes": m.get("umem:arena_bytes:live", 0), "hole_bytes": m.get("umem:arena_bytes:holes", 0),
             "free_bytes": m.get("umem:arena_bytes:free", 0), "sink_bytes": m.get("umem:arena_bytes:sink", 0),
-            "held_bytes": bands}
+            "evictable_bytes": m.get("umem:arena_evictable_bytes", 0), "held_bytes": bands}
 
 
 async def _request(client, url: str, model: str | None, rec: RequestRecord, prompt: list[int], t0: float,

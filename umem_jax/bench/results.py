@@ -35,18 +35,20 @@ class RequestRecord:
 
 class Timeline:
     """Column-wise samples.  Columns: t (s from start), out_tokens, running, waiting, live, holes,
-    free, sink (bytes), and one `band:<sub-pool>` column of held bytes per sub-pool."""
+    free, sink, evictable (bytes; evictable: the part of live only the prefix cache holds), and
+    one `band:<sub-pool>` column of held bytes per sub-pool."""
 
     def __init__(self, bands: list[str]):
         self.bands = list(bands)
         self.cols: dict[str, list] = {k: [] for k in ("t", "out_tokens", "running", "waiting", "live", "holes",
-                                                     "free", "sink")}
+                                                     "free", "sink", "evictable")}
         for b in self.bands:
             self.cols[f"band:{b}"] = []
 
-    def add(self, t: float, out_tokens: int, running: int, waiting: int, usage) -> None:
+    def add(self, t: float, out_tokens: int, running: int, waiting: int, usage, evictable: int = 0) -> None:
         """One sample; `usage` is ChainAllocator.usage() (an ArenaUsage) or a dict of the same
-        numbers (live_bytes, hole_bytes, free_bytes, sink_bytes, held_bytes {band: bytes})."""
+        numbers (live_bytes, hole_bytes, free_bytes, sink_bytes, held_bytes {band: bytes}, and
+        optionally evictable_bytes, which overrides `evictable`)."""
         c = self.cols
         c["t"].append(round(float(t), 6))
         c["out_tokens"].append(int(out_tokens))
@@ -55,10 +57,11 @@ class Timeline:
         if isinstance(usage, dict):
             live, holes, free, sink, held = (usage["live_bytes"], usage["hole_bytes"], usage["free_bytes"],
                                              usage["sink_bytes"], usage["held_bytes"])
+            evictable = usage.get("evictable_bytes", evictable)
         else:
             live, holes, free, sink = usage.live_bytes, usage.hole_bytes, usage.free_bytes, usage.sink_bytes
             held = {k: v.held_bytes for k, v in usage.subpools.items()}
-        for k, v in (("live", live), ("holes", holes), ("free", free), ("sink", sink)):
+        for k, v in (("live", live), ("holes", holes), ("free", free), ("sink", sink), ("evictable", evictable)):
             c[k].append(int(v))
         for b in self.bands:
             c[f"band:{b}"].append(int(held.get(b, 0)))
@@ -131,20 +134,24 @@ class RunResult:
             "peak_running": int(peak), "retractions": int(c.get("num_retractions", 0)),
             "preemptions": int(c.get("num_preemptions", 0)),
             "relocated_mib": c.get("relocated_bytes", 0) / 2**20, "moved_pages": int(c.get("num_moved_pages", 0)),
-            "utilization": self.utilization(), "compiles_after_warmup": c.get("compiles"),
+            "utilization": self.utilization(), "utilization_with_cache": self.utilization(with_cache=True),
+            "compiles_after_warmup": c.get("compiles"),
             "step_shapes_after_warmup": c.get("new_shapes"), "arena_bytes": self.arena_bytes,
         })
         return row
 
-    def utilization(self) -> float | None:
-        """Arena utilization while memory binds: median of live bytes / arena bytes over the
-        samples with requests waiting although fewer than max_num_seqs run (so memory, not the
-        sequence cap, is what holds them back); over all samples with requests waiting if there
-        are none such; None if nothing ever waited."""
+    def utilization(self, *, with_cache: bool = False) -> float | None:
+        """Arena utilization while memory binds: median of the bytes requests hold (live bytes
+        less those only the prefix cache holds, which eviction frees on demand; with_cache: live
+        bytes) / arena bytes over the samples with requests waiting although fewer than
+        max_num_seqs run (so memory, not the sequence cap, is what holds them back); over all
+        samples with requests waiting if there are none such; None if nothing ever waited."""
         tl = self.timeline
         if tl is None or not len(tl) or not self.arena_bytes:
             return None
         waiting, running, live = tl.array("waiting"), tl.array("running"), tl.array("live")
+        if not with_cache:
+            live = live - tl.array("evictable")
         bound = (waiting > 0) & (running < self.max_num_seqs) if self.max_num_seqs else waiting > 0
         if not bound.any():
             bound = waiting > 0
