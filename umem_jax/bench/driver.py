@@ -242,7 +242,7 @@ def run(engine: LLMEngine, workload: Workload, prompts: list[list[int]], *, memo
                 if i >= n:
                     break
                 u = alloc.usage()
-                tl.add(now, done_tokens, 0, 0, u, engine.evictable_bytes(u))
+                tl.add(now, done_tokens, 0, 0, u, engine.evictable_bytes())
                 time.sleep(max(0.0, reqs[i].arrival_s - (time.time() - t0)))
                 continue
             outs = engine.step()
@@ -257,7 +257,7 @@ def run(engine: LLMEngine, workload: Workload, prompts: list[list[int]], *, memo
             running_tokens += sum(len(q.output_token_ids) for q in sched.waiting)
             u = alloc.usage()
             tl.add(time.time() - t0, done_tokens + running_tokens, len(sched.running), len(sched.waiting), u,
-                   engine.evictable_bytes(u))
+                   engine.evictable_bytes())
             if outs:
                 advance(len(outs), note=f"{len(sched.running)} running, {len(sched.waiting)} waiting")
     after = engine.stats()

@@ -387,21 +387,19 @@ class LLMEngine:
         cache = self.scheduler.cache
         return True if cache is None else cache.clear()
 
-    def evictable_bytes(self, usage=None) -> int:
+    def evictable_bytes(self) -> int:
         """Bytes of live pages (slots) only the prefix cache holds: eviction frees them on demand,
         so they are live but not held by requests (usage figures leave them out)."""
         cache = self.scheduler.cache
         if cache is None:
             return 0
-        u = usage if usage is not None else self.allocator.usage()
-        return sum(n * (u.subpools[k].held_bytes // u.subpools[k].held)
-                   for k, n in cache.evictable_by_subpool().items() if n)
+        return sum(n * self.plan[k].page_bytes for k, n in cache.evictable_by_subpool().items())
 
     def stats(self) -> dict:
         u = self.allocator.usage()
         return {
             "memory_mode": self.config.memory_mode, "arena_bytes": u.total_bytes, "live_bytes": u.live_bytes,
-            "evictable_bytes": self.evictable_bytes(u), "hole_bytes": u.hole_bytes, "free_bytes": u.free_bytes,
+            "evictable_bytes": self.evictable_bytes(), "hole_bytes": u.hole_bytes, "free_bytes": u.free_bytes,
             "held": {k: v.held for k, v in u.subpools.items()},
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
