@@ -37,8 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from umem_jax.memory.plan import KVView  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
 from umem_jax.pallas_kernels.kv_write import write_kv, write_kv_reference  # noqa: E402
-from umem_jax.pallas_kernels.paged_decode import (paged_decode_attention,  # noqa: E402
-                                                  paged_decode_attention_reference)
+from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference  # noqa: E402
 from umem_jax.pallas_kernels.relocate import move_pages, move_pages_reference  # noqa: E402
 
 GROUPS = ("copy", "decode", "decode_long", "window", "baselines", "relocate", "kv_write", "bitcast_probe")

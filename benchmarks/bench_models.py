@@ -71,8 +71,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from umem_jax.arena import Arena, apply_moves  # noqa: E402
-from umem_jax.memory import ChainAllocator, plan as make_plan, size_arena  # noqa: E402
-from umem_jax.models.batch import make_batch  # noqa: E402
+from umem_jax.core.batch import make_batch  # noqa: E402
+from umem_jax.memory import ChainAllocator, size_arena  # noqa: E402
+from umem_jax.memory import plan as make_plan
 from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig  # noqa: E402
 from umem_jax.models.gemma3 import gemma3_4b_like  # noqa: E402
 from umem_jax.models.model import Model  # noqa: E402

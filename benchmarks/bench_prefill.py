@@ -54,8 +54,11 @@ import jax.numpy as jnp  # noqa: E402
 from umem_jax.memory.plan import KVView  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
 from umem_jax.pallas_kernels.kv_write import write_kv_reference  # noqa: E402
-from umem_jax.pallas_kernels.paged_prefill import (paged_prefill_attention,  # noqa: E402
-                                                   paged_prefill_attention_reference, prefill_config)
+from umem_jax.pallas_kernels.paged_prefill import (  # noqa: E402
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+    prefill_config,
+)
 
 LAYERS = 4  # layers in the page envelope (the view is layer 1): pages are strided like the engine's
 

@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

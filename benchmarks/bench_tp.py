@@ -34,12 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
-
 from bench_models import ALIASES, FAMILIES, GIB, Pager, Stepper, _block, build_model, time_steps  # noqa: E402
+
 from umem_jax.arena import Arena  # noqa: E402
-from umem_jax.memory import plan as make_plan, size_arena  # noqa: E402
+from umem_jax.memory import plan as make_plan  # noqa: E402
+from umem_jax.memory import size_arena
+from umem_jax.models.sharded_model import shard_model  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
-from umem_jax.parallel.sharded_model import shard_model  # noqa: E402
 
 
 def run_tp(model, a) -> dict:

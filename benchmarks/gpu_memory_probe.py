@@ -41,8 +41,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from umem_jax.arena import Arena  # noqa: E402
-from umem_jax.memory import plan as make_plan, size_arena  # noqa: E402
-from umem_jax.models.batch import Batch  # noqa: E402
+from umem_jax.core.batch import Batch  # noqa: E402
+from umem_jax.memory import plan as make_plan  # noqa: E402
+from umem_jax.memory import size_arena
 from umem_jax.models.registry import build_random  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
 from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV  # noqa: E402

@@ -33,14 +33,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import bench_models as bm  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import bench_models as bm  # noqa: E402
 from umem_jax.arena import Arena  # noqa: E402
-from umem_jax.memory import plan as make_plan, size_arena  # noqa: E402
+from umem_jax.memory import plan as make_plan  # noqa: E402
+from umem_jax.memory import size_arena
 from umem_jax.models import gdn_mixer, gemma3, layers, qwen3_5  # noqa: E402
 from umem_jax.models.registry import build_random  # noqa: E402
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402

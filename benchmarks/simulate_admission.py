@@ -32,13 +32,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from umem_jax.bench.sweep import static_configs  # noqa: E402
-from umem_jax.memory import ChainAllocator, plan as make_plan, size_arena, static_regions  # noqa: E402
+from umem_jax.core.request import Request, RequestStatus  # noqa: E402
+from umem_jax.core.sampling_params import SamplingParams  # noqa: E402
+from umem_jax.core.scheduled_batch import Buckets  # noqa: E402
+from umem_jax.memory import ChainAllocator, size_arena, static_regions  # noqa: E402
+from umem_jax.memory import plan as make_plan
+from umem_jax.memory.demand import DemandModel  # noqa: E402
 from umem_jax.memory.sizing import budget_bytes  # noqa: E402
 from umem_jax.models.registry import build_random  # noqa: E402
-from umem_jax.serving.demand import DemandModel  # noqa: E402
-from umem_jax.serving.request import Request, RequestStatus  # noqa: E402
-from umem_jax.serving.sampling_params import SamplingParams  # noqa: E402
-from umem_jax.serving.scheduler import Buckets, Scheduler, SchedulerConfig  # noqa: E402
+from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
 PREFILL_S_PER_TOKEN = 100e-3 / 2048
 DECODE_BASE_S = 2.6e-3  # weights of a 4B model at ~3.3 TB/s

@@ -69,9 +69,9 @@ def build_tiny_gemma3(out: Path):
 
 
 def expected_tiny(model, out: Path):
-    import torch
-
     import copy
+
+    import torch
 
     rng = np.random.default_rng(7)
     arrays = {}
@@ -203,9 +203,9 @@ def expected_hybrid(model, out_file: Path, *, vocab: int = 128):
     logits over prompt + greedy, generate's per-step logits (the cached path, which differs from
     cache-free where NemotronH's prefill-only dt clamp bites), and every recurrent layer's conv /
     recurrent state after prefilling the prompt (HF layouts: conv [C, K], rec as the cache holds it)."""
-    import torch
-
     import copy
+
+    import torch
 
     rng = np.random.default_rng(7)
     arrays = {}

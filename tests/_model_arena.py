@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from umem_jax.arena import Arena
-from umem_jax.models.batch import make_batch
+from umem_jax.core.batch import make_batch
 
 
 class HandPager:

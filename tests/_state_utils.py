@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
 from umem_jax.memory import full_attention, plan, recurrent_state
 

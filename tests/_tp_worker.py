@@ -101,7 +101,7 @@ def _fixture_models():
 
 def dense() -> dict:
     """Sharded cache-free logits == unsplit (fp32: only the psum's order of addition differs)."""
-    from umem_jax.parallel.sharded_model import shard_model
+    from umem_jax.models.sharded_model import shard_model
 
     out = {}
     toks = jnp.asarray(np.random.default_rng(0).integers(3, 120, size=(2, 12)), jnp.int32)
@@ -122,7 +122,7 @@ def arena_fixtures() -> dict:
     from _model_arena import generate
 
     from umem_jax.memory import plan as make_plan
-    from umem_jax.parallel.sharded_model import shard_model
+    from umem_jax.models.sharded_model import shard_model
 
     out = {}
     prompts = [np.arange(3, 23), np.arange(40, 47)]

@@ -8,11 +8,11 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name):
     # Lazy: `import umem_jax.memory` must not pull in the engine (and its JAX/Flax imports).
     if name == "LLM":
-        from .serving.llm import LLM
+        from .api.llm import LLM
 
         return LLM
     if name == "SamplingParams":
-        from .serving.sampling_params import SamplingParams
+        from .core.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'umem_jax' has no attribute {name!r}")

@@ -24,7 +24,7 @@ Using the arena in your own jitted function::
     arena = am.Arena.create(plan, size.num_rows)                   # zeros, on the device
     arena, s = step(arena, k, v, pages, slots, page_table)         # rebind: the old one is gone
 
-Check your step with `check_in_place(step.lower(...).compile(), arena)`; tests/test_arena.py
+Check your step with `check_in_place(step.lower(...).compile(), arena)`; tests/memory/test_arena.py
 does that for every writer here.  Page ids are physical, page/slot 0 is the sink; row ids are
 int32, which is why `num_rows < 2**31` (the element count may exceed 2**31).
 

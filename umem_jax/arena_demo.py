@@ -19,7 +19,7 @@ from .arena import Arena, apply_moves
 from .memory.chain import ChainAllocator
 from .memory.plan import Plan, plan
 from .memory.sizing import size_arena, static_regions
-from .presets import preset
+from .models.presets import preset
 
 BAR = 64
 

@@ -43,7 +43,7 @@ def _arena_demo(args) -> int:
 def _plan(args) -> int:
     from .memory.plan import plan
     from .memory.sizing import size_arena, static_regions
-    from .presets import preset
+    from .models.presets import preset
 
     p = plan(preset(args.model), page_size=args.page_size)
     print(p.table())
@@ -83,7 +83,7 @@ def _check_platform() -> None:
 
 def _engine(args):
     """Platform check, EngineConfig from the flags, the engine, and the startup report."""
-    from .serving.engine import EngineConfig, LLMEngine
+    from .engine.engine import EngineConfig, LLMEngine
 
     model = args.model or args.model_path
     if not model:
@@ -122,7 +122,7 @@ def _start_distributed(args) -> None:
 
 def _capacity(engine) -> str:
     """What the arena admits: requests of max_model_len at once, and each band's tokens alone."""
-    from .serving.demand import Demand
+    from .memory.demand import Demand
 
     d, cfg = engine.demand.lifetime(engine.max_model_len - 1, 1), engine.config
     times = lambda k: Demand(d.token_pages * k, {w: v * k for w, v in d.window_pages.items()}, d.state_slots * k)
@@ -140,7 +140,7 @@ def _capacity(engine) -> str:
 
 
 def _sampling_modes(text: str) -> tuple[str, ...]:
-    from .serving.sampler import MODES
+    from .runner.sampler import MODES
 
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     bad = [m for m in modes if m not in MODES]
@@ -150,9 +150,9 @@ def _sampling_modes(text: str) -> tuple[str, ...]:
 
 
 def _serve(args) -> int:
-    from .serving.api_server import serve
-    from .serving.async_engine import AsyncLLMEngine
-    from .serving.metrics import EngineMetrics
+    from .api.async_engine import AsyncLLMEngine
+    from .api.metrics import EngineMetrics
+    from .api.server import serve
 
     engine = _engine(args)
     names = args.served_model_name or [str(args.model or args.model_path)]
@@ -165,7 +165,7 @@ def _serve(args) -> int:
 
 
 def _generate(args) -> int:
-    from .serving.sampling_params import SamplingParams
+    from .core.sampling_params import SamplingParams
 
     engine = _engine(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -224,7 +224,7 @@ def _engine_flags(p) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .presets import PRESETS
+    from .models.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="umem-jax", description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -85,8 +85,8 @@ def _run(engine, watch: BandWatch, prompts, params) -> list:
 def run(model: str | None = None, arena_mib: float = 48.0, memory_mode: str = "unified", max_tokens: int = 24,
         short_requests: int = 16, long_requests: int = 2, seed: int = 0, out=print):
     """Run the three phases; returns the engine (idle, checked)."""
-    from .serving.engine import EngineConfig, LLMEngine
-    from .serving.sampling_params import SamplingParams
+    from .core.sampling_params import SamplingParams
+    from .engine.engine import EngineConfig, LLMEngine
 
     name = pick_model(model, out)
     t0 = time.perf_counter()

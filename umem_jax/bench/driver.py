@@ -26,9 +26,9 @@ import time
 import jax
 import numpy as np
 
-from ..serving.engine import EngineConfig, LLMEngine
-from ..serving.sampling_params import SamplingParams
-from ..serving.scheduled_batch import Buckets
+from ..core.sampling_params import SamplingParams
+from ..core.scheduled_batch import Buckets
+from ..engine.engine import EngineConfig, LLMEngine
 from .progress import progress_bar
 from .results import RequestRecord, RunResult, Timeline
 from .workload import Workload
@@ -120,7 +120,7 @@ def build_engine(model, memory: MemoryConfig, **engine_kwargs) -> LLMEngine:
 def capacity(engine: LLMEngine, input_len: int, output_len: int, limit: int = 4096) -> int:
     """How many requests of this shape the empty arena holds at once, priced by the engine's own
     demand model over each request's whole life (what the arrival clip prices)."""
-    from ..serving.demand import Demand
+    from ..memory.demand import Demand
 
     dm = engine.demand
     d = dm.lifetime(input_len, output_len)

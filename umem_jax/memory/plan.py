@@ -22,7 +22,7 @@ import dataclasses
 import math
 from functools import reduce
 
-from .declarations import MHA, MLA, WORD_BYTES, dtype_planes, Full, LayerDecl, State, StateGeometry, StateTensor, Window
+from .declarations import MHA, MLA, WORD_BYTES, Full, LayerDecl, State, StateGeometry, StateTensor, Window, dtype_planes
 
 ROW_ALIGN_BYTES = 16
 

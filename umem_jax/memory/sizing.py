@@ -42,7 +42,7 @@ def compiled_temp_bytes(*compiled) -> int:
     """Largest `temp_size_in_bytes` of AOT-compiled steps (jax `Compiled` objects).
 
     Compile every step bucket against a small probe arena first: if nothing copies the arena
-    (tests/test_arena.py checks that), temporaries do not depend on the arena's size.
+    (tests/memory/test_arena.py checks that), temporaries do not depend on the arena's size.
     """
     temps = [c.memory_analysis().temp_size_in_bytes for c in compiled]
     return max(temps, default=0)

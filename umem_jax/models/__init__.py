@@ -7,10 +7,17 @@
     logits, arena = step(model.params, arena, batch)
 """
 
-from .batch import Batch, make_batch
+from ..core.batch import Batch, make_batch
 from .config import ModelConfig, from_hf_config, load_hf_config
-from .loader import (DEFAULT_MODEL, cache_dir, convert_gguf, fetch_default_model, load_model, load_tokenizer,
-                     save_pretrained)
+from .loader import (
+                     DEFAULT_MODEL,
+                     cache_dir,
+                     convert_gguf,
+                     fetch_default_model,
+                     load_model,
+                     load_tokenizer,
+                     save_pretrained,
+)
 from .model import Model
 from .registry import model_class, supported_architectures
 from .tiny import tiny_config, tiny_model

@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..core.batch import Batch
 from ..memory.plan import KVView, Plan
 from ..pallas_kernels.kv_write import write_kv
 from ..pallas_kernels.paged_decode import paged_decode_attention
 from ..pallas_kernels.paged_prefill import paged_prefill_attention
-from .batch import Batch
 from .config import ModelConfig
 from .layers import FusedLinear, Linear, RMSNorm, apply_rope, rope_inv_freq
 

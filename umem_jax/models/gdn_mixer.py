@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..core.batch import Batch
 from ..pallas_kernels.gated_deltanet import L2NORM_EPS, gdn_decode, gdn_prefill
 from ..pallas_kernels.mamba2 import softplus
-from .batch import Batch
 from .layers import FusedLinear, Linear
 from .mamba2_mixer import DepthwiseConv1d, GatedRMSNorm, StateSlot, first_chunk
 

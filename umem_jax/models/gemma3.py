@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..core.batch import Batch
 from ..memory.declarations import MHA, Full, LayerDecl, Part, Window
 from ..memory.plan import Plan
 from .attention import Attention, kv_slot
-from .batch import Batch
 from .config import SLIDING, ModelConfig, from_hf_config
 from .layers import MLP, RMSNorm, _init
 

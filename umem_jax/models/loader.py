@@ -294,7 +294,8 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
     from safetensors.numpy import save_file
 
     from .config import to_hf_config
-    from .tiny import ARCHITECTURE as TINY, tiny_config_to_dict
+    from .tiny import ARCHITECTURE as TINY
+    from .tiny import tiny_config_to_dict
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -32,13 +32,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..core.batch import Batch
 from ..memory.plan import Plan, StateView
-from ..parallel.collectives import group_sum
 from ..pallas_kernels.mamba2 import mamba2_decode, mamba2_prefill, softplus
-from .batch import Batch
+from ..parallel.collectives import group_sum
 from .config import MambaConfig
 from .layers import Linear, _init
-
 
 # ----------------------------------------------------------------------------- state slots
 

@@ -21,9 +21,9 @@ import jax
 from flax import nnx
 
 from ..arena import Arena
+from ..core.batch import Batch
 from ..memory.declarations import LayerDecl
 from ..memory.plan import Plan
-from .batch import Batch
 from .config import ModelConfig
 
 

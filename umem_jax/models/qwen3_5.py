@@ -26,14 +26,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..memory.declarations import (MHA, Full, LayerDecl, Part, State, StateGeometry,
-                                   gated_deltanet_state_tensors)
+from ..core.batch import Batch
+from ..memory.declarations import MHA, Full, LayerDecl, Part, State, StateGeometry, gated_deltanet_state_tensors
 from ..memory.plan import Plan
 from ..pallas_kernels.kv_write import write_kv
 from ..pallas_kernels.paged_decode import paged_decode_attention
 from ..pallas_kernels.paged_prefill import paged_prefill_attention
 from .attention import _NEG, Attention, KVSlot, kv_slot
-from .batch import Batch
 from .config import FULL, MAMBA, ModelConfig, RopeConfig, _dtype, _tuple_or_int
 from .gdn_mixer import GatedDeltaNet
 from .gemma3 import Gemma3ForCausalLM

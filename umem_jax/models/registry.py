@@ -42,7 +42,7 @@ def model_class(architecture: str) -> type:
 
 
 def _random_shapes() -> dict:
-    """Preset name (the names umem_jax.presets uses for the same models' memory) -> config factory
+    """Preset name (the names umem_jax.models.presets uses for the same models' memory) -> config factory
     `f(dtype) -> ModelConfig`.  Each family adds its own entries."""
     from .gemma3 import gemma3_4b_like
     from .nemotron_h import nemotron_h_8b_like

@@ -20,8 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from ..memory.declarations import (MHA, Full, LayerDecl, Part, State, StateGeometry, Window,
-                                   mamba2_state_tensors)
+from ..memory.declarations import MHA, Full, LayerDecl, Part, State, StateGeometry, Window, mamba2_state_tensors
 from ..memory.plan import Plan
 from .config import FULL, MAMBA, SLIDING, MambaConfig, ModelConfig, RopeConfig
 from .gemma3 import DecoderLayer, Gemma3ForCausalLM

@@ -13,7 +13,7 @@ order (the file order, not the scores, is the merge rank), a token type per entr
     ones (e.g. "\\n\\n") plain added tokens, both matched whole on the raw text;
   * `<bos>` prepended when the file says add_bos_token.
 
-tests/test_models_gemma3_270m.py checks the result id for id against transformers' converter.
+tests/models/test_models_gemma3_270m.py checks the result id for id against transformers' converter.
 """
 
 from __future__ import annotations

@@ -38,8 +38,16 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, resolve_impl, triton_params
 from .causal_conv import conv_block, conv_decode_pallas, conv_decode_reference, conv_prefill_reference
-from .state_io import (block_fits, check_state_view, load_block, read_state, read_state_reference, store_block,
-                       write_state, write_state_reference)
+from .state_io import (
+    block_fits,
+    check_state_view,
+    load_block,
+    read_state,
+    read_state_reference,
+    store_block,
+    write_state,
+    write_state_reference,
+)
 from .words import from_u16, to_u16
 
 __all__ = [

@@ -417,7 +417,7 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
 PREFILL_ENV = "UMEM_JAX_PREFILL"
 _BACKENDS = ("auto", "triton", "mgpu")
 # When $UMEM_JAX_PREFILL is unset: Triton.  The Mosaic GPU kernel matched the references inside a
-# model step on the H200 (tests/test_prefill_gpu.py) but the engine's step refused it there: its
+# model step on the H200 (tests/gpu/test_prefill_gpu.py) but the engine's step refused it there: its
 # page table was a view of the packed step metadata, not 256-byte aligned (runner.Layout now aligns
 # every field).  "auto" (or "mgpu") opts in until the engine has run with it on a GPU.
 DEFAULT_BACKEND = "triton"

@@ -10,9 +10,10 @@ before anything touches a device; `jax.devices()` then lists every process's dev
 
 from __future__ import annotations
 
-import numpy as np
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .collectives import TP_AXIS
 

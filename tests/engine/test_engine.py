@@ -1,0 +1,193 @@
+"""The offline engine end to end on the tiny hybrid (full + window + Mamba2), reference kernels.
+
+Greedy generation must equal a dense-forward greedy loop; outputs, stops and errors must look
+like vLLM's; the step must stop compiling after warmup; the arena must be clean at idle.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _engine_utils import assert_idle_clean, compile_count, dense_greedy, llm, prompts, tiny
+
+from umem_jax import SamplingParams
+from umem_jax.engine.engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+# 5: shorter than a page row; 17: past the window (16); 40, 70: chunked (32-token passes)
+MIXED = prompts(5, 17, 40, 70)
+
+
+@pytest.fixture(scope="module")
+def engine_llm():
+    return llm()
+
+
+def test_greedy_matches_dense_mixed_lengths(engine_llm):
+    outs = engine_llm.generate(MIXED, GREEDY)
+    ref = dense_greedy(MIXED, 12)
+    for o, p, r in zip(outs, MIXED, ref):
+        c = o.outputs[0]
+        assert o.prompt_token_ids == p and o.finished
+        assert c.token_ids == r
+        assert c.finish_reason == "length" and c.stop_reason is None
+        assert engine_llm.get_tokenizer().decode(c.token_ids).startswith(c.text)
+    e = engine_llm.llm_engine
+    assert e.num_steps["prefill"] >= 4 and e.num_steps["decode"] >= 11  # chunked, batched
+    assert_idle_clean(engine_llm)
+
+
+def test_static_mode_same_outputs():
+    static = llm(memory_mode="static")
+    assert static.llm_engine.regions is not None
+    outs = static.generate(MIXED, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy(MIXED, 12)
+    assert_idle_clean(static)
+
+
+def test_compile_counter_stops_growing(engine_llm):
+    """Each step shape compiles once per sampler variant the traffic needs (greedy, random,
+    cuts: a static choice, see sampler.py); after that, other lengths and batch mixes in the
+    same buckets compile nothing."""
+    e = engine_llm.llm_engine
+    engine_llm.generate(prompts(3, 33, 9, seed=1), GREEDY)  # warm: both shapes
+    assert e.runner.num_compilations == 2  # one decode and one prefill shape
+    engine_llm.generate(prompts(2, 30, 9, seed=4), SamplingParams(temperature=0.7, seed=4, max_tokens=9))
+    shapes, compiles = e.runner.num_compilations, compile_count()
+    assert shapes == 4  # the same two shapes with the "random" sampler
+    for seed in (2, 3):  # other lengths, other batch mixes, same buckets: nothing new
+        engine_llm.generate(prompts(1, 20, 64, 2, seed=seed), SamplingParams(temperature=0.7, seed=seed, max_tokens=9))
+        engine_llm.generate(prompts(2, 17, 40, seed=seed), GREEDY)
+    assert e.runner.num_compilations == shapes
+    assert compile_count() == compiles, "the steady state recompiled something"
+    assert_idle_clean(engine_llm)
+
+
+def test_stop_token_ids_eos_and_ignore_eos(engine_llm):
+    p = MIXED[1]
+    ref = dense_greedy([p], 12)[0]
+    t = ref[3]
+    first = ref.index(t)
+    out = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[t]))[0].outputs[0]
+    assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop" and out.stop_reason == t
+    e = engine_llm.llm_engine
+    saved = e.eos_ids
+    try:
+        e.eos_ids = {t}  # pretend the model's EOS is the token it is about to produce
+        out = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        assert out.token_ids == ref[:first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+        out = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+        assert out.token_ids == ref and out.finish_reason == "length"
+        # min_tokens: the EOS is banned (logits masked) until min_tokens tokens exist
+        sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=first + 2)
+        req_out = engine_llm.generate(p, sp)[0].outputs[0]
+        assert t not in req_out.token_ids[: first + 2] and len(req_out.token_ids) >= first + 2
+    finally:
+        e.eos_ids = saved
+    assert_idle_clean(engine_llm)
+
+
+def test_stop_strings_on_text_prompts(engine_llm):
+    tok = engine_llm.get_tokenizer()
+    text_prompt = "The quick brown fox"
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = engine_llm.generate(text_prompt, sp)[0]
+    assert full.prompt == text_prompt and full.prompt_token_ids == tok.encode(text_prompt)
+    text = full.outputs[0].text
+    assert len(text) >= 4, f"the tiny model produced too little text to test stop strings: {text!r}"
+    stop = text[2:4]
+    out = engine_llm.generate(text_prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                                          stop=[stop, "\x00never"]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert full.outputs[0].token_ids[: len(out.token_ids)] == out.token_ids
+    assert_idle_clean(engine_llm)
+
+
+def test_bad_inputs_raise_and_lose_nothing(engine_llm):
+    e: LLMEngine = engine_llm.llm_engine
+    good = MIXED[:2]
+    ids = [e.add_request(p, GREEDY) for p in good]
+    for _ in range(3):
+        e.step()
+    bad_params = SamplingParams(temperature=0)
+    bad_params.top_p = 0.0  # mutated after construction: validated again on arrival
+    bad = [("", GREEDY), ([], GREEDY), ([5, 320], GREEDY), ([-1, 4], GREEDY), ([5, 6], bad_params),
+           ([7] * 1024, GREEDY), (3.5, GREEDY), ([True, 5], GREEDY), ([5], SamplingParams(logprobs=2))]
+    for prompt, params in bad:
+        with pytest.raises(ValueError):
+            e.add_request(prompt, params)
+    with pytest.raises(ValueError, match="already in use"):
+        e.add_request([5, 6], GREEDY, request_id=ids[0])
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    outs = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            outs[o.request_id] = o
+    assert sorted(outs) == sorted(ids)
+    assert [outs[i].outputs[0].token_ids for i in ids] == dense_greedy(good, 12)
+    # a bad prompt in a batch refuses the batch before anything is queued
+    with pytest.raises(ValueError, match="prompt 1"):
+        engine_llm.generate([MIXED[0], [999]], GREEDY)
+    assert not e.has_unfinished_requests()
+    assert_idle_clean(engine_llm)
+
+
+def test_abort_mid_flight(engine_llm):
+    e = engine_llm.llm_engine
+    ids = [e.add_request(p, GREEDY) for p in MIXED[:3]]
+    for _ in range(4):
+        e.step()
+    e.abort_request(ids[1])
+    outs = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            outs[o.request_id] = o
+    ref = dense_greedy(MIXED[:3], 12)
+    assert outs[ids[1]].outputs[0].finish_reason == "abort"
+    assert outs[ids[0]].outputs[0].token_ids == ref[0] and outs[ids[2]].outputs[0].token_ids == ref[2]
+    assert_idle_clean(engine_llm)
+
+
+def test_prompt_forms_and_chat(engine_llm):
+    tok = engine_llm.get_tokenizer()
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    a, b, c = engine_llm.generate(["hi", {"prompt": "hi"}, {"prompt_token_ids": tok.encode("hi")}], sp)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    single = engine_llm.generate(tok.encode("hi"), sp)  # one token-id prompt
+    assert len(single) == 1 and single[0].outputs[0].token_ids == a.outputs[0].token_ids
+    chat = engine_llm.chat([{"role": "user", "content": "hello"}], sp)[0]
+    assert chat.prompt_token_ids == tok.encode("user: hello\nassistant: ")
+    assert len(chat.outputs[0].token_ids) == 3
+    with pytest.raises(TypeError, match="unknown LLM arguments"):
+        type(engine_llm)(tiny(), not_an_option=1)
+    assert_idle_clean(engine_llm)
+
+
+def test_penalties_match_dense(engine_llm):
+    """The penalty variant of the step (host-built counts, read-back before packing)."""
+    import jax.numpy as jnp
+    import numpy as np
+    from _engine_utils import DENSE_LEN
+
+    from umem_jax.runner.sampler import apply_penalties
+
+    p = MIXED[0]
+    kw = dict(repetition_penalty=1.5, presence_penalty=0.3, frequency_penalty=0.5)
+    got = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **kw))[0]
+    m, V = tiny(), tiny().config.vocab_size
+    toks, out = np.zeros((4, DENSE_LEN), np.int32), []
+    toks[0, :len(p)] = p
+    for _ in range(8):
+        n = len(p) + len(out)
+        logits = m.dense_logits(m.params, jnp.asarray(toks))[0, n - 1][None]
+        pc = np.bincount(p, minlength=V)[None].astype(np.float32)
+        oc = np.bincount(out, minlength=V)[None].astype(np.float32) if out else np.zeros((1, V), np.float32)
+        f = lambda x: jnp.asarray([x], jnp.float32)
+        lg = apply_penalties(logits, pc, oc, f(kw["repetition_penalty"]), f(kw["presence_penalty"]),
+                             f(kw["frequency_penalty"]))
+        out.append(int(np.argmax(np.asarray(lg)[0])))
+        toks[0, n] = out[-1]
+    assert got.outputs[0].token_ids == out
+    assert out != dense_greedy([p], 8)[0]  # the penalties changed something
+    assert_idle_clean(engine_llm)

@@ -1,0 +1,149 @@
+"""Prefix caching end to end: hits give the same greedy tokens as misses (and as the dense
+oracle) on the tiny hybrid (full + window + Mamba2) and on the NemotronH and Qwen3.5 fixtures;
+hits resume where the state checkpoints are (prefill chunk ends, fork points, decode interval);
+concurrent requests share pages; the cache is evicted before anything is retracted and a
+checkpoint that does not fit is skipped, never stalling a request; every test ends with the
+idle invariant / leak / refcount checks.
+
+The tiny-model engines use the shared settings (_engine_utils), so they add no step shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _engine_utils import ARENA, assert_idle_clean, dense_greedy, llm, prompts
+
+from umem_jax import LLM, SamplingParams
+
+G = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+
+
+def run(engine_llm, prompt, n):
+    out = engine_llm.generate(prompt, G(n))[0]
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+@pytest.fixture(scope="module")
+def cached():
+    """Room for a few cached paths with their checkpoints, so LRU eviction does not interfere
+    with the hits these tests look for (the tight default arena is for the pressure tests)."""
+    return llm(arena_bytes=4 * ARENA)
+
+
+def test_hits_resume_at_checkpoints_and_match_dense(cached):
+    e = cached.llm_engine
+    base, other = prompts(70, 60, seed=21)
+    a = base  # chunked 32 + 32 + 6: checkpoints at 32, 64 and 68 (the page before the last token)
+    b = base[:50] + other[:20]  # shares 48 tokens in whole pages; the deepest checkpoint is 32
+    c = base[:50] + other[20:40]  # diverges from b at 50: resumes at b's fork checkpoint, 48
+    want = dense_greedy([a, b, c], 10)
+    assert run(cached, a, 10) == (want[0], 0)
+    assert run(cached, a, 10) == (want[0], 68)
+    assert run(cached, b, 10) == (want[1], 32)
+    assert run(cached, c, 10) == (want[2], 48)
+    st = e.stats()
+    pc = st["prefix_cache"]
+    assert pc["hits"] == 3 and pc["hit_tokens"] == 68 + 32 + 48 == st["prefix_cache_hits"]
+    assert pc["shortened_tokens"] == 48 - 32  # b found 48 tokens but only 32 had a checkpoint
+    assert pc["adopted_pages"] > 0  # b's own pages before its fork replaced tombstoned ones
+    assert pc["copied_slots"] == 3 and pc["checkpoints_taken"] > 0
+    # idle: every live byte is the cache's alone, so all of it is evictable
+    assert st["evictable_bytes"] == st["live_bytes"] > 0
+    assert_idle_clean(cached)
+
+
+def test_decode_checkpoint_serves_a_follow_up(cached):
+    """A conversation's next turn resumes at the decode checkpoint (every 32 tokens here)."""
+    first = prompts(20, seed=22)[0]
+    out, hit = run(cached, first, 30)  # computes 20 + 29 tokens: a decode checkpoint at 32
+    assert hit == 0 and out == dense_greedy([first], 30)[0]
+    turn2 = first + out[:16] + prompts(9, seed=23)[0]
+    assert run(cached, turn2, 8) == (dense_greedy([turn2], 8)[0], 32)
+    assert_idle_clean(cached)
+
+
+def test_concurrent_requests_share_the_prefix(cached):
+    e = cached.llm_engine
+    shared = prompts(40, seed=24)[0]
+    tails = prompts(7, 9, 6, 8, 5, seed=25)
+    ps = [shared + t for t in tails]
+    want = dense_greedy(ps, 12)
+    assert run(cached, ps[0], 12) == (want[0], 0)
+    ids = [e.add_request(p, G(12)) for p in ps[1:4]]  # together: all three hit at once
+    outs, most = {}, 0
+    while e.has_unfinished_requests():
+        for o in e.step():
+            outs[o.request_id] = o
+        most = max(most, int(e.scheduler.owner.refs.max()))
+    assert most >= 4  # a shared page held by the cache and the three requests
+    assert [outs[i].outputs[0].token_ids for i in ids] == want[1:4]
+    # the chunk-end checkpoint, or the fork checkpoint when admitted a step after the others
+    assert all(outs[i].num_cached_tokens in (32, 40) for i in ids) and outs[ids[0]].num_cached_tokens == 32
+    assert run(cached, ps[4], 12) == (want[4], 40)  # the fork checkpoint they planted
+    assert_idle_clean(cached)
+
+
+def test_cache_is_evicted_before_running_requests_are_retracted():
+    tight = llm(new_token_ratio=0.0)
+    e = tight.llm_engine
+    fill = prompts(60, 60, 60, seed=26)
+    for p in fill:  # one at a time: each leaves its pages and checkpoints in the cache
+        tight.generate(p, G(8))
+    before = e.stats()["prefix_cache"]
+    assert before["cached_pages"] > 25 and before["cached_checkpoints"] > 0
+    pair = prompts(40, 40, seed=27)
+    outs = tight.generate(pair, G(40))  # together they need most of the arena
+    st = e.stats()
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy(pair, 40)
+    assert st["num_retractions"] == 0 and st["num_evictions"] > before["evicted_pages"]
+    # a repeat after all that gets the same tokens from whatever survived in the cache
+    assert run(tight, pair[1], 40)[0] == outs[1].outputs[0].token_ids
+    assert_idle_clean(tight)
+
+
+def test_stalled_checkpoints_are_skipped_and_requests_finish():
+    tight = llm(new_token_ratio=0.0)
+    long = prompts(5, 17, 40, 70, seed=4)
+    outs = tight.generate(long, G(50))
+    st = tight.llm_engine.stats()
+    assert st["prefix_cache"]["checkpoints_skipped"] > 0  # no slot fit beside the running requests
+    assert [o.outputs[0].token_ids for o in outs] == dense_greedy(long, 50)
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_idle_clean(tight)
+
+
+def test_disabled():
+    off = llm(enable_prefix_caching=False)
+    p = prompts(40, seed=28)[0]
+    want = dense_greedy([p], 6)[0]
+    assert run(off, p, 6) == (want, 0) and run(off, p, 6) == (want, 0)
+    st = off.llm_engine.stats()
+    assert not st["prefix_cache"]["enabled"] and st["prefix_cache_hits"] == 0
+    assert all(v == 0 for v in st["held"].values()) and st["evictable_bytes"] == 0
+    assert off.reset_prefix_cache()
+    assert_idle_clean(off)
+
+
+@pytest.mark.parametrize("fixture", ["nemotron_h_tiny", "qwen3_5_tiny"])
+def test_fixture_models_hits_equal_misses(fixture):
+    from umem_jax.models.loader import load_model
+
+    m = load_model(str(FIXTURES / fixture))
+    model_llm = LLM(m, arena_bytes=256 << 10, max_num_seqs=4, max_num_batched_tokens=32, page_size=4,
+                    max_model_len=256, batch_buckets=(4,), token_buckets=(32,), page_buckets=(64,))
+    base, other = prompts(45, 40, seed=29)
+    base = [t % 120 + 3 for t in base]
+    other = [t % 120 + 3 for t in other]
+    # base: checkpoints at 32 and 44; the second resumes at 32 and plants one at its fork, 36
+    ps = [base, base[:36] + other[:10], base[:36] + other[10:22]]
+    misses = []
+    for p in ps:  # each on an empty cache
+        misses.append(run(model_llm, p, 6)[0])
+        assert model_llm.reset_prefix_cache()
+    hits = [run(model_llm, p, 6) for p in ps + [base]]
+    assert [h[0] for h in hits] == misses + misses[:1]
+    assert [h[1] for h in hits] == [0, 32, 36, 44]
+    assert_idle_clean(model_llm)

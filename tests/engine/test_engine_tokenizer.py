@@ -1,0 +1,81 @@
+"""Tokenizer pieces of the engine (serving/tokenizer.py): no model, no device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from umem_jax.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, find_stop, render_chat
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer(320, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    ids = tok.encode("héllo ✓")
+    assert ids[0] == 1 and all(3 <= t < 259 for t in ids[1:])
+    assert tok.decode(ids) == "héllo ✓"
+    assert tok.decode([1, *tok.encode("a", False), 2, 300], skip_special_tokens=False) == "<bos>a<eos><extra_300>"
+    assert tok.eos_token_ids == (2,)
+    with pytest.raises(ValueError):
+        ByteTokenizer(100)
+
+
+def test_incremental_detokenizer_holds_partial_characters():
+    tok = ByteTokenizer(320)
+    text = "añ✓b"
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, tok.encode("x"))
+    pieces = [d.step(t) for t in ids]
+    assert "".join(pieces) == text
+    assert pieces[1] == ""  # the first byte of ñ alone is not a character yet
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_find_stop():
+    assert find_stop("hello world", 5, ["wor", "xyz"]) == (6, "wor")
+    assert find_stop("hello world", 1, ["o w"]) is None  # ended before the new text
+    assert find_stop("abcabc", 3, ["bc", "ca"]) == (2, "ca")  # earliest start wins
+    assert find_stop("abc", 3, [""]) is None
+
+
+def _hf_dir(tmp_path, chat_template=None):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<end_of_turn>": 3, "hello": 4, "world": 5, "hi": 6, "[UNK]": 7}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()  # joins with spaces
+    tok.add_special_tokens(["<pad>", "<eos>", "<bos>", "<end_of_turn>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"bos_token": "<bos>", "eos_token": {"content": "<eos>"}}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    return tmp_path
+
+
+def test_hf_tokenizer(tmp_path):
+    tok = HFTokenizer(_hf_dir(tmp_path), extra_eos_ids=(1,))
+    assert tok.encode("hello world") == [4, 5]
+    assert tok.decode([2, 4, 5, 1]) == "hello world"
+    assert tok.bos_token_id == 2 and tok.eos_token_ids == (1, 3)
+    tmpl = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tok = HFTokenizer(_hf_dir(tmp_path, tmpl))
+    assert tok.encode_chat([{"role": "user", "content": "hi"}]) == [2, 6]
+
+
+def test_chat_template_errors():
+    with pytest.raises(ValueError, match="role"):
+        render_chat("{{ messages }}", [{"content": "x"}])
+    with pytest.raises(ValueError, match="chat template: nope"):
+        render_chat("{{ raise_exception('nope') }}", [])
+
+
+def test_hf_tokenizer_without_config_uses_model_ids(tmp_path):
+    d = _hf_dir(tmp_path)
+    (d / "tokenizer_config.json").unlink()
+    (d / "generation_config.json").unlink()
+    tok = HFTokenizer(d, extra_eos_ids=(1,), bos_token_id=2)  # a GGUF conversion ships tokenizer.json alone
+    assert tok.bos_token == "<bos>" and tok.eos_token == "<eos>" and tok.eos_token_ids == (1,)
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[:1] == tok.encode("user", False)

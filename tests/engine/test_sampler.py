@@ -1,0 +1,108 @@
+"""Sampler: greedy, temperature, top-k/top-p/min-p cuts, seeds and penalties on random logits."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from umem_jax.core.sampling_params import SamplingParams
+from umem_jax.runner.sampler import MODES, SamplingBatch, apply_penalties, sample
+
+
+def run(logits, params, seeds=None, steps=None, mode=None):
+    """Tokens in the least sampler mode the rows need (as the engine picks it), or in `mode`."""
+    B = logits.shape[0]
+    n = len(params)
+    sb = SamplingBatch.build(params, seeds or list(range(n)), steps or [0] * n, B)
+    return np.asarray(sample(jnp.asarray(logits), **sb.arrays(), mode=mode or sb.mode))
+
+
+def test_every_mode_that_covers_the_rows_gives_the_same_tokens():
+    """The engine compiles the sampler per mode and may run a batch in a covering mode that was
+    compiled already: a row's token must not depend on which."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(8, 300)).astype(np.float32) * 2
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    mixed = greedy + [SamplingParams(temperature=0.9)] * 3
+    cut = mixed + [SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=1.1, top_p=0.5)]
+    for ps, least in ((greedy, "greedy"), (mixed, "random"), (cut, "cuts")):
+        sb = SamplingBatch.build(ps, list(range(len(ps))), [4] * len(ps), 8)
+        assert sb.mode == least
+        outs = [run(logits, ps, steps=[4] * len(ps), mode=m) for m in MODES[MODES.index(least):]]
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+    with pytest.raises(ValueError, match="sampling mode"):
+        run(logits, greedy, mode="nucleus")
+
+
+def test_greedy_is_argmax_and_padding_rows_are_greedy():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(6, 50)).astype(np.float32)
+    out = run(logits, [SamplingParams(temperature=0.0)] * 4)  # rows 4, 5 are padding
+    np.testing.assert_array_equal(out, logits.argmax(-1))
+
+
+def test_cuts_restrict_the_support():
+    rng = np.random.default_rng(1)
+    row = rng.normal(size=(1, 40)).astype(np.float32) * 3
+    logits = np.repeat(row, 512, axis=0)
+    top2 = set(np.argsort(-row[0])[:2])
+    out = run(logits, [SamplingParams(temperature=1.0, top_k=2)] * 512)
+    assert set(out) <= top2 and len(set(out)) == 2
+    out = run(logits, [SamplingParams(temperature=1.0, top_p=1e-6)] * 512)
+    assert set(out) == {row[0].argmax()}
+    p = np.exp(row[0] - row[0].max()); p /= p.sum()
+    out = run(logits, [SamplingParams(temperature=1.0, min_p=0.5)] * 512)
+    assert set(out) <= set(np.nonzero(p >= 0.5 * p.max())[0])
+
+
+def test_temperature_sampling_matches_softmax_frequencies():
+    rng = np.random.default_rng(2)
+    row = rng.normal(size=(1, 8)).astype(np.float32)
+    n = 4000
+    out = run(np.repeat(row, n, axis=0), [SamplingParams(temperature=0.7)] * n)
+    p = np.exp(row[0] / 0.7 - (row[0] / 0.7).max()); p /= p.sum()
+    freq = np.bincount(out, minlength=8) / n
+    np.testing.assert_allclose(freq, p, atol=0.03)
+
+
+def test_seed_and_step_make_sampling_reproducible():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(8, 100)).astype(np.float32)
+    ps = [SamplingParams(temperature=1.0)] * 8
+    a = run(logits, ps, seeds=[5] * 8, steps=list(range(8)))
+    b = run(logits, ps, seeds=[5] * 8, steps=list(range(8)))
+    c = run(logits, ps, seeds=[6] * 8, steps=list(range(8)))
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+
+
+def test_a_rows_token_does_not_depend_on_its_batch_mates():
+    # Rows without cuts skip the vocabulary sort unless a batch-mate needs it: either way, the
+    # same seed, step and parameters give the same token (retraction and batching must not
+    # change a seeded request's output).
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(4, 300)).astype(np.float32) * 2
+    plain, cut, greedy = (SamplingParams(temperature=0.9), SamplingParams(temperature=0.9, top_p=0.8),
+                          SamplingParams(temperature=0.0))
+    for step in range(6):
+        alone = run(logits, [plain, plain, greedy, plain], seeds=[7, 8, 9, 10], steps=[step] * 4)
+        mixed = run(logits, [plain, cut, greedy, plain], seeds=[7, 8, 9, 10], steps=[step] * 4)
+        np.testing.assert_array_equal(alone[[0, 2, 3]], mixed[[0, 2, 3]])
+        assert alone[2] == logits[2].argmax()
+        cut_alone = run(logits[1:2], [cut], seeds=[8], steps=[step])
+        assert mixed[1] == cut_alone[0]
+
+
+def test_penalties_follow_vllm():
+    logits = jnp.array([[2.0, -2.0, 1.0, 0.5]])
+    prompt = jnp.array([[1, 0, 0, 0]], jnp.float32)
+    output = jnp.array([[0, 1, 2, 0]], jnp.float32)
+    out = apply_penalties(logits, prompt, output, jnp.array([2.0]), jnp.array([0.5]), jnp.array([0.25]))
+    np.testing.assert_allclose(np.asarray(out), [[1.0, -4.0 - 0.5 - 0.25, 0.5 - 0.5 - 0.5, 0.5]])
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("min_p", 2.0), ("max_tokens", 0),
+                                          ("top_k", -3), ("n", 2), ("presence_penalty", 3.0)])
+def test_bad_parameters_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

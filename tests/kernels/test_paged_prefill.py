@@ -1,0 +1,371 @@
+"""paged_prefill_attention: Pallas kernel (interpret mode) vs the plain-JAX reference, the reference
+vs dense attention on the same tokens, and a CUDA cross-lowering check of the Triton kernel.
+
+Every test arena starts poisoned (all words 0xFFFF: NaN as bf16 and as an fp32 hi/lo pair); only
+the rows of live tokens are written, tombstoned pages are poisoned again, and padded q rows are
+NaN, so any read of an unmapped/tombstoned page, an unwritten slot or a padded query shows up as
+NaN in the output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
+from umem_jax.memory.plan import KVView
+from umem_jax.pallas_kernels.kv_write import write_kv_reference
+from umem_jax.pallas_kernels.paged_prefill import (
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+    prefill_config,
+)
+
+POISON = 0xFFFF
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def kv_view(Hkv, D, ps, *, fp32=False, row_words=None, layer=1) -> KVView:
+    """View of full-attention layer `layer` in a small hybrid plan (3 full layers + a window
+    layer), so K/V rows do not start at row 0 of the envelope."""
+    dt = "float32" if fp32 else "bfloat16"
+    decls = [LayerDecl(i, (Part(MHA(Hkv, D, dtype=dt), Full()),)) for i in range(3)]
+    decls.append(LayerDecl(3, (Part(MHA(Hkv, D, dtype=dt), Window(64)),)))
+    p = plan(decls, page_size=ps, row_words=row_words)
+    return p.full.kv_view(layer)
+
+
+def make_case(rng, view, rows, *, T, P, Hq, q_dtype, window=None, tombstone=False, num_pages=None,
+              arena_dtype=jnp.uint16, page_pool=None):
+    """A batch of chunks already written into a poisoned arena (built with jnp, so on the GPU it
+    never passes through host memory).
+
+    rows: [(prefix, q_len)] per request; kv_len = prefix + q_len.  Physical pages are handed out
+    in random order from `page_pool` (default 1..num_pages-1); table entries past a row's pages
+    are the sink 0.  With `tombstone`, pages wholly before the chunk's first query's window are
+    unmapped (0) and re-poisoned.  Returns (q, arena, page_table, q_lens, kv_lens).
+    """
+    ps, Hkv = view.page_size, view.num_kv_heads
+    B = len(rows)
+    need = sum(-(-(p + q) // ps) for p, q in rows)
+    num_pages = num_pages or need + 3
+    rpp, W = view.rows_per_page, view.row_words
+    pool = np.arange(1, num_pages) if page_pool is None else np.asarray(page_pool)
+    assert need <= len(pool) and pool.min() > 0 and pool.max() < num_pages
+    phys = rng.permutation(pool)
+    table = np.zeros((B, P), np.int32)
+    pages, slots, n_used = [], [], 0
+    for b, (prefix, q_len) in enumerate(rows):
+        kv_len = prefix + q_len
+        n = -(-kv_len // ps)
+        assert n <= P and q_len <= T
+        table[b, :n] = phys[n_used:n_used + n]
+        n_used += n
+        t = np.arange(kv_len)
+        pages.append(table[b, t // ps])
+        slots.append(t % ps)
+    pages = np.concatenate(pages).astype(np.int32)
+    slots = np.concatenate(slots).astype(np.int32)
+    kv_dt = jnp.float32 if view.planes == 2 else jnp.bfloat16
+    n_tok = len(pages)
+    k = jnp.asarray(rng.standard_normal((n_tok, Hkv, view.head_dim), np.float32), kv_dt)
+    v = jnp.asarray(rng.standard_normal((n_tok, Hkv, view.v_head_dim), np.float32), kv_dt)
+    arena = jnp.full((num_pages * rpp, W), POISON, jnp.uint16)
+    arena = write_kv_reference(arena, k, v, jnp.asarray(pages), jnp.asarray(slots), view=view)
+    if tombstone and window is not None:
+        dead = []
+        for b, (prefix, q_len) in enumerate(rows):
+            first = prefix  # position of the chunk's first query
+            for i in range(P):
+                if table[b, i] and (i + 1) * ps <= first - window + 1:
+                    dead.append(np.arange(table[b, i] * rpp, (table[b, i] + 1) * rpp))
+                    table[b, i] = 0
+        if dead:
+            arena = arena.at[jnp.asarray(np.concatenate(dead), jnp.int32)].set(jnp.uint16(POISON))
+    if jnp.dtype(arena_dtype) == jnp.bfloat16:
+        arena = jax.lax.bitcast_convert_type(arena, jnp.bfloat16)
+    q = rng.standard_normal((B, T, Hq, view.head_dim), np.float32)
+    for b, (_, q_len) in enumerate(rows):
+        q[b, q_len:] = np.nan  # padded queries: their output must be exactly 0, never NaN
+    q_lens = np.array([ql for _, ql in rows], np.int32)
+    kv_lens = np.array([p + ql for p, ql in rows], np.int32)
+    return (jnp.asarray(q, q_dtype), arena, jnp.asarray(table), jnp.asarray(q_lens), jnp.asarray(kv_lens))
+
+
+def bf16_case(name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows, *, tombstone=False):
+    """A bf16 one-plane case seeded by its name -> (q, arena, page_table, q_lens, kv_lens, kw, ref):
+    kw holds the attention options, ref the reference output (the Mosaic GPU tests' cases)."""
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    view = kv_view(Hkv, D, ps)
+    q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.bfloat16,
+                                              window=window, tombstone=tombstone)
+    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
+    return q, arena, pt, q_lens, kv_lens, kw, paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+
+
+def assert_close(out, ref, q_lens, *, fp32):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    ref = np.asarray(jnp.asarray(ref, jnp.float32))
+    assert np.isfinite(ref).all(), "reference produced non-finite values"
+    assert np.isfinite(out).all(), "kernel produced non-finite values (read a poisoned row?)"
+    for b, ql in enumerate(np.asarray(q_lens)):
+        assert (out[b, ql:] == 0).all(), f"row {b}: outputs past q_len={ql} are not 0"
+    tol = 1e-5 if fp32 else 1e-2
+    scale = max(1.0, float(np.abs(ref).max()))
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
+
+
+# --------------------------------------------------------------------------- kernel vs reference
+
+# (name, Hkv, G, D, ps, fp32, window, softcap, sinks, scale, block_q, block_k, T, P, rows, extra)
+CASES = [
+    # prefix 0 / partial page / many pages; chunk of 1; chunks crossing pages; padding rows
+    # (q_len 0 with and without cache); BK > page size (gathers rows of 2 pages per block).
+    ("bf16_gqa4_p16", 2, 4, 64, 16, False, None, None, False, None, 8, 32, 24, 6,
+     [(0, 20), (7, 1), (40, 9), (0, 0), (5, 0)], {}),
+    # fp32 planes, MHA, BK < page size (one page per block), explicit scale.
+    ("f32_mha_p32", 2, 1, 64, 32, True, None, None, False, 0.3, 16, 16, 16, 4,
+     [(0, 16), (33, 16), (70, 3)], {}),
+    # GQA 8, head_dim 128, window starting mid-page, tombstoned pages, chunk shorter than the
+    # window, chunk longer than the window, decode-like chunk of 1.
+    ("bf16_gqa8_window_tomb", 1, 8, 128, 16, False, 24, None, False, None, 4, 16, 32, 9,
+     [(0, 20), (50, 5), (37, 30), (100, 1)], {"tombstone": True}),
+    # softcap + sinks, page 64 (BK < page), GQA 4.
+    ("bf16_softcap_sinks_p64", 2, 4, 64, 64, False, None, 5.0, True, 0.2, 4, 32, 16, 4,
+     [(0, 12), (60, 10), (130, 16)], {}),
+    # every feature at fp32 tolerance: window + softcap + sinks + tombstones, BK == page.
+    ("f32_all_features", 2, 4, 64, 16, True, 10, 3.0, True, None, 4, 16, 16, 5,
+     [(0, 7), (23, 9), (45, 16), (0, 0)], {"tombstone": True}),
+    # head_dim 256.
+    ("bf16_d256", 1, 1, 256, 16, False, None, None, False, None, 16, 16, 16, 3,
+     [(0, 16), (20, 5)], {}),
+    # a token row spanning several arena rows (row_words = D, mk = Hkv) in a bf16 arena.
+    ("bf16_mk2_bf16arena", 2, 4, 64, 16, False, 20, None, False, None, 4, 32, 16, 5,
+     [(10, 14), (41, 16)], {"row_words": 64, "arena_dtype": jnp.bfloat16, "tombstone": True}),
+    # the default tiling (prefill_config): bq = 128 / G, BK = 128 (128-row bf16 tile), T padded to whole q blocks.
+    ("bf16_default_tiling", 2, 4, 64, 16, False, None, None, False, None, None, None, 40, 10,
+     [(0, 40), (100, 33)], {}),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_matches_reference(case):
+    (name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, scale, bq, bk, T, P, rows, extra) = case
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    view = kv_view(Hkv, D, ps, fp32=fp32, row_words=extra.get("row_words"))
+    q, arena, pt, q_lens, kv_lens = make_case(
+        rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.float32 if fp32 else jnp.bfloat16, window=window,
+        tombstone=extra.get("tombstone", False), arena_dtype=extra.get("arena_dtype", jnp.uint16))
+    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks, scale=scale)
+    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", interpret=True,
+                                  block_q=bq, block_k=bk)
+    assert out.shape == (len(rows), T, Hkv * G, D) and out.dtype == q.dtype
+    assert_close(out, ref, q_lens, fp32=fp32)
+
+
+@pytest.mark.parametrize("window", [None, 13])
+def test_kernel_random_batches(window):
+    """Fresh random batches of one static shape (compiled once): random prefixes and chunk lengths,
+    tables in random order, tombstones under the window."""
+    Hkv, G, D, ps, T, P, B = 2, 4, 64, 16, 16, 8, 3
+    view = kv_view(Hkv, D, ps, layer=0)
+    seed_rng = np.random.default_rng(1234 + (window or 0))
+    for _ in range(4):
+        rows = []
+        for _ in range(B):
+            q_len = int(seed_rng.integers(0, T + 1))
+            prefix = int(seed_rng.integers(0, P * ps - q_len + 1))
+            rows.append((prefix, q_len))
+        rng = np.random.default_rng(int(seed_rng.integers(2**31)))
+        q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.bfloat16,
+                                                  window=window, tombstone=True, num_pages=B * P + 2)
+        kw = dict(view=view, window=window)
+        ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+        out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", interpret=True,
+                                      block_q=4, block_k=32)
+        assert_close(out, ref, q_lens, fp32=False)
+
+
+def test_default_impl_on_cpu_is_reference():
+    view = kv_view(1, 64, 16, layer=0)
+    q, arena, pt, q_lens, kv_lens = make_case(np.random.default_rng(0), view, [(3, 4)], T=4, P=2, Hq=1,
+                                              q_dtype=jnp.float32)
+    a = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view)
+    b = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, view=view)
+    if jax.default_backend() != "gpu":
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shape_checks():
+    view = kv_view(2, 64, 16, layer=0)
+    q, arena, pt, q_lens, kv_lens = make_case(np.random.default_rng(0), view, [(3, 4)], T=4, P=2, Hq=8,
+                                              q_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_prefill_attention(q[..., :32], arena, pt, q_lens, kv_lens, view=view)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        paged_prefill_attention(q[:, :, :3], arena, pt, q_lens, kv_lens, view=view)
+    with pytest.raises(ValueError, match="page_table"):
+        paged_prefill_attention(q, arena, pt.astype(jnp.uint32), q_lens, kv_lens, view=view)
+    with pytest.raises(ValueError, match="q_lens"):
+        paged_prefill_attention(q, arena, pt, q_lens[None], kv_lens, view=view)
+    with pytest.raises(ValueError, match="sinks"):
+        paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, sinks=jnp.zeros((3,)))
+    with pytest.raises(ValueError, match="window"):
+        paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, window=0)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, impl="pallas", interpret=True,
+                                block_k=24)
+    with pytest.raises(NotImplementedError, match="power of two"):  # G = 3
+        v3 = kv_view(1, 64, 16, layer=0)
+        q3, a3, pt3, ql3, kl3 = make_case(np.random.default_rng(0), v3, [(3, 4)], T=4, P=2, Hq=3,
+                                          q_dtype=jnp.float32)
+        paged_prefill_attention(q3, a3, pt3, ql3, kl3, view=v3, impl="pallas", interpret=True)
+
+
+def test_prefill_config_defaults():
+    c = prefill_config(4096, 4, 128)
+    assert (c.block_q * 4, c.block_k, c.num_warps) == (128, 128, 8)  # the H200 sweep's best
+    c = prefill_config(1, 1, 128)  # a decode-like chunk still gets a 16-row tile
+    assert c.block_q == 16
+    c = prefill_config(4096, 8, 256)
+    assert c.block_q * 8 == 64 and c.block_k == 32
+
+
+# --------------------------------------------------------------------------- reference vs dense
+
+
+def _dense_inputs(rng, view, rows, T, Hq, window):
+    """Contiguous K/V per request plus the same tokens in a paged arena."""
+    q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=8, Hq=Hq, q_dtype=jnp.float32,
+                                              window=window)
+    B, S = len(rows), 8 * view.page_size
+    k_all = np.zeros((B, S, view.num_kv_heads, view.head_dim), np.float32)
+    v_all = np.zeros((B, S, view.num_kv_heads, view.v_head_dim), np.float32)
+    # Read the written tokens back straight from the arena layout (K row of token t of page p).
+    a = np.asarray(arena).view(np.uint16)
+    for b, (prefix, q_len) in enumerate(rows):
+        for t in range(prefix + q_len):
+            p = int(pt[b, t // view.page_size])
+            for dst, base, m, dim in ((k_all, view.k_row, view.mk, view.head_dim),
+                                      (v_all, view.v_row, view.mv, view.v_head_dim)):
+                r0 = p * view.rows_per_page + base + (t % view.page_size) * m
+                w = a[r0:r0 + m].reshape(-1).astype(np.uint32)
+                n = view.num_kv_heads * dim
+                dst[b, t] = ((w[:n] << 16) | w[n:2 * n]).view(np.float32).reshape(view.num_kv_heads, dim)
+    return q, arena, pt, q_lens, kv_lens, k_all, v_all
+
+
+@pytest.mark.parametrize("window", [None, 11])
+def test_reference_matches_dense_attention(window):
+    """The reference on paged tokens == jax.nn.dot_product_attention on the same contiguous tokens."""
+    Hkv, G, D, ps, T = 2, 4, 32, 8, 12
+    view = kv_view(Hkv, D, ps, fp32=True)
+    rows = [(0, 12), (21, 12), (5, 3)]
+    q, arena, pt, q_lens, kv_lens, k, v = _dense_inputs(np.random.default_rng(7), view, rows, T, Hkv * G, window)
+    ref = np.asarray(paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, view=view, window=window))
+    S = k.shape[1]
+    for b, (prefix, q_len) in enumerate(rows):
+        pos = prefix + np.arange(q_len)[:, None]
+        s = np.arange(S)[None, :]
+        mask = s <= pos
+        if window is not None:
+            mask &= s > pos - window
+        dense = jax.nn.dot_product_attention(
+            jnp.asarray(q[b:b + 1, :q_len]), jnp.asarray(k[b:b + 1]), jnp.asarray(v[b:b + 1]),
+            mask=jnp.asarray(mask)[None, None], scale=1 / math.sqrt(D), implementation="xla")
+        np.testing.assert_allclose(ref[b, :q_len], np.asarray(dense)[0], rtol=1e-5, atol=1e-5)
+        assert (ref[b, q_len:] == 0).all()
+
+
+def test_reference_softcap_sinks_vs_numpy():
+    """Soft-capping and sinks in the reference == a float64 numpy formula written out by hand."""
+    Hkv, G, D, ps, T = 1, 4, 32, 8, 6
+    view = kv_view(Hkv, D, ps, fp32=True)
+    rows = [(9, 6), (0, 2)]
+    q, arena, pt, q_lens, kv_lens, k, v = _dense_inputs(np.random.default_rng(3), view, rows, T, Hkv * G, 7)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    cap, scale = 2.5, 0.4
+    ref = np.asarray(paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, view=view, window=7,
+                                                       softcap=cap, sinks=jnp.asarray(sinks), scale=scale))
+    qn = np.asarray(q, np.float64)
+    for b, (prefix, q_len) in enumerate(rows):
+        for j in range(q_len):
+            pos = prefix + j
+            keys = [s for s in range(pos + 1) if s > pos - 7]
+            for hq in range(Hkv * G):
+                kh = hq // G
+                logits = np.array([cap * np.tanh(scale * qn[b, j, hq] @ k[b, s, kh] / cap) for s in keys])
+                e = np.exp(logits - max(logits.max(), sinks[hq]))
+                den = e.sum() + np.exp(sinks[hq] - max(logits.max(), sinks[hq]))
+                want = (e[:, None] * v[b, keys, kh]).sum(0) / den
+                np.testing.assert_allclose(ref[b, j, hq], want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- CUDA lowering from CPU
+
+
+def _abstract_gpu():
+    """jax >= 0.11 asks for GPU info when lowering Triton; give it an abstract H200."""
+    from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
+    try:
+        dev = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+        return use_abstract_mesh(AbstractMesh((), (), abstract_device=dev))
+    except TypeError:  # pragma: no cover - a jax whose AbstractDevice differs
+        return contextlib.nullcontext()
+
+
+def _lower_cuda(*, B, T, Hkv, G, D, ps, P, fp32=False, window=None, softcap=None, sinks=False, rows=None):
+    view = kv_view(Hkv, D, ps, fp32=fp32, layer=0)
+    rows = rows or (B * P + 1) * view.rows_per_page
+    sds = jax.ShapeDtypeStruct
+    args = (sds((B, T, Hkv * G, D), jnp.float32 if fp32 else jnp.bfloat16), sds((rows, view.row_words), jnp.uint16),
+            sds((B, P), jnp.int32), sds((B,), jnp.int32), sds((B,), jnp.int32),
+            sds((Hkv * G,), jnp.float32) if sinks else None)
+
+    def f(q, a, pt, ql, kl, s):
+        return paged_prefill_attention(q, a, pt, ql, kl, sinks=s, view=view, window=window, softcap=softcap,
+                                       impl="pallas", backend="triton")
+
+    with _abstract_gpu():
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_kernel_lowers_for_cuda():
+    """The Triton kernel body lowers (catches Triton lowering errors on CPU CI) at the benchmark
+    shapes and the feature corners."""
+    txt = _lower_cuda(B=2, T=4096, Hkv=8, G=4, D=128, ps=16, P=512)
+    assert "__gpu$xla.gpu.triton" in txt
+    _lower_cuda(B=1, T=256, Hkv=2, G=8, D=256, ps=64, P=16, window=128, softcap=30.0, sinks=True)
+    _lower_cuda(B=1, T=8, Hkv=4, G=1, D=64, ps=32, P=4, fp32=True, window=5)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_arena_offsets_are_64bit_past_4gib(monkeypatch, capfd):
+    """On a 40 GiB arena the lowering must compute arena offsets in int64 (it does, from the row
+    index, because the kernel indexes the 2-D ref by row); a 32-bit offset would wrap."""
+    from jax.experimental import pallas as pl
+    orig = pl.pallas_call
+
+    def debug_call(*a, **k):
+        k["debug"] = True
+        return orig(*a, **k)
+
+    monkeypatch.setattr(pl, "pallas_call", debug_call)
+    rows = (40 << 30) // (2 * 8 * 128 * 2)  # 40 GiB of [rows, 1024] uint16
+    _lower_cuda(B=1, T=128, Hkv=8, G=4, D=128, ps=16, P=64, rows=rows)
+    ttir = capfd.readouterr().out
+    assert "tt.dot" in ttir
+    assert "x!tt.ptr<bf16>" in ttir or "x!tt.ptr<i16>" in ttir
+    # The arena's K/V gathers: [block_k, D] = [128, 128] tiles of 64-bit offsets.
+    assert "tensor<128x128xi64>" in ttir

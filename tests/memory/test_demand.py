@@ -1,0 +1,143 @@
+"""The demand model (serving/demand.py): host arithmetic against real ChainAllocators, no device.
+
+What it must guarantee: (1) one pass prices exactly what the scheduler allocates; (2) the
+lifetime price bounds what a request really holds at its peak, so the arrival clip (empty
+arena) makes "admitted alone" mean "fits"; (3) the clip depends only on the empty arena;
+(4) joint pricing catches demands that fit one at a time but not together.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from umem_jax.core.request import Request
+from umem_jax.core.sampling_params import SamplingParams
+from umem_jax.core.scheduled_batch import Buckets
+from umem_jax.memory import ChainAllocator, size_arena, static_regions
+from umem_jax.memory import plan as make_plan
+from umem_jax.memory.demand import Demand, DemandModel, spanned
+from umem_jax.models.tiny import TinyHybrid, tiny_config
+from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
+
+PS = 4
+
+
+def tiny_plan(page_size=PS):
+    return make_plan(TinyHybrid.decls(tiny_config(), "float32"), page_size=page_size)
+
+
+def arena(budget, mode="unified", chunk=32, page_size=PS):
+    p = tiny_plan(page_size)
+    rows = size_arena(p, budget).num_rows
+    regions = static_regions(p, rows) if mode == "static" else None
+    live = ChainAllocator(p, rows, static_regions=regions)
+    dm = DemandModel(p, chunk=chunk, empty=ChainAllocator(p, rows, static_regions=regions))
+    return p, live, dm
+
+
+def test_spanned():
+    assert [spanned(n, 4) for n in range(0, 10)] == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    for n in range(1, 40):  # brute force: the most pages n consecutive positions touch
+        assert spanned(n, 4) == max(len({p // 4 for p in range(s, s + n)}) for s in range(4))
+
+
+def test_one_pass_prices_exactly_what_is_allocated():
+    p, live, dm = arena(1 << 20)
+    w = p.windows[0].window
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = int(rng.integers(0, 300))
+        e = a + int(rng.integers(1, 40))
+        held = -(-a // PS)
+        hw = held - max(0, a - w + 1) // PS  # what the scheduler keeps after releasing
+        d = dm.span(a, e, held_pages=held, held_window={p.windows[0].name: hw}, held_slots=1 if a else 0,
+                    pass_len=e - a)
+        assert d.token_pages == -(-e // PS) - held
+        assert d.window_pages[p.windows[0].name] == d.token_pages  # every new page needs its window page
+        assert d.state_slots == (0 if a else 1)
+
+
+def test_lifetime_holds_about_one_window_not_the_history():
+    p, live, dm = arena(1 << 20, chunk=32)
+    w = p.windows[0].window
+    d = dm.lifetime(500, 20)
+    assert d.token_pages == -(-519 // PS)
+    assert d.window_pages[p.windows[0].name] == spanned(w - 1 + 32, PS)
+    assert d.state_slots == 1
+    small = dm.lifetime(3, 2)  # shorter than a window: every page
+    assert small.window_pages[p.windows[0].name] == small.token_pages == 1
+    assert dm.bytes(d) == (d.token_pages * p.full.page_bytes + d.window_pages[p.windows[0].name]
+                           * p.windows[0].page_bytes + p.state.page_bytes)
+
+
+@pytest.mark.parametrize("mode", ["unified", "static"])
+def test_clip_is_the_largest_that_fits_the_empty_arena(mode):
+    p, live, dm = arena(160 << 10, mode)
+    m = dm.clip(40, 10_000)
+    assert m is not None and m < 10_000
+    assert dm.fits_empty(dm.lifetime(40, m)) and not dm.fits_empty(dm.lifetime(40, m + 1))
+    assert dm.clip(40, 5) == 5
+    assert dm.clip(40, m + 7) == m  # monotone
+    # a prompt that cannot fit even with one new token is refused
+    huge = next(n for n in range(100, 10_000, 50) if not dm.fits_empty(dm.lifetime(n, 1)))
+    assert dm.clip(huge, 1) is None and dm.clip(huge, 100) is None
+
+
+def test_clip_ignores_what_is_allocated_now():
+    p, live, dm = arena(160 << 10)
+    before = dm.clip(40, 10_000)
+    dm._clips.clear()
+    assert live.alloc_token_pages(20) is not None and live.alloc_state_slots(3) is not None
+    assert dm.clip(40, 10_000) == before  # priced against the EMPTY arena, not `live`
+
+
+def test_joint_demand_cannot_spend_the_same_bytes_twice():
+    p, live, dm = arena(160 << 10)
+    name = p.windows[0].name
+    # take half of what fits, then find a demand that fits alone twice but not summed
+    n = 1
+    while dm.fits(live, Demand(n, {name: n}, 1)):
+        n += 1
+    one = Demand(n * 2 // 3, {name: n * 2 // 3}, 1)
+    assert dm.fits(live, one)
+    assert not dm.fits(live, one + one)
+
+
+def _req(i, L, M, dm, prio=0):
+    params = SamplingParams(temperature=0, max_tokens=M)
+    return Request(str(i), None, [3 + (i + k) % 200 for k in range(L)], params, arrival=i, seed=0,
+                   max_tokens=M, priority=prio, windows=tuple(n for n, _ in dm.windows))
+
+
+@pytest.mark.parametrize("chunk", [8, 32])
+def test_lifetime_bounds_the_real_peak(chunk):
+    """Run lone requests through the scheduler (which allocates and releases as the engine does)
+    and check that what they hold never exceeds their lifetime price, per sub-pool."""
+    p, live, dm = arena(1 << 20, chunk=chunk)
+    cfg = SchedulerConfig(4, chunk, Buckets((4,), (max(chunk, 2),), (512,)))
+    sch = Scheduler(cfg, live, dm)
+    rng = np.random.default_rng(1)
+    for i in range(12):
+        L, M = int(rng.integers(1, 120)), int(rng.integers(1, 60))
+        r = _req(i, L, M, dm)
+        sch.add(r)
+        price = dm.lifetime(L, M)
+        peak = Demand()
+        while not r.finished:
+            b = sch.schedule()
+            assert b is not None
+            held = dm.held(r)
+            peak = Demand(max(peak.token_pages, held.token_pages),
+                          {k: max(peak.window_pages.get(k, 0), v) for k, v in held.window_pages.items()},
+                          max(peak.state_slots, held.state_slots))
+            for row in b.rows:
+                if row.sample:
+                    row.req.output_token_ids.append(7)
+                    if row.req.num_output >= row.req.max_tokens:
+                        sch.finish(row.req, type(row.req.status).FINISHED_LENGTH)
+        assert peak.token_pages <= price.token_pages
+        assert peak.state_slots == price.state_slots
+        for k, v in peak.window_pages.items():
+            assert v <= price.window_pages[k], (L, M, k, v, price)
+        assert not live.leaks()

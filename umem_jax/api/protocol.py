@@ -1,0 +1,290 @@
+"""OpenAI-compatible wire format: request, response and stream-chunk models (pydantic v2).
+
+Shapes follow the OpenAI API as vLLM serves it, because that is what `vllm bench serve`,
+`sglang.bench_serving` and the `openai` client parse:
+
+  POST /v1/completions       CompletionRequest      -> CompletionResponse | CompletionChunk stream
+  POST /v1/chat/completions  ChatCompletionRequest  -> ChatCompletionResponse | ChatCompletionChunk stream
+  GET  /v1/models            -> ModelList
+  errors                     -> ErrorResponse {"error": {"message", "type", "param", "code"}}
+
+Requests accept unknown fields (extra="allow") so vLLM / SGLang extras that this engine does not
+use (`repetition_penalty: 1.0` is used; `logprobs: null`, `user`, ...) are not a 4xx.  Fields
+whose meaning the engine cannot honour (echo, best_of, logprobs, tools, ...) are refused with a
+400 naming the field: silently ignoring them would return something else than was asked for.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..core.sampling_params import SamplingParams
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """The OpenAI error object (type names and int code as vLLM writes them)."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "APIError"),
+                                         param=param, code=status)).model_dump()
+
+
+# ------------------------------------------------------------------------------ requests
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown extras are ignored, not a 422
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat: vLLM's names, SGLang's max_new_tokens alias."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_new_tokens: int | None = None  # SGLang
+    min_tokens: int = 0
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = 0
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else self.max_new_tokens
+
+    def unsupported(self) -> str | None:
+        """The first field set to something the engine cannot do, or None."""
+        if self.logit_bias:
+            return "logit_bias"
+        return None
+
+    def sampling_params(self) -> SamplingParams:
+        """-> SamplingParams; raises ValueError ("field=value: why") for out-of-range values."""
+        kw = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                      min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                                      presence_penalty=self.presence_penalty,
+                                      frequency_penalty=self.frequency_penalty).items() if v is not None}
+        return SamplingParams(n=self.n, max_tokens=self._max_tokens(), min_tokens=self.min_tokens, seed=self.seed,
+                              stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, **kw)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+Prompt = Union[str, list[int], list[str], list[list[int]]]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Prompt
+    max_tokens: int | None = 16  # the legacy OpenAI default
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    logprobs: int | None = None
+
+    def _max_tokens(self) -> int | None:
+        # an explicit max_new_tokens (SGLang) wins over the OpenAI default of 16
+        if "max_tokens" not in self.model_fields_set and self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return self.max_tokens
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt or a batch -> a list (each a string or a list of token ids)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def unsupported(self) -> str | None:
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", (self.best_of or 1) > 1),
+                          ("logprobs", self.logprobs is not None)):
+            if bad:
+                return name
+        return super().unsupported()
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        """The message as text: parts of type "text" joined; any other part is refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text":
+                raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
+        return "".join(part.text or "" for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super()._max_tokens()
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def unsupported(self) -> str | None:
+        rf = (self.response_format or {}).get("type", "text")
+        for name, bad in (("logprobs", bool(self.logprobs)), ("top_logprobs", self.top_logprobs is not None),
+                          ("tools", bool(self.tools)), ("response_format", rf != "text")):
+            if bad:
+                return name
+        return super().unsupported()
+
+
+# ------------------------------------------------------------------------------ responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class _Response(BaseModel):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(_Response):
+    """A stream event: one choice's new text, or (choices=[]) the final usage."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "umem_jax"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+__all__ = [
+    "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse",
+    "ChatMessage", "ChatResponseMessage", "CompletionChoice", "CompletionChunk", "CompletionRequest",
+    "CompletionResponse", "DeltaMessage", "ErrorInfo", "ErrorResponse", "ModelCard", "ModelList", "StreamOptions",
+    "UsageInfo", "error_body", "random_id",
+]

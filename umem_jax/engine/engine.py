@@ -1,0 +1,472 @@
+"""LLMEngine: requests in, one scheduled step at a time, outputs out.
+
+    engine = LLMEngine(EngineConfig(model="tiny", arena_bytes=8 << 20))
+    engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=8))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+A request crosses: engine.add_request (tokenize, validate, memory clip) -> scheduler.schedule
+(batch + memory) -> runner.launch (one jitted step: model -> kernels -> arena, then sampler)
+-> engine._process (stop checks, detokenize) -> RequestOutput.
+
+Overlap: `step()` launches step N+1 before reading step N's tokens, so the host schedules
+while the device computes; decode rows take their input token from step N's device output.
+The price: a request that stops on a token (EOS, stop string) is found out one step late and
+that step's row for it is wasted.  Batches that use penalties read back first (their counts
+need every output token on the host).
+
+Prefix caching (on by default, as in vLLM; `enable_prefix_caching=False` turns it off): a
+request whose prompt starts with cached pages shares them and computes only the rest; see
+prefix_cache.py for what is cached of each kind of memory and scheduler.py for when.
+
+At idle (nothing queued, nothing in flight) the engine checks the allocator's invariants and
+that every allocated page / slot is held by a live request or the prefix cache (refcounts
+included), and raises on any violation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+
+import jax
+import numpy as np
+
+from ..core.request import Request, RequestOutput, RequestStatus
+from ..core.sampling_params import SamplingParams
+from ..core.scheduled_batch import Buckets
+from ..memory import ChainAllocator, size_arena, static_regions
+from ..memory import plan as make_plan
+from ..memory.demand import DemandModel
+from ..memory.sizing import ArenaSizeError, budget_bytes, check_bs1_floor
+from ..runner.runner import Runner
+from ..scheduler.scheduler import Scheduler, SchedulerConfig
+from .tokenizer import IncrementalDetokenizer, find_stop, get_tokenizer
+
+log = logging.getLogger("umem_jax")
+
+DEFAULT_CPU_ARENA_BYTES = 64 << 20  # no memory_stats() on CPU: a fixed budget unless arena_bytes is given
+BUDGET_MESSAGE = "Request prompt exceeds the KV memory budget: input_len={}."
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine options, vLLM / SGLang names where they exist."""
+
+    model: object = "tiny"  # a path, a built-in name ("tiny", the default Gemma 3 name) or a loaded Model
+    tokenizer: str | None = None
+    memory_mode: str = "unified"  # "unified": one arena, bands move | "static": fixed pools by the ratios
+    swa_full_tokens_ratio: float = 0.8
+    mamba_full_memory_ratio: float = 0.9
+    gpu_memory_utilization: float = 0.9
+    arena_bytes: int | None = None  # the arena budget in bytes (required in spirit on CPU)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # prefill tokens per step, and the longest chunk
+    page_size: int = 16
+    max_model_len: int | None = None
+    dtype: str | None = None  # weights; default: the checkpoint's
+    kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if 16/32-bit float), "bfloat16", "float32"
+    load_format: str = "auto"  # "auto" | "dummy" (random weights of the checkpoint's shape)
+    seed: int = 0
+    kernel_impl: str | None = None  # "pallas" | "reference"; default: pallas on GPU, reference elsewhere
+    interpret: bool = False
+    batch_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+    new_token_ratio: float = 0.5
+    max_prefill_streak: int = 4
+    extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
+    enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)
+    max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
+    checkpoint_interval: int | None = None  # decode tokens between state checkpoints (None: the model's)
+    async_scheduling: bool = True
+    check_at_idle: bool = True
+    debug_nan: bool = False
+    tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
+    fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
+
+    def __post_init__(self):
+        if self.memory_mode not in ("unified", "static"):
+            raise ValueError(f"memory_mode must be 'unified' or 'static', got {self.memory_mode!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = cfg = config
+        self.model = _load(cfg)
+        if cfg.tensor_parallel_size > 1:  # from here on: the per-device model, plan and arena bytes
+            from ..models.sharded_model import shard_model
+
+            self.model = shard_model(self.model, cfg.tensor_parallel_size)
+        if cfg.fuse_projections:  # before sizing the arena; a model this engine made is donated
+            self.model = self.model.fuse_projections(donate=self.model is not cfg.model)
+        mc = self.model.config
+        kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
+            mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
+        self.plan = make_plan(self.model.decls(kv), page_size=cfg.page_size)
+        self.max_model_len = int(cfg.max_model_len or mc.max_position_embeddings)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
+        if cfg.arena_bytes is not None:
+            budget = budget_bytes(fixed_bytes=int(cfg.arena_bytes), plan=self.plan)
+        elif jax.devices()[0].memory_stats() is None:
+            budget = budget_bytes(fixed_bytes=DEFAULT_CPU_ARENA_BYTES, plan=self.plan)
+        else:  # weights are loaded: bytes_in_use counts them; keep 1/16 of the rest for step temporaries
+            budget = budget_bytes(fraction=cfg.gpu_memory_utilization, plan=self.plan,
+                                  reserve_bytes=_reserve(cfg.gpu_memory_utilization))
+        self.size = size_arena(self.plan, budget)
+        regions = None
+        if cfg.memory_mode == "static":
+            regions = static_regions(self.plan, self.size.num_rows, swa_full_tokens_ratio=cfg.swa_full_tokens_ratio,
+                                     mamba_full_memory_ratio=cfg.mamba_full_memory_ratio)
+        self.regions = regions
+        self.allocator = ChainAllocator(self.plan, self.size.num_rows, static_regions=regions)
+        max_pages = -(-self.max_model_len // cfg.page_size)
+        d = Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_pages)
+        self.buckets = Buckets(tuple(cfg.batch_buckets or d.batch), tuple(cfg.token_buckets or d.tokens),
+                               tuple(cfg.page_buckets or d.pages))
+        if self.buckets.pages[-1] < max_pages:
+            raise ValueError(f"page_buckets top out at {self.buckets.pages[-1]} pages; max_model_len="
+                             f"{self.max_model_len} needs {max_pages}")
+        chunk = min(cfg.max_num_batched_tokens, self.buckets.tokens[-1])
+        empty = ChainAllocator(self.plan, self.size.num_rows, static_regions=regions)
+        self.demand = DemandModel(self.plan, chunk=chunk, empty=empty, extra_state_slots=cfg.extra_state_slots)
+        interval = cfg.checkpoint_interval
+        if interval is None:
+            interval = self.plan.state.lifetime.checkpoint_interval if self.plan.state is not None else 0
+        sched_cfg = SchedulerConfig(min(cfg.max_num_seqs, self.buckets.batch[-1]), cfg.max_num_batched_tokens,
+                                    self.buckets, new_token_ratio=cfg.new_token_ratio,
+                                    max_prefill_streak=cfg.max_prefill_streak,
+                                    enable_prefix_caching=cfg.enable_prefix_caching,
+                                    max_checkpoints_per_path=cfg.max_checkpoints_per_path,
+                                    checkpoint_interval=int(interval))
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self.demand)
+        self.tokenizer = get_tokenizer(self.model, cfg.tokenizer)
+        eos = mc.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, (tuple, list)) else ([] if eos is None else [eos]))
+        if self.tokenizer is not None:
+            self.eos_ids |= set(self.tokenizer.eos_token_ids)
+        self.runner = Runner(self.model, self.plan, self.size.num_rows, self.allocator, self.buckets,
+                             impl=cfg.kernel_impl, interpret=cfg.interpret, debug_nan=cfg.debug_nan,
+                             checkpoints=cfg.enable_prefix_caching)
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []  # refused at arrival, reported by the next step()
+        self._inflight = None
+        self._arrivals = itertools.count()
+        self.num_steps = {"prefill": 0, "decode": 0}
+        self.num_idle_checks = 0
+        self._warn_floor()
+        log.info("umem_jax engine: %s mode\n%s\n%s", cfg.memory_mode, self.plan.table(), self.size.summary(regions))
+
+    # ------------------------------------------------------------------ requests
+    def prepare(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                priority: int = 0) -> Request:
+        """Validate and tokenize one request -> a Request not yet queued.  Raises ValueError for
+        bad input, touching nothing else."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.logprobs is not None:
+            raise ValueError("logprobs is not supported by this engine yet")
+        text, ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {self.model.config.vocab_size}): {bad[:8]}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is "
+                             f"{self.max_model_len}")
+        if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.nban:
+            raise ValueError(f"min_tokens with more than {self.runner.nban} stop token ids is not supported")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if request_id is not None and str(request_id) in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = next(self._arrivals)
+        rid = str(request_id) if request_id is not None else str(arrival)
+        while rid in self._requests:
+            rid += "+"
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + arrival)
+        req = Request(rid, text, ids, params, arrival=arrival, seed=int(seed) & 0x7FFFFFFF, max_tokens=max_tokens,
+                      priority=priority, windows=tuple(n for n, _ in self.demand.windows))
+        req.stop_ids = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
+        return req
+
+    def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Queue one request -> its id.  Bad input raises ValueError and changes nothing."""
+        return self.enqueue(self.prepare(prompt, params, request_id=request_id, priority=priority))
+
+    def enqueue(self, req: Request) -> str:
+        """Apply the memory clip and queue a prepared request (or refuse it: see BUDGET_MESSAGE)."""
+        self._requests[req.request_id] = req
+        clipped = self.demand.clip(req.prompt_len, req.max_tokens)
+        if clipped is None:
+            req.status = RequestStatus.FINISHED_ABORTED
+            req.finish_reason, req.error = "abort", BUDGET_MESSAGE.format(req.prompt_len)
+            self._aborted.append(req)
+            return req.request_id
+        if clipped < req.max_tokens:
+            log.info("request %s: max_tokens %d clipped to %d by the arena", req.request_id, req.max_tokens, clipped)
+            req.max_tokens = clipped
+            req.min_tokens = min(req.min_tokens, clipped)
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+        self.scheduler.add(req)
+        return req.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.get(str(request_id))
+        if req is None or req.finished:
+            return
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        req.finish_reason = "abort"
+        req.error = "aborted by the user"
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._aborted) or self.scheduler.has_work() or self._inflight is not None
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt: give some text or token ids")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, np.ndarray):
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then finish the previous one -> outputs of the
+        requests that finished."""
+        idle_before = self._inflight is None
+        outs = [r.output() for r in self._aborted]
+        for r in self._aborted:
+            self._requests.pop(r.request_id, None)
+        self._aborted = []
+        if self._inflight is not None and self._needs_sync():
+            outs += self._process(self._inflight)
+            self._inflight = None
+        batch = self.scheduler.schedule()
+        launched = None
+        if batch is not None:
+            self.runner.apply_moves(self.allocator.take_moves())
+            launched = self.runner.launch(batch)
+            self.num_steps[batch.kind] += 1
+        if self._inflight is not None:
+            outs += self._process(self._inflight)
+        self._inflight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outs += self._process(launched)
+            self._inflight = None
+        if self._inflight is None and not self.scheduler.has_work():
+            if self.config.check_at_idle:
+                self.check_idle()
+        elif batch is None and idle_before:
+            raise RuntimeError(f"scheduler stalled with work queued: waiting={self.scheduler.waiting} "
+                               f"running={self.scheduler.running}")
+        return outs
+
+    def _needs_sync(self) -> bool:
+        """Penalties count every output token, so read back pending tokens before packing."""
+        return any(r.params.has_penalties for r in self.scheduler.running)
+
+    def _process(self, launched) -> list[RequestOutput]:
+        tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
+        outs = []
+        now = time.time()
+        for i, row in enumerate(launched.batch.rows):
+            if not row.sample:
+                continue
+            req = row.req
+            req.num_pending -= 1
+            if req.finished:  # stopped a step ago; this row was a wasted overlap row
+                continue
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._append(req, tokens[i])
+            if req.finished:
+                req.metrics.finished_time = now
+                outs.append(req.output())
+                self._requests.pop(req.request_id, None)
+        return outs
+
+    def _append(self, req: Request, t: int) -> None:
+        """Append a sampled token and apply the stop rules (vLLM's order: stop tokens, then stop
+        strings, then length)."""
+        req.output_token_ids.append(t)
+        p = req.params
+        n = len(req.output_token_ids)
+        if n >= req.min_tokens:  # before min_tokens no stop rule applies (stop ids were banned too)
+            if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                return self._finish(req, RequestStatus.FINISHED_STOPPED, t if t in p.stop_token_ids else None)
+        req.text_tokens = n  # the text covers this token (not a stop token: see above)
+        if p.stop and req.detok is not None:  # stop strings need the text now; else it is made when read
+            new = req.sync_text()
+            if new and n >= req.min_tokens:
+                hit = find_stop(req.text, len(new), p.stop)
+                if hit is not None:
+                    req.text = req.text[: hit[0]]
+                    return self._finish(req, RequestStatus.FINISHED_STOPPED, hit[1])
+        if n >= req.max_tokens or req.prompt_len + n >= self.max_model_len:
+            self._finish(req, RequestStatus.FINISHED_LENGTH, None)
+
+    def _finish(self, req: Request, status: RequestStatus, stop_reason) -> None:
+        self.scheduler.finish(req, status)
+        req.finish_reason = status.value
+        req.stop_reason = stop_reason
+
+    # ------------------------------------------------------------------ compilation
+    def reachable_shapes(self) -> list[tuple[int, int, int, int]]:
+        """Every (B, T, P, checkpoint columns) step shape the scheduler can launch, decode first."""
+        cfg = self.config
+        return self.buckets.reachable(cfg.max_num_batched_tokens, cfg.page_size, self.scheduler.cfg.max_num_seqs,
+                                      self.runner.kc)
+
+    def warmup(self, max_shapes: int | None = None, threads: int = 8, sampling=("greedy",)) -> int:
+        """Compile step shapes before serving -> how many compilations.  Decode shapes come first
+        (every steady step is one), then prefill; `max_shapes` caps the list (None: all
+        reachable); each in every sampler mode of `sampling` ("greedy", "random", "cuts": the
+        last covers any request, the first is the fastest).  Shapes left out compile on first
+        use (`num_compilations` counts launched shapes)."""
+        shapes = self.reachable_shapes()
+        if max_shapes is not None:
+            shapes = shapes[:max_shapes]
+        t0 = time.perf_counter()
+        n = self.runner.precompile(shapes, threads=threads, sampling=tuple(sampling))
+        log.info("umem_jax: %d step shapes compiled in %.1f s", n, time.perf_counter() - t0)
+        return n
+
+    # ------------------------------------------------------------------ checks and numbers
+    def check_idle(self) -> None:
+        """Allocator invariants + no leaks: at idle every page and slot is free or held by the
+        prefix cache, and refcounts (pages, window pages) match what the holders hold.  Raises."""
+        self.allocator.check_invariants()
+        pages, slots = self.scheduler.held_ids()
+        leaks = self.allocator.leaks(token_pages=pages, state_slots=slots)
+        if leaks:
+            raise AssertionError(f"arena leaks at idle: { {k: v[:16].tolist() for k, v in leaks.items()} }")
+        bad = self.scheduler.check_refs()
+        if bad:
+            raise AssertionError("page refcounts wrong at idle:\n  " + "\n  ".join(bad))
+        cache = self.scheduler.cache
+        held = {k: v.held for k, v in self.allocator.usage().subpools.items()}
+        want = cache.held_by_subpool() if cache is not None else {}
+        if any(held[k] != want.get(k, 0) for k in held):
+            raise AssertionError(f"arena holds {held} at idle, the prefix cache {want}")
+        self.allocator.flush()  # compact while idle (moves apply before the next step)
+        self.num_idle_checks += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Evict every cache entry no request holds -> whether the cache is now empty (vLLM's)."""
+        cache = self.scheduler.cache
+        return True if cache is None else cache.clear()
+
+    def evictable_bytes(self) -> int:
+        """Bytes of live pages (slots) only the prefix cache holds: eviction frees them on demand,
+        so they are live but not held by requests (usage figures leave them out)."""
+        cache = self.scheduler.cache
+        if cache is None:
+            return 0
+        return sum(n * self.plan[k].page_bytes for k, n in cache.evictable_by_subpool().items())
+
+    def stats(self) -> dict:
+        u = self.allocator.usage()
+        return {
+            "memory_mode": self.config.memory_mode, "arena_bytes": u.total_bytes, "live_bytes": u.live_bytes,
+            "evictable_bytes": self.evictable_bytes(), "hole_bytes": u.hole_bytes, "free_bytes": u.free_bytes,
+            "held": {k: v.held for k, v in u.subpools.items()},
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
+            "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
+            "num_compactions": self.runner.num_compactions,
+            **self._cache_stats(),
+        }
+
+    def _cache_stats(self) -> dict:
+        """Prefix-cache counters, flat (what metrics export) and in detail under "prefix_cache"."""
+        sch, cache = self.scheduler, self.scheduler.cache
+        c = cache.stats() if cache is not None else {}
+        detail = {"enabled": cache is not None, **c, "checkpoints_taken": sch.num_checkpoints,
+                  "checkpoints_skipped": sch.num_checkpoints_skipped,
+                  "copied_slots": self.runner.num_copied_slots,
+                  "held": cache.held_by_subpool() if cache is not None else {}}
+        return {"prefix_cache_queries": c.get("query_tokens", 0), "prefix_cache_hits": c.get("hit_tokens", 0),
+                "num_evictions": c.get("evicted_pages", 0), "prefix_cache": detail}
+
+    def _warn_floor(self) -> None:
+        try:
+            check_bs1_floor(self.plan, self.size.num_rows, max_model_len=self.max_model_len,
+                            checkpoint_slots=self.config.extra_state_slots, static_regions=self.regions)
+        except ArenaSizeError as e:  # not fatal: the memory clip refuses or shortens what does not fit
+            log.warning("%s", e)
+
+
+def _reserve(fraction: float) -> int:
+    """Bytes kept out of the arena for the step's temporaries (activations, logits, sampler
+    sort): 1/16 of what is left after the weights, at most 4 GiB.  A heuristic: measuring the
+    compiled steps (sizing.compiled_temp_bytes) would need them compiled before the arena exists."""
+    stats = jax.devices()[0].memory_stats() or {}
+    left = int(stats.get("bytes_limit", 0)) * fraction - int(stats.get("bytes_in_use", 0))
+    return int(min(max(left, 0) // 16, 4 << 30))
+
+
+def _load(cfg: EngineConfig):
+    """A Model from cfg.model: a Model as is, a built-in name, a path; load_format="dummy" gives
+    random weights of the checkpoint's shapes (no weights read)."""
+    from ..models import loader
+    from ..models.model import Model
+
+    if isinstance(cfg.model, Model):
+        return cfg.model
+    name = str(cfg.model)
+    if cfg.load_format == "dummy" and name not in ("tiny", "tiny-attention"):
+        from pathlib import Path
+
+        from flax import nnx
+
+        from ..models.config import load_hf_config
+        from ..models.registry import model_class
+
+        path = Path(name)
+        if name == loader.DEFAULT_MODEL:
+            path = loader.convert_gguf(loader.fetch_default_model())
+        mc = load_hf_config(path)
+        if cfg.dtype is not None:
+            mc = dataclasses.replace(mc, dtype=cfg.dtype)
+        model = Model.from_module(model_class(mc.architecture)(mc, rngs=nnx.Rngs(cfg.seed)))
+        tok = path / "tokenizer.json"
+        model.tokenizer_path = tok if tok.exists() else None
+        return model
+    return loader.load_model(name, dtype=cfg.dtype)
+
+
+__all__ = ["BUDGET_MESSAGE", "EngineConfig", "LLMEngine"]

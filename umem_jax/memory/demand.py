@@ -1,0 +1,204 @@
+"""The demand model: what a request costs the arena, in allocator units and bytes.
+
+ONE function, `DemandModel.span`, prices every question the engine asks about memory:
+
+    clip at arrival      span(0 -> input + max_new - 1) must fit an EMPTY arena (else the
+                         prompt is refused, or max_new_tokens lowered until it fits)
+    admission            span(this pass) + decode reservations, summed over the batch, must
+                         fit the arena as it is now (ChainAllocator.can_fit on the sum)
+    decode capacity      sum over the batch of span(one token) must fit, else retract
+    preemption / retraction  `held` (what a request would give back), in bytes
+
+Units (a `Demand`): new token pages (each a virtual id with a page in the full sub-pool), new
+pages in each window sub-pool (a subset of those ids: `window_pages` of ChainAllocator), new
+state slots.  A request computing tokens [a, e) in passes of at most c tokens holds:
+
+  full     ceil(e / page_size) pages: every token written stays (positions 0 .. e-1).
+  window w a pass [s, s+c) attends keys (s - w, s + c), so the pages touching that span must
+           be bound together: at most spanned(w - 1 + c) pages (spanned(n): the most pages n
+           consecutive tokens can touch, one more than ceil when unaligned), and never more
+           than the pages touching [a - w + 1, e).  Pages that left every window are
+           tombstoned after each step, so a request holds ~one window, not its whole history.
+           This is SGLang's "part of this pass beyond one window + min(extend + max_new,
+           window) + one page", made an exact upper bound for how this engine allocates
+           (every new page gets a window page; out-of-window pages are released per step).
+  state    1 working slot + `extra_state_slots` (0 by default), taken at the first pass and
+           held to the end.  A prefix-cache hit restores its checkpoint into that working slot
+           (a copy), so a hit costs no extra slot.
+
+Prefix-cache checkpoints are OPTIONAL units (`checkpoint`): the scheduler takes one only when
+`checkpoint() + the decode reservations of every running request (+ this step's admissions)`
+fits the arena, and skips it otherwise; once taken it belongs to the cache, which evicts it
+(LRU) before any request is retracted.  So checkpoints never spend bytes an admitted request
+counts on, and a checkpoint that cannot be taken never stalls a request.  Pages and slots
+shared with the cache are not new demand: a hit request holds them from admission on, and
+`span` prices only what it adds.
+
+Because the clip prices the whole life (worst pass = the chunk size, also for a request that
+is retracted and recomputes prompt + output later), a request admitted alone always fits: an
+admitted request is never aborted for memory, it is at worst retracted and resumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .chain import ChainAllocator
+from .plan import Plan
+
+
+@dataclasses.dataclass
+class Demand:
+    """Allocator units: new token page ids, new pages per window sub-pool, new state slots."""
+
+    token_pages: int = 0
+    window_pages: dict[str, int] = dataclasses.field(default_factory=dict)
+    state_slots: int = 0
+
+    def __add__(self, o: "Demand") -> "Demand":
+        w = dict(self.window_pages)
+        for k, v in o.window_pages.items():
+            w[k] = w.get(k, 0) + v
+        return Demand(self.token_pages + o.token_pages, w, self.state_slots + o.state_slots)
+
+    @property
+    def empty(self) -> bool:
+        return self.token_pages == 0 and self.state_slots == 0 and not any(self.window_pages.values())
+
+
+def spanned(n: int, page_size: int) -> int:
+    """The most pages n consecutive tokens can touch (n >= 1: ceil(n / ps) or one more)."""
+    return 0 if n <= 0 else (n + page_size - 2) // page_size + 1
+
+
+class DemandModel:
+    """Prices requests against `plan`.  chunk: the longest prefill pass (the engine's
+    max_num_batched_tokens); empty: a never-touched allocator of the same arena (and static
+    regions), the "otherwise empty arena" of the clip."""
+
+    def __init__(self, plan: Plan, *, chunk: int, empty: ChainAllocator, extra_state_slots: int = 0):
+        self.plan = plan
+        self.ps = plan.page_size
+        self.chunk = int(chunk)
+        self.windows = tuple((sp.name, sp.window) for sp in plan.windows)
+        self.slots_per_request = (1 + int(extra_state_slots)) if plan.state is not None else 0
+        self._empty = empty
+        self._page_bytes = {sp.name: sp.page_bytes for sp in plan.subpools}
+        self._clips: dict[tuple[int, int], int | None] = {}
+
+    # ------------------------------------------------------------------ the one function
+    def span(self, computed: int, end: int, *, held_pages: int = 0, held_window: dict[str, int] | None = None,
+             held_slots: int = 0, pass_len: int | None = None) -> Demand:
+        """New units to take a request from `computed` tokens in the arena to `end`, computing in
+        passes of at most `pass_len` tokens (default: the chunk), given what it holds now.
+
+        held_window[w] must be the pages bound in w now: those touching [computed - w + 1,
+        computed), which is what the scheduler keeps after releasing out-of-window pages.
+        """
+        if end <= computed:
+            return Demand(0, {n: 0 for n, _ in self.windows}, 0)
+        ps = self.ps
+        need = -(-end // ps)
+        full = max(0, need - held_pages)
+        c = max(1, min(self.chunk if pass_len is None else pass_len, end - computed))
+        held_window = held_window or {}
+        win = {}
+        for name, w in self.windows:
+            first = max(0, computed - w + 1) // ps
+            peak = min(need - first, spanned(min(w - 1 + c, end), ps))
+            # a single pass gives exactly `full` (every new page needs its window page)
+            win[name] = min(full, max(0, peak - held_window.get(name, 0)))
+        slots = max(0, self.slots_per_request - held_slots)
+        return Demand(full, win, slots)
+
+    # ------------------------------------------------------------------ views of a request
+    def step(self, req, end: int) -> Demand:
+        """This pass of `req`: tokens [req.num_computed, end)."""
+        return self.span(req.num_computed, end, held_pages=len(req.pages), held_window=self.held_window(req),
+                         held_slots=len(req.slots), pass_len=end - req.num_computed)
+
+    def reservation(self, req, tokens: int, *, after: int | None = None) -> Demand:
+        """The next `tokens` decode tokens of `req` once it has `after` tokens in the arena
+        (default: now).  Priced from the state after this step's pass, so only decode pages."""
+        a = req.num_computed if after is None else after
+        if tokens <= 0:
+            return Demand()
+        if after is None:
+            return self.span(a, a + tokens, held_pages=len(req.pages), held_window=self.held_window(req),
+                             held_slots=len(req.slots), pass_len=1)
+        # after a pass that ends at `after`, the request holds ceil(after/ps) pages, the window
+        # pages touching [after - w + 1, after) and its slots
+        ps = self.ps
+        held = -(-a // ps)
+        hw = {n: held - max(0, a - w + 1) // ps for n, w in self.windows}
+        return self.span(a, a + tokens, held_pages=held, held_window=hw, held_slots=self.slots_per_request, pass_len=1)
+
+    def checkpoint(self, n: int = 1) -> Demand:
+        """n prefix-cache checkpoints: state slots (optional demand, see the module docstring)."""
+        return Demand(0, {name: 0 for name, _ in self.windows}, int(n) if self.plan.state is not None else 0)
+
+    def held(self, req) -> Demand:
+        """What `req` holds now (what retracting it gives back)."""
+        return Demand(len(req.pages), self.held_window(req), len(req.slots))
+
+    def held_window(self, req) -> dict[str, int]:
+        return {n: len(req.pages) - req.window_start[n] for n, _ in self.windows}
+
+    def lifetime(self, input_len: int, max_new: int) -> Demand:
+        """A fresh request's peak: prompt and outputs in the arena (the last sampled token is
+        never written), the worst pass being a full chunk."""
+        return self.span(0, input_len + max_new - 1)
+
+    # ------------------------------------------------------------------ capacity
+    def fits(self, allocator: ChainAllocator, d: Demand) -> bool:
+        """Whether `d`, taken in one go, fits `allocator` now (compacting if needed)."""
+        if d.empty:
+            return True
+        return allocator.can_fit(token_pages=d.token_pages, state_slots=d.state_slots, window_pages=d.window_pages)
+
+    def fits_empty(self, d: Demand) -> bool:
+        return self.fits(self._empty, d)
+
+    def clip(self, input_len: int, max_new: int) -> int | None:
+        """Largest max_new_tokens <= max_new whose lifetime fits the empty arena; None when even
+        one new token does not (the prompt exceeds the memory budget)."""
+        key = (int(input_len), int(max_new))
+        if key in self._clips:
+            return self._clips[key]
+        out = None
+        if max_new >= 1 and self.fits_empty(self.lifetime(input_len, 1)):
+            lo, hi = 1, int(max_new)
+            if self.fits_empty(self.lifetime(input_len, hi)):
+                lo = hi
+            while lo < hi:  # lifetime demand is monotone in max_new
+                mid = (lo + hi + 1) // 2
+                if self.fits_empty(self.lifetime(input_len, mid)):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            out = lo
+        if len(self._clips) > 4096:
+            self._clips.clear()
+        self._clips[key] = out
+        return out
+
+    # ------------------------------------------------------------------ bytes
+    def bytes(self, d: Demand, subpools=None) -> int:
+        """Arena bytes of `d` (only in `subpools` when given)."""
+        full, state = self.plan.full.name, self.plan.state.name if self.plan.state is not None else None
+        parts = [(full, d.token_pages), *d.window_pages.items()]
+        if state is not None:
+            parts.append((state, d.state_slots))
+        return sum(n * self._page_bytes[name] for name, n in parts if subpools is None or name in subpools)
+
+    def subpools_of(self, d: Demand) -> set[str]:
+        """The sub-pools `d` asks something of (the bands a preemption should free)."""
+        out = {n for n, v in d.window_pages.items() if v}
+        if d.token_pages:
+            out.add(self.plan.full.name)
+        if d.state_slots and self.plan.state is not None:
+            out.add(self.plan.state.name)
+        return out
+
+
+__all__ = ["Demand", "DemandModel", "spanned"]

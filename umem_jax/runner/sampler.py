@@ -1,0 +1,149 @@
+"""Sampler: one jitted function from last-token logits to next tokens, per-row parameters.
+
+Every option is a per-row array, so a compiled sampler serves any mix of requests in a batch.
+What the batch needs at most is a static `mode`, chosen on the host from the rows' parameters:
+"greedy" (argmax only), "random" (some row samples, none cuts) or "cuts" (some row has a top-k /
+top-p / min-p cut: the [B, V] vocabulary sort).  It is static rather than a lax.cond because XLA
+on the GPU decides a conditional on the host: it copies the predicate back and waits for the
+stream, so the next step could not be launched while this one runs.  A row's token is the same
+in every mode that covers it.  Penalties need token counts; they are a separate static variant
+because building counts costs a [B, V] scatter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row sampling arrays for a batch of B rows (padding rows are greedy)."""
+
+    temperature: np.ndarray  # [B] f32
+    top_k: np.ndarray  # [B] i32, 0 = off
+    top_p: np.ndarray  # [B] f32
+    min_p: np.ndarray  # [B] f32
+    seed: np.ndarray  # [B] i32
+    step: np.ndarray  # [B] i32, the output position, folded into the key
+    repetition_penalty: np.ndarray  # [B] f32
+    presence_penalty: np.ndarray  # [B] f32
+    frequency_penalty: np.ndarray  # [B] f32
+
+    @classmethod
+    def build(cls, params: list[SamplingParams | None], seeds: list[int], steps: list[int], size: int) -> "SamplingBatch":
+        pad = size - len(params)
+        ps = list(params) + [None] * pad
+
+        def col(f, default, dtype):
+            return np.array([f(p) if p is not None else default for p in ps], dtype)
+
+        return cls(
+            temperature=col(lambda p: p.temperature, 0.0, np.float32),
+            top_k=col(lambda p: max(p.top_k, 0), 0, np.int32),
+            top_p=col(lambda p: p.top_p, 1.0, np.float32),
+            min_p=col(lambda p: p.min_p, 0.0, np.float32),
+            seed=np.array(list(seeds) + [0] * pad, np.int32),
+            step=np.array(list(steps) + [0] * pad, np.int32),
+            repetition_penalty=col(lambda p: p.repetition_penalty, 1.0, np.float32),
+            presence_penalty=col(lambda p: p.presence_penalty, 0.0, np.float32),
+            frequency_penalty=col(lambda p: p.frequency_penalty, 0.0, np.float32),
+        )
+
+    def arrays(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def mode(self) -> str:
+        return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+def apply_penalties(logits, prompt_counts, output_counts, rep, presence, frequency):
+    """vLLM penalties.  logits [B, V] f32; counts [B, V] (tokens seen in prompt / output)."""
+    seen = (prompt_counts + output_counts) > 0
+    rep = rep[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+    return logits
+
+
+MODES = ("greedy", "random", "cuts")  # each covers the ones before it
+
+
+def sampling_mode(temperature, top_k, top_p, min_p) -> str:
+    """The least mode that covers rows with these parameters (numpy arrays or scalars)."""
+    stochastic = np.asarray(temperature) > 0
+    if not stochastic.any():
+        return "greedy"
+    cut = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0) | (np.asarray(min_p) > 0.0)
+    return "cuts" if (stochastic & cut).any() else "random"
+
+
+def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode: str = "cuts"):
+    """logits [B, V] f32 -> tokens [B] i32.
+
+    Greedy rows take the argmax.  A sampling row without top-k / top-p / min-p draws from its
+    tempered logits directly; only rows with a cut need the vocabulary sorted (one sort serves
+    all three cuts).  The sort over [B, V] is the costly part (V is 128K-262K), so it is traced
+    only in mode "cuts"; a mode that does not cover a row's parameters gives that row a wrong
+    token (the host picks the mode: `sampling_mode`).  Each row's token depends on its own
+    parameters and seed alone, never on the mode its batch took."""
+    if mode not in MODES:
+        raise ValueError(f"sampling mode {mode!r}: one of {MODES}")
+    B, V = logits.shape
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode == "greedy":
+        return greedy
+    stochastic = temperature > 0
+    cut = (top_k > 0) | (top_p < 1.0) | (min_p > 0.0)
+
+    def draw():
+        t = jnp.where(stochastic, temperature, 1.0)[:, None]
+        scaled = logits / t
+        keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.PRNGKey(s), i))(seed, step)
+        plain = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled).astype(jnp.int32)
+        if mode == "random":
+            return plain
+
+        def with_cuts():
+            order = jnp.argsort(-scaled, axis=-1)
+            sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            rank = jnp.arange(V)[None, :]
+            keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+            # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
+            cum_before = jnp.cumsum(probs, axis=-1) - probs
+            keep &= cum_before < top_p[:, None]
+            keep &= probs >= min_p[:, None] * probs[:, :1]
+            keep = keep.at[:, 0].set(True)
+            masked = jnp.where(keep, sorted_logits, -jnp.inf)
+            choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
+            return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+        return jnp.where(cut, with_cuts(), plain)
+
+    return jnp.where(stochastic, draw(), greedy)
+
+
+@partial(jax.jit, static_argnames=("mode",))
+def sample(logits, temperature, top_k, top_p, min_p, seed, step, repetition_penalty, presence_penalty,
+           frequency_penalty, mode: str = "cuts"):
+    """Next tokens [B] for last-token logits [B, V], no penalties (their arrays are ignored).
+    mode: see `sampling_mode` ("cuts", the default, covers every row)."""
+    del repetition_penalty, presence_penalty, frequency_penalty
+    return _sample_rows(logits.astype(jnp.float32), temperature, top_k, top_p, min_p, seed, step, mode)
+
+
+@partial(jax.jit, static_argnames=("mode",))
+def sample_with_penalties(logits, prompt_counts, output_counts, temperature, top_k, top_p, min_p, seed, step,
+                          repetition_penalty, presence_penalty, frequency_penalty, mode: str = "cuts"):
+    """As `sample`, after applying penalties from token counts [B, V]."""
+    logits = apply_penalties(logits.astype(jnp.float32), prompt_counts, output_counts, repetition_penalty,
+                             presence_penalty, frequency_penalty)
+    return _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode)

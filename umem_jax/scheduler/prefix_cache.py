@@ -1,0 +1,427 @@
+"""PrefixCache: a radix tree of token pages that requests with a common prefix share.
+
+Each node is one page: its key is the page's `page_size` tokens, its value the VIRTUAL token
+page id that holds their KV (full and window sub-pools share the id), so compaction and float
+moves never touch the tree.  The tree is one more holder in the PageOwner: it holds one token
+ref per node, plus window refs and state checkpoints as below.  Only whole pages are cached,
+and a request never writes a page once it is cached (it writes from its resume point on, into
+pages of its own), so sharing needs no copy-on-write for KV.
+
+The three kinds of memory:
+
+  full KV      a hit shares the pages of the longest cached prefix, up to the last page
+               boundary before the prompt's last token (at least one token is computed: it
+               gives the logits).
+  window KV    resuming at r needs the window rows of the pages touching [r - w + 1, r).  The
+               tree keeps window pages only near its *anchors* (below): a node holds a window
+               ref while some anchor at or below it could resume on it; every other cached
+               page is tombstoned in the window.  If a hit's window pages are missing it is
+               SHORTENED to the deepest point where they exist.  Recomputing them instead
+               (bind_window_pages + replay) is not exact: a window row depends on the window
+               rows before it, layer by layer, down to position 0, so the replay would have to
+               start at a point whose windows exist anyway -- and would rewrite shared full
+               pages.  Shortening reuses every page that can be reused exactly.
+  state        a recurrent state cannot run backwards, so a hit resumes only at a node with a
+               CHECKPOINT: a state slot owned by the tree holding the state after that node's
+               last token.  A hit copies it into the request's own working slot (a slot copy
+               in the allocator's move queue, never aliasing it) and replays from there.
+
+Anchors (where a hit may resume, so where window rows are kept): with state, the nodes that
+hold a checkpoint; without, the leaves (ends of cached sequences) and branch points.  A branch
+point appears when a request diverges from a cached path; that request computed the pages
+before it itself, so when it inserts them the tree ADOPTS its copies (same tokens, window
+pages still bound) in place of cached ones whose window pages are gone.  The next request
+with that prefix then resumes exactly at the branch.
+
+Checkpoints: the scheduler plans them (prefill chunk ends, fork points, every N decode tokens)
+and hands them over here with the pages.  At most `max_checkpoints_per_path` stay on one root
+path: beyond it the shallowest go, except branch points and the newest (a soft bound, as
+SGLang's).  A checkpoint slot is optional memory: one that cannot be allocated is skipped.
+
+Eviction: LRU over leaves that no request holds (refcount 1: the tree's own).  Evicting one
+frees its token page, any window page and its checkpoint; its parent may become an evictable
+leaf.  The scheduler evicts before it retracts anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+
+import numpy as np
+
+from ..memory.page_owner import PageOwner
+
+
+class Node:
+    """One cached page.  depth: pages from the root (the node holds tokens [(depth - 1) * ps,
+    depth * ps)); ckpt: state slot id holding the state after depth * ps tokens, or 0; wins:
+    windows in which the tree holds this page's window ref."""
+
+    __slots__ = ("key", "vid", "parent", "children", "depth", "stamp", "ckpt", "wins", "alive", "pins")
+
+    def __init__(self, key, vid: int, parent, depth: int):
+        self.key, self.vid, self.parent, self.depth = key, int(vid), parent, depth
+        self.children: dict[tuple, Node] = {}
+        self.stamp = 0
+        self.ckpt = 0
+        self.wins: set[str] = set()
+        self.alive = True
+        self.pins = 0  # lookups about to restore this node's checkpoint: it stays until unpinned
+
+    def __repr__(self) -> str:
+        return f"Node(depth={self.depth}, vid={self.vid}, ckpt={self.ckpt}, wins={sorted(self.wins)})"
+
+
+@dataclasses.dataclass
+class Hit:
+    """What a lookup found.  nodes: the shared pages, root side first; resume: tokens a request
+    skips (len(nodes) * page_size); matched: tokens found in the tree (>= resume: past resume,
+    window rows or a checkpoint were missing); fork: where the request leaves a cached path that
+    goes on (a branch point worth a checkpoint), else 0."""
+
+    nodes: list[Node]
+    resume: int
+    matched: int
+    fork: int
+
+    @property
+    def checkpoint(self) -> int:
+        return self.nodes[-1].ckpt if self.nodes else 0
+
+
+class PrefixCache:
+    """owner: the PageOwner (refcounts; its allocator frees checkpoint slots); windows:
+    ((name, w), ...) of the plan; state: whether the plan has recurrent state."""
+
+    def __init__(self, owner: PageOwner, page_size: int, windows: tuple[tuple[str, int], ...], state: bool,
+                 *, max_checkpoints_per_path: int | None = 4):
+        if max_checkpoints_per_path is not None and max_checkpoints_per_path < 1:
+            raise ValueError("max_checkpoints_per_path must be >= 1 (None: no cap)")
+        self.owner, self.allocator = owner, owner.allocator
+        self.ps = int(page_size)
+        self.windows = tuple(windows)
+        self.state = bool(state)
+        self.cap = max_checkpoints_per_path
+        widest = max((w for _, w in self.windows), default=0)
+        self._reach = -(-widest // self.ps) + 1  # pages above an anchor its window can touch
+        self.root = Node(None, 0, None, 0)
+        self._tick = itertools.count(1)
+        self.num_pages = 0
+        self.num_checkpoints = 0
+        self.num_window_pages = {n: 0 for n in owner.windows}
+        # which page ids the tree holds (and holds window refs of), and the pinned nodes: so
+        # evictable_by_subpool is a few vector ops per call, not a walk of the tree
+        cap = owner.refs.size
+        self._in_tree = np.zeros(cap, bool)
+        self._win_in_tree = {n: np.zeros(cap, bool) for n in owner.windows}
+        self._pinned: set[Node] = set()
+        # counters (monotone)
+        self.queries = self.query_tokens = self.hits = self.hit_tokens = 0
+        self.shortened_tokens = 0  # matched but not resumable (window rows / checkpoint missing)
+        self.evicted_pages = self.evicted_checkpoints = self.dropped_checkpoints = 0
+        self.adopted_pages = 0
+
+    # ================================================================== lookups
+    def match(self, tokens, max_pages: int) -> Hit:
+        """The deepest resumable prefix of `tokens` within `max_pages` pages (touches it for LRU)."""
+        ps, node, path = self.ps, self.root, []
+        while len(path) < max_pages:
+            d = len(path)
+            child = node.children.get(tuple(tokens[d * ps:(d + 1) * ps]))
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        m = len(path)
+        fork = 0
+        if m and node.children and tuple(tokens[m * ps:(m + 1) * ps]) not in node.children:
+            fork = m * ps
+        k = m
+        if k and self.windows:  # unbound[w][i]: pages among path[:i] tombstoned in w
+            unbound = {n: np.concatenate([[0], np.cumsum([not self.owner.window_bound(x.vid, n) for x in path])])
+                       for n, _ in self.windows}
+        while k > 0:
+            if (not self.state or path[k - 1].ckpt) and all(
+                    unbound[n][k] == unbound[n][self._first(k, w)] for n, w in self.windows):
+                break
+            k -= 1
+        t = next(self._tick)
+        for x in path[:k]:
+            x.stamp = t
+        return Hit(path[:k], k * ps, m * ps, fork)
+
+    def find(self, tokens, pages: int) -> Node | None:
+        """The node `pages` deep along `tokens`, or None."""
+        node = self.root
+        for d in range(pages):
+            node = node.children.get(tuple(tokens[d * self.ps:(d + 1) * self.ps]))
+            if node is None:
+                return None
+        return node
+
+    def record(self, query_tokens: int, hit: Hit | None) -> None:
+        """Count one admitted request's lookup (vLLM's queries / hits, in requests and tokens)."""
+        self.queries += 1
+        self.query_tokens += int(query_tokens)
+        if hit is not None:
+            self.shortened_tokens += hit.matched - hit.resume
+            if hit.resume:
+                self.hits += 1
+                self.hit_tokens += hit.resume
+
+    # ================================================================== growth
+    def insert(self, tokens, vids, n_pages: int, *, hint: Node | None = None,
+               checkpoints: dict[int, int] | None = None) -> tuple[Node, list[int]]:
+        """Cache the first `n_pages` pages of a sequence: tokens (a list, or tokens(start, end)
+        giving a slice; at least n_pages * ps of them) and its page ids `vids` (the inserting
+        request's own; where the tree already holds those tokens it keeps its page, or adopts
+        the request's when that one still has window pages the tree wants).  hint: a node on this path already inserted (continue from it).
+        checkpoints {depth: slot}: state slots to attach at those depths (the tree takes them).
+        -> (the node n_pages deep, the checkpoint slots NOT taken: the caller frees them)."""
+        ps = self.ps
+        get = tokens if callable(tokens) else (lambda a, b: tokens[a:b])
+        node = hint if hint is not None and hint.alive and hint.depth <= n_pages else self.root
+        low = node.depth
+        t = next(self._tick)
+        while node.depth < n_pages:
+            d = node.depth
+            key = tuple(get(d * ps, (d + 1) * ps))
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key, vids[d], node, d + 1)
+                self.owner.take([child.vid])
+                self._in_tree[child.vid] = True
+                node.children[key] = child
+                self.num_pages += 1
+            child.stamp = t
+            node = child
+        rejected, deepest = [], node
+        for depth, slot in sorted((checkpoints or {}).items()):
+            target = node
+            while target is not None and target.depth > depth:
+                target = target.parent
+            if depth < 1 or target is None or target.depth != depth or target.ckpt:
+                rejected.append(slot)
+                continue
+            target.ckpt = int(slot)
+            self.num_checkpoints += 1
+            low = min(low, depth, self._cap(target))
+        self._refresh(deepest, low - self._reach, vids)
+        return deepest, rejected
+
+    def _cap(self, node: Node) -> int:
+        """Keep at most `cap` checkpoints on node's root path -> the shallowest depth changed.
+        Kept beyond the cap: `node` (the newest), branch points and pinned nodes."""
+        if self.cap is None:
+            return node.depth
+        on_path, x = [], node
+        while x is not self.root:
+            if x.ckpt:
+                on_path.append(x)
+            x = x.parent
+        low = node.depth
+        excess = len(on_path) - self.cap
+        for x in reversed(on_path):  # shallowest first; keep the newest and branch points
+            if excess <= 0:
+                break
+            if x is node or len(x.children) >= 2 or x.pins:
+                continue
+            self._drop_checkpoint(x)
+            self.dropped_checkpoints += 1
+            excess -= 1
+            low = min(low, x.depth)
+        return low
+
+    # ================================================================== window retention
+    def _first(self, depth: int, w: int) -> int:
+        """First page a resume after `depth` pages reads in a window of w tokens."""
+        return max(0, depth * self.ps - w + 1) // self.ps
+
+    def _anchor(self, n: Node) -> bool:
+        if n is self.root:
+            return False
+        return bool(n.ckpt) if self.state else len(n.children) != 1
+
+    def _nearest(self, n: Node, limit: int) -> int | None:
+        """Depth of the shallowest anchor in n's subtree (n included), looking no deeper than
+        `limit` (an anchor deeper than that cannot reach n's page)."""
+        best, stack = None, [n]
+        while stack:
+            x = stack.pop()
+            if x.depth > limit or (best is not None and x.depth >= best):
+                continue
+            if self._anchor(x):
+                best = x.depth
+                continue
+            stack.extend(x.children.values())
+        return best
+
+    def _refresh(self, deepest: Node, low: int, vids=None) -> None:
+        """Re-decide the tree's window refs of the nodes from `deepest` up to depth `low` (the
+        anchors near them changed), adopting the inserting request's pages (`vids`) where the
+        tree's lack window pages it now wants."""
+        if not self.windows or deepest is self.root:
+            return
+        near = self._nearest(deepest, deepest.depth + self._reach)
+        node, child = deepest, None
+        while node is not self.root and node.depth >= max(1, low):
+            if child is not None:
+                limit = node.depth + self._reach
+                cands = [near] + [self._nearest(o, limit) for o in node.children.values() if o is not child]
+                if self._anchor(node):
+                    cands.append(node.depth)
+                cands = [c for c in cands if c is not None]
+                near = min(cands) if cands else None
+            want = {n for n, w in self.windows if near is not None and self._first(near, w) <= node.depth - 1}
+            if vids is not None and want and node.depth <= len(vids) and int(vids[node.depth - 1]) != node.vid:
+                self._maybe_adopt(node, int(vids[node.depth - 1]), want)
+            for n in self.owner.windows:
+                if n in want and n not in node.wins and self.owner.window_bound(node.vid, n):
+                    self._hold_window(node, n)
+                elif n not in want and n in node.wins:
+                    self._let_window_go(node, n)
+            node, child = node.parent, node
+
+    def _hold_window(self, node: Node, n: str) -> None:
+        self.owner.take_window([node.vid], n)
+        self._win_in_tree[n][node.vid] = True
+        node.wins.add(n)
+        self.num_window_pages[n] += 1
+
+    def _let_window_go(self, node: Node, n: str) -> None:
+        self.owner.release_window([node.vid], n)
+        self._win_in_tree[n][node.vid] = False
+        node.wins.discard(n)
+        self.num_window_pages[n] -= 1
+
+    def _maybe_adopt(self, node: Node, vid: int, want: set[str]) -> None:
+        """Swap node's page for `vid` (the same tokens, computed by the inserting request) when
+        that one has more of the wanted window pages."""
+        has = lambda v: sum(self.owner.window_bound(v, n) for n in want)
+        if has(vid) <= has(node.vid) or self.owner.refs[vid] <= 0:
+            return
+        self.owner.take([vid])
+        for n in sorted(node.wins):
+            self._let_window_go(node, n)
+        self.owner.release([node.vid])
+        self._in_tree[node.vid], self._in_tree[vid] = False, True
+        node.vid = vid
+        self.adopted_pages += 1
+
+    def pin(self, node: Node) -> None:
+        """Keep node's checkpoint until `unpin` (a hit restores from it once admitted)."""
+        node.pins += 1
+        self._pinned.add(node)
+
+    def unpin(self, node: Node) -> None:
+        node.pins -= 1
+        if not node.pins:
+            self._pinned.discard(node)
+
+    def _drop_checkpoint(self, x: Node) -> None:
+        self.allocator.free_state_slots([x.ckpt])
+        x.ckpt = 0
+        self.num_checkpoints -= 1
+
+    # ================================================================== eviction
+    def _evictable(self, n: Node) -> bool:
+        return n.alive and n is not self.root and not n.children and self.owner.refs[n.vid] == 1
+
+    def evict(self, enough=lambda: False) -> int:
+        """Evict least recently used entries until enough() -> entries evicted.  An entry is a
+        leaf no request holds (its page, window pages and checkpoint), or the checkpoint alone
+        of any other node (a request's own path included: a checkpoint is only a future
+        shortcut; its page stays)."""
+        heap = []
+        for x in self.nodes():
+            if self._evictable(x) or (x.ckpt and not x.pins):
+                heap.append((x.stamp, -x.depth, id(x), x))
+        heapq.heapify(heap)  # oldest first; deepest first among equals (leaves before their parents)
+        out = 0
+        while heap and not enough():
+            _, _, _, x = heapq.heappop(heap)
+            if self._evictable(x):
+                parent = x.parent
+                self._remove(x)
+                if self._evictable(parent) or (parent.ckpt and not parent.pins):
+                    heapq.heappush(heap, (parent.stamp, -parent.depth, id(parent), parent))
+            elif x.alive and x.ckpt and not x.pins:
+                self._drop_checkpoint(x)
+                self.evicted_checkpoints += 1
+                self._refresh(x, x.depth - self._reach)  # its windows may go too
+            else:
+                continue
+            out += 1
+        return out
+
+    def clear(self) -> bool:
+        """Evict everything no request holds -> whether the cache is now empty."""
+        self.evict()
+        return self.num_pages == 0
+
+    def _remove(self, x: Node) -> None:
+        for n in sorted(x.wins):
+            self._let_window_go(x, n)
+        if x.ckpt:
+            self._drop_checkpoint(x)
+            self.evicted_checkpoints += 1
+        self.owner.release([x.vid])
+        self._in_tree[x.vid] = False
+        parent = x.parent
+        del parent.children[x.key]
+        x.alive = False
+        self.num_pages -= 1
+        self.evicted_pages += 1
+        self._refresh(parent, parent.depth - self._reach)
+
+    # ================================================================== accounting
+    def nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            x = stack.pop()
+            stack.extend(x.children.values())
+            yield x
+
+    def held(self) -> tuple[list[int], list[int], dict[str, list[int]]]:
+        """(token page ids, checkpoint slot ids, {window: page ids}) the tree holds."""
+        vids, slots, wins = [], [], {n: [] for n in self.owner.windows}
+        for x in self.nodes():
+            vids.append(x.vid)
+            if x.ckpt:
+                slots.append(x.ckpt)
+            for n in x.wins:
+                wins[n].append(x.vid)
+        return vids, slots, wins
+
+    def held_by_subpool(self) -> dict[str, int]:
+        """Pages (slots) the cache holds per sub-pool, as ArenaUsage counts them."""
+        plan = self.allocator.plan
+        out = {plan.full.name: self.num_pages, **self.num_window_pages}
+        if plan.state is not None:
+            out[plan.state.name] = self.num_checkpoints
+        return out
+
+    def evictable_by_subpool(self) -> dict[str, int]:
+        """Pages (slots) only the cache holds, per sub-pool: what eviction could free now without
+        touching a request (a page a request also holds is the request's, with its window pages;
+        a checkpoint is the cache's unless an admission pinned it).  What admission sees as reclaimable, so usage
+        reports leave it out of the bytes requests hold (as SGLang's token usage leaves out its
+        evictable radix-cache tokens)."""
+        plan = self.allocator.plan
+        only = self._in_tree & (self.owner.refs == 1)  # no request's path runs through it: it can go
+        out = {plan.full.name: int(only.sum()), **{n: int((m & only).sum()) for n, m in self._win_in_tree.items()}}
+        if plan.state is not None:
+            out[plan.state.name] = self.num_checkpoints - sum(1 for x in self._pinned if x.alive and x.ckpt)
+        return out
+
+    def stats(self) -> dict:
+        return {"queries": self.queries, "query_tokens": self.query_tokens, "hits": self.hits,
+                "hit_tokens": self.hit_tokens, "shortened_tokens": self.shortened_tokens,
+                "evicted_pages": self.evicted_pages, "evicted_checkpoints": self.evicted_checkpoints,
+                "dropped_checkpoints": self.dropped_checkpoints, "adopted_pages": self.adopted_pages,
+                "cached_pages": self.num_pages, "cached_checkpoints": self.num_checkpoints}
+
+
+__all__ = ["Hit", "Node", "PrefixCache"]
