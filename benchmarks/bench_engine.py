@@ -84,10 +84,10 @@ def run_one(model, mode, args, batch: int | None = None, prompt: int | None = No
     captured = {}
     step_fn = eng.runner._step
 
-    def capturing_step(params, arena, meta, prev, counts, lay):  # keep the steady decode inputs
-        if lay.T == 1 and lay.B >= args.batch:
-            captured["args"] = (params, meta, prev, counts, lay)
-        return step_fn(params, arena, meta, prev, counts, lay)
+    def capturing_step(params, arena, meta, prev, counts, *, layout):  # keep the steady decode inputs
+        if layout.T == 1 and layout.B >= args.batch:
+            captured["args"] = (params, meta, prev, counts, layout)
+        return step_fn(params, arena, meta, prev, counts, layout=layout)
 
     eng.runner._step = capturing_step
     for _ in range(args.batch):
@@ -142,11 +142,11 @@ def _device_step(runner, step_fn, captured, reps: int) -> float:
     times = []
     for _ in range(3):
         arena = runner.arena
-        tokens, arena = step_fn(params, arena, meta, prev, counts, lay)
+        tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
         jax.block_until_ready(tokens)
         t0 = time.perf_counter()
         for _ in range(reps):
-            tokens, arena = step_fn(params, arena, meta, prev, counts, lay)
+            tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
         jax.block_until_ready(tokens)
         times.append((time.perf_counter() - t0) / reps)
         runner.arena = arena
@@ -170,11 +170,11 @@ def _trace_steps(runner, step_fn, captured, reps: int) -> dict | None:
     d = tempfile.mkdtemp(prefix="umem_trace_")
     try:
         arena = runner.arena
-        tokens, arena = step_fn(params, arena, meta, prev, counts, lay)
+        tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
         jax.block_until_ready(tokens)
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(reps):
-                tokens, arena = step_fn(params, arena, meta, prev, counts, lay)
+                tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
             jax.block_until_ready(tokens)
         runner.arena = arena
         path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)[0]

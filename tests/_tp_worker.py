@@ -72,8 +72,7 @@ def tiny() -> dict:
         assert len({s.device for s in shards}) == tp and all(s.data.shape == (1, *data.shape[1:]) for s in shards)
         # The decode step as the engine compiled it: every shard donated and aliased, no copy.
         lay = next(s for s in runner.shapes if s.T == 1)
-        meta = np.zeros(lay.size, np.int32)
-        compiled = runner._step.lower(runner._params, arena, meta, runner._prev, None, lay).compile()
+        compiled = runner.lower(lay).compile()
         seen = check_in_place(compiled, arena)
         # And at run time: a second round (compaction moves at idle, steps) keeps every buffer.
         before = _shard_pointers(runner.arena)

@@ -13,7 +13,8 @@ from _engine_utils import tiny
 from umem_jax.core.request import Request
 from umem_jax.core.sampling_params import SamplingParams
 from umem_jax.core.scheduled_batch import Row, ScheduledBatch
-from umem_jax.runner.runner import _FLOAT_SAMPLING, _INT_SAMPLING, RowCache
+from umem_jax.core.scheduled_batch import Buckets
+from umem_jax.runner.packing import FLOAT_SAMPLING, INT_SAMPLING, RowCache
 from umem_jax.runner.sampler import MODES, SamplingBatch, sampling_mode
 
 
@@ -25,17 +26,26 @@ def _engine(**kw):
     return LLM(tiny(), **{**settings, **kw}).llm_engine
 
 
+def batch_layout(runner, batch: ScheduledBatch, penalties: bool, sampling: str):
+    """The layout of `batch`'s bucketed shape, row by row."""
+    bk = runner.buckets
+    B = Buckets.pick(bk.batch, len(batch.rows))
+    T = 1 if batch.kind == "decode" else Buckets.pick(bk.tokens, max(r.end - r.start for r in batch.rows))
+    P = Buckets.pick(bk.pages, max(len(r.req.pages) for r in batch.rows))
+    return runner.layout(B, T, P, penalties, runner.checkpoints_per_row if batch.kind == "prefill" else 0, sampling)
+
+
 def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
-    """The per-row packing (what launch did before it was vectorised)."""
+    """The straightforward per-row packing the vectorised launch must equal."""
     rows = batch.rows
     penalties = any(r.sample and r.req.params.has_penalties for r in rows)
     need = max((MODES.index(sampling_mode(r.req.params.temperature, max(r.req.params.top_k, 0), r.req.params.top_p,
                                           r.req.params.min_p)) for r in rows if r.sample), default=0)
-    lay = runner.layout(batch, penalties, MODES[need])
+    lay = batch_layout(runner, batch, penalties, MODES[need])
     for mode in MODES[need + 1:]:  # a covering mode already compiled is reused
         if lay in runner._ready:
             break
-        cover = runner.layout(batch, penalties, mode)
+        cover = batch_layout(runner, batch, penalties, mode)
         if cover in runner._ready:
             lay = cover
     meta = np.zeros(lay.size, np.int32)
@@ -43,10 +53,10 @@ def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
     v["src"][:] = -1
     vids = np.full((lay.B, lay.P), -1, np.int32)
     slot_ids = np.full((lay.B,), -1, np.int32)
-    kc = getattr(lay, "kc", 0)
+    kc = lay.checkpoints_per_row
     ck_ids = np.full((lay.B, max(1, kc)), -1, np.int32)
     if kc:
-        v["ck_pos"][:] = -1
+        v["checkpoint_positions"][:] = -1
     v["ban"][:] = -1
     params, seeds, steps = [], [], []
     for i, row in enumerate(rows):
@@ -61,21 +71,21 @@ def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
         if req.slots:
             slot_ids[i] = req.slots[0]
         for j, (pos, slot) in enumerate(getattr(row, "checkpoints", ())[:kc]):
-            v["ck_pos"][i, j], ck_ids[i, j] = pos - row.start, slot
+            v["checkpoint_positions"][i, j], ck_ids[i, j] = pos - row.start, slot
         params.append(req.params)
         seeds.append(req.seed)
         steps.append(req.num_output)
         if row.sample and req.num_output < req.min_tokens:
-            ban = req.stop_ids[: runner.nban]
+            ban = req.stop_ids[: runner.banned_per_row]
             v["ban"][i, : len(ban)] = ban
     for p in runner.pools:
         v[f"table:{p}"][:] = runner.allocator.translate_pages(vids, p, lay.P)
     if runner.has_state:
         v["slots"][:] = runner.allocator.translate_slots(slot_ids, lay.B)
     if kc:
-        v["ck_slots"][:] = runner.allocator.translate_slots(ck_ids.reshape(-1)).reshape(lay.B, kc)
+        v["checkpoint_slots"][:] = runner.allocator.translate_slots(ck_ids.reshape(-1)).reshape(lay.B, kc)
     sb = SamplingBatch.build(params, seeds, steps, lay.B)
-    for name in _INT_SAMPLING + _FLOAT_SAMPLING:
+    for name in INT_SAMPLING + FLOAT_SAMPLING:
         v[name][:] = getattr(sb, name)
     return meta, lay
 
@@ -88,11 +98,11 @@ class Harness:
         self.runner = self.eng.runner
         self.alloc = self.eng.allocator
         self.calls = []
-        bmax = self.runner.bmax
+        max_batch = self.runner.max_batch
 
-        def fake_step(params, arena, meta, prev, counts, layout):
+        def fake_step(params, arena, meta, prev, counts, *, layout):
             self.calls.append((np.array(meta), layout, counts))
-            return jnp.zeros((bmax,), jnp.int32), arena
+            return jnp.zeros((max_batch,), jnp.int32), arena
 
         self.runner._step = fake_step
         self.runner._leaves = lambda: self.runner._params  # keep the recorder
@@ -222,7 +232,7 @@ def test_row_cache_reuses_rows_and_grows():
     for wave in range(4):  # 4 waves of fresh requests: old rows are reclaimed, not leaked
         for r in live:
             h.free(r)
-        live = [h.request(pages=2 + wave) for _ in range(runner.bmax)]
+        live = [h.request(pages=2 + wave) for _ in range(runner.max_batch)]
         h.check(decode(live))
     assert runner._rows.capacity == cap
     assert len(runner._rows.entries) <= cap
@@ -234,7 +244,7 @@ def test_row_cache_reuses_rows_and_grows():
 
     reqs = [h.request(pages=0) for _ in range(3)]
     rows = [_R(r) for r in reqs]
-    got = [c.entry(r, rows)[0] for r in reqs]
+    got = [c.entry(r, rows).row for r in reqs]
     assert sorted(got) == [0, 1, 2] and c.capacity >= 3
     with pytest.raises(ValueError):
         c.set_pages(c.entries[id(reqs[0])], list(range(1, 6)))  # wider than the largest bucket
@@ -282,16 +292,16 @@ def test_engine_text_leaves_stop_token_out():
 def test_layout_fields_start_256_byte_aligned():
     """Kernels get views of the packed metadata (the page tables, q/kv lengths, slots): each of
     those starts on a 256-byte boundary of the buffer; the sampling fields stay one block."""
-    from umem_jax.runner.runner import _ROW_SAMPLING, FIELD_ALIGN, Layout
+    from umem_jax.runner.packing import FIELD_ALIGN, SAMPLING_FIELDS, Layout
 
     for B, T, P, kc in [(1, 1, 3, 0), (5, 17, 7, 2), (64, 1, 129, 0)]:
         lay = Layout(B, T, P, ("full", "sliding_4096"), 64, 3, True, kc)
         offs = {n: at for n, (at, _) in lay.offsets.items() if n != "_size"}
         for name, at in offs.items():
-            if name not in _ROW_SAMPLING[1:]:
+            if name not in SAMPLING_FIELDS[1:]:
                 assert at % FIELD_ALIGN == 0 and FIELD_ALIGN * 4 == 256, (name, at)
-        a = offs[_ROW_SAMPLING[0]]
-        assert [offs[f] for f in _ROW_SAMPLING] == [a + j * B for j in range(len(_ROW_SAMPLING))]
+        a = offs[SAMPLING_FIELDS[0]]
+        assert [offs[f] for f in SAMPLING_FIELDS] == [a + j * B for j in range(len(SAMPLING_FIELDS))]
         ends = sorted((at, at + int(np.prod(shape))) for n, (at, shape) in lay.offsets.items() if n != "_size")
         assert all(e <= s for (_, e), (s, _) in zip(ends, ends[1:]))  # no overlap
         assert lay.size >= ends[-1][1]
@@ -315,7 +325,7 @@ def test_sampler_mode_is_the_least_the_rows_need_and_a_compiled_cover_is_reused(
     lay_cuts = h.calls[-1][1]
     assert lay_cuts.sampling == "cuts" and lay_cuts.B == 2
     # At a shape where only "cuts" is ready (as precompile leaves it), a "random" batch uses it.
-    lay_new = h.runner._shape(4, 1, 8, False, 0, "cuts")[0]
+    lay_new = h.runner.layout(4, 1, 8, False, 0, "cuts")
     h.runner._ready.add(lay_new)
     d = h.request(out=3, params=plain, pages=4)
     h.check(decode([b, d, a]))  # B bucket 4: only "cuts" is ready there
@@ -330,7 +340,6 @@ def test_step_has_no_device_conditional(mode):
     sampler's threefry lowers to a rolled loop, on the GPU to one kernel.)"""
     eng = _engine(kernel_impl="reference")
     r = eng.runner
-    for B, T, P, kc in ((2, 1, 8, 0), (2, 16, 8, r.kc)):  # decode, and prefill with state checkpoints
-        lay, template, _ = r._shape(B, T, P, False, kc, mode)
-        text = r._step.lower(r._leaves(), r.arena, template, r._prev, None, lay).as_text()
+    for B, T, P, kc in ((2, 1, 8, 0), (2, 16, 8, r.checkpoints_per_row)):  # decode, and prefill with state checkpoints
+        text = r.lower(r.layout(B, T, P, False, kc, mode)).as_text()
         assert "stablehlo.if" not in text and "stablehlo.case" not in text, (B, T, mode)

@@ -188,8 +188,8 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is "
                              f"{self.max_model_len}")
-        if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.nban:
-            raise ValueError(f"min_tokens with more than {self.runner.nban} stop token ids is not supported")
+        if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
+            raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids is not supported")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         if request_id is not None and str(request_id) in self._requests:
@@ -348,7 +348,7 @@ class LLMEngine:
         """Every (B, T, P, checkpoint columns) step shape the scheduler can launch, decode first."""
         cfg = self.config
         return self.buckets.reachable(cfg.max_num_batched_tokens, cfg.page_size, self.scheduler.cfg.max_num_seqs,
-                                      self.runner.kc)
+                                      self.runner.checkpoints_per_row)
 
     def warmup(self, max_shapes: int | None = None, threads: int = 8, sampling=("greedy",)) -> int:
         """Compile step shapes before serving -> how many compilations.  Decode shapes come first

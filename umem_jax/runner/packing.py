@@ -1,0 +1,227 @@
+"""Packing a step's inputs on the host: the metadata layout and the per-request row cache.
+
+`Layout` says where each field of a step's packed int32 metadata sits; `RowCache` keeps what
+each request contributes to every step it is in (virtual page ids, sampling words) as numpy
+rows, so a step gathers its rows with one index instead of converting Python lists again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ..core.request import Request
+from ..core.sampling_params import SamplingParams
+from .sampler import MODES, sampling_mode
+
+FIELD_ALIGN = 64  # int32 words: 256 bytes
+INT_SAMPLING = ("top_k", "seed", "step")
+FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# Per-request sampling words (floats bit-cast to int32), in the layout's order: fixed for a
+# request's life (converted once), except `step`, which is filled in every step.
+SAMPLING_FIELDS = INT_SAMPLING + FLOAT_SAMPLING
+STEP_COLUMN = SAMPLING_FIELDS.index("step")
+# The value of each per-row field in a padding row (SamplingBatch's padding: greedy, no cuts).
+_PAD = {"src": -1, "ban": -1, "checkpoint_positions": -1, "top_p": 1.0, "repetition_penalty": 1.0}
+
+
+def words(values, dtype) -> np.ndarray:
+    """`values` as `dtype`, reinterpreted as int32 words (floats bit-cast, not converted)."""
+    return np.asarray(values, dtype).view(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static shape of one step: B rows of T tokens, page tables P wide, and where each field
+    sits in the packed int32 metadata.  Hashable: the jitted step's static argument, so each
+    layout compiles once."""
+
+    B: int
+    T: int
+    P: int
+    pools: tuple[str, ...]  # token sub-pools with a page table, full first
+    max_batch: int  # length of the token output (the largest batch bucket)
+    banned_per_row: int  # banned-token columns per row (min_tokens keeps stop ids out)
+    penalties: bool = False
+    checkpoints_per_row: int = 0  # state checkpoint columns (prefill with a prefix cache; 0: none)
+    sampling: str = "greedy"  # the sampler's static mode (sampler.MODES): what the rows need at most
+
+    def fields(self) -> list[tuple[str, tuple[int, ...]]]:
+        B, K = self.B, self.checkpoints_per_row
+        out = [("tokens", (B, self.T)), ("src", (B,)), ("q_lens", (B,)), ("kv_lens", (B,)), ("slots", (B,))]
+        out += [(f"table:{p}", (B, self.P)) for p in self.pools]
+        if K:
+            out += [("checkpoint_positions", (B, K)), ("checkpoint_slots", (B, K))]
+        out += [(n, (B,)) for n in SAMPLING_FIELDS]
+        out += [("ban", (B, self.banned_per_row))]
+        return out
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Every field but the sampling block's later ones starts at a multiple of FIELD_ALIGN:
+        unpack's slices are views of the meta buffer (no copy), and a kernel may require 256-byte
+        aligned inputs (the Mosaic GPU prefill refuses an unaligned page-table view: "Input
+        buffer 2 is not 256-byte aligned").  The sampling fields stay one block, which `launch`
+        writes with one transposed copy."""
+        out, at = {}, 0
+        for name, shape in self.fields():
+            if name not in SAMPLING_FIELDS[1:]:
+                at = -(-at // FIELD_ALIGN) * FIELD_ALIGN
+            out[name] = (at, shape)
+            at += int(np.prod(shape))
+        out["_size"] = (at, ())
+        return out
+
+    @property
+    def size(self) -> int:
+        return self.offsets["_size"][0]
+
+    @functools.cached_property
+    def spans(self) -> dict[str, tuple[int, int, tuple[int, ...]]]:
+        """Field name -> (start, end, shape) in the meta buffer."""
+        return {n: (at, at + int(np.prod(shape)), shape) for n, (at, shape) in self.offsets.items() if n != "_size"}
+
+    @functools.cached_property
+    def template(self) -> np.ndarray:
+        """The meta buffer of an all-padding step: each step copies it and fills its rows."""
+        out = np.zeros(self.size, np.int32)
+        spans = self.spans
+        for name, value in _PAD.items():
+            if name in spans:
+                a, b, _ = spans[name]
+                out[a:b] = words(value, np.float32 if isinstance(value, float) else np.int32)
+        a = self.sampling_start
+        if [spans[f][:2] for f in SAMPLING_FIELDS] != [(a + j * self.B, a + (j + 1) * self.B)
+                                                       for j in range(len(SAMPLING_FIELDS))]:
+            raise AssertionError("Layout: the sampling fields must sit one after another (launch writes them as one block)")
+        return out
+
+    @property
+    def sampling_start(self) -> int:
+        """Offset of the sampling block: SAMPLING_FIELDS one after another, [B] words each."""
+        return self.spans[SAMPLING_FIELDS[0]][0]
+
+    def host_views(self, meta: np.ndarray) -> dict[str, np.ndarray]:
+        """Writable numpy views of each field of a host meta buffer (floats as float32)."""
+        views = {}
+        for name, (a, b, shape) in self.spans.items():
+            v = meta[a:b].reshape(shape)
+            views[name] = v.view(np.float32) if name in FLOAT_SAMPLING else v
+        return views
+
+    def unpack(self, meta: jax.Array) -> dict[str, jax.Array]:
+        """The device-side inverse of host_views (static slices: free under jit)."""
+        out = {}
+        for name, (a, b, shape) in self.spans.items():
+            v = meta[a:b].reshape(shape)
+            out[name] = lax.bitcast_convert_type(v, jnp.float32) if name in FLOAT_SAMPLING else v
+        return out
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class RowEntry:
+    """What the row cache holds for one request: its row and what that row was built from."""
+
+    row: int  # index into the cache's arrays
+    req: Request
+    pages: list[int]  # the page ids written into the row (a copy of req.pages then)
+    params: SamplingParams  # the params object the sampling words were converted from
+    seed: int
+
+
+class RowCache:
+    """Host copies of what each request contributes to every step it is in, kept between steps.
+
+    A row per request (by identity) holds its virtual page ids, padded with -1 to `width`, and
+    its sampling words.  The page row is checked against the request's `pages` list on every use
+    (a C-level list comparison) and updated incrementally when pages were appended (a decode step
+    gains at most one), rewritten when they changed otherwise (retraction, rollback).  Physical
+    pages are NOT cached: the allocator's read table is gathered through the whole [B, P] block
+    each step (one np.take per sub-pool), so moves, frees and window tombstones need no
+    invalidation here.  Sampling words are rebuilt when the request's params object or seed
+    changes.  Rows of requests no longer launched are reused when the cache is full (capacity
+    doubles if one step needs more rows than it has).
+    """
+
+    def __init__(self, width: int, capacity: int):
+        self.width = int(width)
+        self.page_ids = np.full((capacity, self.width), -1, np.int32)
+        self.sampling_words = np.zeros((capacity, len(SAMPLING_FIELDS)), np.int32)
+        self.penalties = np.zeros(capacity, bool)  # the request's params use penalties
+        self.sampling_mode = np.zeros(capacity, np.int8)  # index in sampler.MODES of what the params need
+        self.entries: dict[int, RowEntry] = {}  # by id(req)
+        self.free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.page_ids.shape[0]
+
+    def gather(self, reqs: list[Request], batch_rows) -> list[RowEntry]:
+        """The entries of `reqs` (a step's requests), each up to date with its request."""
+        entries = self.entries
+        out = []
+        for req in reqs:
+            e = entries.get(id(req))
+            if e is None or e.req is not req or e.params is not req.params or e.seed != req.seed:
+                e = self.entry(req, batch_rows)
+            if req.pages != e.pages:
+                self.set_pages(e, req.pages)
+            out.append(e)
+        return out
+
+    def entry(self, req: Request, batch_rows) -> RowEntry:
+        """The entry of `req`, refreshed if its params or seed changed (pages: see `set_pages`)."""
+        e = self.entries.get(id(req))
+        if e is not None and e.req is req and e.params is req.params and e.seed == req.seed:
+            return e
+        if e is not None:
+            row = e.row
+        else:
+            if not self.free:
+                self._reclaim(batch_rows)
+            row = self.free.pop()
+        p = req.params
+        self.sampling_words[row, :3] = (max(p.top_k, 0), req.seed, 0)
+        self.sampling_words[row, 3:] = words([p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                                              p.presence_penalty, p.frequency_penalty], np.float32)
+        self.penalties[row] = p.has_penalties
+        self.sampling_mode[row] = MODES.index(sampling_mode(p.temperature, max(p.top_k, 0), p.top_p, p.min_p))
+        self.page_ids[row] = -1
+        e = RowEntry(row, req, [], p, req.seed)
+        self.entries[id(req)] = e
+        return e
+
+    def set_pages(self, e: RowEntry, pages: list[int]) -> None:
+        """Bring e's page ids up to `pages` (which differs from the copy e holds)."""
+        n, old = len(pages), e.pages
+        k = len(old)
+        if n > self.width:
+            raise ValueError(f"{n} is above the largest bucket {self.width}")
+        row = self.page_ids[e.row]
+        if n >= k and pages[:k] == old:  # grown: write only the new ids
+            row[k:n] = pages[k:]
+        else:
+            row[:n] = pages
+            row[n:] = -1
+        e.pages = list(pages)
+
+    def _reclaim(self, batch_rows) -> None:
+        """Free the rows of requests not in this step; grow if that is not enough."""
+        keep = {id(r.req) for r in batch_rows}
+        for key in [k for k in self.entries if k not in keep]:
+            self.free.append(self.entries.pop(key).row)
+        if len(self.free) < max(1, len(batch_rows) - len(self.entries)) or not self.free:
+            cap = self.capacity
+            self.page_ids = np.concatenate([self.page_ids, np.full((cap, self.width), -1, np.int32)])
+            self.sampling_words = np.concatenate([self.sampling_words, np.zeros_like(self.sampling_words)])
+            self.penalties = np.concatenate([self.penalties, np.zeros_like(self.penalties)])
+            self.sampling_mode = np.concatenate([self.sampling_mode, np.zeros_like(self.sampling_mode)])
+            self.free += range(2 * cap - 1, cap - 1, -1)
+
+
+__all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "Layout", "RowCache", "RowEntry", "SAMPLING_FIELDS"]
