@@ -132,7 +132,7 @@ def test_end_band_holes_first_nearest_origin_then_watermark(direction):
 
 def test_end_band_limited_by_neighbour_frontier():
     b = _band(-1, pages=20)  # pages 1..20, anchor at 20, rows of 24
-    rpp = b.rpp
+    rpp = b.rows_per_page
     # a neighbour whose frontier is at row 17*rpp + 5 leaves pages 18..20 only (17 straddles it)
     assert b.plan(3, 17 * rpp + 5, 10**9) is not None
     assert b.plan(4, 17 * rpp + 5, 10**9) is None
@@ -171,7 +171,7 @@ def _float(lo=1, hi=100):
 
 def test_float_from_empty_at_midpoint_and_transparent_when_empty():
     f = _float()
-    r = f.rpp
+    r = f.rows_per_page
     tk = f.plan(4, 10 * r, 50 * r)
     assert tk.start == 10 + (40 - 4) // 2
     f.commit(tk, np.arange(1, 5, dtype=np.int32))
@@ -182,7 +182,7 @@ def test_float_from_empty_at_midpoint_and_transparent_when_empty():
 
 def test_float_extends_toward_larger_gap_then_other_side():
     f = _float()
-    r = f.rpp
+    r = f.rows_per_page
     f.commit(f.plan(4, 20 * r, 30 * r), np.arange(1, 5, dtype=np.int32))  # [23, 27)
     tk = f.plan(5, 20 * r, 40 * r)  # low room 3, high room 13
     assert (tk.low, tk.high) == (0, 5)
@@ -193,7 +193,7 @@ def test_float_extends_toward_larger_gap_then_other_side():
 
 def test_float_counts_pages_on_its_own_grid():
     f = _float()
-    r = f.rpp
+    r = f.rows_per_page
     # frontiers off this grid: rows [10r + 1, 14r - 1) hold only pages 11 and 12
     assert f.plan(2, 10 * r + 1, 14 * r - 1) is not None
     assert f.plan(3, 10 * r + 1, 14 * r - 1) is None
@@ -201,7 +201,7 @@ def test_float_counts_pages_on_its_own_grid():
 
 def test_make_room_moves_just_enough_pages():
     f = _float()
-    r = f.rpp
+    r = f.rows_per_page
     f.commit(f.plan(8, 20 * r, 36 * r), np.arange(1, 9, dtype=np.int32))  # [24, 32)
     moves = f.make_room("low", 6 * r, 20 * r, 60 * r)  # span must start at 26 -> move 2 pages up
     assert sum(len(m) for m in moves) == 2
@@ -213,7 +213,7 @@ def test_make_room_moves_just_enough_pages():
 
 def test_make_room_refuses_without_changing_anything():
     f = _float()
-    r = f.rpp
+    r = f.rows_per_page
     f.commit(f.plan(8, 20 * r, 36 * r), np.arange(1, 9, dtype=np.int32))
     before = f.table.v2p.copy()
     assert f.make_room("low", 10 * r, 20 * r, 37 * r) is None  # 8 live pages cannot fit in [30, 37)
@@ -222,7 +222,7 @@ def test_make_room_refuses_without_changing_anything():
 
 def test_leapfrog_with_overlap_uses_ordered_batches_and_data_follows():
     f = _float()
-    f.commit(f.plan(10, 0, 60 * f.rpp), np.arange(1, 11, dtype=np.int32))
+    f.commit(f.plan(10, 0, 60 * f.rows_per_page), np.arange(1, 11, dtype=np.int32))
     pages = f.table.v2p[1:11].copy()
     mem = np.zeros(200, np.int64)
     mem[pages] = np.arange(1, 11)  # page -> the id whose bytes it holds
@@ -237,7 +237,7 @@ def test_leapfrog_with_overlap_uses_ordered_batches_and_data_follows():
 
 def test_make_room_leapfrogs_whole_span_when_needed():
     f = _float()
-    r = f.rpp
+    r = f.rows_per_page
     f.commit(f.plan(4, 10 * r, 18 * r), np.arange(1, 5, dtype=np.int32))  # [12, 16)
     moves = f.make_room("low", 20 * r, 10 * r, 60 * r)  # needs start >= 30: nothing can stay
     assert sum(len(m) for m in moves) == 4 and f.lo >= 30 and not f.check()
@@ -246,7 +246,7 @@ def test_make_room_leapfrogs_whole_span_when_needed():
 
 def test_float_holes_alternate_ends_and_absorb_and_compact():
     f = _float()
-    f.commit(f.plan(10, 0, 60 * f.rpp), np.arange(1, 11, dtype=np.int32))
+    f.commit(f.plan(10, 0, 60 * f.rows_per_page), np.arange(1, 11, dtype=np.int32))
     lo = f.lo
     f.release(np.array([2, 3, 9], np.int32))  # holes lo+1, lo+2, lo+8
     assert f.absorb() == 0
@@ -305,14 +305,14 @@ def test_window_pages_option_and_tombstones():
     assert (a.translate_pages(vids[None], v)[0] == 0).all()
     a.release_window_pages(vids[4:5], w)
     assert a.translate_pages(vids[None], w)[0].tolist()[4] == 0
-    assert a.bands[a._index[w]].live == 1
+    assert a.bands[a.layout.index[w]].live == 1
     with pytest.raises(ValueError):
         a.release_window_pages(vids[4:5], w)  # already tombstoned
     assert a.bind_window_pages(vids[:2], v)  # rebinding tombstoned pages
     a.check_invariants()
     a.free_token_pages(vids)
     for sp in p.token_pools:
-        assert a.bands[a._index[sp.name]].live == 0
+        assert a.bands[a.layout.index[sp.name]].live == 0
     a.check_invariants()
 
 

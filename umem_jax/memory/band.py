@@ -11,8 +11,6 @@ is indices [0, span).  Inside the span every page is live (bound in the table) o
     flush    absorb holes touching the watermark (zero copy), then move the survivors farthest
              from the anchor into the holes nearest it, in one batch (sources are past the
              final watermark, destinations before it, so they are disjoint)
-
-Floats reuse `compaction` for their own hole packing.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import dataclasses
 
 import numpy as np
 
+from .holes import Holes, boundary_run, compaction, span_problems
 from .tables import I32, Move, PageTable
 
 
@@ -41,58 +40,35 @@ class Take:
     start: int | None = None
 
 
-def compaction(holes: np.ndarray, span: int, live: int, cap: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """Plan hole packing in index space -> (sources, targets), int32 [k] each.
-
-    holes: sorted int32 hole indices in [0, span); live = span - len(holes).  Targets are the
-    holes nearest index 0, sources the live indices farthest from it; with `cap`, at most cap
-    pairs (the farthest survivors first, so what is vacated is the outer end of the span).
-    """
-    targets = holes[holes < live]
-    if targets.size == 0:
-        return targets, targets
-    tail = np.ones(span - live, bool)
-    tail[holes[holes >= live] - live] = False
-    sources = (live + np.flatnonzero(tail)).astype(I32)
-    if cap is not None and targets.size > cap:
-        targets, sources = targets[:cap], sources[-cap:]
-    return sources, targets
-
-
-def boundary_run(holes: np.ndarray, span: int) -> int:
-    """How many of the sorted hole indices form a run ending at span - 1 (absorbable)."""
-    m = holes.size
-    if m == 0 or holes[-1] != span - 1:
-        return 0
-    # holes strictly increase, so holes[i] - i is non-decreasing and reaches span - m only on the run.
-    return int(np.count_nonzero(holes - np.arange(m, dtype=I32) == span - m))
-
-
 class EndBand:
     """Grow-up (direction +1) or grow-down (-1) end band over pages [lo_page, hi_page]."""
 
     is_float = False
 
-    def __init__(self, sp, table: PageTable, lo_page: int, hi_page: int, direction: int):
-        self.sp, self.table, self.name = sp, table, sp.name
-        self.rpp = sp.rows_per_page
+    def __init__(self, subpool, table: PageTable, lo_page: int, hi_page: int, direction: int):
+        self.subpool, self.table, self.name = subpool, table, subpool.name
+        self.rows_per_page = subpool.rows_per_page
         self.direction = direction
         self.origin = lo_page if direction > 0 else hi_page
         self.max_span = max(0, hi_page - lo_page + 1)
         self.span = 0  # watermark, in pages from the anchor
         self.live = 0
-        self._holes = np.empty(0, I32)  # hole indices; sorted only when _sorted
-        self._sorted = True
+        self.holes = Holes()  # hole indices
 
     # ------------------------------------------------------------------ geometry
 
     @property
     def nholes(self) -> int:
-        return int(self._holes.size)
+        return len(self.holes)
 
     @property
     def empty(self) -> bool:
         return self.span == 0
+
+    @property
+    def max_pages(self) -> int:
+        """The most pages the band can ever hold (the whole arena to itself)."""
+        return self.max_span
 
     def pages(self, idx: np.ndarray) -> np.ndarray:
         return (self.origin + self.direction * idx).astype(I32)
@@ -102,9 +78,10 @@ class EndBand:
 
     def extent_of(self, span: int) -> tuple[int, int]:
         """Row extent [lo_row, hi_row) of a span of `span` pages (zero length at the anchor)."""
+        rows = self.rows_per_page
         if self.direction > 0:
-            return self.origin * self.rpp, (self.origin + span) * self.rpp
-        return (self.origin + 1 - span) * self.rpp, (self.origin + 1) * self.rpp
+            return self.origin * rows, (self.origin + span) * rows
+        return (self.origin + 1 - span) * rows, (self.origin + 1) * rows
 
     def extent(self) -> tuple[int, int]:
         return self.extent_of(self.span)
@@ -112,33 +89,29 @@ class EndBand:
     def max_span_below(self, lo_limit: int, hi_limit: int) -> int:
         """Largest span that stays inside rows [lo_limit, hi_limit) (the neighbours' frontiers)."""
         if self.direction > 0:
-            room = hi_limit // self.rpp - self.origin
+            room = hi_limit // self.rows_per_page - self.origin
         else:
-            room = self.origin + 1 - (-(-lo_limit // self.rpp))
+            room = self.origin + 1 - (-(-lo_limit // self.rows_per_page))
         return max(0, min(self.max_span, room))
 
     # ------------------------------------------------------------------ alloc / free
 
     def plan(self, n: int, lo_limit: int, hi_limit: int) -> Take | None:
         """Plan taking n pages (holes first, then the watermark), or None if it does not fit."""
-        k = min(n, self._holes.size)
-        grow = n - k
+        reused = min(n, self.nholes)
+        grow = n - reused
         if self.span + grow > self.max_span_below(lo_limit, hi_limit):
             return None
         low, high = (0, grow) if self.direction > 0 else (grow, 0)
-        return Take(n, k, low, high, self.extent_of(self.span + grow))
+        return Take(n, reused, low, high, self.extent_of(self.span + grow))
 
     def commit(self, take: Take, vids: np.ndarray) -> np.ndarray:
         """Carry out `take`, binding `vids` (int32 [n]) -> their physical pages int32 [n]."""
         grow = take.n - take.holes
+        idx = np.arange(self.span, self.span + grow, dtype=I32)
         if take.holes:
-            self._sort()
-            idx = self._holes[:take.holes]
-            self._holes = self._holes[take.holes:]
-            if grow:
-                idx = np.concatenate([idx, np.arange(self.span, self.span + grow, dtype=I32)])
-        else:
-            idx = np.arange(self.span, self.span + grow, dtype=I32)
+            reused = self.holes.take_first(take.holes)
+            idx = np.concatenate([reused, idx]) if grow else reused
         self.span += grow
         pages = self.pages(idx)
         self.table.bind(vids, pages)
@@ -147,67 +120,43 @@ class EndBand:
 
     def release(self, vids: np.ndarray) -> None:
         """Unbind `vids` (bound here); their pages become holes (no data moves)."""
-        pages = self.table.unbind(vids)
-        self._holes = np.concatenate([self._holes, self.index(pages)])
-        self._sorted = False
+        self.holes.add(self.index(self.table.unbind(vids)))
         self.live -= vids.size
 
     # ------------------------------------------------------------------ compaction
 
-    def _sort(self) -> None:
-        if not self._sorted:
-            self._holes.sort()
-            self._sorted = True
-
     def absorb(self) -> int:
         """Retreat the watermark over holes touching it (zero copy) -> pages absorbed."""
-        if not self._holes.size:
-            return 0
-        self._sort()
-        r = boundary_run(self._holes, self.span)
-        if r:
-            self.span -= r
-            self._holes = self._holes[:-r]
-        return r
+        holes = self.holes.sorted()
+        run = boundary_run(holes, self.span)
+        if run:
+            self.span -= run
+            self.holes.replace(holes[:-run])
+        return run
 
     def flush(self, max_moves: int | None = None) -> list[Move]:
         """Absorb boundary holes, then fill the holes nearest the anchor with the survivors
         farthest from it (at most max_moves; None: until packed) -> the moves, in order."""
-        if not self._holes.size:
+        if not self.nholes:
             return []
         self.absorb()
-        src, dst = compaction(self._holes, self.span, self.live, max_moves)
+        holes = self.holes.sorted()
+        src, dst = compaction(holes, self.span, self.live, max_moves)
         if not src.size:
             return []
         moves = self.table.move(self.pages(src), self.pages(dst))
-        self._holes = np.sort(np.concatenate([self._holes[dst.size:], src]))
+        self.holes.replace(np.sort(np.concatenate([holes[dst.size:], src])))
         self.absorb()
         return moves
 
     # ------------------------------------------------------------------ checks
 
-    def live_pages(self) -> np.ndarray:
-        span_pages = self.pages(np.arange(self.span, dtype=I32))
-        return span_pages[self.table.p2v[span_pages] > 0]
-
     def check(self) -> list[str]:
-        bad, n = [], self.name
-        h = np.sort(self._holes)
+        bad = []
         if not 0 <= self.span <= self.max_span:
-            bad.append(f"{n}: watermark {self.span} outside [0, {self.max_span}]")
-        if h.size and (h[0] < 0 or h[-1] >= self.span or (np.diff(h) == 0).any()):
-            bad.append(f"{n}: hole list has duplicates or indices outside the span")
-        if self.live + h.size != self.span:
-            bad.append(f"{n}: span {self.span} != live {self.live} + holes {h.size}")
-        bound = self.table.bound()
-        if bound.size != self.live:
-            bad.append(f"{n}: {bound.size} ids bound but live count is {self.live}")
-        idx = self.index(self.table.v2p[bound])
-        if idx.size and (idx.min() < 0 or idx.max() >= self.span):
-            bad.append(f"{n}: a live page lies outside the span")
-        if h.size and (self.table.p2v[self.pages(h)] != -1).any():
-            bad.append(f"{n}: a hole is bound")
-        return bad
+            bad.append(f"{self.name}: watermark {self.span} outside [0, {self.max_span}]")
+        return bad + span_problems(self.name, self.table, self.live, self.span, self.holes.copy_sorted(), "indices",
+                                   0, self.span, self.index, self.pages)
 
 
-__all__ = ["EndBand", "Take", "boundary_run", "compaction"]
+__all__ = ["EndBand", "Take"]
