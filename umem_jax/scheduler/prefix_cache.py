@@ -45,50 +45,14 @@ leaf.  The scheduler evicts before it retracts anything.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 
 import numpy as np
 
 from ..memory.page_owner import PageOwner
-
-
-class Node:
-    """One cached page.  depth: pages from the root (the node holds tokens [(depth - 1) * ps,
-    depth * ps)); ckpt: state slot id holding the state after depth * ps tokens, or 0; wins:
-    windows in which the tree holds this page's window ref."""
-
-    __slots__ = ("key", "vid", "parent", "children", "depth", "stamp", "ckpt", "wins", "alive", "pins")
-
-    def __init__(self, key, vid: int, parent, depth: int):
-        self.key, self.vid, self.parent, self.depth = key, int(vid), parent, depth
-        self.children: dict[tuple, Node] = {}
-        self.stamp = 0
-        self.ckpt = 0
-        self.wins: set[str] = set()
-        self.alive = True
-        self.pins = 0  # lookups about to restore this node's checkpoint: it stays until unpinned
-
-    def __repr__(self) -> str:
-        return f"Node(depth={self.depth}, vid={self.vid}, ckpt={self.ckpt}, wins={sorted(self.wins)})"
-
-
-@dataclasses.dataclass
-class Hit:
-    """What a lookup found.  nodes: the shared pages, root side first; resume: tokens a request
-    skips (len(nodes) * page_size); matched: tokens found in the tree (>= resume: past resume,
-    window rows or a checkpoint were missing); fork: where the request leaves a cached path that
-    goes on (a branch point worth a checkpoint), else 0."""
-
-    nodes: list[Node]
-    resume: int
-    matched: int
-    fork: int
-
-    @property
-    def checkpoint(self) -> int:
-        return self.nodes[-1].ckpt if self.nodes else 0
+from .cache_holdings import CacheHoldings
+from .radix_node import Hit, Node
 
 
 class PrefixCache:
@@ -100,23 +64,15 @@ class PrefixCache:
         if max_checkpoints_per_path is not None and max_checkpoints_per_path < 1:
             raise ValueError("max_checkpoints_per_path must be >= 1 (None: no cap)")
         self.owner, self.allocator = owner, owner.allocator
-        self.ps = int(page_size)
+        self.page_size = int(page_size)
         self.windows = tuple(windows)
         self.state = bool(state)
-        self.cap = max_checkpoints_per_path
+        self.max_checkpoints_per_path = max_checkpoints_per_path
         widest = max((w for _, w in self.windows), default=0)
-        self._reach = -(-widest // self.ps) + 1  # pages above an anchor its window can touch
+        self._reach = -(-widest // self.page_size) + 1  # pages above an anchor its window can touch
         self.root = Node(None, 0, None, 0)
         self._tick = itertools.count(1)
-        self.num_pages = 0
-        self.num_checkpoints = 0
-        self.num_window_pages = {n: 0 for n in owner.windows}
-        # which page ids the tree holds (and holds window refs of), and the pinned nodes: so
-        # evictable_by_subpool is a few vector ops per call, not a walk of the tree
-        cap = owner.refs.size
-        self._in_tree = np.zeros(cap, bool)
-        self._win_in_tree = {n: np.zeros(cap, bool) for n in owner.windows}
-        self._pinned: set[Node] = set()
+        self.holdings = CacheHoldings(owner)
         # counters (monotone)
         self.queries = self.query_tokens = self.hits = self.hit_tokens = 0
         self.shortened_tokens = 0  # matched but not resumable (window rows / checkpoint missing)
@@ -126,7 +82,7 @@ class PrefixCache:
     # ================================================================== lookups
     def match(self, tokens, max_pages: int) -> Hit:
         """The deepest resumable prefix of `tokens` within `max_pages` pages (touches it for LRU)."""
-        ps, node, path = self.ps, self.root, []
+        ps, node, path = self.page_size, self.root, []
         while len(path) < max_pages:
             d = len(path)
             child = node.children.get(tuple(tokens[d * ps:(d + 1) * ps]))
@@ -144,7 +100,7 @@ class PrefixCache:
                        for n, _ in self.windows}
         while k > 0:
             if (not self.state or path[k - 1].ckpt) and all(
-                    unbound[n][k] == unbound[n][self._first(k, w)] for n, w in self.windows):
+                    unbound[n][k] == unbound[n][self._first_window_page(k, w)] for n, w in self.windows):
                 break
             k -= 1
         t = next(self._tick)
@@ -156,7 +112,7 @@ class PrefixCache:
         """The node `pages` deep along `tokens`, or None."""
         node = self.root
         for d in range(pages):
-            node = node.children.get(tuple(tokens[d * self.ps:(d + 1) * self.ps]))
+            node = node.children.get(tuple(tokens[d * self.page_size:(d + 1) * self.page_size]))
             if node is None:
                 return None
         return node
@@ -175,12 +131,13 @@ class PrefixCache:
     def insert(self, tokens, vids, n_pages: int, *, hint: Node | None = None,
                checkpoints: dict[int, int] | None = None) -> tuple[Node, list[int]]:
         """Cache the first `n_pages` pages of a sequence: tokens (a list, or tokens(start, end)
-        giving a slice; at least n_pages * ps of them) and its page ids `vids` (the inserting
-        request's own; where the tree already holds those tokens it keeps its page, or adopts
-        the request's when that one still has window pages the tree wants).  hint: a node on this path already inserted (continue from it).
-        checkpoints {depth: slot}: state slots to attach at those depths (the tree takes them).
+        giving a slice; at least n_pages * page_size of them) and its page ids `vids` (the
+        inserting request's own; where the tree already holds those tokens it keeps its page, or
+        adopts the request's when that one still has window pages the tree wants).  hint: a node
+        on this path already inserted (continue from it).  checkpoints {depth: slot}: state
+        slots to attach at those depths (the tree takes them).
         -> (the node n_pages deep, the checkpoint slots NOT taken: the caller frees them)."""
-        ps = self.ps
+        ps = self.page_size
         get = tokens if callable(tokens) else (lambda a, b: tokens[a:b])
         node = hint if hint is not None and hint.alive and hint.depth <= n_pages else self.root
         low = node.depth
@@ -191,10 +148,8 @@ class PrefixCache:
             child = node.children.get(key)
             if child is None:
                 child = Node(key, vids[d], node, d + 1)
-                self.owner.take([child.vid])
-                self._in_tree[child.vid] = True
+                self.holdings.take_page(child.vid)
                 node.children[key] = child
-                self.num_pages += 1
             child.stamp = t
             node = child
         rejected, deepest = [], node
@@ -206,15 +161,16 @@ class PrefixCache:
                 rejected.append(slot)
                 continue
             target.ckpt = int(slot)
-            self.num_checkpoints += 1
-            low = min(low, depth, self._cap(target))
+            self.holdings.take_checkpoint()
+            low = min(low, depth, self._cap_checkpoints(target))
         self._refresh(deepest, low - self._reach, vids)
         return deepest, rejected
 
-    def _cap(self, node: Node) -> int:
-        """Keep at most `cap` checkpoints on node's root path -> the shallowest depth changed.
-        Kept beyond the cap: `node` (the newest), branch points and pinned nodes."""
-        if self.cap is None:
+    def _cap_checkpoints(self, node: Node) -> int:
+        """Keep at most `max_checkpoints_per_path` checkpoints on node's root path -> the
+        shallowest depth changed.  Kept beyond the cap: `node` (the newest), branch points and
+        pinned nodes."""
+        if self.max_checkpoints_per_path is None:
             return node.depth
         on_path, x = [], node
         while x is not self.root:
@@ -222,7 +178,7 @@ class PrefixCache:
                 on_path.append(x)
             x = x.parent
         low = node.depth
-        excess = len(on_path) - self.cap
+        excess = len(on_path) - self.max_checkpoints_per_path
         for x in reversed(on_path):  # shallowest first; keep the newest and branch points
             if excess <= 0:
                 break
@@ -235,16 +191,16 @@ class PrefixCache:
         return low
 
     # ================================================================== window retention
-    def _first(self, depth: int, w: int) -> int:
+    def _first_window_page(self, depth: int, w: int) -> int:
         """First page a resume after `depth` pages reads in a window of w tokens."""
-        return max(0, depth * self.ps - w + 1) // self.ps
+        return max(0, depth * self.page_size - w + 1) // self.page_size
 
-    def _anchor(self, n: Node) -> bool:
+    def _is_anchor(self, n: Node) -> bool:
         if n is self.root:
             return False
         return bool(n.ckpt) if self.state else len(n.children) != 1
 
-    def _nearest(self, n: Node, limit: int) -> int | None:
+    def _nearest_anchor(self, n: Node, limit: int) -> int | None:
         """Depth of the shallowest anchor in n's subtree (n included), looking no deeper than
         `limit` (an anchor deeper than that cannot reach n's page)."""
         best, stack = None, [n]
@@ -252,7 +208,7 @@ class PrefixCache:
             x = stack.pop()
             if x.depth > limit or (best is not None and x.depth >= best):
                 continue
-            if self._anchor(x):
+            if self._is_anchor(x):
                 best = x.depth
                 continue
             stack.extend(x.children.values())
@@ -264,17 +220,18 @@ class PrefixCache:
         tree's lack window pages it now wants."""
         if not self.windows or deepest is self.root:
             return
-        near = self._nearest(deepest, deepest.depth + self._reach)
+        near = self._nearest_anchor(deepest, deepest.depth + self._reach)
         node, child = deepest, None
         while node is not self.root and node.depth >= max(1, low):
             if child is not None:
                 limit = node.depth + self._reach
-                cands = [near] + [self._nearest(o, limit) for o in node.children.values() if o is not child]
-                if self._anchor(node):
-                    cands.append(node.depth)
-                cands = [c for c in cands if c is not None]
-                near = min(cands) if cands else None
-            want = {n for n, w in self.windows if near is not None and self._first(near, w) <= node.depth - 1}
+                candidates = [near] + [self._nearest_anchor(o, limit) for o in node.children.values() if o is not child]
+                if self._is_anchor(node):
+                    candidates.append(node.depth)
+                candidates = [c for c in candidates if c is not None]
+                near = min(candidates) if candidates else None
+            want = {n for n, w in self.windows
+                    if near is not None and self._first_window_page(near, w) <= node.depth - 1}
             if vids is not None and want and node.depth <= len(vids) and int(vids[node.depth - 1]) != node.vid:
                 self._maybe_adopt(node, int(vids[node.depth - 1]), want)
             for n in self.owner.windows:
@@ -285,16 +242,12 @@ class PrefixCache:
             node, child = node.parent, node
 
     def _hold_window(self, node: Node, n: str) -> None:
-        self.owner.take_window([node.vid], n)
-        self._win_in_tree[n][node.vid] = True
+        self.holdings.take_window(node.vid, n)
         node.wins.add(n)
-        self.num_window_pages[n] += 1
 
     def _let_window_go(self, node: Node, n: str) -> None:
-        self.owner.release_window([node.vid], n)
-        self._win_in_tree[n][node.vid] = False
+        self.holdings.release_window(node.vid, n)
         node.wins.discard(n)
-        self.num_window_pages[n] -= 1
 
     def _maybe_adopt(self, node: Node, vid: int, want: set[str]) -> None:
         """Swap node's page for `vid` (the same tokens, computed by the inserting request) when
@@ -302,28 +255,26 @@ class PrefixCache:
         has = lambda v: sum(self.owner.window_bound(v, n) for n in want)
         if has(vid) <= has(node.vid) or self.owner.refs[vid] <= 0:
             return
-        self.owner.take([vid])
+        self.holdings.take_page(vid)
         for n in sorted(node.wins):
             self._let_window_go(node, n)
-        self.owner.release([node.vid])
-        self._in_tree[node.vid], self._in_tree[vid] = False, True
+        self.holdings.release_page(node.vid)
         node.vid = vid
         self.adopted_pages += 1
 
     def pin(self, node: Node) -> None:
         """Keep node's checkpoint until `unpin` (a hit restores from it once admitted)."""
         node.pins += 1
-        self._pinned.add(node)
+        self.holdings.pinned.add(node)
 
     def unpin(self, node: Node) -> None:
         node.pins -= 1
         if not node.pins:
-            self._pinned.discard(node)
+            self.holdings.pinned.discard(node)
 
     def _drop_checkpoint(self, x: Node) -> None:
-        self.allocator.free_state_slots([x.ckpt])
+        self.holdings.release_checkpoint(x.ckpt)
         x.ckpt = 0
-        self.num_checkpoints -= 1
 
     # ================================================================== eviction
     def _evictable(self, n: Node) -> bool:
@@ -367,12 +318,10 @@ class PrefixCache:
         if x.ckpt:
             self._drop_checkpoint(x)
             self.evicted_checkpoints += 1
-        self.owner.release([x.vid])
-        self._in_tree[x.vid] = False
+        self.holdings.release_page(x.vid)
         parent = x.parent
         del parent.children[x.key]
         x.alive = False
-        self.num_pages -= 1
         self.evicted_pages += 1
         self._refresh(parent, parent.depth - self._reach)
 
@@ -397,24 +346,23 @@ class PrefixCache:
 
     def held_by_subpool(self) -> dict[str, int]:
         """Pages (slots) the cache holds per sub-pool, as ArenaUsage counts them."""
-        plan = self.allocator.plan
-        out = {plan.full.name: self.num_pages, **self.num_window_pages}
-        if plan.state is not None:
-            out[plan.state.name] = self.num_checkpoints
-        return out
+        return self.holdings.by_subpool()
 
     def evictable_by_subpool(self) -> dict[str, int]:
-        """Pages (slots) only the cache holds, per sub-pool: what eviction could free now without
-        touching a request (a page a request also holds is the request's, with its window pages;
-        a checkpoint is the cache's unless an admission pinned it).  What admission sees as reclaimable, so usage
-        reports leave it out of the bytes requests hold (as SGLang's token usage leaves out its
-        evictable radix-cache tokens)."""
-        plan = self.allocator.plan
-        only = self._in_tree & (self.owner.refs == 1)  # no request's path runs through it: it can go
-        out = {plan.full.name: int(only.sum()), **{n: int((m & only).sum()) for n, m in self._win_in_tree.items()}}
-        if plan.state is not None:
-            out[plan.state.name] = self.num_checkpoints - sum(1 for x in self._pinned if x.alive and x.ckpt)
-        return out
+        """Pages (slots) only the cache holds, per sub-pool: what eviction could free now."""
+        return self.holdings.evictable_by_subpool()
+
+    @property
+    def num_pages(self) -> int:
+        return self.holdings.num_pages
+
+    @property
+    def num_checkpoints(self) -> int:
+        return self.holdings.num_checkpoints
+
+    @property
+    def num_window_pages(self) -> dict[str, int]:
+        return self.holdings.num_window_pages
 
     def stats(self) -> dict:
         return {"queries": self.queries, "query_tokens": self.query_tokens, "hits": self.hits,

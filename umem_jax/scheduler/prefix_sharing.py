@@ -29,7 +29,8 @@ from ..core.request import Request
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW
 from ..memory.demand import Demand, DemandModel
 from . import request_state
-from .prefix_cache import Hit, PrefixCache
+from .prefix_cache import PrefixCache
+from .radix_node import Hit
 from .request_memory import RequestMemory
 
 Owed = Callable[[], Demand]

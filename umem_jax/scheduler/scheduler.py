@@ -43,8 +43,9 @@ from ..memory.demand import Demand, DemandModel
 from . import request_state
 from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
 from .prefill import PrefillBatch, prefill_candidates
-from .prefix_cache import Hit, PrefixCache
+from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
+from .radix_node import Hit
 from .request_memory import RequestMemory
 from .retraction import least_preferred, make_room, preempt_for
 
