@@ -1,6 +1,6 @@
-"""The prefix cache (serving/prefix_cache.py) on the host: the radix tree over real allocators
-and refcounts, no device.  Window retention near anchors, shortened hits, adoption at branch
-points, the per-path checkpoint cap, LRU eviction, and refcounts that always add up."""
+"""The prefix cache (umem_jax/scheduler/prefix_cache.py) on the host: the radix tree over real
+allocators and refcounts, no device.  Window retention near anchors, shortened hits, adoption at
+branch points, the per-path checkpoint cap, LRU eviction, and refcounts that always add up."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scheduler (serving/scheduler.py) on the host: real allocators and demand model, no device.
+"""The scheduler (umem_jax/scheduler/) on the host: real allocators and demand model, no device.
 
 A small simulator stands in for the runner: it checks every step's shape and memory (budget,
 buckets, every page the step reads or writes is bound, window pages released), appends a
@@ -202,9 +202,9 @@ def test_buckets():
 
 def test_chunked_prompt_rest_is_reserved_at_admission():
     """A long prompt arriving while short requests decode is admitted only when ALL of its prompt
-    fits beside their reservations.  Priced on its first chunk alone (the rule before), it was
-    admitted at once in this arena, its later chunks then ran the decoding requests out of pages,
-    and it was retracted and recomputed: one retraction, 49 steps instead of 43."""
+    fits beside their reservations.  Priced on its first chunk alone, it would be admitted at
+    once in this arena, its later chunks would run the decoding requests out of pages, and it
+    would be retracted and recomputed: one retraction, 49 steps instead of 43."""
     sim = make(220 << 10, max_num_seqs=8)
     for _ in range(4):
         sim.add(20, 30)

@@ -50,7 +50,7 @@ class Buckets:
                   kc: int = 0) -> list[tuple[int, int, int, int]]:
         """Every (B, T, P, kc) step shape the scheduler can launch, decode first: decode [B, 1] at
         any page width; prefill [B, T] within the token budget (a lone row may take the largest T:
-        Scheduler._fit_shape) at the page widths a row of T tokens can need."""
+        scheduler.prefill.fit_chunk) at the page widths a row of T tokens can need."""
         top_b = self.pick(self.batch, max_num_seqs)
         batches = [b for b in self.batch if b <= top_b]
         limit = max(max_num_batched_tokens, self.batch[0] * self.tokens[-1])
