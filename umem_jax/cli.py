@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .bench.command import add_arguments as bench_flags
 
-    b = sub.add_parser("bench", help="workload benchmark: unified arena vs static split side by side (issue 6)")
+    b = sub.add_parser("bench", help="workload benchmark: unified arena vs static split side by side")
     bench_flags(b)
     b.set_defaults(fn=_bench)
 
