@@ -22,7 +22,7 @@ from umem_jax.core.batch import make_batch
 class HandPager:
     def __init__(self, plan, num_rows: int):
         self.plan = plan
-        paged = [sp for sp in plan.subpools if sp.is_paged]
+        paged = [sp for sp in plan.subpools if sp.kind != "state"]
         state = plan.state
         # Split the rows above the sink evenly between the paged sub-pools and the state sub-pool
         # (bands never overlap).

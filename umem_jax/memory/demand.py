@@ -1,6 +1,8 @@
 """The demand model: what a request costs the arena, in allocator units and bytes.
 
-ONE function, `DemandModel.span`, prices every question the engine asks about memory:
+ONE function, `DemandModel.span`, prices every question the scheduler asks about memory, so
+arrival, admission and retraction can never disagree about what a request needs (the policies
+themselves live in umem_jax.scheduler; this module only prices, against a ChainAllocator):
 
     clip at arrival      span(0 -> input + max_new - 1) must fit an EMPTY arena (else the
                          prompt is refused, or max_new_tokens lowered until it fits)
@@ -26,10 +28,10 @@ state slots.  A request computing tokens [a, e) in passes of at most c tokens ho
            held to the end.  A prefix-cache hit restores its checkpoint into that working slot
            (a copy), so a hit costs no extra slot.
 
-Prefix-cache checkpoints are OPTIONAL units (`checkpoint`): the scheduler takes one only when
-`checkpoint() + the decode reservations of every running request (+ this step's admissions)`
-fits the arena, and skips it otherwise; once taken it belongs to the cache, which evicts it
-(LRU) before any request is retracted.  So checkpoints never spend bytes an admitted request
+Prefix-cache checkpoints are OPTIONAL units (`checkpoint`), priced so that a caller can take
+one only when `checkpoint() + the decode reservations of every running request (+ this step's
+admissions)` fits the arena, and skip it otherwise; once taken it belongs to the cache, which
+evicts it (LRU) before any request is retracted.  So checkpoints never spend bytes an admitted request
 counts on, and a checkpoint that cannot be taken never stalls a request.  Pages and slots
 shared with the cache are not new demand: a hit request holds them from admission on, and
 `span` prices only what it adds.
@@ -55,11 +57,11 @@ class Demand:
     window_pages: dict[str, int] = dataclasses.field(default_factory=dict)
     state_slots: int = 0
 
-    def __add__(self, o: "Demand") -> "Demand":
-        w = dict(self.window_pages)
-        for k, v in o.window_pages.items():
-            w[k] = w.get(k, 0) + v
-        return Demand(self.token_pages + o.token_pages, w, self.state_slots + o.state_slots)
+    def __add__(self, other: Demand) -> Demand:
+        window_pages = dict(self.window_pages)
+        for name, pages in other.window_pages.items():
+            window_pages[name] = window_pages.get(name, 0) + pages
+        return Demand(self.token_pages + other.token_pages, window_pages, self.state_slots + other.state_slots)
 
     @property
     def empty(self) -> bool:
@@ -67,18 +69,22 @@ class Demand:
 
 
 def spanned(n: int, page_size: int) -> int:
-    """The most pages n consecutive tokens can touch (n >= 1: ceil(n / ps) or one more)."""
+    """The most pages n consecutive tokens can touch (n >= 1: ceil(n / page_size) or one more)."""
     return 0 if n <= 0 else (n + page_size - 2) // page_size + 1
 
 
 class DemandModel:
     """Prices requests against `plan`.  chunk: the longest prefill pass (the engine's
     max_num_batched_tokens); empty: a never-touched allocator of the same arena (and static
-    regions), the "otherwise empty arena" of the clip."""
+    regions), the "otherwise empty arena" of the clip.
+
+    A `req` argument is a umem_jax.core.request.Request (or anything with its num_computed,
+    pages, slots and window_start).
+    """
 
     def __init__(self, plan: Plan, *, chunk: int, empty: ChainAllocator, extra_state_slots: int = 0):
         self.plan = plan
-        self.ps = plan.page_size
+        self.page_size = plan.page_size
         self.chunk = int(chunk)
         self.windows = tuple((sp.name, sp.window) for sp in plan.windows)
         self.slots_per_request = (1 + int(extra_state_slots)) if plan.state is not None else 0
@@ -97,19 +103,19 @@ class DemandModel:
         """
         if end <= computed:
             return Demand(0, {n: 0 for n, _ in self.windows}, 0)
-        ps = self.ps
-        need = -(-end // ps)
+        page_size = self.page_size
+        need = -(-end // page_size)
         full = max(0, need - held_pages)
-        c = max(1, min(self.chunk if pass_len is None else pass_len, end - computed))
+        pass_tokens = max(1, min(self.chunk if pass_len is None else pass_len, end - computed))
         held_window = held_window or {}
-        win = {}
-        for name, w in self.windows:
-            first = max(0, computed - w + 1) // ps
-            peak = min(need - first, spanned(min(w - 1 + c, end), ps))
+        window_pages = {}
+        for name, window in self.windows:
+            first = max(0, computed - window + 1) // page_size
+            peak = min(need - first, spanned(min(window - 1 + pass_tokens, end), page_size))
             # a single pass gives exactly `full` (every new page needs its window page)
-            win[name] = min(full, max(0, peak - held_window.get(name, 0)))
+            window_pages[name] = min(full, max(0, peak - held_window.get(name, 0)))
         slots = max(0, self.slots_per_request - held_slots)
-        return Demand(full, win, slots)
+        return Demand(full, window_pages, slots)
 
     # ------------------------------------------------------------------ views of a request
     def step(self, req, end: int) -> Demand:
@@ -120,18 +126,19 @@ class DemandModel:
     def reservation(self, req, tokens: int, *, after: int | None = None) -> Demand:
         """The next `tokens` decode tokens of `req` once it has `after` tokens in the arena
         (default: now).  Priced from the state after this step's pass, so only decode pages."""
-        a = req.num_computed if after is None else after
+        start = req.num_computed if after is None else after
         if tokens <= 0:
             return Demand()
         if after is None:
-            return self.span(a, a + tokens, held_pages=len(req.pages), held_window=self.held_window(req),
+            return self.span(start, start + tokens, held_pages=len(req.pages), held_window=self.held_window(req),
                              held_slots=len(req.slots), pass_len=1)
-        # after a pass that ends at `after`, the request holds ceil(after/ps) pages, the window
-        # pages touching [after - w + 1, after) and its slots
-        ps = self.ps
-        held = -(-a // ps)
-        hw = {n: held - max(0, a - w + 1) // ps for n, w in self.windows}
-        return self.span(a, a + tokens, held_pages=held, held_window=hw, held_slots=self.slots_per_request, pass_len=1)
+        # after a pass that ends at `after`, the request holds ceil(after / page_size) pages, the
+        # window pages touching [after - w + 1, after) and its slots
+        page_size = self.page_size
+        held = -(-start // page_size)
+        held_window = {n: held - max(0, start - w + 1) // page_size for n, w in self.windows}
+        return self.span(start, start + tokens, held_pages=held, held_window=held_window,
+                         held_slots=self.slots_per_request, pass_len=1)
 
     def checkpoint(self, n: int = 1) -> Demand:
         """n prefix-cache checkpoints: state slots (optional demand, see the module docstring)."""

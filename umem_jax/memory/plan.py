@@ -5,11 +5,11 @@ grid of pages, all starting at row 0: physical page p of sub-pool s is rows
 `[p * s.rows_per_page, (p + 1) * s.rows_per_page)`.  A page envelope is contiguous rows holding
 every layer of the sub-pool for `page_size` entries, layer-major inside:
 
-    KV page (page_size tokens):  [L0 K: ps*mk rows][L0 V: ps*mv rows][L1 K]...[L(n-1) V]
+    KV page (page_size tokens):  [L0 K: page_size*mk rows][L0 V: page_size*mv rows][L1 K]...[L(n-1) V]
     state slot (one request):    [L0 t0 hi][L0 t0 lo][L0 t1 ...]...            (fp32 as 2 planes)
 
 where a K row of one token is `mk = k_words / row_words` arena rows (mk = 1 whenever the K row
-width is the arena row width, the common case).  `row_words` defaults to the gcd of all
+width is the arena row width, the common case) and a V row `mv` rows.  `row_words` defaults to the gcd of all
 attention row widths so every attention row is a whole number of arena rows.
 
 The chain orders sub-pools low to high bytes by retention: state, windows longest first, full.
@@ -22,7 +22,7 @@ import dataclasses
 import math
 from functools import reduce
 
-from .declarations import MHA, MLA, WORD_BYTES, Full, LayerDecl, State, StateGeometry, StateTensor, Window, dtype_planes
+from .declarations import MHA, WORD_BYTES, Full, LayerDecl, State, StateGeometry, StateTensor, Window, dtype_planes
 
 ROW_ALIGN_BYTES = 16
 
@@ -37,8 +37,8 @@ class KVRows:
 
     k_row: int  # first row of this layer's K tile
     v_row: int  # first row of its V tile (== k_row for MLA, which has no V)
-    k_rows_per_token: int  # mk
-    v_rows_per_token: int  # mv (0 for MLA)
+    k_rows_per_token: int  # arena rows of one token's K row
+    v_rows_per_token: int  # of its V row (0 for MLA)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +72,12 @@ class KVView:
 
     @property
     def mk(self) -> int:
+        """Arena rows of one token's K row (the kernels' stride per token)."""
         return self.planes * self.num_kv_heads * self.head_dim // self.row_words
 
     @property
     def mv(self) -> int:
+        """Arena rows of one token's V row."""
         return self.planes * self.num_kv_heads * self.v_head_dim // self.row_words
 
 
@@ -131,10 +133,6 @@ class SubPool:
     def window(self) -> int | None:
         return self.lifetime.window if isinstance(self.lifetime, Window) else None
 
-    @property
-    def is_paged(self) -> bool:
-        return self.kind != "state"
-
     def _index(self, layer, model: str = "target") -> int:
         key = (model, layer)
         try:
@@ -158,11 +156,6 @@ class SubPool:
         if not self.state:
             raise KeyError(f"sub-pool {self.name} holds no state")
         return StateView(self.rows_per_entry, self.row_words, self.state[self._index(layer, model)])
-
-    def state_rows(self, layer: int, model: str = "target") -> dict[str, StateRows]:
-        if not self.state:
-            raise KeyError(f"sub-pool {self.name} holds no state")
-        return {r.tensor.name: r for r in self.state[self._index(layer, model)]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +246,15 @@ def _pool_key(lifetime):
     return ("state",) if isinstance(lifetime, State) else (_kind(lifetime), getattr(lifetime, "window", 0))
 
 
+def _chain_order(key) -> tuple[int, int]:
+    """Low bytes to high by retention: state, windows longest first, full."""
+    if key[0] == "state":
+        return (0, 0)
+    if key[0] == "window":
+        return (1, -key[1])
+    return (2, 0)
+
+
 def plan(decls: list[LayerDecl], page_size: int = 16, row_words: int | None = None) -> Plan:
     """Group `decls` into the chain of sub-pools, or refuse with a PlanError that says why."""
     if page_size <= 0 or page_size & (page_size - 1):
@@ -261,8 +263,16 @@ def plan(decls: list[LayerDecl], page_size: int = 16, row_words: int | None = No
     for d in decls:
         for p in d.parts:
             groups.setdefault(_pool_key(p.lifetime), []).append((d, p))
+    _refuse_unsupported(groups)
+    row_words = _arena_row_words(groups, row_words)
+    keys = sorted(groups, key=_chain_order)
+    roles = ["up"] + ["float"] * (len(keys) - 2) + ["down"]
+    subpools = tuple(_subpool(key, groups[key], role, page_size, row_words) for key, role in zip(keys, roles))
+    return Plan(subpools, row_words, page_size)
 
-    # Refusals that name the cause and what to do.
+
+def _refuse_unsupported(groups: dict[tuple, list]) -> None:
+    """Raise a PlanError naming the cause and what to do, for groups the arena cannot hold."""
     if len(groups) < 2:
         only = next(iter(groups))[0] if groups else "nothing"
         raise PlanError(
@@ -277,8 +287,8 @@ def plan(decls: list[LayerDecl], page_size: int = 16, row_words: int | None = No
             "state layers is not supported."
         )
     for key, members in groups.items():
-        geoms = {p.geometry for _, p in members}
-        if len(geoms) > 1:
+        geometries = {p.geometry for _, p in members}
+        if len(geometries) > 1:
             by = {}
             for d, p in members:
                 by.setdefault(p.geometry.describe(), []).append(f"{d.model}:{d.layer}" if d.model != "target" else str(d.layer))
@@ -292,59 +302,51 @@ def plan(decls: list[LayerDecl], page_size: int = 16, row_words: int | None = No
             intervals = {p.lifetime.checkpoint_interval for _, p in members}
             if len(intervals) > 1:
                 raise PlanError(f"state layers declare different checkpoint intervals {sorted(intervals)}; use one")
-    for key, members in groups.items():
-        geom = members[0][1].geometry
-        for w in geom.row_words:
-            if (w * WORD_BYTES) % ROW_ALIGN_BYTES:
+    for members in groups.values():
+        geometry = members[0][1].geometry
+        for words in geometry.row_words:
+            if (words * WORD_BYTES) % ROW_ALIGN_BYTES:
                 raise PlanError(
-                    f"row size of {geom.describe()} is {w * WORD_BYTES} bytes, not a multiple of "
+                    f"row size of {geometry.describe()} is {words * WORD_BYTES} bytes, not a multiple of "
                     f"{ROW_ALIGN_BYTES}: the arena lays rows out in 16-byte units. Serve this model "
                     "without unified memory (--memory-mode static does not lift this either)."
                 )
 
-    attn_widths = [w for key, m in groups.items() for w in m[0][1].geometry.row_words]
+
+def _arena_row_words(groups: dict[tuple, list], row_words: int | None) -> int:
+    """The arena row width: `row_words` if given and valid, else the gcd of every attention row."""
+    attention_widths = [w for members in groups.values() for w in members[0][1].geometry.row_words]
     if row_words is None:
-        row_words = reduce(math.gcd, attn_widths)
-    elif any(w % row_words for w in attn_widths):
-        raise PlanError(f"row_words={row_words} does not divide the attention row widths {sorted(set(attn_widths))}")
+        row_words = reduce(math.gcd, attention_widths)
+    elif any(w % row_words for w in attention_widths):
+        raise PlanError(f"row_words={row_words} does not divide the attention row widths {sorted(set(attention_widths))}")
     if (row_words * WORD_BYTES) % ROW_ALIGN_BYTES:
         raise PlanError(f"arena row of {row_words} words is not a multiple of {ROW_ALIGN_BYTES} bytes")
-
-    def order(key):
-        if key[0] == "state":
-            return (0, 0)
-        if key[0] == "window":
-            return (1, -key[1])  # longest window first
-        return (2, 0)
-
-    keys = sorted(groups, key=order)
-    subpools = []
-    for i, key in enumerate(keys):
-        members = groups[key]
-        lifetime = members[0][1].lifetime
-        geom = members[0][1].geometry
-        layers = tuple(sorted({(d.model, d.layer) for d, _ in members}, key=lambda x: (x[0] != "target", x)))
-        role = "up" if i == 0 else "down" if i == len(keys) - 1 else "float"
-        name = "state" if key[0] == "state" else ("full" if key[0] == "full" else f"window{key[1]}")
-        if isinstance(geom, StateGeometry):
-            slots, row = [], 0
-            for _ in layers:
-                layer_rows = []
-                for t in geom.tensors:
-                    rpp = -(-t.numel // row_words)
-                    layer_rows.append(StateRows(row, t.planes, rpp, t))
-                    row += t.planes * rpp
-                slots.append(tuple(layer_rows))
-            subpools.append(SubPool(name, "state", lifetime, geom, layers, 1, row_words, row, role, state=tuple(slots)))
-        else:
-            mk = geom.row_words[0] // row_words
-            mv = geom.row_words[1] // row_words if isinstance(geom, MHA) else 0
-            per_layer = page_size * (mk + mv)
-            kv = tuple(KVRows(j * per_layer, j * per_layer + page_size * mk if mv else j * per_layer, mk, mv)
-                       for j in range(len(layers)))
-            subpools.append(SubPool(name, _kind(lifetime), lifetime, geom, layers, page_size, row_words,
-                                    len(layers) * (mk + mv), role, kv=kv))
-    return Plan(tuple(subpools), row_words, page_size)
+    return row_words
 
 
-__all__ = ["KVRows", "KVView", "StateView", "MLA", "Plan", "PlanError", "StateRows", "SubPool", "plan"]
+def _subpool(key, members: list, role: str, page_size: int, row_words: int) -> SubPool:
+    """The sub-pool of one group of parts, its entries laid out layer-major."""
+    lifetime, geometry = members[0][1].lifetime, members[0][1].geometry
+    layers = tuple(sorted({(d.model, d.layer) for d, _ in members}, key=lambda x: (x[0] != "target", x)))
+    name = "state" if key[0] == "state" else ("full" if key[0] == "full" else f"window{key[1]}")
+    if isinstance(geometry, StateGeometry):
+        slots, row = [], 0
+        for _ in layers:
+            layer_rows = []
+            for t in geometry.tensors:
+                rows_per_plane = -(-t.numel // row_words)
+                layer_rows.append(StateRows(row, t.planes, rows_per_plane, t))
+                row += t.planes * rows_per_plane
+            slots.append(tuple(layer_rows))
+        return SubPool(name, "state", lifetime, geometry, layers, 1, row_words, row, role, state=tuple(slots))
+    k_rows = geometry.row_words[0] // row_words  # arena rows of one token's K row
+    v_rows = geometry.row_words[1] // row_words if isinstance(geometry, MHA) else 0  # MLA: V is a slice of K
+    per_layer = page_size * (k_rows + v_rows)
+    kv = tuple(KVRows(j * per_layer, j * per_layer + page_size * k_rows if v_rows else j * per_layer, k_rows, v_rows)
+               for j in range(len(layers)))
+    return SubPool(name, _kind(lifetime), lifetime, geometry, layers, page_size, row_words,
+                   len(layers) * (k_rows + v_rows), role, kv=kv)
+
+
+__all__ = ["KVRows", "KVView", "Plan", "PlanError", "StateRows", "StateView", "SubPool", "plan"]

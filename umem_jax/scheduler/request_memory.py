@@ -23,7 +23,7 @@ class RequestMemory:
     def __init__(self, allocator: ChainAllocator, demand: DemandModel):
         self.allocator = allocator
         self.demand = demand
-        self.page_size = demand.ps
+        self.page_size = demand.page_size
         self.windows = demand.windows  # ((name, window tokens), ...)
         self.window_names = tuple(name for name, _ in self.windows)
         self.owner = PageOwner(allocator, allocator.bands[-1].table.num_virtual + 1)

@@ -79,7 +79,7 @@ class Scheduler:
         self.cache: PrefixCache | None = None
         self.prefix: PrefixSharing | None = None
         if config.enable_prefix_caching:
-            self.cache = PrefixCache(self.owner, demand.ps, demand.windows, demand.plan.state is not None,
+            self.cache = PrefixCache(self.owner, demand.page_size, demand.windows, demand.plan.state is not None,
                                      max_checkpoints_per_path=config.max_checkpoints_per_path)
             self.prefix = PrefixSharing(self.cache, self.memory, demand, config.checkpoint_interval)
         self.waiting: list[Request] = []  # sorted by sort_key
@@ -225,7 +225,7 @@ class Scheduler:
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
         rows = rows[: self.cfg.buckets.batch[-1]]
         while rows:
-            need = rows_needing_memory(rows, self.demand.ps, self.demand.slots_per_request)
+            need = rows_needing_memory(rows, self.demand.page_size, self.demand.slots_per_request)
             total = next_token_demand(need, self.demand)  # every other row's one-token demand is empty
             if self._fits(lambda: total) and alloc_next_tokens(self.memory, need):
                 break
