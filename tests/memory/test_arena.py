@@ -14,7 +14,7 @@ from umem_jax import arena as am
 from umem_jax.memory import MHA, Full, LayerDecl, Part, full_attention, plan, recurrent_state, window_attention
 from umem_jax.memory.declarations import mamba2_state_tensors
 
-Move = collections.namedtuple("Move", "subpool src dst")  # duck type of memory.chain.Move
+Move = collections.namedtuple("Move", "subpool src dst")  # duck type of memory.tables.Move
 SDS = jax.ShapeDtypeStruct
 ROWS = 4096
 

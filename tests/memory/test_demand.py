@@ -1,4 +1,4 @@
-"""The demand model (serving/demand.py): host arithmetic against real ChainAllocators, no device.
+"""The demand model (memory/demand.py): host arithmetic against real ChainAllocators, no device.
 
 What it must guarantee: (1) one pass prices exactly what the scheduler allocates; (2) the
 lifetime price bounds what a request really holds at its peak, so the arrival clip (empty
@@ -37,13 +37,13 @@ def arena(budget, mode="unified", chunk=32, page_size=PS):
 
 
 def test_spanned():
-    assert [spanned(n, 4) for n in range(0, 10)] == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert [spanned(n, 4) for n in range(10)] == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3]
     for n in range(1, 40):  # brute force: the most pages n consecutive positions touch
         assert spanned(n, 4) == max(len({p // 4 for p in range(s, s + n)}) for s in range(4))
 
 
 def test_one_pass_prices_exactly_what_is_allocated():
-    p, live, dm = arena(1 << 20)
+    p, _live, dm = arena(1 << 20)
     w = p.windows[0].window
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -59,7 +59,7 @@ def test_one_pass_prices_exactly_what_is_allocated():
 
 
 def test_lifetime_holds_about_one_window_not_the_history():
-    p, live, dm = arena(1 << 20, chunk=32)
+    p, _live, dm = arena(1 << 20, chunk=32)
     w = p.windows[0].window
     d = dm.lifetime(500, 20)
     assert d.token_pages == -(-519 // PS)
@@ -73,7 +73,7 @@ def test_lifetime_holds_about_one_window_not_the_history():
 
 @pytest.mark.parametrize("mode", ["unified", "static"])
 def test_clip_is_the_largest_that_fits_the_empty_arena(mode):
-    p, live, dm = arena(160 << 10, mode)
+    _p, _live, dm = arena(160 << 10, mode)
     m = dm.clip(40, 10_000)
     assert m is not None and m < 10_000
     assert dm.fits_empty(dm.lifetime(40, m)) and not dm.fits_empty(dm.lifetime(40, m + 1))
@@ -85,7 +85,7 @@ def test_clip_is_the_largest_that_fits_the_empty_arena(mode):
 
 
 def test_clip_ignores_what_is_allocated_now():
-    p, live, dm = arena(160 << 10)
+    _p, live, dm = arena(160 << 10)
     before = dm.clip(40, 10_000)
     dm._clips.clear()
     assert live.alloc_token_pages(20) is not None and live.alloc_state_slots(3) is not None
@@ -114,7 +114,7 @@ def _req(i, L, M, dm, prio=0):
 def test_lifetime_bounds_the_real_peak(chunk):
     """Run lone requests through the scheduler (which allocates and releases as the engine does)
     and check that what they hold never exceeds their lifetime price, per sub-pool."""
-    p, live, dm = arena(1 << 20, chunk=chunk)
+    _p, live, dm = arena(1 << 20, chunk=chunk)
     cfg = SchedulerConfig(4, chunk, Buckets((4,), (max(chunk, 2),), (512,)))
     sch = Scheduler(cfg, live, dm)
     rng = np.random.default_rng(1)

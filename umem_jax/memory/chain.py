@@ -292,8 +292,8 @@ class ChainAllocator:
         return takes if takes is not None else self._fail(demands)
 
     def _fail(self, demands: dict[int, int]) -> None:
+        """Record why `demands` did not fit; the None it returns is the failed allocation's answer."""
         self.last_shortfall = self.accounting.shortfall(demands)
-        return None
 
     def _need_state(self) -> None:
         if self._state is None:

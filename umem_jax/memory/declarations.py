@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Union
 
 import numpy as np
 
@@ -69,7 +68,7 @@ class State:
     rank: int = dataclasses.field(default=0, init=False, repr=False, compare=False)
 
 
-Lifetime = Union[Full, Window, State]
+Lifetime = Full | Window | State
 
 
 # -------------------------------------------------------------------------- geometries
@@ -164,7 +163,7 @@ class StateGeometry:
         return "state " + " ".join(f"{t.name}{list(t.shape)}:{t.dtype}" for t in self.tensors)
 
 
-Geometry = Union[MHA, MLA, StateGeometry]
+Geometry = MHA | MLA | StateGeometry
 
 
 # ------------------------------------------------------------------------------ parts

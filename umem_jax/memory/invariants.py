@@ -25,8 +25,9 @@ def broken_invariants(layout: ChainLayout, token_ids: IdPool, slot_ids: IdPool |
     live = full.table.bound()
     for i in layout.windows:
         bound = layout.bands[i].table.bound()
-        if not np.isin(bound, live).all():
-            bad.append(f"{layout.bands[i].name}: window pages bound to dead token ids {bound[~np.isin(bound, live)][:8]}")
+        dead = bound[~np.isin(bound, live)]
+        if dead.size:
+            bad.append(f"{layout.bands[i].name}: window pages bound to dead token ids {dead[:8]}")
     if layout.state is not None:
         bad += _id_problems(slot_ids, layout.bands[layout.state].table, "state")
     return bad
@@ -59,7 +60,8 @@ def _id_problems(ids: IdPool, table: PageTable, what: str) -> list[str]:
     return []
 
 
-def leaks(live_token_pages: np.ndarray, live_state_slots: np.ndarray, token_pages, state_slots) -> dict[str, np.ndarray]:
+def leaks(live_token_pages: np.ndarray, live_state_slots: np.ndarray, token_pages,
+          state_slots) -> dict[str, np.ndarray]:
     """Compare what is allocated with what the holders say they hold (token_pages: every token
     page id held by a request or cached; state_slots: every state slot) -> {problem: ids},
     empty when they agree."""

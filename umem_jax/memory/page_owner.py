@@ -1,18 +1,19 @@
 """PageOwner: who holds each virtual token page, and who needs its window pages.
 
-Two kinds of holder share token pages: requests (the pages of their tokens) and the prefix
-cache (the pages of its radix tree).  So freeing is refcounted:
+Token pages are shared between holders (in the engine: requests, for the pages of their
+tokens, and the prefix cache, for the pages of its radix tree), so freeing is refcounted and
+the allocator is told only when the last holder lets go:
 
-  refs[v]        holders of token page v; the last release frees every physical page bound to
-                 v (full and windows) and returns the id.
-  wrefs[w][v]    holders that need v's page in window sub-pool w: a request for the pages its
-                 future queries attend (from `window_start[w]` on), the cache for the pages a
-                 hit could resume on.  The last window release tombstones v in w (the id and
-                 its full page stay).  Without it, a request passing a shared page would
-                 tombstone it under another request whose window still covers it.
+  refs[v]             holders of token page v; the last release frees every physical page
+                      bound to v (full and windows) and returns the id.
+  window_refs[w][v]   holders that need v's page in window sub-pool w: a request for the pages
+                      its future queries attend (from `window_start[w]` on), the cache for the
+                      pages a hit could resume on.  The last window release tombstones v in w
+                      (the id and its full page stay).  Without it, a request passing a shared
+                      page would tombstone it under another request whose window still covers it.
 
-Invariant (checked at idle by `check`): v is bound in w exactly when wrefs[w][v] > 0, and a
-page with window holders has token holders.  A holder drops its window refs before its token
+Invariant (checked at idle by `check`): v is bound in w exactly when window_refs[w][v] > 0, and
+a page with window holders has token holders.  A holder drops its window refs before its token
 refs.
 """
 
@@ -24,11 +25,13 @@ from .chain import ChainAllocator
 
 
 class PageOwner:
+    """Refcounts over `allocator`'s token page ids [0, capacity), per id and per window."""
+
     def __init__(self, allocator: ChainAllocator, capacity: int):
         self.allocator = allocator
         self.refs = np.zeros(capacity, np.int32)
         self.windows = tuple(sp.name for sp in allocator.plan.windows)
-        self.wrefs = {w: np.zeros(capacity, np.int32) for w in self.windows}
+        self.window_refs = {w: np.zeros(capacity, np.int32) for w in self.windows}
 
     # ------------------------------------------------------------------ token pages
     def take(self, vids, windows: tuple[str, ...] = ()) -> None:
@@ -49,9 +52,9 @@ class PageOwner:
         dead = v[self.refs[v] == 0]
         if dead.size:
             for w in self.windows:
-                if (self.wrefs[w][dead] > 0).any():
+                if (self.window_refs[w][dead] > 0).any():
                     raise AssertionError(f"freeing token pages whose {w} pages still have holders: "
-                                         f"{dead[self.wrefs[w][dead] > 0][:8]}")
+                                         f"{dead[self.window_refs[w][dead] > 0][:8]}")
             self.allocator.free_token_pages(dead)
 
     def held(self) -> np.ndarray:
@@ -62,43 +65,44 @@ class PageOwner:
         v = np.asarray(vids, np.int64)
         if not v.size:
             return
-        if (self.wrefs[window][v] <= 0).any():
+        if (self.window_refs[window][v] <= 0).any():
             bound = self.allocator.translate_pages(v.astype(np.int32), window) > 0
             if not bound.all():
                 raise AssertionError(f"{window}: holding window pages that are tombstoned: {v[~bound][:8]}")
-        self.wrefs[window][v] += 1
+        self.window_refs[window][v] += 1
 
     def release_window(self, vids, window: str) -> None:
         """One window holder fewer; pages no holder needs in `window` are tombstoned there."""
         v = np.asarray(vids, np.int64)
         if not v.size:
             return
-        if (self.wrefs[window][v] <= 0).any():
-            raise AssertionError(f"{window}: releasing window pages nobody holds: {v[self.wrefs[window][v] <= 0][:8]}")
-        self.wrefs[window][v] -= 1
-        dead = v[self.wrefs[window][v] == 0]
+        unheld = self.window_refs[window][v] <= 0
+        if unheld.any():
+            raise AssertionError(f"{window}: releasing window pages nobody holds: {v[unheld][:8]}")
+        self.window_refs[window][v] -= 1
+        dead = v[self.window_refs[window][v] == 0]
         if dead.size:
             self.allocator.release_window_pages(dead, window)
 
     def window_bound(self, vid: int, window: str) -> bool:
         """Whether token page `vid` has its page in `window` (a holder needs it)."""
-        return bool(self.wrefs[window][vid] > 0)
+        return bool(self.window_refs[window][vid] > 0)
 
     # ------------------------------------------------------------------ checks
-    def check(self, refs: np.ndarray, wrefs: dict[str, np.ndarray]) -> list[str]:
-        """Compare the counts with what the holders say they hold (refs / wrefs: expected counts
+    def check(self, refs: np.ndarray, window_refs: dict[str, np.ndarray]) -> list[str]:
+        """Compare the counts with what the holders say they hold (refs / window_refs: expected counts
         per id) and the window invariant -> a list of problems, empty when all agree."""
         bad = []
         if (self.refs != refs).any():
             bad.append(f"token page refcounts differ from the holders at {np.flatnonzero(self.refs != refs)[:8]}")
         for w in self.windows:
-            if (self.wrefs[w] != wrefs[w]).any():
+            if (self.window_refs[w] != window_refs[w]).any():
                 bad.append(f"{w}: window refcounts differ from the holders at "
-                           f"{np.flatnonzero(self.wrefs[w] != wrefs[w])[:8]}")
+                           f"{np.flatnonzero(self.window_refs[w] != window_refs[w])[:8]}")
             bound = self.allocator.translate_pages(np.arange(self.refs.size, dtype=np.int32), w) > 0
-            if (bound != (self.wrefs[w] > 0)).any():
+            if (bound != (self.window_refs[w] > 0)).any():
                 bad.append(f"{w}: pages bound without a holder or held while tombstoned at "
-                           f"{np.flatnonzero(bound != (self.wrefs[w] > 0))[:8]}")
+                           f"{np.flatnonzero(bound != (self.window_refs[w] > 0))[:8]}")
         return bad
 
 

@@ -146,11 +146,12 @@ class SubPool:
         return self.kv[self._index(layer, model)]
 
     def kv_view(self, layer: int, model: str = "target") -> KVView:
-        r, g = self.kv_rows(layer, model), self.geometry
-        if not isinstance(g, MHA):
-            raise NotImplementedError(f"kv_view of {g.describe()}")
-        return KVView(self.rows_per_page, self.page_size, r.k_row, r.v_row, g.num_kv_heads, g.head_dim,
-                      g.v_head_dim or g.head_dim, self.row_words, dtype_planes(g.dtype))
+        rows, geometry = self.kv_rows(layer, model), self.geometry
+        if not isinstance(geometry, MHA):
+            raise NotImplementedError(f"kv_view of {geometry.describe()}")
+        return KVView(self.rows_per_page, self.page_size, rows.k_row, rows.v_row, geometry.num_kv_heads,
+                      geometry.head_dim, geometry.v_head_dim or geometry.head_dim, self.row_words,
+                      dtype_planes(geometry.dtype))
 
     def state_view(self, layer: int, model: str = "target") -> StateView:
         if not self.state:
@@ -209,7 +210,8 @@ class Plan:
         for sp in self.subpools:
             place = {"up": "low end", "down": "high end", "float": "float"}[sp.role]
             direction = {"up": "grows up", "down": "grows down", "float": "between neighbours"}[sp.role]
-            rows.append((sp.name, sp.kind, _layer_list(sp.layers), f"{sp.entry_bytes:,}", f"{sp.page_bytes:,}", place, direction))
+            rows.append((sp.name, sp.kind, _layer_list(sp.layers), f"{sp.entry_bytes:,}", f"{sp.page_bytes:,}",
+                         place, direction))
         widths = [max(len(str(r[i])) for r in (head, *rows)) for i in range(len(head))]
         line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
         out = [line(head), line(tuple("-" * w for w in widths)), *map(line, rows)]
@@ -291,7 +293,8 @@ def _refuse_unsupported(groups: dict[tuple, list]) -> None:
         if len(geometries) > 1:
             by = {}
             for d, p in members:
-                by.setdefault(p.geometry.describe(), []).append(f"{d.model}:{d.layer}" if d.model != "target" else str(d.layer))
+                layer = f"{d.model}:{d.layer}" if d.model != "target" else str(d.layer)
+                by.setdefault(p.geometry.describe(), []).append(layer)
             desc = "; ".join(f"{g} in layers {','.join(v[:6])}" for g, v in by.items())
             raise PlanError(
                 f"two geometries in one sub-pool ({key[0]}{key[1] or ''}): {desc}. One sub-pool holds one "
@@ -319,7 +322,8 @@ def _arena_row_words(groups: dict[tuple, list], row_words: int | None) -> int:
     if row_words is None:
         row_words = reduce(math.gcd, attention_widths)
     elif any(w % row_words for w in attention_widths):
-        raise PlanError(f"row_words={row_words} does not divide the attention row widths {sorted(set(attention_widths))}")
+        raise PlanError(f"row_words={row_words} does not divide the attention row widths "
+                        f"{sorted(set(attention_widths))}")
     if (row_words * WORD_BYTES) % ROW_ALIGN_BYTES:
         raise PlanError(f"arena row of {row_words} words is not a multiple of {ROW_ALIGN_BYTES} bytes")
     return row_words

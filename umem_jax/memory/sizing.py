@@ -16,7 +16,7 @@ import dataclasses
 import math
 
 from .declarations import WORD_BYTES
-from .plan import Plan, SubPool
+from .plan import Plan
 
 PAGE_BYTES_ALIGN = 4096  # the budget is floored to whole 4 KiB pages (and whole arena rows)
 MAX_ROWS = 2**31 - 1  # row ids are int32 on the device
@@ -126,9 +126,9 @@ class ArenaSize:
         """Printable table: bytes, rows, and per sub-pool tokens or slots if alone (and in its
         static region when given)."""
         p = self.plan
-        lines = [f"arena {_gib(self.nbytes)} ({self.nbytes:,} B) = {self.num_rows:,} rows x {self.row_bytes} B "
-                 f"({self.num_elements:,} 16-bit words); budget {self.budget_bytes:,} B; sink {self.sink_rows} rows "
-                 f"({self.sink_rows * self.row_bytes:,} B)"]
+        lines = [(f"arena {_gib(self.nbytes)} ({self.nbytes:,} B) = {self.num_rows:,} rows x {self.row_bytes} B "
+                  f"({self.num_elements:,} 16-bit words); budget {self.budget_bytes:,} B; sink {self.sink_rows} rows "
+                  f"({self.sink_rows * self.row_bytes:,} B)")]
         head = ["sub-pool", "kind", "page bytes", "pages if alone", "capacity if alone"]
         if static_regions:
             head += ["static rows", "static capacity"]
@@ -203,8 +203,8 @@ def _floor_rows(plan: Plan, pages: dict[str, int]) -> int:
     grown up from the sink each on its own page grid, the full sub-pool grown down from the top."""
     cursor = plan.sink_rows
     for sp in plan.subpools[:-1]:
-        rpp = sp.rows_per_page
-        cursor = -(-cursor // rpp) * rpp + pages[sp.name] * rpp
+        rows_per_page = sp.rows_per_page
+        cursor = -(-cursor // rows_per_page) * rows_per_page + pages[sp.name] * rows_per_page
     top = plan.subpools[-1]
     return (-(-cursor // top.rows_per_page) + pages[top.name]) * top.rows_per_page
 
@@ -220,9 +220,9 @@ def check_bs1_floor(plan: Plan, num_rows: int, *, max_model_len: int,
     pages = request_pages(plan, max_model_len, checkpoint_slots)
     row_bytes = plan.row_words * WORD_BYTES
     if static_regions is not None:
-        short = [(sp.name, pages[sp.name], (static_regions[sp.name][1] - static_regions[sp.name][0]) // sp.rows_per_page)
-                 for sp in plan.subpools]
-        short = [s for s in short if s[1] > s[2]]
+        have = {sp.name: (static_regions[sp.name][1] - static_regions[sp.name][0]) // sp.rows_per_page
+                for sp in plan.subpools}
+        short = [(sp.name, pages[sp.name], have[sp.name]) for sp in plan.subpools if pages[sp.name] > have[sp.name]]
         if short:
             desc = "; ".join(f"{n} needs {need:,} pages, its region has {have:,}" for n, need, have in short)
             raise ArenaSizeError(
@@ -236,8 +236,10 @@ def check_bs1_floor(plan: Plan, num_rows: int, *, max_model_len: int,
     parts = [f"sink {plan.sink_rows * row_bytes:,} B"]
     for sp in plan.subpools:
         n = pages[sp.name]
-        what = (f"{n} state slots (working + {checkpoint_slots} checkpoints)" if sp.kind == "state" else
-                f"{n:,} pages of {sp.page_size} tokens" + (f" (window {sp.window} + 1 page)" if sp.kind == "window" else ""))
+        if sp.kind == "state":
+            what = f"{n} state slots (working + {checkpoint_slots} checkpoints)"
+        else:
+            what = f"{n:,} pages of {sp.page_size} tokens" + (f" (window {sp.window} + 1 page)" if sp.kind == "window" else "")
         parts.append(f"{sp.name}: {what} = {n * sp.page_bytes:,} B")
     lo, hi = 0, max_model_len  # largest context that would fit: for the message
     while lo < hi:
@@ -287,17 +289,17 @@ def static_regions(plan: Plan, num_rows: int, *, swa_full_tokens_ratio: float = 
 
     regions, cursor = {}, plan.sink_rows
     for sp in plan.subpools[:-1]:
-        rpp = sp.rows_per_page
-        lo = -(-cursor // rpp) * rpp
+        rows_per_page = sp.rows_per_page
+        lo = -(-cursor // rows_per_page) * rows_per_page
         n = int(want[sp.name] // sp.page_size)
         if n < 1:
             raise ArenaSizeError(f"static split gives {sp.name} no page in an arena of {num_rows:,} rows; raise the "
                                  "budget or change --swa-full-tokens-ratio / --mamba-full-memory-ratio")
-        regions[sp.name] = (lo, lo + n * rpp)
-        cursor = lo + n * rpp
-    rpp = full.rows_per_page
-    lo, hi = -(-cursor // rpp) * rpp, num_rows // rpp * rpp
-    if hi - lo < rpp:
+        regions[sp.name] = (lo, lo + n * rows_per_page)
+        cursor = lo + n * rows_per_page
+    rows_per_page = full.rows_per_page
+    lo, hi = -(-cursor // rows_per_page) * rows_per_page, num_rows // rows_per_page * rows_per_page
+    if hi - lo < rows_per_page:
         raise ArenaSizeError(f"static split leaves the full sub-pool no page in an arena of {num_rows:,} rows")
     regions[full.name] = (lo, hi)
     return regions

@@ -172,7 +172,7 @@ class PageTable:
             return bad
         if (self.p2v[pages] != vids).any():
             bad.append(f"{self.name}: v2p and p2v are not inverse at vids {vids[self.p2v[pages] != vids][:8]}")
-        if ((self.v2p[:-1] < -1)).any() or (self.p2v < -1).any():
+        if (self.v2p[:-1] < -1).any() or (self.p2v < -1).any():
             bad.append(f"{self.name}: table entries below -1")
         held = np.flatnonzero(self.p2v > 0)
         if held.size != vids.size:
