@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._compat import pltr
-from .state_io import block_fits, load_block, pow2_divisor, store_block
+from .launch import ANY, pow2_divisor
+from .state_io import block_fits, load_block, store_block
 
 __all__ = ["activate", "conv_decode_pallas", "conv_decode_reference", "conv_prefill_reference", "conv_block"]
 
@@ -125,14 +126,13 @@ def conv_decode_pallas(words, slots, x, weight, bias, *, view, rows, activation=
     blk = block or conv_block(view, rows, C)
     if C % blk or view.row_words % blk:
         raise ValueError(f"conv block {blk} must divide the channels {C} and the row width {view.row_words}")
-    any_ = pl.BlockSpec(memory_space=pl.ANY)
     args = [slots, x, weight] + ([bias] if bias is not None else []) + [words]
     out, words = pl.pallas_call(
         functools.partial(_conv_kernel, view=view, rows=rows, C=C, K=K, blk=blk, has_bias=bias is not None,
                           activation=activation),
         grid=(B, C // blk),
-        in_specs=[any_] * len(args),
-        out_specs=(any_, any_),
+        in_specs=[ANY] * len(args),
+        out_specs=(ANY, ANY),
         out_shape=(jax.ShapeDtypeStruct((B, C), jnp.float32), jax.ShapeDtypeStruct(words.shape, words.dtype)),
         input_output_aliases={len(args) - 1: 1},
         compiler_params=compiler_params,

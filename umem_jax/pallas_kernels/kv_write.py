@@ -20,20 +20,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._compat import pltr, resolve_impl, triton_params
-from .words import WORD_DTYPES, decode, encode, from_u16, kernel_view, kv_value_dtype, to_u16
+from ._compat import pltr
+from .launch import in_place_call, pow2_divisor, resolve_impl
+from .words import check_arena, decode, encode, from_u16, kernel_dtype, kv_value_dtype, to_u16
 
 __all__ = ["write_kv", "write_kv_reference", "read_kv_reference", "check_view", "head_slot"]
 
 
 def check_view(arena, view) -> None:
     """Static checks that `view` describes whole arena rows of `arena`."""
-    if arena.ndim != 2:
-        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
-    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
-        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
-    if arena.shape[1] != view.row_words:
-        raise ValueError(f"arena rows are {arena.shape[1]} words, the view says {view.row_words}")
+    check_arena(arena, view.row_words)
     for name, dim, m in (("K", view.head_dim, view.mk), ("V", view.v_head_dim, view.mv)):
         words = view.planes * view.num_kv_heads * dim
         if words != m * view.row_words:
@@ -98,15 +94,15 @@ def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
     (bf16 for 1 plane, f32 for 2, or `kv_dtype`).  Sink/tombstone entries read page 0 as is."""
     check_view(arena, view)
     B, P = page_table.shape
-    ps = view.page_size
+    page_size = view.page_size
     dt = kv_value_dtype(view.planes, kv_dtype)
-    pages = jnp.repeat(page_table.reshape(-1), ps)                       # [B*P*ps]
-    slots = jnp.tile(jnp.arange(ps, dtype=jnp.int32), B * P)
+    pages = jnp.repeat(page_table.reshape(-1), page_size)                # [B*P*page_size]
+    slots = jnp.tile(jnp.arange(page_size, dtype=jnp.int32), B * P)
     out = []
     for base, m, dim in ((view.k_row, view.mk, view.head_dim), (view.v_row, view.mv, view.v_head_dim)):
         rows = _token_rows(pages.astype(jnp.int32), slots, base, m, view.rows_per_page)
-        words = to_u16(arena)[rows.reshape(-1)].reshape(B * P * ps, m * view.row_words)
-        out.append(decode(words, dt).reshape(B, P * ps, view.num_kv_heads, dim))
+        words = to_u16(arena)[rows.reshape(-1)].reshape(B * P * page_size, m * view.row_words)
+        out.append(decode(words, dt).reshape(B, P * page_size, view.num_kv_heads, dim))
     return tuple(out)
 
 
@@ -119,25 +115,18 @@ def read_kv_reference(arena, page_table, *, view, kv_dtype=None):
 # Triton computes row * row_words itself, in int64 above 4 GiB).
 
 
-def _write_kernel(rows_ref, words_ref, arena_in, arena_out, *, n, br, bc):
+def _write_kernel(rows_ref, words_ref, arena_in, arena_out, *, n, block_rows, block_cols):
     del arena_in  # aliased with arena_out
     r, c = pl.program_id(0), pl.program_id(1)
-    idx = r * br + jnp.arange(br, dtype=jnp.int32)
-    rows = pltr.load(rows_ref.at[pl.ds(r * br, br)])
-    tile = pltr.load(words_ref.at[pl.ds(r * br, br), pl.ds(c * bc, bc)])
-    mask = jnp.broadcast_to((idx < n)[:, None], (br, bc))  # rows padded up to a whole block
-    # Row gather as two broadcasting int indexers ([br,1] rows x [1,bc] columns) rather than
-    # rows x pl.ds: the same Triton pointer math, and interpret mode (which does not take
-    # mixed array/slice indexers) runs it too.
-    cols = c * bc + jnp.arange(bc, dtype=jnp.int32)
+    idx = r * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    rows = pltr.load(rows_ref.at[pl.ds(r * block_rows, block_rows)])
+    tile = pltr.load(words_ref.at[pl.ds(r * block_rows, block_rows), pl.ds(c * block_cols, block_cols)])
+    mask = jnp.broadcast_to((idx < n)[:, None], (block_rows, block_cols))  # rows padded up to a whole block
+    # Row gather as two broadcasting int indexers ([block_rows,1] rows x [1,block_cols] columns)
+    # rather than rows x pl.ds: the same Triton pointer math, and interpret mode (which does not
+    # take mixed array/slice indexers) runs it too.
+    cols = c * block_cols + jnp.arange(block_cols, dtype=jnp.int32)
     pltr.store(arena_out.at[rows[:, None], cols[None, :]], tile, mask=mask)
-
-
-def _pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
 
 
 @functools.partial(jax.jit, static_argnames=("view", "kv_dtype", "interpret", "block_words", "num_warps"))
@@ -151,28 +140,17 @@ def _write_kv_pallas(arena, k, v, pages, slots, *, view, kv_dtype=None, interpre
     for x, base, m in ((k, view.k_row, view.mk), (v, view.v_row, view.mv)):
         words.append(encode(_stored(x, view.planes, kv_dtype).reshape(T, -1)).reshape(T * m, W))
         rows.append(_token_rows(pages, slots, base, m, view.rows_per_page).reshape(-1))
-    a = kernel_view(arena, interpret)
-    words, rows = from_u16(jnp.concatenate(words), a.dtype), jnp.concatenate(rows)
+    words = from_u16(jnp.concatenate(words), kernel_dtype(arena, interpret))
+    rows = jnp.concatenate(rows)
     n = words.shape[0]
-    bc = _pow2_divisor(W, block_words)
-    br = max(1, min(block_words // bc, 1 << (n - 1).bit_length()))
-    npad = pl.cdiv(n, br) * br
-    words = jnp.pad(words, ((0, npad - n), (0, 0)))
-    rows = jnp.pad(rows, (0, npad - n))
-    kernel = functools.partial(_write_kernel, n=n, br=br, bc=bc)
-    any_ = pl.BlockSpec(memory_space=pl.ANY)
-    out = pl.pallas_call(
-        kernel,
-        grid=(npad // br, W // bc),
-        in_specs=[any_, any_, any_],
-        out_specs=any_,
-        out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-        input_output_aliases={2: 0},
-        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="umem_write_kv",
-    )(rows, words, a)
-    return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
+    block_cols = pow2_divisor(W, block_words)
+    block_rows = max(1, min(block_words // block_cols, 1 << (n - 1).bit_length()))
+    padded = pl.cdiv(n, block_rows) * block_rows
+    words = jnp.pad(words, ((0, padded - n), (0, 0)))
+    rows = jnp.pad(rows, (0, padded - n))
+    kernel = functools.partial(_write_kernel, n=n, block_rows=block_rows, block_cols=block_cols)
+    return in_place_call(kernel, arena, rows, words, grid=(padded // block_rows, W // block_cols),
+                         name="umem_write_kv", interpret=interpret, num_warps=num_warps)
 
 
 def write_kv(arena, k, v, pages, slots, *, view, kv_dtype=None, impl: str | None = None,

@@ -41,7 +41,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._compat import pltr, resolve_impl, triton_params
+from ._compat import pltr, triton_params
+from .launch import pow2_ceil, resolve_impl
 from .kv_write import check_view, read_kv_reference
 from .words import from_u16, join_planes, kernel_view, kv_value_dtype, to_u16
 
@@ -213,10 +214,6 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
     l_ref[...] = l_i
 
 
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
 def _num_sms() -> int:
     try:
         d = jax.devices()[0]
@@ -261,7 +258,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         # (ptxas sm_90: ~128-190 registers, no spills).  fp32 planes have no tensor-core dot
         # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
         block_tokens = max(16, 8192 // max(D, Dv)) if view.planes == 1 else 32
-    bt = _pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
+    bt = pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
     # Each pipeline stage buffers one K and one V tile in shared memory; an H100/H200 SM has
     # 227 KiB.  Trim the stages (then the block) of a config that would not fit rather than fail
     # at launch with RESOURCE_EXHAUSTED.
@@ -277,7 +274,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         if window is not None:
             nblk = min(nblk, -(-(window - 1) // bt) + 1)
         num_splits = choose_num_splits(B, Hkv, nblk)
-    Gp = max(16, _pow2_ceil(G))
+    Gp = max(16, pow2_ceil(G))
     qg = q.reshape(B, Hkv, G, D)
     if Gp != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))

@@ -33,11 +33,12 @@ fp32 (exp2 form).  KV rows are gathered through the page table with a vector of 
 the 2-D arena ref (`arena[rows, pl.ds(col, D)]`), so the Triton lowering does the row * stride
 multiply in int64 when the arena exceeds 4 GiB.
 
-Module layout: the kernel body, `_paged_prefill_pallas` (the pallas_call), the public wrapper
-`paged_prefill_attention` with the shape/dtype checks, `prefill_backend` (which kernel impl="pallas"
-runs: the Mosaic GPU kernel of paged_prefill_mgpu.py on Hopper where it covers the case, else this
-Triton kernel; env UMEM_JAX_PREFILL=triton|mgpu|auto), and `paged_prefill_attention_reference`
-(gather, mask, softmax: what the kernels must compute).
+Module layout: `prefill_config` (the Triton tiling), the kernel body, `_paged_prefill_pallas` (the
+pallas_call), `prefill_backend` (which kernel impl="pallas" runs: this Triton kernel, or the Mosaic
+GPU kernel of paged_prefill_mgpu.py on Hopper where it covers the case; env
+UMEM_JAX_PREFILL=triton|mgpu|auto) and the public wrapper `paged_prefill_attention`.  The argument
+checks and `paged_prefill_attention_reference` (gather, mask, softmax: what both kernels must
+compute) live in prefill_reference.py, which both kernel modules import.
 """
 
 from __future__ import annotations
@@ -52,9 +53,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._compat import pltr, resolve_impl, triton_params
-from .kv_write import check_view, head_slot, read_kv_reference
+from ._compat import pltr, triton_params
+from .launch import pow2_ceil, resolve_impl
+from .kv_write import head_slot
 from .paged_decode import SMEM_BUDGET
+from .prefill_reference import check_prefill_args, check_prefill_options, paged_prefill_attention_reference
 from .words import from_u16, join_planes, kv_value_dtype, to_u16
 
 __all__ = [
@@ -72,51 +75,6 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: a fully masked block then gives exp2(-inf) = 0, not NaN
 
 
-# --------------------------------------------------------------------------- reference
-
-
-def paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, *, view, window=None,
-                                      softcap=None, sinks=None, scale=None, kv_dtype=None):
-    """Plain-JAX paged prefill attention: gather every mapped token, mask, softmax in fp32.
-
-    Shapes as in the module docstring; returns [B, T, Hq, Dv] in q.dtype.  Key positions no query
-    may see (tombstoned pages, unwritten slots, sink entries) are zeroed before use, so NaN
-    garbage there cannot leak through `0 * NaN`.
-    """
-    _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
-    B, T, Hq, D = q.shape
-    Hkv, Dv = view.num_kv_heads, view.v_head_dim
-    G = Hq // Hkv
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype)  # [B, S, Hkv, D|Dv]
-    S = k.shape[1]
-
-    j = jnp.arange(T, dtype=jnp.int32)
-    p = jnp.arange(S, dtype=jnp.int32)
-    pos = (kv_lens - q_lens)[:, None] + j[None, :]  # [B, T]
-    vis = (p[None, None, :] <= pos[:, :, None]) & (j[None, :, None] < q_lens[:, None, None])
-    if window is not None:
-        vis &= p[None, None, :] > pos[:, :, None] - window
-    used = vis.any(axis=1)  # [B, S]: keys some query sees; everything else may be garbage
-    k = jnp.where(used[:, :, None, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(used[:, :, None, None], v.astype(jnp.float32), 0.0)
-
-    qf = q.astype(jnp.float32).reshape(B, T, Hkv, G, D)
-    s = jnp.einsum("btkgd,bskd->bkgts", qf, k, precision=lax.Precision.HIGHEST) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(vis[:, None, None], s, -jnp.inf)  # [B, Hkv, G, T, S]
-    if sinks is not None:
-        sk = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, Hkv, G, 1, 1), (B, Hkv, G, T, 1))
-        s = jnp.concatenate([s, sk], axis=-1)
-    w = jax.nn.softmax(s, axis=-1)
-    if sinks is not None:
-        w = w[..., :S]
-    o = jnp.einsum("bkgts,bskd->btkgd", w, v, precision=lax.Precision.HIGHEST).reshape(B, T, Hq, Dv)
-    valid = j[None, :] < q_lens[:, None]
-    return jnp.where(valid[:, :, None, None], o, 0.0).astype(q.dtype)
-
-
 # --------------------------------------------------------------------------- configuration
 
 
@@ -129,10 +87,6 @@ class PrefillConfig:
     block_k: int
     num_warps: int
     num_stages: int
-
-
-def _pow2_ceil(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _stage_bytes(block_k: int, D: int, Dv: int, planes: int) -> int:
@@ -154,7 +108,7 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
     rows = 128 if D <= 128 else 64
     if block_q is None:
         block_q = 1 << max(0, (rows // G).bit_length() - 1)  # largest power of two <= rows / G
-        block_q = min(block_q, _pow2_ceil(T))
+        block_q = min(block_q, pow2_ceil(T))
         block_q = max(block_q, -(-16 // G))  # Triton dots need >= 16 rows
     if num_warps is None:
         # 4 warps spill heavily on 128-row tiles and on D=256 (ptxas, sm_90a).
@@ -416,10 +370,10 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
 
 PREFILL_ENV = "UMEM_JAX_PREFILL"
 _BACKENDS = ("auto", "triton", "mgpu")
-# When $UMEM_JAX_PREFILL is unset: Triton.  The Mosaic GPU kernel matched the references inside a
-# model step on the H200 (tests/gpu/test_prefill_gpu.py) but the engine's step refused it there: its
-# page table was a view of the packed step metadata, not 256-byte aligned (runner.Layout now aligns
-# every field).  "auto" (or "mgpu") opts in until the engine has run with it on a GPU.
+# With $UMEM_JAX_PREFILL unset, impl="pallas" runs the Triton kernel: it covers every case of the
+# contract (fp32 planes, any power-of-two head dim, interpret mode) on any CUDA GPU.  The Mosaic GPU
+# kernel is faster on Hopper but covers a subset and needs jax >= 0.11, so it is opt-in: "auto"
+# takes it where it covers the case, "mgpu" insists on it.
 DEFAULT_BACKEND = "triton"
 
 
@@ -510,27 +464,6 @@ def prefill_backend(q, view, *, kv_dtype=None, backend: str | None = None,
 # --------------------------------------------------------------------------- public wrapper
 
 
-def _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view):
-    check_view(arena, view)
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
-    B, T, Hq, D = q.shape
-    Hkv = view.num_kv_heads
-    if D != view.head_dim:
-        raise ValueError(f"q head_dim {D} != the view's head_dim {view.head_dim}")
-    if Hq % Hkv:
-        raise ValueError(f"q heads {Hq} are not a multiple of kv heads {Hkv}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q must be floating point, got {q.dtype}")
-    if page_table.ndim != 2 or page_table.shape[0] != B or jnp.dtype(page_table.dtype) != jnp.int32:
-        raise ValueError(f"page_table must be int32 [{B}, P], got {page_table.dtype}{list(page_table.shape)}")
-    for name, a in (("q_lens", q_lens), ("kv_lens", kv_lens)):
-        if a.shape != (B,) or jnp.dtype(a.dtype) != jnp.int32:
-            raise ValueError(f"{name} must be int32 [{B}], got {a.dtype}{list(a.shape)}")
-    if sinks is not None and sinks.shape != (Hq,):
-        raise ValueError(f"sinks must be [{Hq}] (one logit per q head), got {sinks.shape}")
-
-
 def _check_pallas(q, view):
     _, _, Hq, D = q.shape
     G = Hq // view.num_kv_heads
@@ -557,8 +490,9 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
     int32 [B]; sinks f32 [Hq] or None -> [B, T, Hq, Dv] in q.dtype.  See the module docstring.
     impl: "pallas" | "reference" (default: pallas on GPU or with interpret=True, else reference).
     backend: which Pallas kernel, "auto" | "triton" | "mgpu" (prefill_backend); None reads
-    $UMEM_JAX_PREFILL when this is called, i.e. when a caller's jitted step is traced (default
-    auto: Mosaic GPU on Hopper where it covers the case, else Triton).  interpret=True and
+    $UMEM_JAX_PREFILL when this is called, i.e. when a caller's jitted step is traced (unset:
+    DEFAULT_BACKEND, the Triton kernel; auto: Mosaic GPU on Hopper where it covers the case, else
+    Triton).  interpret=True and
     explicit block_q/block_k/num_warps/num_stages (the Triton tiling, prefill_config) run the
     Triton kernel.
     """
@@ -575,11 +509,8 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
                                              "num_stages"))
 def _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, window, softcap, sinks, scale,
                              kv_dtype, impl, interpret, backend, block_q, block_k, num_warps, num_stages):
-    _check_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"softcap must be positive, got {softcap}")
+    check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
+    check_prefill_options(window, softcap)
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
         return paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, view=view, window=window,

@@ -18,6 +18,7 @@ the arena so XLA updates it in place (the Pallas kernels alias it with `input_ou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ._compat import pltr, resolve_impl, triton_params
-from .words import WORD_DTYPES, from_u16, kernel_view, to_u16
+from ._compat import pltr
+from .launch import in_place_call, pow2_divisor, pow2_floor, resolve_impl
+from .words import check_arena, from_u16, kernel_dtype, to_u16
 
 __all__ = [
     "check_moves",
@@ -72,10 +74,7 @@ def check_moves(src, dst, *, num_pages: int | None = None) -> None:
 
 
 def _check_args(arena, rows_per_page, *ids):
-    if arena.ndim != 2:
-        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
-    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
-        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
+    check_arena(arena)
     if rows_per_page <= 0 or rows_per_page > arena.shape[0]:
         raise ValueError(f"rows_per_page={rows_per_page} must be in [1, {arena.shape[0]}]")
     for a in ids:
@@ -125,101 +124,77 @@ def zero_pages_reference(arena, pages, *, rows_per_page: int):
 # rows_per_page is not a multiple of block_rows) are masked off.
 
 
-def _pow2_divisor(n: int, cap: int) -> int:
-    """Largest power of two that divides n and is <= cap."""
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """One page envelope cut into [block_rows, block_cols] tiles: grid axes 1 and 2."""
+
+    block_rows: int
+    block_cols: int
+    row_blocks: int
+    col_blocks: int
+    masked: bool  # rows_per_page is not a multiple of block_rows: the last row block is masked
 
 
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def _tiles(rows_per_page: int, row_words: int, block_words: int):
+def _tiles(rows_per_page: int, row_words: int, block_words: int) -> _Tiles:
     # Columns: a power-of-two divisor of the row (Triton blocks are powers of two; rows are a
     # multiple of 8 words, so this is >= 8).  Rows: enough to make block_words per tile.
-    bc = _pow2_divisor(row_words, block_words)
-    br = min(_pow2_floor(max(block_words // bc, 1)), 1 << (rows_per_page - 1).bit_length())
-    return br, bc, pl.cdiv(rows_per_page, br), row_words // bc
+    block_cols = pow2_divisor(row_words, block_words)
+    block_rows = min(pow2_floor(max(block_words // block_cols, 1)), 1 << (rows_per_page - 1).bit_length())
+    return _Tiles(block_rows, block_cols, pl.cdiv(rows_per_page, block_rows), row_words // block_cols,
+                  rows_per_page % block_rows != 0)
 
 
-def _move_kernel(src_ref, dst_ref, arena_in, arena_out, *, rows_per_page, br, bc, masked):
-    i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    off = r * br
-    cols = pl.ds(c * bc, bc)
-    src_rows = pl.ds(src_ref[i] * rows_per_page + off, br)
-    dst_rows = pl.ds(dst_ref[i] * rows_per_page + off, br)
+def _tile(page_ref, i, r, c, *, rows_per_page, tiles: _Tiles):
+    """(rows, cols, mask) of tile (r, c) of page page_ref[i]; mask None when every row is in the page."""
+    off = r * tiles.block_rows
+    rows = pl.ds(page_ref[i] * rows_per_page + off, tiles.block_rows)
     mask = None
-    if masked:  # only the last row block of a page can run past it
-        mask = jnp.broadcast_to((off + jnp.arange(br, dtype=jnp.int32) < rows_per_page)[:, None], (br, bc))
+    if tiles.masked:  # only the last row block of a page can run past it
+        in_page = off + jnp.arange(tiles.block_rows, dtype=jnp.int32) < rows_per_page
+        mask = jnp.broadcast_to(in_page[:, None], (tiles.block_rows, tiles.block_cols))
+    return rows, pl.ds(c * tiles.block_cols, tiles.block_cols), mask
+
+
+def _move_kernel(src_ref, dst_ref, arena_in, arena_out, *, rows_per_page, tiles: _Tiles):
+    i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    src_rows, cols, mask = _tile(src_ref, i, r, c, rows_per_page=rows_per_page, tiles=tiles)
+    dst_rows, _, _ = _tile(dst_ref, i, r, c, rows_per_page=rows_per_page, tiles=tiles)
     # pltr.store, not `ref[...] = x`: ref assignment lowers to a swap, which also loads the old tile.
     pltr.store(arena_out.at[dst_rows, cols], pltr.load(arena_in.at[src_rows, cols], mask=mask), mask=mask)
 
 
-def _zero_kernel(pages_ref, arena_in, arena_out, *, rows_per_page, br, bc, masked, dtype):
+def _zero_kernel(pages_ref, arena_in, arena_out, *, rows_per_page, tiles: _Tiles, dtype):
     del arena_in  # aliased with arena_out
     i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    off = r * br
-    rows = pl.ds(pages_ref[i] * rows_per_page + off, br)
-    mask = None
-    if masked:
-        mask = jnp.broadcast_to((off + jnp.arange(br, dtype=jnp.int32) < rows_per_page)[:, None], (br, bc))
-    pltr.store(arena_out.at[rows, pl.ds(c * bc, bc)], jnp.zeros((br, bc), dtype), mask=mask)
+    rows, cols, mask = _tile(pages_ref, i, r, c, rows_per_page=rows_per_page, tiles=tiles)
+    pltr.store(arena_out.at[rows, cols], jnp.zeros((tiles.block_rows, tiles.block_cols), dtype), mask=mask)
 
 
-_ANY = pl.BlockSpec(memory_space=pl.ANY)
+def _pages_call(kernel, arena, *pages, rows_per_page, interpret, block_words, num_warps, name, **kernel_args):
+    """One program per (page in `pages`, tile of the page), in place; no pages: the arena as is."""
+    _check_args(arena, rows_per_page, *pages)
+    n = pages[0].shape[0]
+    if n == 0:
+        return arena
+    tiles = _tiles(rows_per_page, arena.shape[1], block_words)
+    kernel = functools.partial(kernel, rows_per_page=rows_per_page, tiles=tiles, **kernel_args)
+    return in_place_call(kernel, arena, *pages, grid=(n, tiles.row_blocks, tiles.col_blocks), name=name,
+                         interpret=interpret, num_warps=num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
 def _move_pages_pallas(arena, src, dst, *, rows_per_page: int, interpret: bool = False,
                        block_words: int = 8192, num_warps: int = 4):
-    _check_args(arena, rows_per_page, src, dst)
-    n = src.shape[0]
-    if n == 0:
-        return arena
-    br, bc, nr, nc = _tiles(rows_per_page, arena.shape[1], block_words)
-    a = kernel_view(arena, interpret)
-    kernel = functools.partial(_move_kernel, rows_per_page=rows_per_page, br=br, bc=bc,
-                               masked=rows_per_page % br != 0)
-    out = pl.pallas_call(
-        kernel,
-        grid=(n, nr, nc),
-        in_specs=[_ANY, _ANY, _ANY],
-        out_specs=_ANY,
-        out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-        input_output_aliases={2: 0},
-        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="umem_move_pages",
-    )(src, dst, a)
-    return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
+    return _pages_call(_move_kernel, arena, src, dst, rows_per_page=rows_per_page, interpret=interpret,
+                       block_words=block_words, num_warps=num_warps, name="umem_move_pages")
 
 
 @functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
 def _zero_pages_pallas(arena, pages, *, rows_per_page: int, interpret: bool = False,
                        block_words: int = 8192, num_warps: int = 4):
-    _check_args(arena, rows_per_page, pages)
-    n = pages.shape[0]
-    if n == 0:
-        return arena
-    br, bc, nr, nc = _tiles(rows_per_page, arena.shape[1], block_words)
-    a = kernel_view(arena, interpret)
-    kernel = functools.partial(_zero_kernel, rows_per_page=rows_per_page, br=br, bc=bc,
-                               masked=rows_per_page % br != 0, dtype=a.dtype)
-    out = pl.pallas_call(
-        kernel,
-        grid=(n, nr, nc),
-        in_specs=[_ANY, _ANY],
-        out_specs=_ANY,
-        out_shape=jax.ShapeDtypeStruct(a.shape, a.dtype),
-        input_output_aliases={1: 0},
-        compiler_params=triton_params(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="umem_zero_pages",
-    )(pages, a)
-    return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
+    return _pages_call(_zero_kernel, arena, pages, rows_per_page=rows_per_page, interpret=interpret,
+                       block_words=block_words, num_warps=num_warps, name="umem_zero_pages",
+                       dtype=kernel_dtype(arena, interpret))
 
 
 # --------------------------------------------------------------------------- public wrappers

@@ -18,7 +18,8 @@ Contract (docs/kernel_contracts.md):
 
 The kernels address the 2-D arena by (row, column) only, so Triton does the row * row_words
 multiply in 64 bits when the arena is over 4 GiB; all per-slot offsets stay far below 2**31.
-The helpers `plane_row` / `element_at` are shared with the Mamba2 and gated DeltaNet kernels.
+The in-kernel block helpers (`block_fits`, `load_block`, `store_block`) are shared with the
+causal conv, Mamba2 and gated DeltaNet kernels.
 """
 
 from __future__ import annotations
@@ -30,17 +31,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._compat import pltr, resolve_impl, triton_params
-from .words import WORD_DTYPES, from_u16, join_planes, planes_of, split_planes, to_u16
+from ._compat import pltr, triton_params
+from .launch import ANY, pow2_divisor, resolve_impl
+from .words import check_arena, from_u16, join_planes, planes_of, split_planes, to_u16
 
 __all__ = [
     "block_fits",
+    "check_slots",
     "check_state_view",
     "load_block",
     "store_block",
-    "element_at",
     "plane_row",
-    "pow2_divisor",
     "read_state",
     "read_state_reference",
     "state_dtype",
@@ -62,22 +63,9 @@ def state_dtype(rows) -> jnp.dtype:
     return jnp.dtype(rows.tensor.dtype)
 
 
-def pow2_divisor(n: int, cap: int = 1024) -> int:
-    """Largest power of two dividing `n`, at most `cap` (Triton blocks are powers of two)."""
-    p = 1
-    while p * 2 <= cap and n % (p * 2) == 0:
-        p *= 2
-    return p
-
-
 def check_state_view(arena, view) -> None:
     """Static checks that `view` fits `arena` [num_rows, row_words] of 16-bit words."""
-    if arena.ndim != 2:
-        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
-    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
-        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
-    if arena.shape[1] != view.row_words:
-        raise ValueError(f"arena rows are {arena.shape[1]} words, the view says {view.row_words}")
+    check_arena(arena, view.row_words)
     if view.rows_per_slot > arena.shape[0]:
         raise ValueError(f"a slot of {view.rows_per_slot} rows does not fit an arena of {arena.shape[0]} rows")
     for t in view.tensors:
@@ -91,7 +79,8 @@ def check_state_view(arena, view) -> None:
             raise ValueError(f"state tensor {t.tensor.name} runs past the end of its slot")
 
 
-def _check_slots(slots):
+def check_slots(slots):
+    """slots must be int32 [B] (physical slot ids, 0 = padding lane)."""
     if slots.ndim != 1 or jnp.dtype(slots.dtype) != jnp.int32:
         raise ValueError(f"slots must be int32 [B], got {slots.dtype}{list(slots.shape)}")
 
@@ -100,11 +89,6 @@ def plane_row(slot, view, rows, plane: int = 0):
     """First arena row of `plane` of the tensor `rows` (a StateRows) in slot `slot` (int32, may be
     traced, also inside a kernel).  Fits int32 because num_rows < 2**31."""
     return slot * view.rows_per_slot + (rows.row + plane * rows.rows_per_plane)
-
-
-def element_at(view, flat: int) -> tuple[int, int]:
-    """(row offset inside a plane, column) of element `flat` of a flattened state tensor."""
-    return flat // view.row_words, flat % view.row_words
 
 
 def block_fits(view, n: int) -> bool:
@@ -161,15 +145,15 @@ def _rows_of(slots, view):
 # --------------------------------------------------------------------------- references
 # One gather and one scatter for all tensors of the layer: a decode step then has exactly one
 # reader of the old arena, and its writer depends on that reader's output, so XLA updates the
-# donated arena in place (two independent readers beside an in-place writer make it copy the
-# whole arena; reference/jax_pallas_gpu.md section 3.2).
+# donated arena in place (two independent readers beside an in-place writer make XLA copy the
+# whole arena).
 
 
 def read_state_reference(arena, slots, *, view):
     """Plain-JAX read: slots int32 [B] -> {name: [B, *shape]} in each tensor's dtype (one XLA
     gather of whole rows).  Padding lanes (slot 0) read as zeros."""
     check_state_view(arena, view)
-    _check_slots(slots)
+    check_slots(slots)
     B, W = slots.shape[0], view.row_words
     words = to_u16(arena)[_rows_of(slots, view)]                             # [B, R, W]
     out, at = {}, 0
@@ -210,7 +194,7 @@ def write_state_reference(arena, slots, tensors, *, view):
     """Plain-JAX write: tensors {name: [B, *shape]} (cast to each tensor's stored dtype) into
     slots int32 [B] (one XLA scatter of whole rows; padding lanes write nothing)."""
     check_state_view(arena, view)
-    _check_slots(slots)
+    check_slots(slots)
     _check_tensors(tensors, slots, view)
     B, W = slots.shape[0], view.row_words
     words = jnp.concatenate([_padded_words(tensors[t.tensor.name], t, W) for t in view.tensors], axis=1)
@@ -261,22 +245,24 @@ def _write_kernel(slots_ref, *refs, view, chunk):
                 pltr.store(arena_ref.at[plane_row(slot, view, t, k) + r, pl.ds(col, chunk)], p)
 
 
-def _any_spec():
-    return pl.BlockSpec(memory_space=pl.ANY)
+def _grid(arena, slots, view, chunk):
+    """Checks, then (chunk, grid): program (b, r, c) moves `chunk` words of row r of every plane."""
+    check_state_view(arena, view)
+    check_slots(slots)
+    chunk = chunk or pow2_divisor(view.row_words)
+    max_rows = max(t.rows_per_plane for t in view.tensors)
+    return chunk, (slots.shape[0], max_rows, view.row_words // chunk)
 
 
 @functools.partial(jax.jit, static_argnames=("view", "interpret", "chunk", "num_warps"))
 def _read_state_pallas(arena, slots, *, view, interpret=False, chunk=None, num_warps=4):
-    check_state_view(arena, view)
-    _check_slots(slots)
+    chunk, grid = _grid(arena, slots, view, chunk)
     B, W = slots.shape[0], view.row_words
-    chunk = chunk or pow2_divisor(W)
-    R = max(t.rows_per_plane for t in view.tensors)
     flats = pl.pallas_call(
         functools.partial(_read_kernel, view=view, chunk=chunk),
-        grid=(B, R, W // chunk),
-        in_specs=[_any_spec(), _any_spec()],
-        out_specs=tuple(_any_spec() for _ in view.tensors),
+        grid=grid,
+        in_specs=[ANY, ANY],
+        out_specs=tuple(ANY for _ in view.tensors),
         out_shape=tuple(jax.ShapeDtypeStruct((B, t.rows_per_plane * W), state_dtype(t)) for t in view.tensors),
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),
         interpret=interpret,
@@ -287,20 +273,17 @@ def _read_state_pallas(arena, slots, *, view, interpret=False, chunk=None, num_w
 
 @functools.partial(jax.jit, static_argnames=("view", "interpret", "chunk", "num_warps"))
 def _write_state_pallas(arena, slots, tensors, *, view, interpret=False, chunk=None, num_warps=4):
-    check_state_view(arena, view)
-    _check_slots(slots)
+    chunk, grid = _grid(arena, slots, view, chunk)
     _check_tensors(tensors, slots, view)
     B, W = slots.shape[0], view.row_words
-    chunk = chunk or pow2_divisor(W)
-    R = max(t.rows_per_plane for t in view.tensors)
     xs = [jnp.pad(tensors[t.tensor.name].astype(state_dtype(t)).reshape(B, -1),
                   ((0, 0), (0, t.rows_per_plane * W - t.tensor.numel))) for t in view.tensors]
     n = len(xs)
     words = pl.pallas_call(
         functools.partial(_write_kernel, view=view, chunk=chunk),
-        grid=(B, R, W // chunk),
-        in_specs=[_any_spec()] * (n + 2),
-        out_specs=_any_spec(),
+        grid=grid,
+        in_specs=[ANY] * (n + 2),
+        out_specs=ANY,
         out_shape=jax.ShapeDtypeStruct(arena.shape, jnp.uint16),
         input_output_aliases={n + 1: 0},
         compiler_params=triton_params(num_warps=num_warps, num_stages=1),

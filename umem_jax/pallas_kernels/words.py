@@ -37,6 +37,8 @@ __all__ = [
     "encode",
     "decode",
     "encode_np",
+    "check_arena",
+    "kernel_dtype",
     "kernel_view",
 ]
 
@@ -65,6 +67,17 @@ def kv_value_dtype(planes: int, kv_dtype=None):
             raise ValueError(f"kv_dtype {kv_dtype} takes {planes_of(kv_dtype)} planes, the view has {planes}")
         return kv_dtype
     return jnp.dtype(jnp.float32) if planes == 2 else jnp.dtype(jnp.bfloat16)
+
+
+def check_arena(arena, row_words: int | None = None) -> None:
+    """Static checks that `arena` is [num_rows, row_words] of 16-bit words (uint16 or bfloat16),
+    with rows of `row_words` words when given (the view's width)."""
+    if arena.ndim != 2:
+        raise ValueError(f"arena must be [num_rows, row_words], got shape {arena.shape}")
+    if jnp.dtype(arena.dtype) not in WORD_DTYPES:
+        raise ValueError(f"arena dtype must be uint16 or bfloat16, got {arena.dtype}")
+    if row_words is not None and arena.shape[1] != row_words:
+        raise ValueError(f"arena rows are {arena.shape[1]} words, the view says {row_words}")
 
 
 def _check_word_dtype(word_dtype):
@@ -136,6 +149,11 @@ def decode(words, dtype):
     return join_planes(w[..., : n2 // 2], w[..., n2 // 2 :], dtype)
 
 
+def kernel_dtype(arena, interpret: bool):
+    """The dtype `kernel_view(arena, interpret)` has."""
+    return jnp.dtype(jnp.uint16) if interpret else jnp.dtype(arena.dtype)
+
+
 def kernel_view(arena, interpret: bool):
     """The arena as a Pallas kernel should see it: as is on GPU, as uint16 in interpret mode.
 
@@ -145,7 +163,7 @@ def kernel_view(arena, interpret: bool):
     CPU, where a bf16 scatter canonicalises NaN bit patterns (fp32 lo planes often are such
     patterns), so there the kernel sees the uint16 view; tests are small, the pass is cheap.
     """
-    if interpret and jnp.dtype(arena.dtype) != jnp.uint16:
+    if jnp.dtype(arena.dtype) != kernel_dtype(arena, interpret):
         return to_u16(arena)
     return arena
 
