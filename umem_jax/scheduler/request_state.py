@@ -27,6 +27,7 @@ def mark_running(req: Request, cached_tokens: int) -> None:
 
 
 def mark_finished(req: Request, status: RequestStatus) -> None:
+    """Out of the queues with `status` (the engine records why: Request.mark_finished)."""
     req.status = status
 
 
