@@ -191,3 +191,16 @@ def test_penalties_match_dense(engine_llm):
     assert got.outputs[0].token_ids == out
     assert out != dense_greedy([p], 8)[0]  # the penalties changed something
     assert_idle_clean(engine_llm)
+
+
+def test_engine_text_leaves_stop_token_out():
+    m = llm()
+    p = prompts(12)[0]
+    full = m.generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    stop = full.token_ids[3]
+    out = m.generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                         stop_token_ids=[stop]))[0].outputs[0]
+    k = full.token_ids.index(stop)
+    assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop
+    tok = m.get_tokenizer()
+    assert out.text == tok.decode(full.token_ids[:k]) and full.text == tok.decode(full.token_ids)

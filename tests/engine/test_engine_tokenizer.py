@@ -1,4 +1,5 @@
-"""Tokenizer pieces of the engine (serving/tokenizer.py): no model, no device."""
+"""Tokenizer pieces of the engine (engine/tokenizer.py, engine/detokenizer.py) and the request's
+lazily detokenized text: no model, no device."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import json
 
 import pytest
 
-from umem_jax.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDetokenizer, find_stop, render_chat
+from umem_jax.core.request import Request
+from umem_jax.core.sampling_params import SamplingParams
+from umem_jax.engine.detokenizer import IncrementalDetokenizer, find_stop
+from umem_jax.engine.tokenizer import ByteTokenizer, HFTokenizer, render_chat
 
 
 def test_byte_tokenizer_round_trip():
@@ -79,3 +83,22 @@ def test_hf_tokenizer_without_config_uses_model_ids(tmp_path):
     tok = HFTokenizer(d, extra_eos_ids=(1,), bos_token_id=2)  # a GGUF conversion ships tokenizer.json alone
     assert tok.bos_token == "<bos>" and tok.eos_token == "<eos>" and tok.eos_token_ids == (1,)
     assert tok.encode_chat([{"role": "user", "content": "hi"}])[:1] == tok.encode("user", False)
+
+
+def test_request_text_is_detokenized_when_read():
+    tok = ByteTokenizer(320)
+    ids = tok.encode("héllo wörld, ça va?", add_special_tokens=False)  # multi-byte characters
+    eager, inc = "", IncrementalDetokenizer(tok, [1, 70, 71])
+    for t in ids:
+        eager += inc.step(t)
+    for read_every in (1, 3, len(ids)):
+        r = Request("x", None, [1, 70, 71], SamplingParams(max_tokens=64), arrival=0, seed=0, max_tokens=64)
+        r.detok = IncrementalDetokenizer(tok, r.prompt_token_ids)
+        for n, t in enumerate(ids, 1):
+            r.output_token_ids.append(t)
+            r.text_tokens = n
+            if n % read_every == 0:
+                assert eager.startswith(r.text)
+        assert r.text == eager == "héllo wörld, ça va?"
+    r.output_token_ids.append(2)  # a stop token the engine leaves out of the text
+    assert r.text == eager and r.output().outputs[0].text == eager

@@ -12,8 +12,7 @@ from _engine_utils import tiny
 
 from umem_jax.core.request import Request
 from umem_jax.core.sampling_params import SamplingParams
-from umem_jax.core.scheduled_batch import Row, ScheduledBatch
-from umem_jax.core.scheduled_batch import Buckets
+from umem_jax.core.scheduled_batch import Buckets, Row, ScheduledBatch
 from umem_jax.runner.packing import FLOAT_SAMPLING, INT_SAMPLING, RowCache
 from umem_jax.runner.sampler import MODES, SamplingBatch, sampling_mode
 
@@ -248,45 +247,6 @@ def test_row_cache_reuses_rows_and_grows():
     assert sorted(got) == [0, 1, 2] and c.capacity >= 3
     with pytest.raises(ValueError):
         c.set_pages(c.entries[id(reqs[0])], list(range(1, 6)))  # wider than the largest bucket
-
-
-# ------------------------------------------------------------------------------ lazy output text
-
-
-def test_request_text_is_detokenized_when_read():
-    from umem_jax.engine.tokenizer import ByteTokenizer, IncrementalDetokenizer
-
-    tok = ByteTokenizer(320)
-    ids = tok.encode("héllo wörld, ça va?", add_special_tokens=False)  # multi-byte characters
-    eager, inc = "", IncrementalDetokenizer(tok, [1, 70, 71])
-    for t in ids:
-        eager += inc.step(t)
-    for read_every in (1, 3, len(ids)):
-        r = Request("x", None, [1, 70, 71], SamplingParams(max_tokens=64), arrival=0, seed=0, max_tokens=64)
-        r.detok = IncrementalDetokenizer(tok, r.prompt_token_ids)
-        for n, t in enumerate(ids, 1):
-            r.output_token_ids.append(t)
-            r.text_tokens = n
-            if n % read_every == 0:
-                assert eager.startswith(r.text)
-        assert r.text == eager == "héllo wörld, ça va?"
-    r.output_token_ids.append(2)  # a stop token the engine leaves out of the text
-    assert r.text == eager and r.output().outputs[0].text == eager
-
-
-def test_engine_text_leaves_stop_token_out():
-    from _engine_utils import llm, prompts
-
-    m = llm()
-    p = prompts(12)[0]
-    full = m.generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
-    stop = full.token_ids[3]
-    out = m.generate([p], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                         stop_token_ids=[stop]))[0].outputs[0]
-    k = full.token_ids.index(stop)
-    assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop
-    tok = m.get_tokenizer()
-    assert out.text == tok.decode(full.token_ids[:k]) and full.text == tok.decode(full.token_ids)
 
 
 def test_layout_fields_start_256_byte_aligned():

@@ -143,6 +143,16 @@ class AsyncLLMEngine:
         self._ready.wait(timeout)
         return self.ready
 
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (None: token ids only).  Fixed at build: safe from any thread."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + output), fixed at build."""
+        return self.engine.max_model_len
+
     # ------------------------------------------------------------------ requests (any thread / event loop)
     async def add_request(self, prompt, params: SamplingParams, *, request_id: str, priority: int = 0,
                           q: asyncio.Queue | None = None) -> RequestStream:
@@ -234,8 +244,8 @@ class AsyncLLMEngine:
     def _add(self, prompt, params, request_id, priority, loop, q, arrival) -> int:
         eng = self.engine
         limit = self.max_waiting_requests
-        if limit is not None and len(eng.scheduler.waiting) >= limit:
-            raise EngineOverloaded(f"the server is overloaded: {len(eng.scheduler.waiting)} requests are waiting "
+        if limit is not None and eng.num_waiting >= limit:
+            raise EngineOverloaded(f"the server is overloaded: {eng.num_waiting} requests are waiting "
                                    f"(limit {limit}); retry later")
         req = eng.prepare(prompt, params, request_id=request_id, priority=priority)
         eng.enqueue(req)

@@ -5,7 +5,7 @@
     outs = llm.generate(["Hello", [1, 72, 105]], SamplingParams(temperature=0, max_tokens=16))
     print(outs[0].outputs[0].text, outs[0].outputs[0].token_ids)
 
-Keyword arguments are EngineConfig fields (engine.py); unknown ones are an error.
+Keyword arguments are EngineConfig fields (engine/config.py); unknown ones are an error.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class LLM:
                 raise RuntimeError(f"requests {sorted(want - set(done))} vanished from the engine")
             for out in engine.step():
                 done[out.request_id] = out
-        while engine.has_unfinished_requests() and engine._inflight is not None and not engine.scheduler.has_work():
+        while engine.has_inflight and not engine.scheduler.has_work():
             engine.step()  # drain the last overlap row so the engine is idle (and checked)
         return [done[i] for i in ids]
 

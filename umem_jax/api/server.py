@@ -25,7 +25,7 @@ import json
 import logging
 import re
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -81,201 +81,232 @@ def _sse(obj) -> str:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, model_root: str | None = None) -> FastAPI:
     """The FastAPI app.  The caller starts and stops `engine` (serve() does both)."""
-    names = list(served_model_names)
     app = FastAPI(title="umem_jax", docs_url=None, redoc_url=None)
     app.state.engine = engine
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return _error(e.status, e.message, e.param)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_, e: RequestValidationError):
-        errs = e.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            return _error(400, f"malformed JSON body: {first.get('msg', '')}")
-        return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", loc[0] if loc else None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(_, e: Exception):
-        log.exception("umem_jax: request failed")
-        return _error(500, f"internal error: {e!r}")
-
-    # ------------------------------------------------------------------ plain endpoints
-    @app.get("/health")
-    async def health():
-        if engine.ready:
-            return Response(status_code=200)
-        why = engine.dead_message() if engine.error is not None else "the engine is warming up"
-        return _error(503, why)
-
-    @app.get("/v1/models")
-    async def models():
-        mml = engine.engine.max_model_len
-        return ModelList(data=[ModelCard(id=n, root=model_root, max_model_len=mml) for n in names])
-
-    @app.get("/metrics")
-    async def metrics():
-        if engine.metrics is None:
-            raise APIError(404, "metrics are off")
-        body, ctype = engine.metrics.render()
-        return Response(body, media_type=ctype)
-
-    # ------------------------------------------------------------------ generation
-    def _check(body) -> str:
-        """The model name to answer with; 404 for a name not served, 400 for unsupported fields."""
-        if body.model is not None and body.model not in names:
-            raise APIError(404, f"The model `{body.model}` does not exist.", "model")
-        bad = body.unsupported()
-        if bad is not None:
-            raise APIError(400, f"{bad} is not supported by this server", bad)
-        return body.model or names[0]
-
-    async def _start(prompts: list, body, rid: str) -> tuple[list[RequestStream], asyncio.Queue]:
-        """Queue every prompt (all or none) -> their streams, sharing one queue."""
-        try:
-            params = body.sampling_params()
-        except ValueError as e:
-            raise _bad_request(e) from None
-        q: asyncio.Queue = asyncio.Queue()
-        streams: list[RequestStream] = []
-        try:
-            for i, p in enumerate(prompts):
-                streams.append(await engine.add_request(p, params, request_id=f"{rid}-{i}", priority=body.priority,
-                                                        q=q))
-        except BaseException as e:
-            for s in streams:
-                engine.abort(s.request_id)
-            if isinstance(e, ValueError):
-                raise _bad_request(e) from None
-            if isinstance(e, (EngineOverloaded, EngineDead)):
-                raise APIError(503, str(e)) from None
-            raise
-        return streams, q
-
-    async def _deltas(streams: list[RequestStream], q: asyncio.Queue, raw: Request | None):
-        """(index, delta) until every stream finished.  With raw (non-streaming), polls for a
-        disconnected client; the caller's finally aborts what is left."""
-        index = {s.request_id: i for i, s in enumerate(streams)}
-        left = len(streams)
-        while left:
-            if raw is None:
-                d: StreamDelta = await q.get()
-            else:
-                try:
-                    d = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await raw.is_disconnected():
-                        return
-                    continue
-            if d.error is not None:
-                raise APIError(500, d.error)
-            i = index[d.request_id]
-            streams[i].finished = d.finish_reason is not None
-            left -= streams[i].finished
-            yield i, d
-
-    def _abort_unfinished(streams):
-        for s in streams:
-            if not s.finished:
-                engine.abort(s.request_id)
-
-    def _event_stream(streams, chunks) -> StreamingResponse:
-        """SSE response of the `chunks` async generator (response models): an error mid-stream
-        becomes an error event, whatever is unfinished is aborted (frees its pages) and the
-        stream ends with [DONE] in every case."""
-        async def events():
-            try:
-                async for chunk in chunks:
-                    yield _sse(chunk)
-            except APIError as e:
-                yield _sse(error_body(e.status, e.message))
-            finally:
-                _abort_unfinished(streams)
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        model = _check(body)
-        prompts = body.prompts()
-        if not prompts:
-            raise APIError(400, "prompt is empty", "prompt")
-        rid = random_id("cmpl")
-        streams, q = await _start(prompts, body, rid)
-        usage = lambda toks: UsageInfo.of(sum(s.prompt_tokens for s in streams), sum(toks))
-        if body.stream:
-            async def chunks():
-                toks = [0] * len(streams)
-                async for i, d in _deltas(streams, q, None):
-                    toks[i] = d.completion_tokens
-                    if d.text or d.finish_reason is not None:
-                        yield CompletionChunk(id=rid, model=model, choices=[CompletionChoice(
-                            index=i, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
-                if body.include_usage:
-                    yield CompletionChunk(id=rid, model=model, choices=[], usage=usage(toks))
-
-            return _event_stream(streams, chunks())
-        texts, toks, ends = [""] * len(streams), [0] * len(streams), [(None, None)] * len(streams)
-        try:
-            async for i, d in _deltas(streams, q, raw):
-                texts[i] += d.text
-                toks[i] = d.completion_tokens
-                ends[i] = (d.finish_reason, d.stop_reason)
-        finally:
-            _abort_unfinished(streams)
-        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=ends[i][0], stop_reason=ends[i][1])
-                   for i in range(len(streams))]
-        return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(toks))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        model = _check(body)
-        tok = engine.engine.tokenizer
-        if tok is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
-        try:
-            ids = tok.encode_chat(body.conversation(), body.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        rid = random_id("chatcmpl")
-        streams, q = await _start([ids], body, rid)
-        if body.stream:
-            async def chunks():
-                toks = 0
-                yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                    index=0, delta=DeltaMessage(role="assistant", content=""))])
-                async for _, d in _deltas(streams, q, None):
-                    toks = d.completion_tokens
-                    if d.text or d.finish_reason is not None:
-                        yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                            index=0, delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason,
-                            stop_reason=d.stop_reason)])
-                if body.include_usage:
-                    yield ChatCompletionChunk(id=rid, model=model, choices=[],
-                                              usage=UsageInfo.of(streams[0].prompt_tokens, toks))
-
-            return _event_stream(streams, chunks())
-        text, toks, end = "", 0, (None, None)
-        try:
-            async for _, d in _deltas(streams, q, raw):
-                text += d.text
-                toks = d.completion_tokens
-                end = (d.finish_reason, d.stop_reason)
-        finally:
-            _abort_unfinished(streams)
-        return ChatCompletionResponse(id=rid, model=model, choices=[ChatChoice(
-            index=0, message=ChatResponseMessage(content=text), finish_reason=end[0], stop_reason=end[1])],
-            usage=UsageInfo.of(streams[0].prompt_tokens, toks))
-
+    app.state.names = list(served_model_names)
+    app.state.model_root = model_root
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(plain_routes)
+    app.include_router(generation_routes)
     return app
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+async def _api_error(_, e: APIError):
+    return _error(e.status, e.message, e.param)
+
+
+async def _validation_error(_, e: RequestValidationError):
+    errs = e.errors()
+    first = errs[0] if errs else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        return _error(400, f"malformed JSON body: {first.get('msg', '')}")
+    return _error(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}", loc[0] if loc else None)
+
+
+async def _http_error(_, e: StarletteHTTPException):
+    return _error(e.status_code, str(e.detail))
+
+
+async def _internal_error(_, e: Exception):
+    log.exception("umem_jax: request failed")
+    return _error(500, f"internal error: {e!r}")
+
+
+# ------------------------------------------------------------------------------ plain endpoints
+
+plain_routes = APIRouter()
+
+
+@plain_routes.get("/health")
+async def health(raw: Request):
+    engine: AsyncLLMEngine = raw.app.state.engine
+    if engine.ready:
+        return Response(status_code=200)
+    why = engine.dead_message() if engine.error is not None else "the engine is warming up"
+    return _error(503, why)
+
+
+@plain_routes.get("/v1/models")
+async def models(raw: Request):
+    st = raw.app.state
+    return ModelList(data=[ModelCard(id=n, root=st.model_root, max_model_len=st.engine.max_model_len)
+                           for n in st.names])
+
+
+@plain_routes.get("/metrics")
+async def metrics(raw: Request):
+    engine: AsyncLLMEngine = raw.app.state.engine
+    if engine.metrics is None:
+        raise APIError(404, "metrics are off")
+    body, ctype = engine.metrics.render()
+    return Response(body, media_type=ctype)
+
+
+# ------------------------------------------------------------------------------ generation
+
+generation_routes = APIRouter()
+
+
+@generation_routes.post("/v1/completions")
+async def completions(body: CompletionRequest, raw: Request):
+    engine: AsyncLLMEngine = raw.app.state.engine
+    model = _check(body, raw.app.state.names)
+    prompts = body.prompts()
+    if not prompts:
+        raise APIError(400, "prompt is empty", "prompt")
+    rid = random_id("cmpl")
+    streams, q = await _start(engine, prompts, body, rid)
+    usage = lambda toks: UsageInfo.of(sum(s.prompt_tokens for s in streams), sum(toks))
+    if body.stream:
+        async def chunks():
+            toks = [0] * len(streams)
+            async for i, d in _deltas(streams, q, None):
+                toks[i] = d.completion_tokens
+                if d.text or d.finish_reason is not None:
+                    yield CompletionChunk(id=rid, model=model, choices=[CompletionChoice(
+                        index=i, text=d.text, finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+            if body.include_usage:
+                yield CompletionChunk(id=rid, model=model, choices=[], usage=usage(toks))
+
+        return _event_stream(engine, streams, chunks())
+    texts, toks, ends = [""] * len(streams), [0] * len(streams), [(None, None)] * len(streams)
+    try:
+        async for i, d in _deltas(streams, q, raw):
+            texts[i] += d.text
+            toks[i] = d.completion_tokens
+            ends[i] = (d.finish_reason, d.stop_reason)
+    finally:
+        _abort_unfinished(engine, streams)
+    choices = [CompletionChoice(index=i, text=texts[i], finish_reason=ends[i][0], stop_reason=ends[i][1])
+               for i in range(len(streams))]
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage(toks))
+
+
+@generation_routes.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    engine: AsyncLLMEngine = raw.app.state.engine
+    model = _check(body, raw.app.state.names)
+    tok = engine.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
+    try:
+        ids = tok.encode_chat(body.conversation(), body.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    rid = random_id("chatcmpl")
+    streams, q = await _start(engine, [ids], body, rid)
+    if body.stream:
+        async def chunks():
+            toks = 0
+            yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+                index=0, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, d in _deltas(streams, q, None):
+                toks = d.completion_tokens
+                if d.text or d.finish_reason is not None:
+                    yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+                        index=0, delta=DeltaMessage(content=d.text or None), finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason)])
+            if body.include_usage:
+                yield ChatCompletionChunk(id=rid, model=model, choices=[],
+                                          usage=UsageInfo.of(streams[0].prompt_tokens, toks))
+
+        return _event_stream(engine, streams, chunks())
+    text, toks, end = "", 0, (None, None)
+    try:
+        async for _, d in _deltas(streams, q, raw):
+            text += d.text
+            toks = d.completion_tokens
+            end = (d.finish_reason, d.stop_reason)
+    finally:
+        _abort_unfinished(engine, streams)
+    return ChatCompletionResponse(id=rid, model=model, choices=[ChatChoice(
+        index=0, message=ChatResponseMessage(content=text), finish_reason=end[0], stop_reason=end[1])],
+        usage=UsageInfo.of(streams[0].prompt_tokens, toks))
+
+
+def _check(body, names: list[str]) -> str:
+    """The model name to answer with; 404 for a name not served, 400 for unsupported fields."""
+    if body.model is not None and body.model not in names:
+        raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+    bad = body.unsupported()
+    if bad is not None:
+        raise APIError(400, f"{bad} is not supported by this server", bad)
+    return body.model or names[0]
+
+
+async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str) -> tuple[list[RequestStream], asyncio.Queue]:
+    """Queue every prompt (all or none) -> their streams, sharing one queue."""
+    try:
+        params = body.sampling_params()
+    except ValueError as e:
+        raise _bad_request(e) from None
+    q: asyncio.Queue = asyncio.Queue()
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            streams.append(await engine.add_request(p, params, request_id=f"{rid}-{i}", priority=body.priority, q=q))
+    except BaseException as e:
+        for s in streams:
+            engine.abort(s.request_id)
+        if isinstance(e, ValueError):
+            raise _bad_request(e) from None
+        if isinstance(e, (EngineOverloaded, EngineDead)):
+            raise APIError(503, str(e)) from None
+        raise
+    return streams, q
+
+
+async def _deltas(streams: list[RequestStream], q: asyncio.Queue, raw: Request | None):
+    """(index, delta) until every stream finished.  With raw (non-streaming), polls for a
+    disconnected client; the caller's finally aborts what is left."""
+    index = {s.request_id: i for i, s in enumerate(streams)}
+    left = len(streams)
+    while left:
+        if raw is None:
+            d: StreamDelta = await q.get()
+        else:
+            try:
+                d = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await raw.is_disconnected():
+                    return
+                continue
+        if d.error is not None:
+            raise APIError(500, d.error)
+        i = index[d.request_id]
+        streams[i].finished = d.finish_reason is not None
+        left -= streams[i].finished
+        yield i, d
+
+
+def _abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> None:
+    for s in streams:
+        if not s.finished:
+            engine.abort(s.request_id)
+
+
+def _event_stream(engine: AsyncLLMEngine, streams: list[RequestStream], chunks) -> StreamingResponse:
+    """SSE response of the `chunks` async generator (response models): an error mid-stream
+    becomes an error event, whatever is unfinished is aborted (frees its pages) and the
+    stream ends with [DONE] in every case."""
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield _sse(chunk)
+        except APIError as e:
+            yield _sse(error_body(e.status, e.message))
+        finally:
+            _abort_unfinished(engine, streams)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 def serve(engine: AsyncLLMEngine, served_model_names: list[str], *, host: str = "127.0.0.1", port: int = 8000,

@@ -34,11 +34,6 @@ class Batch:
     checkpoint_positions: jax.Array | None = None
     checkpoint_slots: jax.Array | None = None
 
-    @property
-    def is_decode(self) -> bool:
-        """Static: T == 1 steps take the decode kernels."""
-        return self.tokens.shape[1] == 1
-
     def positions(self) -> jax.Array:
         """[B, T] int32 position of every new token (padding rows continue the count)."""
         t = self.tokens.shape[1]

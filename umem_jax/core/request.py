@@ -173,6 +173,31 @@ class Request:
         self._text_fed = self.text_tokens
         return new
 
+    # ------------------------------------------------------------------ state changes by the engine
+    def mark_pending(self, row: int) -> None:
+        """A launched step samples this request's next token, in row `row` of its output: the
+        token stays on the device (pending) until the engine reads that step back."""
+        self.pending_row = row
+        self.num_pending += 1
+
+    def read_pending(self) -> None:
+        """The engine read one pending token back (it appends it, or drops it if the request
+        finished meanwhile)."""
+        self.num_pending -= 1
+
+    def clip_max_tokens(self, n: int) -> None:
+        """Lower max_tokens to `n` (the memory clip at arrival); min_tokens never exceeds it."""
+        self.max_tokens = n
+        self.min_tokens = min(self.min_tokens, n)
+
+    def mark_finished(self, status: RequestStatus, stop_reason: int | str | None = None,
+                      error: str | None = None) -> None:
+        """Record how the request ended (after the scheduler gave back its memory, if it held any)."""
+        self.status = status
+        self.finish_reason = status.value
+        self.stop_reason = stop_reason
+        self.error = error
+
     @property
     def sort_key(self) -> tuple[int, int]:
         """Most preferred first: higher priority (lower value), then earlier arrival."""

@@ -47,8 +47,9 @@ class Buckets:
                    _pow2_upto(min(8, max_pages), max_pages))
 
     def reachable(self, max_num_batched_tokens: int, page_size: int, max_num_seqs: int,
-                  kc: int = 0) -> list[tuple[int, int, int, int]]:
-        """Every (B, T, P, kc) step shape the scheduler can launch, decode first: decode [B, 1] at
+                  checkpoints_per_row: int = 0) -> list[tuple[int, int, int, int]]:
+        """Every (B, T, P, checkpoints per row) step shape the scheduler can launch, decode first
+        (decode steps take no checkpoints): decode [B, 1] at
         any page width; prefill [B, T] within the token budget (a lone row may take the largest T:
         scheduler.prefill.fit_chunk) at the page widths a row of T tokens can need."""
         top_b = self.pick(self.batch, max_num_seqs)
@@ -63,7 +64,7 @@ class Buckets:
                 if -(-longest // page_size) > self.pages[-1]:  # no request is that long
                     continue
                 min_p = self.pick(self.pages, -(-longest // page_size))
-                out += [(b, t, p, kc) for p in self.pages if p >= min_p]
+                out += [(b, t, p, checkpoints_per_row) for p in self.pages if p >= min_p]
         return out
 
     @staticmethod

@@ -7,7 +7,8 @@
 
 A request crosses: engine.add_request (tokenize, validate, memory clip) -> scheduler.schedule
 (batch + memory) -> runner.launch (one jitted step: model -> kernels -> arena, then sampler)
--> engine._process (stop checks, detokenize) -> RequestOutput.
+-> engine._process (stop checks, detokenize) -> RequestOutput.  The parts are made by
+build.py, in dependency order.
 
 Overlap: `step()` launches step N+1 before reading step N's tokens, so the host schedules
 while the device computes; decode rows take their input token from step N's device output.
@@ -17,7 +18,8 @@ need every output token on the host).
 
 Prefix caching (on by default, as in vLLM; `enable_prefix_caching=False` turns it off): a
 request whose prompt starts with cached pages shares them and computes only the rest; see
-prefix_cache.py for what is cached of each kind of memory and scheduler.py for when.
+scheduler/prefix_cache.py for what is cached of each kind of memory and scheduler/scheduler.py
+for when.
 
 At idle (nothing queued, nothing in flight) the engine checks the allocator's invariants and
 that every allocated page / slot is held by a live request or the prefix cache (refcounts
@@ -26,147 +28,40 @@ included), and raises on any violation.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
 
-import jax
 import numpy as np
 
 from ..core.request import Request, RequestOutput, RequestStatus
 from ..core.sampling_params import SamplingParams
-from ..core.scheduled_batch import Buckets
-from ..memory import ChainAllocator, size_arena, static_regions
-from ..memory import plan as make_plan
-from ..memory.demand import DemandModel
-from ..memory.sizing import ArenaSizeError, budget_bytes, check_bs1_floor
-from ..runner.runner import Runner
-from ..scheduler.scheduler import Scheduler, SchedulerConfig
-from .tokenizer import IncrementalDetokenizer, find_stop, get_tokenizer
+from ..runner.runner import Launched
+from .build import build
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, find_stop
 
 log = logging.getLogger("umem_jax")
 
-DEFAULT_CPU_ARENA_BYTES = 64 << 20  # no memory_stats() on CPU: a fixed budget unless arena_bytes is given
 BUDGET_MESSAGE = "Request prompt exceeds the KV memory budget: input_len={}."
-
-
-@dataclasses.dataclass
-class EngineConfig:
-    """Engine options, vLLM / SGLang names where they exist."""
-
-    model: object = "tiny"  # a path, a built-in name ("tiny", the default Gemma 3 name) or a loaded Model
-    tokenizer: str | None = None
-    memory_mode: str = "unified"  # "unified": one arena, bands move | "static": fixed pools by the ratios
-    swa_full_tokens_ratio: float = 0.8
-    mamba_full_memory_ratio: float = 0.9
-    gpu_memory_utilization: float = 0.9
-    arena_bytes: int | None = None  # the arena budget in bytes (required in spirit on CPU)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # prefill tokens per step, and the longest chunk
-    page_size: int = 16
-    max_model_len: int | None = None
-    dtype: str | None = None  # weights; default: the checkpoint's
-    kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if 16/32-bit float), "bfloat16", "float32"
-    load_format: str = "auto"  # "auto" | "dummy" (random weights of the checkpoint's shape)
-    seed: int = 0
-    kernel_impl: str | None = None  # "pallas" | "reference"; default: pallas on GPU, reference elsewhere
-    interpret: bool = False
-    batch_buckets: tuple[int, ...] | None = None
-    token_buckets: tuple[int, ...] | None = None
-    page_buckets: tuple[int, ...] | None = None
-    new_token_ratio: float = 0.5
-    max_prefill_streak: int = 4
-    extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
-    enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)
-    max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
-    checkpoint_interval: int | None = None  # decode tokens between state checkpoints (None: the model's)
-    async_scheduling: bool = True
-    check_at_idle: bool = True
-    debug_nan: bool = False
-    tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
-    fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
-
-    def __post_init__(self):
-        if self.memory_mode not in ("unified", "static"):
-            raise ValueError(f"memory_mode must be 'unified' or 'static', got {self.memory_mode!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = cfg = config
-        self.model = _load(cfg)
-        if cfg.tensor_parallel_size > 1:  # from here on: the per-device model, plan and arena bytes
-            from ..models.sharded_model import shard_model
-
-            self.model = shard_model(self.model, cfg.tensor_parallel_size)
-        if cfg.fuse_projections:  # before sizing the arena; a model this engine made is donated
-            self.model = self.model.fuse_projections(donate=self.model is not cfg.model)
-        mc = self.model.config
-        kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
-            mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
-        self.plan = make_plan(self.model.decls(kv), page_size=cfg.page_size)
-        self.max_model_len = int(cfg.max_model_len or mc.max_position_embeddings)
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{mc.max_position_embeddings}")
-        if cfg.arena_bytes is not None:
-            budget = budget_bytes(fixed_bytes=int(cfg.arena_bytes), plan=self.plan)
-        elif jax.devices()[0].memory_stats() is None:
-            budget = budget_bytes(fixed_bytes=DEFAULT_CPU_ARENA_BYTES, plan=self.plan)
-        else:  # weights are loaded: bytes_in_use counts them; keep 1/16 of the rest for step temporaries
-            budget = budget_bytes(fraction=cfg.gpu_memory_utilization, plan=self.plan,
-                                  reserve_bytes=_reserve(cfg.gpu_memory_utilization))
-        self.size = size_arena(self.plan, budget)
-        regions = None
-        if cfg.memory_mode == "static":
-            regions = static_regions(self.plan, self.size.num_rows, swa_full_tokens_ratio=cfg.swa_full_tokens_ratio,
-                                     mamba_full_memory_ratio=cfg.mamba_full_memory_ratio)
-        self.regions = regions
-        self.allocator = ChainAllocator(self.plan, self.size.num_rows, static_regions=regions)
-        max_pages = -(-self.max_model_len // cfg.page_size)
-        d = Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_pages)
-        self.buckets = Buckets(tuple(cfg.batch_buckets or d.batch), tuple(cfg.token_buckets or d.tokens),
-                               tuple(cfg.page_buckets or d.pages))
-        if self.buckets.pages[-1] < max_pages:
-            raise ValueError(f"page_buckets top out at {self.buckets.pages[-1]} pages; max_model_len="
-                             f"{self.max_model_len} needs {max_pages}")
-        chunk = min(cfg.max_num_batched_tokens, self.buckets.tokens[-1])
-        empty = ChainAllocator(self.plan, self.size.num_rows, static_regions=regions)
-        self.demand = DemandModel(self.plan, chunk=chunk, empty=empty, extra_state_slots=cfg.extra_state_slots)
-        interval = cfg.checkpoint_interval
-        if interval is None:
-            interval = self.plan.state.lifetime.checkpoint_interval if self.plan.state is not None else 0
-        sched_cfg = SchedulerConfig(min(cfg.max_num_seqs, self.buckets.batch[-1]), cfg.max_num_batched_tokens,
-                                    self.buckets, new_token_ratio=cfg.new_token_ratio,
-                                    max_prefill_streak=cfg.max_prefill_streak,
-                                    enable_prefix_caching=cfg.enable_prefix_caching,
-                                    max_checkpoints_per_path=cfg.max_checkpoints_per_path,
-                                    checkpoint_interval=int(interval))
-        self.scheduler = Scheduler(sched_cfg, self.allocator, self.demand)
-        self.tokenizer = get_tokenizer(self.model, cfg.tokenizer)
-        eos = mc.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, (tuple, list)) else ([] if eos is None else [eos]))
-        if self.tokenizer is not None:
-            self.eos_ids |= set(self.tokenizer.eos_token_ids)
-        self.runner = Runner(self.model, self.plan, self.size.num_rows, self.allocator, self.buckets,
-                             impl=cfg.kernel_impl, interpret=cfg.interpret, debug_nan=cfg.debug_nan,
-                             checkpoints=cfg.enable_prefix_caching)
+        parts = build(cfg)
+        self.model, self.plan, self.max_model_len = parts.model, parts.plan, parts.max_model_len
+        self.size, self.regions, self.allocator = parts.size, parts.regions, parts.allocator
+        self.buckets, self.demand, self.scheduler = parts.buckets, parts.demand, parts.scheduler
+        self.tokenizer, self.eos_ids, self.runner = parts.tokenizer, parts.eos_ids, parts.runner
         self._requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []  # refused at arrival, reported by the next step()
-        self._inflight = None
+        self._aborted: list[Request] = []  # refused at arrival or aborted, reported by the next step()
+        self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._arrivals = itertools.count()
         self.num_steps = {"prefill": 0, "decode": 0}
         self.num_idle_checks = 0
-        self._warn_floor()
-        log.info("umem_jax engine: %s mode\n%s\n%s", cfg.memory_mode, self.plan.table(), self.size.summary(regions))
+        log.info("umem_jax engine: %s mode\n%s\n%s", cfg.memory_mode, self.plan.table(),
+                 self.size.summary(self.regions))
 
     # ------------------------------------------------------------------ requests
     def prepare(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -216,14 +111,12 @@ class LLMEngine:
         self._requests[req.request_id] = req
         clipped = self.demand.clip(req.prompt_len, req.max_tokens)
         if clipped is None:
-            req.status = RequestStatus.FINISHED_ABORTED
-            req.finish_reason, req.error = "abort", BUDGET_MESSAGE.format(req.prompt_len)
+            req.mark_finished(RequestStatus.FINISHED_ABORTED, error=BUDGET_MESSAGE.format(req.prompt_len))
             self._aborted.append(req)
             return req.request_id
         if clipped < req.max_tokens:
             log.info("request %s: max_tokens %d clipped to %d by the arena", req.request_id, req.max_tokens, clipped)
-            req.max_tokens = clipped
-            req.min_tokens = min(req.min_tokens, clipped)
+            req.clip_max_tokens(clipped)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         self.scheduler.add(req)
@@ -234,12 +127,26 @@ class LLMEngine:
         if req is None or req.finished:
             return
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        req.finish_reason = "abort"
-        req.error = "aborted by the user"
+        req.mark_finished(RequestStatus.FINISHED_ABORTED, error="aborted by the user")
         self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._aborted) or self.scheduler.has_work() or self._inflight is not None
+
+    @property
+    def has_inflight(self) -> bool:
+        """A launched step's tokens are not read back yet (the overlap: see step())."""
+        return self._inflight is not None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued and not admitted (retracted ones included)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding arena memory (prefilling or decoding)."""
+        return len(self.scheduler.running)
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -298,7 +205,8 @@ class LLMEngine:
         """Penalties count every output token, so read back pending tokens before packing."""
         return any(r.params.has_penalties for r in self.scheduler.running)
 
-    def _process(self, launched) -> list[RequestOutput]:
+    def _process(self, launched: Launched) -> list[RequestOutput]:
+        """Read back `launched`'s tokens and apply them -> outputs of the requests that finished."""
         tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
         outs = []
         now = time.time()
@@ -306,7 +214,7 @@ class LLMEngine:
             if not row.sample:
                 continue
             req = row.req
-            req.num_pending -= 1
+            req.read_pending()
             if req.finished:  # stopped a step ago; this row was a wasted overlap row
                 continue
             if req.metrics.first_token_time is None:
@@ -340,8 +248,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, status: RequestStatus, stop_reason) -> None:
         self.scheduler.finish(req, status)
-        req.finish_reason = status.value
-        req.stop_reason = stop_reason
+        req.mark_finished(status, stop_reason)
 
     # ------------------------------------------------------------------ compilation
     def reachable_shapes(self) -> list[tuple[int, int, int, int]]:
@@ -403,7 +310,7 @@ class LLMEngine:
             "memory_mode": self.config.memory_mode, "arena_bytes": u.total_bytes, "live_bytes": u.live_bytes,
             "evictable_bytes": self.evictable_bytes(), "hole_bytes": u.hole_bytes, "free_bytes": u.free_bytes,
             "held": {k: v.held for k, v in u.subpools.items()},
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "num_running": self.num_running, "num_waiting": self.num_waiting,
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
             "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
@@ -421,52 +328,6 @@ class LLMEngine:
                   "held": cache.held_by_subpool() if cache is not None else {}}
         return {"prefix_cache_queries": c.get("query_tokens", 0), "prefix_cache_hits": c.get("hit_tokens", 0),
                 "num_evictions": c.get("evicted_pages", 0), "prefix_cache": detail}
-
-    def _warn_floor(self) -> None:
-        try:
-            check_bs1_floor(self.plan, self.size.num_rows, max_model_len=self.max_model_len,
-                            checkpoint_slots=self.config.extra_state_slots, static_regions=self.regions)
-        except ArenaSizeError as e:  # not fatal: the memory clip refuses or shortens what does not fit
-            log.warning("%s", e)
-
-
-def _reserve(fraction: float) -> int:
-    """Bytes kept out of the arena for the step's temporaries (activations, logits, sampler
-    sort): 1/16 of what is left after the weights, at most 4 GiB.  A heuristic: measuring the
-    compiled steps (sizing.compiled_temp_bytes) would need them compiled before the arena exists."""
-    stats = jax.devices()[0].memory_stats() or {}
-    left = int(stats.get("bytes_limit", 0)) * fraction - int(stats.get("bytes_in_use", 0))
-    return int(min(max(left, 0) // 16, 4 << 30))
-
-
-def _load(cfg: EngineConfig):
-    """A Model from cfg.model: a Model as is, a built-in name, a path; load_format="dummy" gives
-    random weights of the checkpoint's shapes (no weights read)."""
-    from ..models import loader
-    from ..models.model import Model
-
-    if isinstance(cfg.model, Model):
-        return cfg.model
-    name = str(cfg.model)
-    if cfg.load_format == "dummy" and name not in ("tiny", "tiny-attention"):
-        from pathlib import Path
-
-        from flax import nnx
-
-        from ..models.config import load_hf_config
-        from ..models.registry import model_class
-
-        path = Path(name)
-        if name == loader.DEFAULT_MODEL:
-            path = loader.convert_gguf(loader.fetch_default_model())
-        mc = load_hf_config(path)
-        if cfg.dtype is not None:
-            mc = dataclasses.replace(mc, dtype=cfg.dtype)
-        model = Model.from_module(model_class(mc.architecture)(mc, rngs=nnx.Rngs(cfg.seed)))
-        tok = path / "tokenizer.json"
-        model.tokenizer_path = tok if tok.exists() else None
-        return model
-    return loader.load_model(name, dtype=cfg.dtype)
 
 
 __all__ = ["BUDGET_MESSAGE", "EngineConfig", "LLMEngine"]

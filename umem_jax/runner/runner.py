@@ -148,8 +148,7 @@ class Runner:
             tokens = tokens.addressable_data(0)
         for i, row in enumerate(rows):
             if row.sample:
-                row.req.pending_row = i
-                row.req.num_pending += 1
+                row.req.mark_pending(i)
         return Launched(batch, tokens)
 
     def _pick_layout(self, batch: ScheduledBatch, entries: list[RowEntry], cache_rows: np.ndarray) -> Layout:

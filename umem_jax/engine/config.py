@@ -1,0 +1,56 @@
+"""EngineConfig: every engine option, with vLLM / SGLang names where they exist."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Engine options, vLLM / SGLang names where they exist."""
+
+    model: object = "tiny"  # a path, a built-in name ("tiny", the default Gemma 3 name) or a loaded Model
+    tokenizer: str | None = None
+    memory_mode: str = "unified"  # "unified": one arena, bands move | "static": fixed pools by the ratios
+    swa_full_tokens_ratio: float = 0.8
+    mamba_full_memory_ratio: float = 0.9
+    gpu_memory_utilization: float = 0.9
+    arena_bytes: int | None = None  # the arena budget in bytes (required in spirit on CPU)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # prefill tokens per step, and the longest chunk
+    page_size: int = 16
+    max_model_len: int | None = None
+    dtype: str | None = None  # weights; default: the checkpoint's
+    kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if 16/32-bit float), "bfloat16", "float32"
+    load_format: str = "auto"  # "auto" | "dummy" (random weights of the checkpoint's shape)
+    seed: int = 0
+    kernel_impl: str | None = None  # "pallas" | "reference"; default: pallas on GPU, reference elsewhere
+    interpret: bool = False
+    batch_buckets: tuple[int, ...] | None = None
+    token_buckets: tuple[int, ...] | None = None
+    page_buckets: tuple[int, ...] | None = None
+    new_token_ratio: float = 0.5
+    max_prefill_streak: int = 4
+    extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
+    enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)
+    max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
+    checkpoint_interval: int | None = None  # decode tokens between state checkpoints (None: the model's)
+    async_scheduling: bool = True
+    check_at_idle: bool = True
+    debug_nan: bool = False
+    tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
+    fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
+
+    def __post_init__(self):
+        if self.memory_mode not in ("unified", "static"):
+            raise ValueError(f"memory_mode must be 'unified' or 'static', got {self.memory_mode!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+
+
+__all__ = ["EngineConfig"]
