@@ -4,6 +4,7 @@ the whole suite compiles the serving step twice: a decode and a prefill shape)."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -81,3 +82,49 @@ def assert_idle_clean(llm_obj):
     assert e.num_idle_checks > 0
     st = e.stats()
     assert st["held"] == {k: st["prefix_cache"]["held"].get(k, 0) for k in st["held"]}
+
+
+@dataclasses.dataclass
+class SamplingBatch:
+    """Per-row sampling arrays for a batch of B rows, built row by row from SamplingParams
+    (padding rows are greedy): the reference the runner's packed sampling words and the
+    sampler tests are checked against."""
+
+    temperature: np.ndarray  # [B] f32
+    top_k: np.ndarray  # [B] i32, 0 = off
+    top_p: np.ndarray  # [B] f32
+    min_p: np.ndarray  # [B] f32
+    seed: np.ndarray  # [B] i32
+    step: np.ndarray  # [B] i32, the output position, folded into the key
+    repetition_penalty: np.ndarray  # [B] f32
+    presence_penalty: np.ndarray  # [B] f32
+    frequency_penalty: np.ndarray  # [B] f32
+
+    @classmethod
+    def build(cls, params: list, seeds: list[int], steps: list[int], size: int) -> "SamplingBatch":
+        pad = size - len(params)
+        ps = list(params) + [None] * pad
+
+        def col(f, default, dtype):
+            return np.array([f(p) if p is not None else default for p in ps], dtype)
+
+        return cls(
+            temperature=col(lambda p: p.temperature, 0.0, np.float32),
+            top_k=col(lambda p: max(p.top_k, 0), 0, np.int32),
+            top_p=col(lambda p: p.top_p, 1.0, np.float32),
+            min_p=col(lambda p: p.min_p, 0.0, np.float32),
+            seed=np.array(list(seeds) + [0] * pad, np.int32),
+            step=np.array(list(steps) + [0] * pad, np.int32),
+            repetition_penalty=col(lambda p: p.repetition_penalty, 1.0, np.float32),
+            presence_penalty=col(lambda p: p.presence_penalty, 0.0, np.float32),
+            frequency_penalty=col(lambda p: p.frequency_penalty, 0.0, np.float32),
+        )
+
+    def arrays(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def mode(self) -> str:
+        from umem_jax.runner.sampler import sampling_mode
+
+        return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)

@@ -129,4 +129,4 @@ def _generate(eng, ps, sp=None):
 
 def _check_idle(eng):
     eng.check_idle()
-    assert not eng.scheduler.running and not eng.scheduler.waiting
+    assert eng.num_running == 0 and eng.num_waiting == 0

@@ -8,13 +8,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _engine_utils import tiny
+from _engine_utils import SamplingBatch, tiny
 
 from umem_jax.core.request import Request
 from umem_jax.core.sampling_params import SamplingParams
 from umem_jax.core.scheduled_batch import Buckets, Row, ScheduledBatch
 from umem_jax.runner.packing import FLOAT_SAMPLING, INT_SAMPLING, RowCache
-from umem_jax.runner.sampler import MODES, SamplingBatch, sampling_mode
+from umem_jax.runner.sampler import MODES, sampling_mode
 
 
 def _engine(**kw):
@@ -52,9 +52,9 @@ def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
     v["src"][:] = -1
     vids = np.full((lay.B, lay.P), -1, np.int32)
     slot_ids = np.full((lay.B,), -1, np.int32)
-    kc = lay.checkpoints_per_row
-    ck_ids = np.full((lay.B, max(1, kc)), -1, np.int32)
-    if kc:
+    K = lay.checkpoints_per_row
+    ck_ids = np.full((lay.B, max(1, K)), -1, np.int32)
+    if K:
         v["checkpoint_positions"][:] = -1
     v["ban"][:] = -1
     params, seeds, steps = [], [], []
@@ -69,7 +69,7 @@ def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
         vids[i, : len(req.pages)] = req.pages
         if req.slots:
             slot_ids[i] = req.slots[0]
-        for j, (pos, slot) in enumerate(getattr(row, "checkpoints", ())[:kc]):
+        for j, (pos, slot) in enumerate(getattr(row, "checkpoints", ())[:K]):
             v["checkpoint_positions"][i, j], ck_ids[i, j] = pos - row.start, slot
         params.append(req.params)
         seeds.append(req.seed)
@@ -81,8 +81,8 @@ def reference_meta(runner, batch: ScheduledBatch) -> tuple[np.ndarray, object]:
         v[f"table:{p}"][:] = runner.allocator.translate_pages(vids, p, lay.P)
     if runner.has_state:
         v["slots"][:] = runner.allocator.translate_slots(slot_ids, lay.B)
-    if kc:
-        v["checkpoint_slots"][:] = runner.allocator.translate_slots(ck_ids.reshape(-1)).reshape(lay.B, kc)
+    if K:
+        v["checkpoint_slots"][:] = runner.allocator.translate_slots(ck_ids.reshape(-1)).reshape(lay.B, K)
     sb = SamplingBatch.build(params, seeds, steps, lay.B)
     for name in INT_SAMPLING + FLOAT_SAMPLING:
         v[name][:] = getattr(sb, name)
@@ -254,8 +254,8 @@ def test_layout_fields_start_256_byte_aligned():
     those starts on a 256-byte boundary of the buffer; the sampling fields stay one block."""
     from umem_jax.runner.packing import FIELD_ALIGN, SAMPLING_FIELDS, Layout
 
-    for B, T, P, kc in [(1, 1, 3, 0), (5, 17, 7, 2), (64, 1, 129, 0)]:
-        lay = Layout(B, T, P, ("full", "sliding_4096"), 64, 3, True, kc)
+    for B, T, P, K in [(1, 1, 3, 0), (5, 17, 7, 2), (64, 1, 129, 0)]:
+        lay = Layout(B, T, P, ("full", "sliding_4096"), 64, 3, True, K)
         offs = {n: at for n, (at, _) in lay.offsets.items() if n != "_size"}
         for name, at in offs.items():
             if name not in SAMPLING_FIELDS[1:]:
@@ -300,6 +300,6 @@ def test_step_has_no_device_conditional(mode):
     sampler's threefry lowers to a rolled loop, on the GPU to one kernel.)"""
     eng = _engine(kernel_impl="reference")
     r = eng.runner
-    for B, T, P, kc in ((2, 1, 8, 0), (2, 16, 8, r.checkpoints_per_row)):  # decode, and prefill with state checkpoints
-        text = r.lower(r.layout(B, T, P, False, kc, mode)).as_text()
+    for B, T, P, K in ((2, 1, 8, 0), (2, 16, 8, r.checkpoints_per_row)):  # decode, and prefill with state checkpoints
+        text = r.lower(r.layout(B, T, P, False, K, mode)).as_text()
         assert "stablehlo.if" not in text and "stablehlo.case" not in text, (B, T, mode)

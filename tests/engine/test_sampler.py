@@ -3,9 +3,10 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _engine_utils import SamplingBatch
 
 from umem_jax.core.sampling_params import SamplingParams
-from umem_jax.runner.sampler import MODES, SamplingBatch, apply_penalties, sample
+from umem_jax.runner.sampler import MODES, apply_penalties, sample
 
 
 def run(logits, params, seeds=None, steps=None, mode=None):

@@ -60,9 +60,5 @@ class SamplingParams:
                 raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
 
     @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

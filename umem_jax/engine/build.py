@@ -109,9 +109,9 @@ def arena_budget(cfg: EngineConfig, plan) -> int:
 def step_buckets(cfg: EngineConfig, max_model_len: int) -> Buckets:
     """The step shapes: cfg's buckets where given, else powers of two up to the limits."""
     max_pages = -(-max_model_len // cfg.page_size)
-    d = Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_pages)
-    buckets = Buckets(tuple(cfg.batch_buckets or d.batch), tuple(cfg.token_buckets or d.tokens),
-                      tuple(cfg.page_buckets or d.pages))
+    default = Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, max_pages)
+    buckets = Buckets(tuple(cfg.batch_buckets or default.batch), tuple(cfg.token_buckets or default.tokens),
+                      tuple(cfg.page_buckets or default.pages))
     if buckets.pages[-1] < max_pages:
         raise ValueError(f"page_buckets top out at {buckets.pages[-1]} pages; max_model_len={max_model_len} needs "
                          f"{max_pages}")

@@ -26,7 +26,7 @@ FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presen
 # request's life (converted once), except `step`, which is filled in every step.
 SAMPLING_FIELDS = INT_SAMPLING + FLOAT_SAMPLING
 STEP_COLUMN = SAMPLING_FIELDS.index("step")
-# The value of each per-row field in a padding row (SamplingBatch's padding: greedy, no cuts).
+# The value of each per-row field in a padding row: greedy, no cuts, no penalties, nothing fed or banned.
 _PAD = {"src": -1, "ban": -1, "checkpoint_positions": -1, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
@@ -224,4 +224,4 @@ class RowCache:
             self.free += range(2 * cap - 1, cap - 1, -1)
 
 
-__all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "Layout", "RowCache", "RowEntry", "SAMPLING_FIELDS"]
+__all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "SAMPLING_FIELDS", "Layout", "RowCache", "RowEntry"]

@@ -12,56 +12,11 @@ because building counts costs a [B, V] scatter.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from ..core.sampling_params import SamplingParams
-
-
-@dataclasses.dataclass
-class SamplingBatch:
-    """Per-row sampling arrays for a batch of B rows (padding rows are greedy)."""
-
-    temperature: np.ndarray  # [B] f32
-    top_k: np.ndarray  # [B] i32, 0 = off
-    top_p: np.ndarray  # [B] f32
-    min_p: np.ndarray  # [B] f32
-    seed: np.ndarray  # [B] i32
-    step: np.ndarray  # [B] i32, the output position, folded into the key
-    repetition_penalty: np.ndarray  # [B] f32
-    presence_penalty: np.ndarray  # [B] f32
-    frequency_penalty: np.ndarray  # [B] f32
-
-    @classmethod
-    def build(cls, params: list[SamplingParams | None], seeds: list[int], steps: list[int], size: int) -> "SamplingBatch":
-        pad = size - len(params)
-        ps = list(params) + [None] * pad
-
-        def col(f, default, dtype):
-            return np.array([f(p) if p is not None else default for p in ps], dtype)
-
-        return cls(
-            temperature=col(lambda p: p.temperature, 0.0, np.float32),
-            top_k=col(lambda p: max(p.top_k, 0), 0, np.int32),
-            top_p=col(lambda p: p.top_p, 1.0, np.float32),
-            min_p=col(lambda p: p.min_p, 0.0, np.float32),
-            seed=np.array(list(seeds) + [0] * pad, np.int32),
-            step=np.array(list(steps) + [0] * pad, np.int32),
-            repetition_penalty=col(lambda p: p.repetition_penalty, 1.0, np.float32),
-            presence_penalty=col(lambda p: p.presence_penalty, 0.0, np.float32),
-            frequency_penalty=col(lambda p: p.frequency_penalty, 0.0, np.float32),
-        )
-
-    def arrays(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @property
-    def mode(self) -> str:
-        return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 def apply_penalties(logits, prompt_counts, output_counts, rep, presence, frequency):
@@ -96,7 +51,7 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode: str
     parameters and seed alone, never on the mode its batch took."""
     if mode not in MODES:
         raise ValueError(f"sampling mode {mode!r}: one of {MODES}")
-    B, V = logits.shape
+    V = logits.shape[1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == "greedy":
         return greedy
