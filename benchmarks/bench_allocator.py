@@ -8,23 +8,28 @@ Decode step (what the scheduler does on the host each step, allocator part only)
 Flush: an urgent flush that moves 4096 full-attention pages into holes (plus take_moves).
 
 Model: Gemma-3-like, 5 window layers (1024 tokens) per full layer, 8 KV heads x 128, page 16,
-on a 64 GiB arena.  Run: python benchmarks/bench_allocator.py [--steps N] [--clock cpu]
-(--clock cpu times with this thread's CPU time, which leaves out preemption on a shared machine).
+on a 64 GiB arena.
+
+    python3 -m benchmarks.bench_allocator [--steps N] [--clock cpu]
+
+--clock cpu times with this thread's CPU time, which leaves out preemption on a shared machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
 from umem_jax.memory import ChainAllocator, full_attention, plan, window_attention
 
+from .report import format_table
+
 PAGE, WINDOW, BATCH = 16, 1024, 256
 MAX_LEN, PROMPT = 4096, 1024
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
-clock = CLOCKS["wall"]
 
 
 def gemma_like_plan():
@@ -42,7 +47,7 @@ def stats(ns: list[int]) -> tuple[float, float]:
     return float(np.median(a)), float(np.percentile(a, 99))
 
 
-def bench_decode(steps: int) -> list[tuple[int, int, int]]:
+def bench_decode(steps: int, clock=time.perf_counter_ns) -> list[tuple[int, int, int]]:
     """-> per step (total, allocator work, translation) in ns."""
     p = gemma_like_plan()
     rows = (64 << 30) // (p.row_words * 2)
@@ -106,7 +111,7 @@ def bench_decode(steps: int) -> list[tuple[int, int, int]]:
     return times
 
 
-def bench_flush(reps: int) -> list[int]:
+def bench_flush(reps: int, clock=time.perf_counter_ns) -> list[int]:
     p = gemma_like_plan()
     a = ChainAllocator(p, (64 << 30) // (p.row_words * 2))
     times = []
@@ -125,24 +130,23 @@ def bench_flush(reps: int) -> list[int]:
     return times
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--flush-reps", type=int, default=50)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    args = ap.parse_args()
-    global clock
+    args = ap.parse_args(argv)
     clock = CLOCKS[args.clock]
-    dec = np.asarray(bench_decode(args.steps))
-    fl = stats(bench_flush(args.flush_reps))
+    dec = np.asarray(bench_decode(args.steps, clock))
+    fl = stats(bench_flush(args.flush_reps, clock))
     rows = [("decode step, 256 requests: total", stats(dec[:, 0])),
             ("  alloc + window release + frees/admits", stats(dec[:, 1])),
             ("  translate full [256,256] + window [256,65]", stats(dec[:, 2])),
             ("urgent flush moving 4096 pages", fl)]
-    print(f"{'operation (' + args.clock + ' clock)':<48}{'median ms':>10}{'p99 ms':>10}")
-    for name, (med, p99) in rows:
-        print(f"{name:<48}{med:>10.3f}{p99:>10.3f}")
+    print(format_table([f"operation ({args.clock} clock)", "median ms", "p99 ms"],
+                       [[name, f"{med:.3f}", f"{p99:.3f}"] for name, (med, p99) in rows]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,27 +8,25 @@ For each arena size (uint16; the large one has > 2**31 elements) it:
   * reads `peak_bytes_in_use` against the arena's bytes.
 Goals: time ratio 64G/1G within 10%; peak device memory within 1% of the arena.
 
-    python benchmarks/bench_arena.py             # GPU: 1 GiB and 64 GiB, 64 KiB pages
-    python benchmarks/bench_arena.py --small     # CPU check: 8 MiB and 64 MiB, 16 KiB pages
+    python3 -m benchmarks.bench_arena             # GPU: 1 GiB and 64 GiB, 64 KiB pages
+    python3 -m benchmarks.bench_arena --small     # CPU check: 8 MiB and 64 MiB, 16 KiB pages
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from umem_jax import arena as am
+from umem_jax.memory import full_attention, plan, window_attention
 
-from umem_jax import arena as am  # noqa: E402
-from umem_jax.memory import full_attention, plan, window_attention  # noqa: E402
+from .report import RowLog, format_table, json_path
+from .timing import Chain, time_calls
 
 GiB, MiB, KiB = 2**30, 2**20, 2**10
 
@@ -41,17 +39,11 @@ def make_plan(heads: int, head_dim: int, page_size: int = 16):
 
 
 def timed(fn, arena, iters: int, repeats: int = 5):
-    """Median seconds per call of `arena = fn(arena)` (donated; calls chain on the device)."""
-    arena = fn(arena)  # compile + warm up
-    arena.data.block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            arena = fn(arena)
-        arena.data.block_until_ready()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times), arena
+    """Median seconds per call of `arena = fn(arena)` (donated; calls chain on the device)
+    -> (seconds, the newest arena)."""
+    chain = Chain(fn, arena)
+    t = time_calls(chain, iters=iters, trials=repeats, warmup=0)
+    return t.median, chain.value
 
 
 def _u16(x):
@@ -129,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", action="store_true", help="tiny sizes that run on CPU (8 MiB, 64 MiB)")
     ap.add_argument("--impl", choices=("pallas", "reference"), default=None, help="kernel implementation")
     ap.add_argument("--iters", type=int, default=40)
-    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--json", default=None, help="rows here (default $OUT/bench_arena.json if $OUT is set)")
     args = ap.parse_args(argv)
 
     if args.small:
@@ -155,10 +147,8 @@ def main(argv=None) -> int:
                      f"{r['move_s'] * 1e6:.1f}", f"{r['move_GBps']:.1f}", peak,
                      f"{r['temp_bytes']['write'] / MiB:.1f}/{r['temp_bytes']['move'] / MiB:.1f} MiB",
                      str(r["in_place"]), str(r["top_write_exact"] and r["top_move_exact"])))
-    widths = [max(len(str(x[i])) for x in (head, *rows)) for i in range(len(head))]
     print()
-    for line in (head, *rows):
-        print("  ".join(str(c).rjust(w) for c, w in zip(line, widths)))
+    print(format_table(list(head), rows, left=0))
     small, large = results
     rw, rm = large["write_s"] / small["write_s"], large["move_s"] / small["move_s"]
     ok_ratio = rw <= 1.10 and rm <= 1.10
@@ -168,8 +158,10 @@ def main(argv=None) -> int:
           f"(goal <= 1.10: {'met' if ok_ratio else 'NOT met'}); peak within 1% of the arena: "
           f"{'n/a (no memory_stats)' if ok_peak is None else ('met' if ok_peak else 'NOT met')}")
     exact = all(r["top_write_exact"] and r["top_move_exact"] and r["in_place"] for r in results)
-    if args.json:
-        args.json.write_text(json.dumps({"results": results, "ratio_write": rw, "ratio_move": rm}, indent=1))
+    log = RowLog(json_path(args.json, "bench_arena"), jax=jax.__version__, device=jax.devices()[0].device_kind,
+                 ratio_write=rw, ratio_move=rm)
+    for r in results:
+        log.add(r)
     return 0 if exact else 1
 
 

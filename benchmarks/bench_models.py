@@ -1,29 +1,22 @@
 """Whole-model steps at realistic shapes with random bf16 weights: ms per step against a bytes roofline.
 
-  python benchmarks/bench_models.py                          # GPU: three families, --budget 420 s
-  python benchmarks/bench_models.py --families gemma3 --ctx 2048
-  python benchmarks/bench_models.py --small                  # CPU: tiny shapes, reference kernels, seconds
+  python3 -m benchmarks.bench_models                          # GPU: three families, --budget 420 s
+  python3 -m benchmarks.bench_models --families gemma3 --ctx 2048
+  python3 -m benchmarks.bench_models --small                  # CPU: tiny shapes, reference kernels, seconds
+  python3 -m benchmarks.bench_models --breakdown [--help]     # where one decode step's time goes (model_breakdown)
+  python3 -m benchmarks.bench_models --memory-probe [--help]  # compile only: temporaries against the arena size
 
-Families (configs built here, no checkpoint; weights made inside one jit on the device in bf16):
-  gemma3     Gemma-3-4B-like: 34 layers (5 sliding w=1024 : 1 global), d 2560, 8 q / 4 kv heads x 256,
-             GeGLU 10240, vocab 262144, tied
-  nemotronh  NemotronH-8B-like: 52 blocks "M-M-M-M*-...", 24 Mamba2 (128 heads x 64, state 128, 8 groups),
-             4 NoPE attention (32 q / 8 kv x 128), 24 relu^2 MLP 21504, d 4096, vocab 131072, untied
-  qwen35     Qwen3.5-4B-like: 32 layers, 3 gated DeltaNet (16 k / 32 v heads x 128) : 1 gated attention
-             (16 q / 4 kv x 256), d 2560, SwiGLU 9216, vocab 248320, tied
+Families: benchmarks/families.py (configs built there, no checkpoint; weights made on the device in bf16).
 
 Per family, in this order:
   1. correctness at a reduced size: one layer of each kind the family has (real head and state
-     geometry; vocab cut to 16384; Gemma's window cut to 32 so pages slide out of it; NemotronH's
-     dt floor set to 0 so cached decode and the cache-free forward compute the same thing).  Two
-     requests run a T=64 prefill chunk, a T=64 chunk holding one row's last 16 prompt tokens
-     (prefix 64) beside the other row decoding inside the chunk, then a T=1 decode step, all
-     through the arena; each row's logits vs `model.dense_logits` on the same tokens:
-     max|a - b| / max|b| <= --tol (bf16 on both sides).
+     geometry; vocab cut to 16384).  Two requests run a T=64 prefill chunk, a T=64 chunk holding
+     one row's last 16 prompt tokens (prefix 64) beside the other row decoding inside the chunk,
+     then a T=1 decode step, all through the arena; each row's logits vs `model.dense_logits` on
+     the same tokens: max|a - b| / max|b| <= --tol (bf16 on both sides).
   2. the full model: plan(model.decls()) -> size_arena(--arena-gib) -> Arena.create.  For every
      measurement a fresh ChainAllocator hands out token pages and state slots as the engine does
-     (a page gets a window page only if a query of the step can see it; older ones are born
-     tombstoned) and translates them into the batch's physical page tables; the step is
+     (model_steps.Pager) and translates them into the batch's physical page tables; the step is
      `model.jit_forward()` (arena donated), default kernels (Pallas on the GPU).
      Measurements, most important first: decode at B=64 then B=1 (--ctx 2048,8192: one compile
      per batch size, the page-table width fits the longest context), prefill of a 2048-token
@@ -33,312 +26,79 @@ Per family, in this order:
 check runs on the timed model itself and every bucket uses one page-table width (prefill at B=2),
 so a family compiles two step shapes.  Its times mean nothing; it exercises the code path.
 
-Timing: the first call (compile + run) is reported as first_call_s; then warmup, then --trials
-runs of --iters steps dispatched back to back (the arena rebound each step) and synchronised
-once; ms = per-step median over trials.
+Timing (timing.time_calls): the first call (compile + run) is reported as first_call_s; then
+warmup, then --trials runs of --iters steps dispatched back to back (the arena rebound each step)
+and synchronised once; ms = per-step median over trials.
 
-Roofline = bytes the step must move / copy bandwidth measured at the start of this run (an XLA
-`x ^ 1` over a 4 GiB uint16 buffer, bytes read + written, best of several):
-  weights  every parameter once (tied embeddings once, as the LM head; an untied input embedding
-           counts only the B*T rows gathered)
-  KV       per attention layer: read the K/V of every position the step's queries see (full: all
-           kv_len; window w: from the first query's position - w + 1; the step's own new tokens
-           included: the layer writes them first, then reads them back), written: the new tokens'
-  state    per state layer and row: its tensors written, and read unless the row starts from zero
-Not counted: activations, the fp32 logits, page tables.  Goal (the models issue): decode step at
-B=64 <= 1.25x roofline.  Prefill rows also give TFLOP/s of the matmuls and attention (approximate).
-The table comes last; rows go to $OUT/bench_models.json (or --json) after every row.
+Roofline = bytes the step must move (model_steps.step_costs) / copy bandwidth measured at the
+start of this run (`x ^ 1` over a 4 GiB uint16 buffer, bytes read + written, best of several).
+Goal: decode step at B=64 <= 1.25x roofline.  Prefill rows also give TFLOP/s of the matmuls and
+attention (approximate).  The table comes last; rows go to $OUT/bench_models.json (or --json)
+after every row.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
-import json
-import os
-import statistics
 import sys
 import time
 import traceback
 import warnings
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from umem_jax.arena import Arena, apply_moves  # noqa: E402
-from umem_jax.core.batch import make_batch  # noqa: E402
-from umem_jax.memory import ChainAllocator, size_arena  # noqa: E402
+from umem_jax.arena import Arena, apply_moves
 from umem_jax.memory import plan as make_plan
-from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig  # noqa: E402
-from umem_jax.models.gemma3 import gemma3_4b_like  # noqa: E402
-from umem_jax.models.model import Model  # noqa: E402
-from umem_jax.models.nemotron_h import nemotron_h_8b_like  # noqa: E402
-from umem_jax.models.qwen3_5 import qwen3_5_4b_like  # noqa: E402
-from umem_jax.models.registry import build_random  # noqa: E402
-from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
+from umem_jax.memory import size_arena
+from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+
+from .families import ALIASES, FAMILIES, build_model, family_key
+from .model_steps import ArenaFull, Pager, Stepper, param_counts, rel_err, step_costs
+from .report import RowLog, fmt, json_path
+from .timing import copy_rate, time_calls
 
 GIB = 2**30
-ROWS: list[dict] = []
-META: dict = {}
-JSON_PATH: str | None = None
+CHECK_LENS = (80, 50)  # prompt lengths of the two check requests; one more token each is decoded
+CHECK_T = 64  # the chunk bucket of the check
 
 
-# =============================================================================== configs
-
-MLP_BLOCK = "mlp"  # NemotronH's third block type
-
-
-def _gemma_tiny(c):
-    return dataclasses.replace(c, vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-                               num_kv_heads=2, head_dim=32, sliding_window=32, query_pre_attn_scalar=32,
-                               layer_types=(SLIDING, SLIDING, FULL))
-
-
-def _nemotron_tiny(c):
-    return dataclasses.replace(c, vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-                               num_kv_heads=2, head_dim=16,
-                               mamba=MambaConfig(num_heads=4, head_dim=16, state_size=16, n_groups=2,
-                                                 conv_kernel=4, chunk_size=16),
-                               layer_types=(MAMBA, MLP_BLOCK, MAMBA, FULL, MLP_BLOCK), time_step_min=0.0)
-
-
-def _qwen_tiny(c):
-    return dataclasses.replace(c, vocab_size=512, hidden_size=64, intermediate_size=128, num_heads=4,
-                               num_kv_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                               linear_key_head_dim=16, linear_value_head_dim=16,
-                               layer_types=(MAMBA, MAMBA, FULL))
-
-
-def _reduce(c, types, **kw):
-    """The correctness model: one layer of each kind, the family's own geometry, a small vocab."""
-    return dataclasses.replace(c, layer_types=types, vocab_size=min(c.vocab_size, 16384), **kw)
-
-
-FAMILIES = {
-    "gemma3": dict(name="gemma3-4b-like", full=gemma3_4b_like, tiny=_gemma_tiny,
-                   check=lambda c: _reduce(c, (SLIDING, FULL), sliding_window=32)),
-    "nemotronh": dict(name="nemotronh-8b-like", full=nemotron_h_8b_like, tiny=_nemotron_tiny,
-                      check=lambda c: _reduce(c, (MAMBA, FULL, MLP_BLOCK), time_step_min=0.0)),
-    "qwen35": dict(name="qwen3.5-4b-like", full=qwen3_5_4b_like, tiny=_qwen_tiny,
-                   check=lambda c: _reduce(c, (MAMBA, FULL))),
-}
-ALIASES = {v["name"]: k for k, v in FAMILIES.items()}
-
-
-def build_model(cfg, seed: int = 0) -> Model:
-    """Random weights of `cfg` made on the default device (in cfg.dtype; nothing passes through the
-    host), by registry.build_random: one jitted generator per distinct weight shape."""
-    return build_random(cfg, cfg.dtype, seed=seed)
-
-
-# =============================================================================== output
-
-
-def _flush():
-    if JSON_PATH:
-        os.makedirs(os.path.dirname(os.path.abspath(JSON_PATH)), exist_ok=True)
-        with open(JSON_PATH, "w") as f:
-            json.dump(dict(META, rows=ROWS), f, indent=1, default=str)
-
-
-def _fmt(x, spec):
-    return "-" if x is None else format(x, spec)
-
-
-def record(**row) -> dict:
+def record(log: RowLog, **row) -> dict:
     row.setdefault("note", "")
-    ROWS.append(row)
-    _flush()
-    print(f"  {row.get('family', ''):<18} {row['kind']:<8} B={_fmt(row.get('B'), 'd'):<3} "
-          f"T={_fmt(row.get('T'), 'd'):<5} ctx={_fmt(row.get('ctx'), 'd'):<5} {_fmt(row.get('ms'), '.3f'):>9} ms  "
-          f"roofline {_fmt(row.get('roofline_ms'), '.3f'):>8} ms  ratio {_fmt(row.get('ratio'), '.2f'):>5}  "
-          f"first {_fmt(row.get('first_call_s'), '.1f')} s  {row.get('verdict', '')} {row['note']}", flush=True)
+    log.add(row)
+    print(f"  {row.get('family', ''):<18} {row['kind']:<8} B={fmt(row.get('B'), 'd'):<3} "
+          f"T={fmt(row.get('T'), 'd'):<5} ctx={fmt(row.get('ctx'), 'd'):<5} {fmt(row.get('ms'), '.3f'):>9} ms  "
+          f"roofline {fmt(row.get('roofline_ms'), '.3f'):>8} ms  ratio {fmt(row.get('ratio'), '.2f'):>5}  "
+          f"first {fmt(row.get('first_call_s'), '.1f')} s  {row.get('verdict', '')} {row['note']}", flush=True)
     return row
 
 
-def fail(family, kind, exc, **kw):
+def fail(log: RowLog, family, kind, exc, **kw):
     traceback.print_exc()
-    return record(family=family, kind=kind, ms=None, verdict="FAILED",
+    return record(log, family=family, kind=kind, ms=None, verdict="FAILED",
                   note=f"FAILED: {type(exc).__name__}: {str(exc)[:300]}", **kw)
 
 
-# =============================================================================== timing
-
-
-def _block(x):
-    return jax.block_until_ready(x)
-
-
-def measure_copy(small: bool, trials: int) -> float:
-    """Copy bandwidth (bytes/s, read + written) of an XLA elementwise `x ^ 1` over 4 GiB of uint16
-    (4 MiB with --small); best of `trials` runs of 10 calls."""
-    rows = (2**11) if small else (2**21)          # x 1024 u16 words: 4 MiB / 4 GiB
-    x = jax.jit(lambda: jnp.zeros((rows, 1024), jnp.uint16))()
-    f = jax.jit(lambda x: x ^ jnp.uint16(1))
-    ok = int(jnp.max(f(x))) == 1 and int(jnp.min(f(x))) == 1
-    iters, best = 10, float("inf")
-    _block(f(x))
-    for _ in range(trials):
-        t = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = f(x)
-        _block(out)
-        best = min(best, (time.perf_counter() - t) / iters)
-    nbytes = 2 * x.nbytes
-    del x, out
-    bw = nbytes / best
-    record(family="-", kind="copy", B=None, T=None, ctx=None, ms=best * 1e3, bytes=nbytes, tbps=bw / 1e12,
-           note=f"{nbytes / 2 / GIB:.3g} GiB u16 x^1: {bw / 1e12:.3f} TB/s (read + written, best of {trials})"
-           + ("" if ok else " WRONG VALUES"))
-    return bw
-
-
-class Stepper:
-    """Holds the newest arena and runs the donated step on it."""
-
-    def __init__(self, step, params, arena):
-        self.step, self.params, self.arena = step, params, arena
-
-    def __call__(self, batch):
-        logits, self.arena = self.step(self.params, self.arena, batch)
-        return logits
-
-
-def time_steps(run: Stepper, batch, *, iters: int, trials: int, warmup: int):
-    """-> (median s per step, min s, first call s, logits of the first call)."""
-    t = time.perf_counter()
-    first = _block(run(batch))
-    first_s = time.perf_counter() - t
-    for _ in range(warmup):
-        _block(run(batch))
-    per = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        for _ in range(iters):
-            run(batch)
-        _block(run.arena)
-        per.append((time.perf_counter() - t) / iters)
-    return statistics.median(per), min(per), first_s, first
-
-
-# =============================================================================== host allocation
-
-
-class ArenaFull(RuntimeError):
-    pass
-
-
-class Pager:
-    """Pages and slots for one step's requests through a ChainAllocator, as the engine takes them.
-
-    A request holds a list of token page ids (virtual) and one state slot.  Before a step writes
-    positions [start, end): pages up to `end` exist; a page gets a window page only if a query at
-    a position >= start can see it (the earlier ones are born tombstoned, or released now).
-    """
-
-    def __init__(self, plan, num_rows: int):
-        self.plan, self.ps = plan, plan.page_size
-        self.alloc = ChainAllocator(plan, num_rows)
-
-    def new(self) -> dict:
-        slot = -1
-        if self.plan.state is not None:
-            got = self.alloc.alloc_state_slots(1)
-            if got is None:
-                raise ArenaFull(f"no state slot: {self.alloc.last_shortfall}")
-            slot = int(got[0])
-        return dict(pages=[], slot=slot, wfirst={sp.name: 0 for sp in self.plan.windows})
-
-    def extend(self, req: dict, start: int, end: int) -> None:
-        ps, pages = self.ps, req["pages"]
-        first = {sp.name: max(0, start - sp.window + 1) // ps for sp in self.plan.windows}
-        old = len(pages)
-        for name, f in first.items():  # window pages no query from `start` on can see
-            lo, hi = req["wfirst"][name], min(f, old)
-            if hi > lo:
-                self.alloc.release_window_pages(np.asarray(pages[lo:hi], np.int32), name)
-                req["wfirst"][name] = hi
-        need = -(-end // ps) - old
-        if need <= 0:
-            return
-        dead = {name: min(need, max(0, f - old)) for name, f in first.items()}
-        vids = self.alloc.alloc_token_pages(need, window_pages={n: need - d for n, d in dead.items()} or None)
-        if vids is None:
-            raise ArenaFull(str(self.alloc.last_shortfall))
-        for name, d in dead.items():
-            if d:
-                req["wfirst"][name] = old + d
-        pages.extend(int(v) for v in vids)
-
-    def batch(self, reqs, tokens, q_lens, kv_lens, width: int):
-        vids = np.full((len(reqs), width), -1, np.int64)
-        for b, r in enumerate(reqs):
-            vids[b, :len(r["pages"])] = r["pages"]
-        tables = {sp.name: self.alloc.translate_pages(vids, sp.name, width) for sp in self.plan.token_pools}
-        slots = None
-        if self.plan.state is not None:
-            slots = self.alloc.translate_slots(np.array([r["slot"] for r in reqs], np.int64))
-        return make_batch(tokens, q_lens, kv_lens, tables, slots)
-
-
-# =============================================================================== bytes and flops
-
-
-def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int, start: int) -> dict:
-    """Bytes the step must move at least (see the module doc) and its matmul + attention FLOPs."""
-    end = start + T
-    wbytes = jnp.dtype(cfg.dtype).itemsize
-    embed = cfg.vocab_size * cfg.hidden_size
-    weights = param_bytes
-    if not cfg.tie_word_embeddings:  # the input table is gathered, not streamed
-        weights += -embed * wbytes + B * T * cfg.hidden_size * wbytes
-    kv_read = kv_write = 0
-    attn_flops = 0.0
-    pos = np.arange(start, end, dtype=np.int64)
-    for sp in plan.token_pools:
-        g = sp.geometry
-        per_tok = (g.k_words + g.v_words) * 2 * len(sp.layers)
-        w = sp.window
-        lo = 0 if w is None else max(0, start - w + 1)
-        kv_read += B * (end - lo) * per_tok
-        kv_write += B * T * per_tok
-        seen = (pos + 1) if w is None else np.minimum(pos + 1, w)
-        attn_flops += 4.0 * B * int(seen.sum()) * cfg.num_heads * cfg.head_dim * len(sp.layers)
-    state_read = state_write = 0
-    if plan.state is not None:
-        per_slot = plan.state.geometry.words * 2 * len(plan.state.layers)
-        state_write = B * per_slot
-        state_read = B * per_slot if start > 0 else 0
-    heads = embed * (1 if cfg.tie_word_embeddings else 2)
-    flops = 2.0 * B * T * (param_count - heads) + 2.0 * B * embed + attn_flops
-    return dict(weight_bytes=weights, kv_read_bytes=kv_read, kv_write_bytes=kv_write, state_read_bytes=state_read,
-                state_write_bytes=state_write, total_bytes=weights + kv_read + kv_write + state_read + state_write,
-                flops=flops)
+def measure_copy(log: RowLog, small: bool, trials: int) -> float:
+    """Copy bandwidth (bytes/s, read + written) of `x ^ 1` over 4 GiB of uint16 (4 MiB with
+    --small); best of `trials` runs of 10 calls."""
+    c = copy_rate((4 << 20) if small else (4 << 30), iters=10, trials=trials, best=True)
+    record(log, family="-", kind="copy", B=None, T=None, ctx=None, ms=c.seconds * 1e3, bytes=c.nbytes, tbps=c.tbps,
+           note=f"{c.nbytes / 2 / GIB:.3g} GiB u16 x^1: {c.tbps:.3f} TB/s (read + written, best of {trials})"
+           + ("" if c.exact else " WRONG VALUES"))
+    return c.bytes_per_s
 
 
 # =============================================================================== correctness
-
-
-def rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-CHECK_LENS = (80, 50)  # prompt lengths of the two check requests; one more token each is decoded
-CHECK_T = 64           # the chunk bucket of the check
 
 
 def check_width(page_size: int) -> int:
     return -(-(CHECK_LENS[0] + 1) // page_size) + 1
 
 
-def check_family(fam: str, model: Model, run: "Stepper", plan, num_rows: int, a, width: int) -> dict:
+def check_family(log, fam: str, model, run: Stepper, plan, num_rows: int, a, width: int) -> dict:
     """Arena path vs the dense cache-free forward (see the module doc), on `run`'s arena."""
     name, cfg = FAMILIES[fam]["name"], model.config
     t0 = time.time()
@@ -373,7 +133,7 @@ def check_family(fam: str, model: Model, run: "Stepper", plan, num_rows: int, a,
     note = (f"layers [{layers}] vocab {cfg.vocab_size}; rel err per (step,row) "
             + " ".join(f"{e:.1e}" for e in errs) + f"; top-1 {agree}/{len(errs)}; tol {a.tol}"
             + ("" if finite else "; NON-FINITE LOGITS"))
-    return record(family=name, kind="check", B=2, T=CHECK_T, ctx=lens[0] + 1, ms=None, max_rel_err=max(errs),
+    return record(log, family=name, kind="check", B=2, T=CHECK_T, ctx=lens[0] + 1, ms=None, max_rel_err=max(errs),
                   top1=agree, compared=len(errs), seconds=time.time() - t0, verdict="pass" if ok else "FAIL",
                   note=note)
 
@@ -383,20 +143,19 @@ def setup(cfg, a, arena_bytes: int, seed: int = 0):
     model = build_model(cfg, seed)
     if a.fuse:  # as the engine serves it (EngineConfig.fuse_projections)
         model = model.fuse_projections()
-    _block(model.params)
-    counts = dict(params=sum(x.size for x in jax.tree.leaves(model.params)),
-                  param_bytes=sum(x.nbytes for x in jax.tree.leaves(model.params)))
+    jax.block_until_ready(model.params)
+    counts = param_counts(model.params)
     plan = make_plan(model.decls(), page_size=a.page_size)
     size = size_arena(plan, int(arena_bytes))
-    arena = _block(Arena.create(plan, size.num_rows))
+    arena = jax.block_until_ready(Arena.create(plan, size.num_rows))
     return model, plan, size.num_rows, Stepper(model.jit_forward(impl=a.impl), model.params, arena), counts
 
 
-def run_check(fam: str, cfg, a) -> None:
+def run_check(log, fam: str, cfg, a) -> None:
     """The GPU check: its own reduced model and arena, freed afterwards."""
     model, plan, rows, run, _ = setup(cfg, a, a.check_arena_mib * 2**20, seed=1)
     try:
-        check_family(fam, model, run, plan, rows, a, check_width(a.page_size))
+        check_family(log, fam, model, run, plan, rows, a, check_width(a.page_size))
     finally:
         del run, model
         gc.collect()
@@ -416,7 +175,7 @@ def measurements(a) -> list[dict]:
     return out
 
 
-def run_bucket(fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts) -> None:
+def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts) -> None:
     cfg, name = model.config, FAMILIES[fam]["name"]
     B, T = m["B"], m["T"]
     rng = np.random.default_rng(B * 7919 + T)
@@ -432,14 +191,15 @@ def run_bucket(fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts) 
             batch = pager.batch(reqs, toks, [T] * B, [ctx] * B, m["width"])
             usage = pager.alloc.usage()
         except ArenaFull as e:
-            record(family=name, kind=m["kind"], B=B, T=T, ctx=ctx, ms=None, verdict="skipped",
+            record(log, family=name, kind=m["kind"], B=B, T=T, ctx=ctx, ms=None, verdict="skipped",
                    note=f"arena of {a.arena_gib} GiB too small: {e}")
             continue
         decode = T == 1
         iters = a.iters or (1 if a.small else (10 if decode else 3))
         trials = a.trials or (1 if a.small else 5)
-        med, best, first, logits = time_steps(run, batch, iters=iters, trials=trials, warmup=0 if a.small else 2)
-        finite = bool(np.isfinite(np.asarray(logits)).all())
+        t = time_calls(lambda: run(batch), iters=iters, trials=trials, warmup=0 if a.small else 2)
+        med = t.median
+        finite = bool(np.isfinite(np.asarray(t.first)).all())
         c = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=B, T=T, start=start)
         roof = c["total_bytes"] / copy_bw
         ratio = med / roof
@@ -450,14 +210,20 @@ def run_bucket(fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts) 
         note = "" if finite else "NON-FINITE LOGITS; "
         if not decode:
             note += f"{c['flops'] / med / 1e12:.0f} TFLOP/s (matmul+attn)"
-        record(family=name, kind=m["kind"], B=B, T=T, ctx=ctx, prefix=start, ms=med * 1e3, ms_min=best * 1e3,
-               first_call_s=first, roofline_ms=roof * 1e3, ratio=ratio, verdict=verdict,
+        record(log, family=name, kind=m["kind"], B=B, T=T, ctx=ctx, prefix=start, ms=med * 1e3, ms_min=t.best * 1e3,
+               first_call_s=t.first_s, roofline_ms=roof * 1e3, ratio=ratio, verdict=verdict,
                tokens_per_s=B * T / med, tflops=c["flops"] / med / 1e12, page_table_width=m["width"],
                held={k: dict(pages=v[0], bytes=v[1]) for k, v in live.items()}, iters=iters, trials=trials,
                finite=finite, note=note, **c)
 
 
-def run_family(fam: str, a, copy_bw: float, fam_deadline: float, deadline: float) -> None:
+def _skip_all(log, name, todo):
+    for m in todo:
+        record(log, family=name, kind=m["kind"], B=m["B"], T=m["T"], ms=None, verdict="skipped",
+               note="skipped: --budget reached")
+
+
+def run_family(log, fam: str, a, copy_bw: float, fam_deadline: float, deadline: float) -> None:
     spec = FAMILIES[fam]
     name = spec["name"]
     cfg = spec["full"]("bfloat16")
@@ -465,45 +231,41 @@ def run_family(fam: str, a, copy_bw: float, fam_deadline: float, deadline: float
         cfg = spec["tiny"](cfg)  # already check-sized: the check runs on the timed model itself
     elif a.check:
         if time.time() > deadline:
-            record(family=name, kind="check", ms=None, verdict="skipped", note="skipped: --budget reached")
+            record(log, family=name, kind="check", ms=None, verdict="skipped", note="skipped: --budget reached")
         else:
             try:
-                run_check(fam, spec["check"](cfg), a)
+                run_check(log, fam, spec["check"](cfg), a)
             except Exception as e:  # noqa: BLE001 - one family must not end a one-shot GPU run
-                fail(name, "check", e)
+                fail(log, name, "check", e)
     todo = measurements(a)
     if time.time() > deadline:
-        for m in todo:
-            record(family=name, kind=m["kind"], B=m["B"], T=m["T"], ms=None, verdict="skipped",
-                   note="skipped: --budget reached")
-        return
+        return _skip_all(log, name, todo)
     try:
         t = time.time()
         model, plan, num_rows, run, counts = setup(cfg, a, a.arena_gib * GIB)
         arena_bytes = run.arena.nbytes
-        record(family=name, kind="build", ms=None, seconds=time.time() - t, **counts, arena_bytes=arena_bytes,
+        record(log, family=name, kind="build", ms=None, seconds=time.time() - t, **counts, arena_bytes=arena_bytes,
                subpools=list(plan.names),
                note=f"{counts['params'] / 1e9:.2f} B params, {counts['param_bytes'] / GIB:.2f} GiB; arena "
                     f"{arena_bytes / GIB:.2f} GiB ({', '.join(plan.names)}); {time.time() - t:.1f} s")
     except Exception as e:  # noqa: BLE001
-        fail(name, "build", e)
+        fail(log, name, "build", e)
         return
     if a.small and a.check:
         try:
-            check_family(fam, model, run, plan, num_rows, a, a.width)
+            check_family(log, fam, model, run, plan, num_rows, a, a.width)
         except Exception as e:  # noqa: BLE001
-            fail(name, "check", e)
+            fail(log, name, "check", e)
     for i, m in enumerate(todo):
         # The first (most important) bucket starts while the whole budget lasts; the others only
         # within this family's share, so a slow family cannot starve the next.
         if time.time() > (deadline if i == 0 else fam_deadline):
-            record(family=name, kind=m["kind"], B=m["B"], T=m["T"], ms=None, verdict="skipped",
-                   note="skipped: --budget reached")
+            _skip_all(log, name, [m])
             continue
         try:
-            run_bucket(fam, m, run, model, plan, num_rows, a, copy_bw, counts)
+            run_bucket(log, fam, m, run, model, plan, num_rows, a, copy_bw, counts)
         except Exception as e:  # noqa: BLE001
-            fail(name, m["kind"], e, B=m["B"], T=m["T"])
+            fail(log, name, m["kind"], e, B=m["B"], T=m["T"])
             if getattr(run.arena.data, "is_deleted", lambda: False)():  # donated into a failed call
                 run.arena = Arena.create(plan, num_rows)
     del run, model
@@ -527,9 +289,9 @@ def table(rows) -> str:
             extra = f"  (max rel err {r['max_rel_err']:.1e})"
         elif r.get("verdict") in ("skipped", "FAILED"):
             extra = f"  {r['note'][:90]}"
-        lines.append(f"{r.get('family', ''):<18} {r['kind']:<8} {_fmt(r.get('B'), 'd'):>3} {_fmt(r.get('T'), 'd'):>5} "
-                     f"{_fmt(r.get('ctx'), 'd'):>5} {_fmt(r.get('ms'), '.3f'):>9} "
-                     f"{_fmt(r.get('roofline_ms'), '.3f'):>11} {_fmt(r.get('ratio'), '.2f'):>6}  "
+        lines.append(f"{r.get('family', ''):<18} {r['kind']:<8} {fmt(r.get('B'), 'd'):>3} {fmt(r.get('T'), 'd'):>5} "
+                     f"{fmt(r.get('ctx'), 'd'):>5} {fmt(r.get('ms'), '.3f'):>9} "
+                     f"{fmt(r.get('roofline_ms'), '.3f'):>11} {fmt(r.get('ratio'), '.2f'):>6}  "
                      f"{r.get('verdict', '')}{extra}")
     return "\n".join(lines)
 
@@ -538,8 +300,12 @@ def _ints(s):
     return [int(x) for x in str(s).split(",") if x]
 
 
-def parse(argv):
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--breakdown", action="store_true",
+                    help="instead: where the Qwen3.5-4B-like decode step's time goes (own options: --breakdown --help)")
+    ap.add_argument("--memory-probe", action="store_true",
+                    help="instead: compile-only probe of step temporaries vs the arena size (--memory-probe --help)")
     ap.add_argument("--families", default=",".join(FAMILIES),
                     help=f"comma list of {','.join(FAMILIES)} (or {','.join(ALIASES)})")
     ap.add_argument("--budget", type=float, default=420.0,
@@ -567,6 +333,11 @@ def parse(argv):
     ap.add_argument("--goal", type=float, default=1.25, help="decode ms / roofline ms goal at the goal batch")
     ap.add_argument("--goal-batch", type=int, default=64)
     ap.add_argument("--json", default=None, help="rows here (default $OUT/bench_models.json if $OUT is set)")
+    return ap
+
+
+def parse(argv):
+    ap = _parser()
     a = ap.parse_args(argv)
     if not a.small and jax.default_backend() != "gpu":
         print(f"no GPU ({jax.default_backend()}): running --small", flush=True)
@@ -587,45 +358,60 @@ def parse(argv):
         a.impl = "reference"
     fams = []
     for f in a.families.split(","):
-        f = ALIASES.get(f.strip(), f.strip())
-        if f not in FAMILIES:
-            ap.error(f"unknown family {f!r}; known: {', '.join(FAMILIES)}")
-        fams.append(f)
+        key = family_key(f)
+        if key is None:
+            ap.error(f"unknown family {f.strip()!r}; known: {', '.join(FAMILIES)}")
+        fams.append(key)
     a.families = fams
     return a
 
 
+def _other_mode(argv) -> int | None:
+    """--breakdown / --memory-probe run their own benchmark with their own options."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for flag in ("--breakdown", "--memory-probe"):
+        if flag in argv:
+            argv.remove(flag)
+            if flag == "--breakdown":
+                from . import model_breakdown
+
+                return model_breakdown.main(argv)
+            from . import step_memory
+
+            return step_memory.main(argv)
+    return None
+
+
 def main(argv=None) -> int:
-    global JSON_PATH
+    other = _other_mode(argv)
+    if other is not None:
+        return other
     a = parse(argv)
     silence_triton_deprecation()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    ROWS.clear()
-    META.clear()
     dev = jax.devices()[0]
-    JSON_PATH = a.json or (os.path.join(os.environ["OUT"], "bench_models.json") if os.environ.get("OUT") else None)
-    META.update(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)), small=a.small,
-                args={k: v for k, v in vars(a).items()})
+    log = RowLog(json_path(a.json, "bench_models"), jax=jax.__version__,
+                 device=str(getattr(dev, "device_kind", dev.platform)), small=a.small, args=dict(vars(a)))
     print(f"jax {jax.__version__} on {dev.platform} {getattr(dev, 'device_kind', '')}"
           f"{' (--small: tiny shapes, reference kernels)' if a.small else ''}; families {a.families}", flush=True)
     t0 = time.time()
     deadline = t0 + a.budget
     try:
-        copy_bw = measure_copy(a.small, trials=3 if a.small else 5)
+        copy_bw = measure_copy(log, a.small, trials=3 if a.small else 5)
     except Exception as e:  # noqa: BLE001
-        fail("-", "copy", e)
+        fail(log, "-", "copy", e)
         copy_bw = float("nan")
-    META["copy_bytes_per_s"] = copy_bw
+    log.meta["copy_bytes_per_s"] = copy_bw
     n = len(a.families)
     for i, fam in enumerate(a.families):
         share = t0 + a.budget * (i + 1) / n
-        run_family(fam, a, copy_bw, share, deadline)
-    META["seconds"] = time.time() - t0
-    _flush()
-    print(f"\n== bench_models ({META['seconds']:.0f} s; copy {copy_bw / 1e12:.3f} TB/s"
+        run_family(log, fam, a, copy_bw, share, deadline)
+    log.meta["seconds"] = time.time() - t0
+    log.flush()
+    print(f"\n== bench_models ({log.meta['seconds']:.0f} s; copy {copy_bw / 1e12:.3f} TB/s"
           f"{'; --small: times mean nothing' if a.small else ''}) ==")
-    print(table(ROWS))
-    bad = [r for r in ROWS if r.get("verdict") in ("FAILED", "FAIL") or r.get("finite") is False]
+    print(table(log.rows))
+    bad = [r for r in log.rows if r.get("verdict") in ("FAILED", "FAIL") or r.get("finite") is False]
     return 1 if bad else 0
 
 

@@ -1,15 +1,16 @@
-"""Serving under load on the GPU: the unified arena vs the static split, per workload (issue 6).
+"""Serving under load on the GPU: the unified arena vs the static split, per workload.
 
 For each realistic model shape (random bf16 weights, built once), each workload runs through the
 offline engine in unified mode and in static mode at SGLang's defaults (0.8, 0.9) plus four more
 ratio settings, same arena bytes and engine flags, same process (umem_jax.bench.sweep).  The arena
 is small on purpose so memory binds: 128 short requests want more concurrency than it holds, and
-it holds only a few long ones.  Printed last: the table and issue 6's ratios (unified / static
+it holds only a few long ones.  Printed last: the table and the goals' ratios (unified / static
 defaults tok/s >= 1.5x on the shifting trace; static / unified retractions >= 2x; unified / best
 static >= 0.97x on each fixed mix).  Written to $OUT/<model>/ (or --out): results.json and PNGs.
+The same traces through the scheduler alone, on the host: benchmarks/simulate_admission.py.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_serving.py --models qwen3.5-4b-like      # one model per call
-    python3 benchmarks/bench_serving.py --small                                       # CPU smoke (tiny)
+    python3 -m benchmarks.bench_serving --models qwen3.5-4b-like      # one model per call
+    python3 -m benchmarks.bench_serving --small                       # CPU smoke (tiny)
 
 Sizing for one GPU call of <= 9 minutes per model, compilation included (warm-up compiles every
 step shape of the coarse buckets, ~36, before anything is timed; with --compile-cache, the
@@ -30,8 +31,6 @@ import os
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a bare checkout, too
 
 # Per model: arena GiB (memory binds: see the module docstring), the long request, how many long
 # requests the KV-heavy traces carry.  NemotronH's attention KV is small per token (4 layers) and
@@ -94,11 +93,28 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def engine_settings(args, wls, arena_gib: float, small: bool) -> dict:
+    """The engine flags every configuration of one model shares: arena bytes, batch limits, the
+    longest request rounded up to a page as max_model_len, and the step-shape buckets."""
+    from umem_jax.bench.command import bucket_kwargs
+
+    ps = args.page_size
+    mml = -(-(max(w.max_len for w in wls) + ps) // ps) * ps
+    engine_kwargs = dict(arena_bytes=int(arena_gib * 2**30), max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
+                         seed=args.seed, **({"kernel_impl": "reference"} if small else {}),
+                         **bucket_kwargs("single" if small else "coarse", args.max_num_seqs,
+                                         args.max_num_batched_tokens, mml, ps))
+    if args.buckets:
+        b, t, p = ([int(x) for x in part.split(",")] for part in args.buckets.split(":"))
+        engine_kwargs.update(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
+    return engine_kwargs
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     import jax
 
-    from umem_jax.bench.command import bucket_kwargs
     from umem_jax.bench.driver import enable_compile_cache
     from umem_jax.bench.sweep import load_bench_model, run_benchmark
     from umem_jax.bench.workload import Shape
@@ -130,17 +146,9 @@ def main(argv=None) -> int:
             spec = dict(spec, n_long_phase=args.n_long_phase)
         wls = workloads(names, spec, short=short, n_short=args.n_short, phase_s=args.phase_s, jitter=args.jitter,
                         seed=args.seed, phases=args.phases, spread=args.spread)
-        ps = args.page_size
-        mml = -(-(max(w.max_len for w in wls) + ps) // ps) * ps
         arena = args.arena_gib if args.arena_gib is not None else spec["arena_gib"]
-        engine_kwargs = dict(arena_bytes=int(arena * 2**30), max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
-                             seed=args.seed, **({"kernel_impl": "reference"} if small else {}),
-                             **bucket_kwargs("single" if small else "coarse", args.max_num_seqs,
-                                             args.max_num_batched_tokens, mml, ps))
-        if args.buckets:
-            b, t, p = ([int(x) for x in part.split(",")] for part in args.buckets.split(":"))
-            engine_kwargs.update(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
+        engine_kwargs = engine_settings(args, wls, arena, small)
+        mml = engine_kwargs["max_model_len"]
         print(f"\n=== {name}: arena {arena:g} GiB, max_model_len {mml}, buckets {engine_kwargs.get('batch_buckets')} x "
               f"{engine_kwargs.get('token_buckets')} x {engine_kwargs.get('page_buckets')}", flush=True)
         model = load_bench_model(name, "bfloat16", args.seed)

@@ -4,35 +4,32 @@ One decode step reads and writes every real request's state slot for one layer (
 fp32 SSM / delta-rule matrix); the kernels are memory bound, so the figure of merit is
     achieved = 2 * B_real * state_bytes_per_request / step_time     (read + write)
 against the device copy bandwidth measured in the same run on a buffer of the same size
-(`x + 1` over uint16, read + write).  Goal: >= 70% of copy.
+(timing.copy_rate: `x ^ 1` over uint16 in place, read + write).  Goal: >= 70% of copy.
 
 Shapes: NemotronH-8B-like Mamba2 (H=128, P=64, N=128, G=8, conv 4) and Qwen3.5-4B-like gated
 DeltaNet (Hk=16, Hv=32, Dk=Dv=128, conv 4); 1024-word arena rows; bf16 activations; B = 64, 256
 (one padding lane each).  A small sweep of tile sizes and num_warps picks the best per shape.
 
-    python benchmarks/bench_state.py                 # GPU: full shapes
-    python benchmarks/bench_state.py --small         # CPU: tiny shapes in interpret mode, seconds
-    from benchmarks.bench_state import run; run(results, args)   # from bench_kernels.py
+    python3 -m benchmarks.bench_state                 # GPU: full shapes
+    python3 -m benchmarks.bench_state --small         # CPU: tiny shapes in interpret mode, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from umem_jax.memory import full_attention, gated_deltanet_state_tensors, mamba2_state_tensors, plan, recurrent_state
+from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+from umem_jax.pallas_kernels.gated_deltanet import gdn_decode, gdn_dims
+from umem_jax.pallas_kernels.mamba2 import mamba2_decode, mamba2_dims
 
-from umem_jax.memory import full_attention, gated_deltanet_state_tensors, mamba2_state_tensors, plan, recurrent_state  # noqa: E402
-from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
-from umem_jax.pallas_kernels.gated_deltanet import gdn_decode, gdn_dims  # noqa: E402
-from umem_jax.pallas_kernels.mamba2 import mamba2_decode, mamba2_dims  # noqa: E402
+from .report import RowLog, json_path
+from .timing import Chain, copy_rate, time_calls
 
 FULL = {
     "mamba2": dict(tensors=lambda: mamba2_state_tensors(128, 64, 128, 8, 4), row_words=1024,
@@ -52,24 +49,11 @@ def _view(tensors, row_words):
 
 
 def _time(fn, carry, iters):
-    """Median-free steady-state timing: warm up, then time `iters` back-to-back steps that thread
-    the donated arena through (as a serving loop does)."""
-    for _ in range(2):
-        carry = fn(carry)
-    jax.block_until_ready(carry)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        carry = fn(carry)
-    jax.block_until_ready(carry)
-    return (time.perf_counter() - t0) / iters, carry
-
-
-def copy_bandwidth(nbytes: int, iters: int) -> float:
-    """Bytes/s of a device read+write pass over `nbytes` (uint16 `x + 1`, donated, in place)."""
-    x = jnp.zeros((max(nbytes // 2, 1),), jnp.uint16)
-    f = jax.jit(lambda x: x + jnp.uint16(1), donate_argnums=0)
-    dt, _ = _time(f, x, iters)
-    return 2 * x.nbytes / dt
+    """Steady-state seconds per step: warm up, then `iters` back-to-back steps that thread the
+    donated arena through (as a serving loop does) -> (seconds, the newest carry)."""
+    chain = Chain(fn, carry)
+    t = time_calls(chain, iters=iters, trials=1, warmup=1)
+    return t.median, chain.value
 
 
 def _inputs(kind, view, B, rng, dtype):
@@ -113,9 +97,9 @@ def bench_decode(kind, B, *, small=False, iters=20, impl="pallas", tuning=None, 
 
 
 def run(results, args):
-    """Entry for bench_kernels.py: append one dict per (kind, B) (the best of the sweep, plus the
-    reference) to `results` (a list) and return it.  args: argparse-like with optional
-    attributes small (bool), batches (list of int), iters (int), no_sweep (bool)."""
+    """Append one dict per (kind, B) (the best of the sweep, plus the reference) to `results` (a
+    list) and return it.  args: argparse-like with optional attributes small (bool), batches
+    (list of int), iters (int), no_sweep (bool)."""
     small = bool(getattr(args, "small", False))
     batches = getattr(args, "batches", None) or ([4] if small else [64, 256])
     iters = getattr(args, "iters", None) or (2 if small else 20)
@@ -134,7 +118,8 @@ def run(results, args):
             ok = [r for r in tried if "gbps" in r]
             best = max(ok, key=lambda r: r["gbps"]) if ok else tried[0]
             ref = bench_decode(kind, B, small=small, iters=max(1, iters // 2), impl="reference", check=False)
-            copy = copy_bandwidth(best.get("bytes_moved", ref["bytes_moved"]) // 2, iters)
+            copy = copy_rate(best.get("bytes_moved", ref["bytes_moved"]) // 2, iters=iters, trials=1,
+                             donate=True).bytes_per_s
             row = dict(bench="state_decode", kind=kind, B=B, best=best, reference=ref, copy_gbps=copy / 1e9,
                        frac_of_copy=(best.get("gbps", 0.0) * 1e9) / copy, sweep=tried)
             results.append(row)
@@ -163,14 +148,14 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-sweep", dest="no_sweep", action="store_true")
-    ap.add_argument("--json", type=Path, default=None, help="also write the results here")
+    ap.add_argument("--json", default=None, help="rows here (default $OUT/bench_state.json if $OUT is set)")
     args = ap.parse_args(argv)
     print("jax", jax.__version__, "backend", jax.default_backend(), flush=True)
-    results = run([], args)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1, default=str))
-    return results
+    log = RowLog(json_path(args.json, "bench_state"), jax=jax.__version__, device=jax.devices()[0].device_kind)
+    for row in run([], args):
+        log.add(row)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,18 +1,18 @@
-"""Tensor-parallel decode throughput on one host: TP=1 against TP=N (issue 7's GPU goal).
+"""Tensor-parallel decode throughput on one host: TP=1 against TP=N.
 
-  python benchmarks/bench_tp.py --tp 2                      # GPU: nemotronh-8b-like, B=64,256, ctx 2048
-  python benchmarks/bench_tp.py --family qwen35 --tp 4 --batches 128,512
-  XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_tp.py --small --tp 2   # CPU
+  python3 -m benchmarks.bench_tp --tp 2                      # GPU: nemotronh-8b-like, B=64,256, ctx 2048
+  python3 -m benchmarks.bench_tp --family qwen35 --tp 4 --batches 128,512
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python3 -m benchmarks.bench_tp --small --tp 2   # CPU
 
-For TP=1, then TP=N: the family's shape with random weights (bench_models.build_model; the TP run
-splits those same weights with parallel.shard_model), the per-device plan and an arena of
+For TP=1, then TP=N: the family's shape with random weights (families.build_model; the TP run
+splits those same weights with models.sharded_model.shard_model), the per-device plan and an arena of
 --arena-gib PER DEVICE, B decode rows at ctx tokens paged by a ChainAllocator (a fresh zeroed
-arena per batch size), `model.jit_forward()` timed as bench_models times it (median of --trials
-runs of --iters steps dispatched back to back).
+arena per batch size), `model.jit_forward()` timed as bench_models times it (timing.time_calls: median of
+--trials runs of --iters steps dispatched back to back).
 
 Per batch size: ms per step and tokens/s at each TP, speedup = tokens/s(TP=N) / tokens/s(TP=1),
-and goal = speedup / N (the issue's goal: >= 0.85 at large batch, i.e. TP=2 decodes >= 1.7x
-faster than one GPU); and whether the first step's greedy tokens at TP=N equal TP=1's, with the
+and goal = speedup / N (goal: >= 0.85 at large batch, i.e. TP=2 decodes >= 1.7x faster than
+one GPU); and whether the first step's greedy tokens at TP=N equal TP=1's, with the
 largest relative logit difference (bf16 psums add the partial sums in another order).
 --small: the tiny shapes of bench_models --small and reference kernels; its times mean nothing.
 Rows go to $OUT/bench_tp.json (or --json).
@@ -22,25 +22,36 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 import warnings
 
+import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import jax  # noqa: E402
-from bench_models import ALIASES, FAMILIES, GIB, Pager, Stepper, _block, build_model, time_steps  # noqa: E402
-
-from umem_jax.arena import Arena  # noqa: E402
-from umem_jax.memory import plan as make_plan  # noqa: E402
+from umem_jax.arena import Arena
+from umem_jax.memory import plan as make_plan
 from umem_jax.memory import size_arena
-from umem_jax.models.sharded_model import shard_model  # noqa: E402
-from umem_jax.pallas_kernels._compat import silence_triton_deprecation  # noqa: E402
+from umem_jax.models.sharded_model import shard_model
+from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+
+from .families import FAMILIES, build_model, family_key
+from .model_steps import Pager, Stepper, decode_batch, rel_err
+from .report import RowLog, json_path
+from .timing import time_calls
+
+GIB = 2**30
+
+
+def _decode_at(model, step, plan, size, B: int, a) -> dict:
+    """B rows decoding at ctx on a fresh zeroed arena (freed on return) -> the row."""
+    arena = jax.block_until_ready(Arena.create(plan, size.num_rows, mesh=getattr(model, "mesh", None)))
+    run = Stepper(step, model.params, arena)
+    batch = decode_batch(Pager(plan, size.num_rows), B, a.ctx, model.config.vocab_size, -(-a.ctx // a.page_size),
+                         seed=B)
+    t = time_calls(lambda: run(batch), iters=a.iters, trials=a.trials, warmup=a.warmup)
+    return dict(ms=t.median * 1e3, ms_min=t.best * 1e3, first_call_s=t.first_s, tokens_per_s=B / t.median,
+                logits=np.asarray(t.first, np.float32), arena_rows=size.num_rows, shard_bytes=size.nbytes)
 
 
 def run_tp(model, a) -> dict:
@@ -48,21 +59,9 @@ def run_tp(model, a) -> dict:
     plan = make_plan(model.decls(), page_size=a.page_size)
     size = size_arena(plan, int(a.arena_gib * GIB))
     step = model.jit_forward(impl=a.impl)
-    width = -(-a.ctx // a.page_size)
     out = {}
     for B in a.batches:
-        run = Stepper(step, model.params, None)
-        run.arena = _block(Arena.create(plan, size.num_rows, mesh=getattr(model, "mesh", None)))
-        pager = Pager(plan, size.num_rows)
-        reqs = [pager.new() for _ in range(B)]
-        for r in reqs:
-            pager.extend(r, a.ctx - 1, a.ctx)
-        toks = np.random.default_rng(B).integers(1, model.config.vocab_size, size=(B, 1))
-        batch = pager.batch(reqs, toks, [1] * B, [a.ctx] * B, width)
-        med, best, first_s, logits = time_steps(run, batch, iters=a.iters, trials=a.trials, warmup=a.warmup)
-        out[B] = dict(ms=med * 1e3, ms_min=best * 1e3, first_call_s=first_s, tokens_per_s=B / med,
-                      logits=np.asarray(logits, np.float32), arena_rows=size.num_rows, shard_bytes=size.nbytes)
-        del run, batch
+        out[B] = _decode_at(model, step, plan, size, B, a)
         gc.collect()
     return out
 
@@ -86,9 +85,10 @@ def parse(argv):
     if not a.small and jax.default_backend() != "gpu":
         print(f"no GPU ({jax.default_backend()}): running --small", flush=True)
         a.small = True
-    a.family = ALIASES.get(a.family, a.family)
-    if a.family not in FAMILIES:
+    family = family_key(a.family)
+    if family is None:
         ap.error(f"unknown family {a.family!r}; known: {', '.join(FAMILIES)}")
+    a.family = family
     a.batches = [int(x) for x in (a.batches or ("2,4" if a.small else "64,256")).split(",")]
     a.ctx = a.ctx or (64 if a.small else 2048)
     a.arena_gib = a.arena_gib or (1 / 64 if a.small else 24.0)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}, {len(jax.devices())} x {getattr(dev, 'device_kind', dev.platform)}; "
           f"{spec['name']}{' (--small)' if a.small else ''}; TP=1 vs TP={a.tp}; B={a.batches}, ctx {a.ctx}", flush=True)
     model = build_model(cfg)
-    _block(model.params)
+    jax.block_until_ready(model.params)
     t = time.time()
     one = run_tp(model.fuse_projections(), a)  # fused as the engine serves it
     print(f"TP=1 done in {time.time() - t:.0f} s", flush=True)
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         rows.append(dict(family=spec["name"], B=B, ctx=a.ctx, tp=a.tp, ms_tp1=x["ms"], ms_tpn=y["ms"],
                          tokens_per_s_tp1=x["tokens_per_s"], tokens_per_s_tpn=y["tokens_per_s"], speedup=speedup,
                          goal_ratio=speedup / a.tp, greedy_equal=bool((ref.argmax(-1) == got.argmax(-1)).all()),
-                         max_rel_logit_diff=float(np.abs(ref - got).max() / max(np.abs(ref).max(), 1e-30)),
+                         max_rel_logit_diff=rel_err(got, ref),
                          tp1=x, tpn=y))
     print(f"\n{'B':>5} {'ms TP=1':>9} {'ms TP=' + str(a.tp):>9} {'speedup':>8} {'/tp':>6}  greedy  max rel diff")
     for r in rows:
@@ -141,12 +141,10 @@ def main(argv=None) -> int:
     top = rows[-1]
     if not a.small:
         print(f"goal (speedup/tp >= {a.goal} at B={top['B']}): {'met' if top['goal_ratio'] >= a.goal else 'MISSED'}")
-    path = a.json or (os.path.join(os.environ["OUT"], "bench_tp.json") if os.environ.get("OUT") else None)
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(dict(jax=jax.__version__, device=str(getattr(dev, "device_kind", dev.platform)), small=a.small,
-                           rows=rows), f, indent=1)
+    log = RowLog(json_path(a.json, "bench_tp"), jax=jax.__version__,
+                 device=str(getattr(dev, "device_kind", dev.platform)), small=a.small)
+    log.rows = rows
+    log.flush()
     return 0 if all(r["greedy_equal"] for r in rows) else 1
 
 

@@ -1,12 +1,12 @@
 """The scheduler's memory decisions on a serving trace, on the host: no model, no device.
 
-    python3 benchmarks/simulate_admission.py                       # qwen3.5-4b-like, bench_serving's shifting trace
-    python3 benchmarks/simulate_admission.py --short 512,1024 --long 8192,1024 --arena-gib 2.5
+    python3 -m benchmarks.simulate_admission                       # qwen3.5-4b-like, bench_serving's shifting trace
+    python3 -m benchmarks.simulate_admission --short 512,1024 --long 8192,1024 --arena-gib 2.5
 
 The engine's own pieces (plan from the model's declarations, sized arena, ChainAllocator with or
 without static regions, DemandModel, Scheduler) run the trace that benchmarks/bench_serving.py
 drives on the GPU, with the same engine settings; a step "takes" the time of a simple cost model
-fitted to the H200 (bench_models / bench_engine, 2026-12-02):
+fitted to the H200 (bench_models / bench_engine, RESULTS.md):
 
     prefill step  PREFILL_S_PER_TOKEN * tokens computed          (2048-token chunk ~ 100 ms)
     decode step   DECODE_BASE_S + DECODE_S_PER_ROW * rows + K/V read at the rows' lengths
@@ -15,32 +15,36 @@ so arrivals interleave with steps roughly as on the GPU.  What it reports is exa
 scheduler (admissions, retractions, peak running, utilization of the arena by live requests);
 the times are the cost model's, so tok/s here is a model figure, not a measurement.
 
-`--rule before` replays admission as it was before it reserved the rest of a chunked prompt
-(the first chunk alone was priced), to show what that change does to retractions.
+`--rule before` prices a chunked prompt by its first chunk alone instead of reserving the rest
+of the prompt at admission, to show what that reservation does to retractions.
+
+This is a script of its own, not a mode of bench_serving: it runs no model and no device, its
+times and tok/s are a cost model's (only ratios within one table mean anything), and its flags
+(one --model, --rule, the admission ratios) are the scheduler's, not the GPU run's.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from umem_jax.bench.sweep import static_configs  # noqa: E402
-from umem_jax.core.request import Request, RequestStatus  # noqa: E402
-from umem_jax.core.sampling_params import SamplingParams  # noqa: E402
-from umem_jax.core.scheduled_batch import Buckets  # noqa: E402
-from umem_jax.memory import ChainAllocator, size_arena, static_regions  # noqa: E402
+from umem_jax.bench.driver import MemoryConfig
+from umem_jax.bench.sweep import static_configs
+from umem_jax.bench.workload import Shape
+from umem_jax.core.request import Request, RequestStatus
+from umem_jax.core.sampling_params import SamplingParams
+from umem_jax.core.scheduled_batch import Buckets
+from umem_jax.memory import ChainAllocator, size_arena, static_regions
 from umem_jax.memory import plan as make_plan
-from umem_jax.memory.demand import DemandModel  # noqa: E402
-from umem_jax.memory.sizing import budget_bytes  # noqa: E402
-from umem_jax.models.registry import build_random  # noqa: E402
-from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from umem_jax.memory.demand import DemandModel
+from umem_jax.memory.sizing import budget_bytes
+from umem_jax.models.registry import build_random
+from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
+
+from . import bench_serving as bs
 
 PREFILL_S_PER_TOKEN = 100e-3 / 2048
 DECODE_BASE_S = 2.6e-3  # weights of a 4B model at ~3.3 TB/s
@@ -48,7 +52,7 @@ DECODE_S_PER_ROW = 0.03e-3  # 24 gated-DeltaNet layers' state read + written per
 KV_S_PER_TOKEN = 32 * 1024 / 3.3e12  # Qwen3.5-4B-like: 8 attention layers x 4 KV heads x 256 x K,V in bf16
 
 
-def _before(self, req, after=None):  # the rule before: outputs only
+def _first_chunk_only(self, req, after=None):  # --rule before: reserve outputs only, not the prompt's rest
     return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
 
 
@@ -64,7 +68,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                      empty=ChainAllocator(plan, num_rows, static_regions=regions))
     sch = Scheduler(SchedulerConfig(max_num_seqs, budget_tokens, buckets, **sched_kw), alloc, dm)
     if rule == "before":
-        sch._reserve_tokens = _before.__get__(sch)
+        sch._reserve_tokens = _first_chunk_only.__get__(sch)
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     t, i, out_tokens, steps, peak, util, refused, clipped = 0.0, 0, 0, 0, 0, [], 0, 0
@@ -116,8 +120,6 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> list[dict]:
     """Parse argv, simulate every (rule, configuration), print a line each -> the rows."""
-    import bench_serving as bs
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen3.5-4b-like", choices=sorted(bs.MODELS))
     ap.add_argument("--workload", default="shifting", choices=bs.ORDER)
@@ -137,8 +139,6 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--decay", type=float, default=None, help="SchedulerConfig.new_token_ratio_decay")
     ap.add_argument("--rule", default="now,before", help="comma list: now (reserve a chunked prompt's rest), before")
     a = ap.parse_args(argv)
-    from umem_jax.bench.workload import Shape
-
     spec = dict(bs.MODELS[a.model])
     if a.long:
         spec["long"] = tuple(int(x) for x in a.long.split(","))
@@ -153,8 +153,6 @@ def run(argv=None) -> list[dict]:
     plan = make_plan(model.decls(), page_size=page_size)
     arena = a.arena_gib if a.arena_gib is not None else spec["arena_gib"]
     num_rows = size_arena(plan, budget_bytes(fixed_bytes=int(arena * 2**30), plan=plan)).num_rows
-    from umem_jax.bench.driver import MemoryConfig
-
     configs = [MemoryConfig()] + static_configs(plan, a.static_ratios)
     print(f"{a.model}, {trace.describe()}, arena {arena:g} GiB; "
           f"cost model: prefill {PREFILL_S_PER_TOKEN * 2048 * 1e3:.0f} ms per 2048 tokens, decode "

@@ -1,4 +1,4 @@
-"""benchmarks/bench_models.py: its --small mode end to end on the CPU, and the host side of the
+"""benchmarks.bench_models: its --small mode end to end on the CPU, and the host side of the
 GPU run at the real shapes (configs, abstract params, plan, arena sizing, page allocation, bytes).
 
 The --small run compiles about a dozen small programs; XLA:CPU's optimisation level is lowered for
@@ -18,31 +18,31 @@ import numpy as np
 import pytest
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_models as bm  # noqa: E402
-
-from umem_jax.memory import plan as make_plan  # noqa: E402
+from benchmarks import bench_models as bm
+from benchmarks.families import FAMILIES
+from benchmarks.model_steps import Pager, step_costs
+from umem_jax.memory import plan as make_plan
 from umem_jax.memory import size_arena
-from umem_jax.models.registry import model_class  # noqa: E402
+from umem_jax.models.registry import model_class
+
+ROOT = Path(__file__).resolve().parents[2]
 
 GIB = 2**30
 
 
 def test_small_mode_end_to_end(tmp_path):
     out = tmp_path / "bench_models.json"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
                         " --xla_llvm_disable_expensive_passes=true").strip()
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_models.py"), "--small", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_models", "--small", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "== bench_models" in proc.stdout  # the table comes last
     data = json.loads(out.read_text())
     assert data["small"] and data["copy_bytes_per_s"] > 0
     rows = data["rows"]
-    for fam in bm.FAMILIES.values():
+    for fam in FAMILIES.values():
         mine = [r for r in rows if r.get("family") == fam["name"]]
         check = [r for r in mine if r["kind"] == "check"]
         assert len(check) == 1 and check[0]["verdict"] == "pass", check
@@ -66,11 +66,11 @@ def _gpu_args():
     return a
 
 
-@pytest.mark.parametrize("fam", list(bm.FAMILIES))
+@pytest.mark.parametrize("fam", list(FAMILIES))
 def test_real_shapes_plan_allocate_and_bytes(fam):
     """What the GPU run builds, without weights: the family's module at the real shape (abstract),
     its plan in a 32 GiB arena, every measurement's pages through the ChainAllocator, the bytes."""
-    cfg = bm.FAMILIES[fam]["full"]("bfloat16")
+    cfg = FAMILIES[fam]["full"]("bfloat16")
     cls = model_class(cfg.architecture)
     _, params = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
     leaves = jax.tree.leaves(params)
@@ -82,7 +82,7 @@ def test_real_shapes_plan_allocate_and_bytes(fam):
     size = size_arena(plan, 32 * GIB)
     for m in bm.measurements(_gpu_args()):
         for ctx in m["ctxs"]:
-            pager = bm.Pager(plan, size.num_rows)
+            pager = Pager(plan, size.num_rows)
             reqs = [pager.new() for _ in range(m["B"])]
             for r in reqs:
                 pager.extend(r, ctx - m["T"], ctx)
@@ -96,7 +96,7 @@ def test_real_shapes_plan_allocate_and_bytes(fam):
             assert (np.asarray(batch.page_tables["full"])[:, :-(-ctx // 16)] > 0).all()
     # Bytes of the goal row (decode, B=64, ctx 2048), by hand
     pbytes = 2 * count
-    c = bm.step_costs(cfg, plan, count, pbytes, B=64, T=1, start=2047)
+    c = step_costs(cfg, plan, count, pbytes, B=64, T=1, start=2047)
     kv_tok = {"gemma3": 4 * 256 * 2 * 2, "nemotronh": 8 * 128 * 2 * 2, "qwen35": 4 * 256 * 2 * 2}[fam]
     if fam == "gemma3":
         assert c["weight_bytes"] == pbytes
@@ -113,4 +113,4 @@ def test_real_shapes_plan_allocate_and_bytes(fam):
         assert c["state_read_bytes"] == c["state_write_bytes"] == 64 * per_slot
     assert c["kv_write_bytes"] == 64 * kv_tok * sum(len(sp.layers) for sp in plan.token_pools)
     # a prefill from zero reads no state
-    assert bm.step_costs(cfg, plan, count, pbytes, B=1, T=2048, start=0)["state_read_bytes"] == 0
+    assert step_costs(cfg, plan, count, pbytes, B=1, T=2048, start=0)["state_read_bytes"] == 0

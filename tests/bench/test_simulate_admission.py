@@ -1,16 +1,11 @@
-"""benchmarks/simulate_admission.py: the engine's scheduler, allocator and demand model on a
+"""benchmarks.simulate_admission: the engine's scheduler, allocator and demand model on a
 serving trace at a realistic model's sizes, without a model.  Every request of the trace runs to
 its last token in every configuration, nothing leaks (simulate asserts it), and the rows say what
 the benchmark prints."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-
-import simulate_admission as sim  # noqa: E402
+from benchmarks import simulate_admission as sim
 
 
 def test_simulated_shifting_trace_runs_every_request(capsys):

@@ -1,14 +1,18 @@
 """`umem-jax bench`: the workload benchmark from the command line (flags and the handler).
 
+    umem-jax bench --small --out out/                                                   (CPU, tiny, seconds)
     umem-jax bench --model tiny --workload shifting --arena-bytes 200000 --scale 0.05 --out out/
     umem-jax bench --model qwen3.5-4b-like --workload all --arena-gib 4 --out out/     (GPU)
     umem-jax bench --server http://127.0.0.1:8000 --workload mixed --scale 0.1          (a running server)
 
 Offline (default): the model is built once, then for each workload the unified arena and the
 static split at every --static-ratios setting run side by side with the same arena bytes and
-engine flags; a table and issue 6's ratios are printed last, results.json and PNGs go to --out.
-With --server: the workloads are sent to that server over HTTP (one configuration: whatever the
-server runs), prompts are random ids below --vocab-size.
+engine flags; a table and the unified / static ratios with their goals are printed last,
+results.json and PNGs go to --out.  With --server: the workloads are sent to that server over
+HTTP (one configuration: whatever the server runs), prompts are random ids below --vocab-size.
+
+--small is a fixed-seed CPU smoke preset: the tiny model on a shortened shifting trace with an
+arena small enough that memory binds (SMALL below); any flag given explicitly overrides it.
 """
 
 from __future__ import annotations
@@ -18,33 +22,44 @@ import time
 
 from .workload import WORKLOADS
 
+# Flags whose default depends on --small: parsed as None, then filled in by resolve().
+DEFAULTS = dict(workload="all", scale=1.0, phase_s=1.0, max_num_seqs=64, max_num_batched_tokens=2048, page_size=16,
+                buckets="coarse")
+SMALL = dict(model="tiny", workload="shifting", scale=0.02, count_scale=0.2, phase_s=0.2, arena_bytes=400_000,
+             max_num_seqs=8, max_num_batched_tokens=64, page_size=4, buckets="single", seed=0)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--small", action="store_true", help="CPU smoke preset: --model tiny --workload shifting "
+                   "--scale 0.02 --count-scale 0.2 --phase-s 0.2 --arena-bytes 400000 --max-num-seqs 8 "
+                   "--max-num-batched-tokens 64 --page-size 4 --buckets single --seed 0 (explicit flags override it)")
     p.add_argument("--model", default=None, help="built-in name (tiny, the default), a checkpoint path, or a "
                    "random-weight shape: gemma3-4b-like, nemotronh-8b-like, qwen3.5-4b-like (with --server: the "
                    "served model name)")
-    p.add_argument("--workload", default="all", help=f"{'|'.join(WORKLOADS)}|all, or a comma list")
+    p.add_argument("--workload", default=None, help=f"{'|'.join(WORKLOADS)}|all, or a comma list (default all)")
     arena = p.add_mutually_exclusive_group()
     arena.add_argument("--arena-gib", type=float, default=None, help="arena bytes in GiB (small, so memory binds)")
     arena.add_argument("--arena-bytes", type=int, default=None, help="arena bytes (default: the engine's)")
     p.add_argument("--static-ratios", default=None, help="static settings as swa:mamba pairs, comma separated "
                    "('-' where the model has no such memory; a bare number sets the one ratio the model has); "
                    "default: SGLang's 0.8:0.9 and four more")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default 64")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default 2048")
+    p.add_argument("--page-size", type=int, default=None, help="default 16")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the longest request, rounded up")
-    p.add_argument("--buckets", default="coarse", choices=("coarse", "single", "engine"),
-                   help="step shapes: coarse (few, warm-up compiles them all), single (one per dimension: "
-                   "CPU smoke runs), engine (the engine's powers of two)")
+    p.add_argument("--buckets", default=None, choices=("coarse", "single", "engine"),
+                   help="step shapes: coarse (the default: few, warm-up compiles them all), single (one per "
+                   "dimension: CPU smoke runs), engine (the engine's powers of two)")
     p.add_argument("--kernel-impl", default=None, choices=("pallas", "reference"))
     p.add_argument("--dtype", default="bfloat16", help="weights of a random-weight shape")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--scale", type=float, default=1.0, help="request lengths (and, by default, counts) times this")
+    p.add_argument("--scale", type=float, default=None, help="request lengths (and, by default, counts) times this "
+                   "(default 1)")
     p.add_argument("--count-scale", type=float, default=None, help="request counts times this (default: --scale)")
     p.add_argument("--rate", type=float, default=None, help="Poisson arrivals, requests/s (default: all at once "
                    "per phase)")
-    p.add_argument("--phase-s", type=float, default=1.0, help="seconds between the shifting trace's phases")
+    p.add_argument("--phase-s", type=float, default=None, help="seconds between the shifting trace's phases "
+                   "(default 1)")
     p.add_argument("--spread", action="store_true", help="shifting trace: each phase's requests arrive over the "
                    "phase (Poisson at count / phase-s), sustained load, instead of all at its start")
     p.add_argument("--jitter", type=float, default=0.0, help="lengths uniform within +-this fraction")
@@ -57,6 +72,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=None, help="URL of a running umem-jax server: drive it over HTTP")
     p.add_argument("--vocab-size", type=int, default=256, help="with --server: prompt ids are drawn below this")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the flags left unset: from SMALL with --small (the arena only when neither --arena-gib
+    nor --arena-bytes was given), from DEFAULTS otherwise.  Flags given explicitly stay."""
+    for key, value in ({**DEFAULTS, **SMALL} if args.small else DEFAULTS).items():
+        if key == "arena_bytes" and args.arena_gib is not None:
+            continue
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
 
 
 def bucket_kwargs(kind: str, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -81,6 +107,7 @@ def _workloads(args, max_len: int | None):
 
 
 def main(args) -> int:
+    resolve(args)
     deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None
     arena = int(args.arena_gib * 2**30) if args.arena_gib is not None else args.arena_bytes
     if args.server:
@@ -124,4 +151,4 @@ def _server(args) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "bucket_kwargs", "main"]
+__all__ = ["DEFAULTS", "SMALL", "add_arguments", "bucket_kwargs", "main", "resolve"]

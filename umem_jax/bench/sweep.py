@@ -9,7 +9,7 @@ bytes and the same engine flags; only the memory mode and SGLang's two ratios ch
   swa_full_tokens_ratio     window tokens / full-attention tokens (models with windows)
   mamba_full_memory_ratio   state bytes / full-attention KV bytes (models with state)
 The static settings always include SGLang's defaults (0.8, 0.9) and span KV-rich to
-state/window-rich splits.  The ratios printed last (issue 6's goals):
+state/window-rich splits.  The ratios printed last, with their goals:
   unified / static-defaults output tok/s      goal >= 1.5x on the shifting trace
   static-defaults / unified retractions       goal >= 2x (unified retracts at most half as often)
   unified / best static output tok/s          goal >= 0.97x on each fixed mix (best: the fastest
@@ -131,7 +131,7 @@ def _shapes(workload: Workload) -> dict[str, tuple[int, int]]:
 
 
 def compare(results: list[RunResult]) -> dict:
-    """Issue 6's ratios for one workload's results (None where a side is missing)."""
+    """The goals' ratios for one workload's results (None where a side is missing)."""
     rows = {r.label: r.summary() for r in results}
     ok = lambda s: s.get("status") in ("ok", "truncated")
     uni = rows.get("unified") if ok(rows.get("unified", {})) else None

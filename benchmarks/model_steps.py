@@ -1,0 +1,154 @@
+"""One whole-model step outside the engine: its pages, its batch, its donated arena and its bytes.
+
+    pager = Pager(plan, num_rows)                  # a ChainAllocator handing out pages as the engine does
+    reqs = [pager.new() for _ in range(B)]
+    for r in reqs:
+        pager.extend(r, ctx - 1, ctx)              # one decode token at position ctx - 1
+    batch = pager.batch(reqs, tokens, [1] * B, [ctx] * B, width)
+    run = Stepper(model.jit_forward(), model.params, arena)
+    logits = run(batch)                            # run.arena: the newest arena
+    cost = step_costs(cfg, plan, params, param_bytes, B=B, T=1, start=ctx - 1)
+
+Bytes a step must move at least (the roofline's numerator):
+  weights  every parameter once (tied embeddings once, as the LM head; an untied input embedding
+           counts only the B*T rows gathered)
+  KV       per attention layer: read the K/V of every position the step's queries see (full: all
+           kv_len; window w: from the first query's position - w + 1; the step's own new tokens
+           included: the layer writes them first, then reads them back), written: the new tokens'
+  state    per state layer and row: its tensors written, and read unless the row starts from zero
+Not counted: activations, the fp32 logits, page tables.  FLOPs: the matmuls (2 per parameter and
+token, embeddings apart) and attention (4 * heads * head_dim per visible (query, key) pair).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from umem_jax.core.batch import make_batch
+from umem_jax.memory import ChainAllocator
+
+
+class ArenaFull(RuntimeError):
+    pass
+
+
+class Pager:
+    """Pages and slots for one step's requests through a ChainAllocator, as the engine takes them.
+
+    A request holds a list of token page ids (virtual) and one state slot.  Before a step writes
+    positions [start, end): pages up to `end` exist; a page gets a window page only if a query at
+    a position >= start can see it (the earlier ones are born tombstoned, or released now).
+    """
+
+    def __init__(self, plan, num_rows: int):
+        self.plan, self.page_size = plan, plan.page_size
+        self.alloc = ChainAllocator(plan, num_rows)
+
+    def new(self) -> dict:
+        slot = -1
+        if self.plan.state is not None:
+            got = self.alloc.alloc_state_slots(1)
+            if got is None:
+                raise ArenaFull(f"no state slot: {self.alloc.last_shortfall}")
+            slot = int(got[0])
+        return dict(pages=[], slot=slot, wfirst={sp.name: 0 for sp in self.plan.windows})
+
+    def extend(self, req: dict, start: int, end: int) -> None:
+        page_size, pages = self.page_size, req["pages"]
+        first = {sp.name: max(0, start - sp.window + 1) // page_size for sp in self.plan.windows}
+        old = len(pages)
+        for name, f in first.items():  # window pages no query from `start` on can see
+            lo, hi = req["wfirst"][name], min(f, old)
+            if hi > lo:
+                self.alloc.release_window_pages(np.asarray(pages[lo:hi], np.int32), name)
+                req["wfirst"][name] = hi
+        need = -(-end // page_size) - old
+        if need <= 0:
+            return
+        dead = {name: min(need, max(0, f - old)) for name, f in first.items()}
+        vids = self.alloc.alloc_token_pages(need, window_pages={n: need - d for n, d in dead.items()} or None)
+        if vids is None:
+            raise ArenaFull(str(self.alloc.last_shortfall))
+        for name, d in dead.items():
+            if d:
+                req["wfirst"][name] = old + d
+        pages.extend(int(v) for v in vids)
+
+    def batch(self, reqs, tokens, q_lens, kv_lens, width: int):
+        vids = np.full((len(reqs), width), -1, np.int64)
+        for b, r in enumerate(reqs):
+            vids[b, :len(r["pages"])] = r["pages"]
+        tables = {sp.name: self.alloc.translate_pages(vids, sp.name, width) for sp in self.plan.token_pools}
+        slots = None
+        if self.plan.state is not None:
+            slots = self.alloc.translate_slots(np.array([r["slot"] for r in reqs], np.int64))
+        return make_batch(tokens, q_lens, kv_lens, tables, slots)
+
+
+def decode_batch(pager: Pager, B: int, ctx: int, vocab_size: int, width: int, seed: int):
+    """B requests decoding their token at position ctx - 1 (pages for the whole context)."""
+    reqs = [pager.new() for _ in range(B)]
+    for r in reqs:
+        pager.extend(r, ctx - 1, ctx)
+    toks = np.random.default_rng(seed).integers(1, vocab_size, size=(B, 1))
+    return pager.batch(reqs, toks, [1] * B, [ctx] * B, width)
+
+
+class Stepper:
+    """Holds the newest arena and runs the donated step on it."""
+
+    def __init__(self, step, params, arena):
+        self.step, self.params, self.arena = step, params, arena
+
+    def __call__(self, batch):
+        logits, self.arena = self.step(self.params, self.arena, batch)
+        return logits
+
+
+def param_counts(params) -> dict:
+    import jax
+
+    leaves = jax.tree.leaves(params)
+    return dict(params=sum(x.size for x in leaves), param_bytes=sum(x.nbytes for x in leaves))
+
+
+def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int, start: int) -> dict:
+    """Bytes the step must move at least (see the module doc) and its matmul + attention FLOPs."""
+    end = start + T
+    wbytes = jnp.dtype(cfg.dtype).itemsize
+    embed = cfg.vocab_size * cfg.hidden_size
+    weights = param_bytes
+    if not cfg.tie_word_embeddings:  # the input table is gathered, not streamed
+        weights += -embed * wbytes + B * T * cfg.hidden_size * wbytes
+    kv_read = kv_write = 0
+    attn_flops = 0.0
+    pos = np.arange(start, end, dtype=np.int64)
+    for sp in plan.token_pools:
+        g = sp.geometry
+        per_tok = (g.k_words + g.v_words) * 2 * len(sp.layers)
+        w = sp.window
+        lo = 0 if w is None else max(0, start - w + 1)
+        kv_read += B * (end - lo) * per_tok
+        kv_write += B * T * per_tok
+        seen = (pos + 1) if w is None else np.minimum(pos + 1, w)
+        attn_flops += 4.0 * B * int(seen.sum()) * cfg.num_heads * cfg.head_dim * len(sp.layers)
+    state_read = state_write = 0
+    if plan.state is not None:
+        per_slot = plan.state.geometry.words * 2 * len(plan.state.layers)
+        state_write = B * per_slot
+        state_read = B * per_slot if start > 0 else 0
+    heads = embed * (1 if cfg.tie_word_embeddings else 2)
+    flops = 2.0 * B * T * (param_count - heads) + 2.0 * B * embed + attn_flops
+    return dict(weight_bytes=weights, kv_read_bytes=kv_read, kv_write_bytes=kv_write, state_read_bytes=state_read,
+                state_write_bytes=state_write, total_bytes=weights + kv_read + kv_write + state_read + state_write,
+                flops=flops)
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b|."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+__all__ = ["ArenaFull", "Pager", "Stepper", "decode_batch", "param_counts", "rel_err", "step_costs"]
