@@ -87,10 +87,7 @@ def test_gpu_kernel_arena_over_4gib():
 def test_gpu_matches_cudnn_dense():
     """Prefix 0 chunk == cuDNN causal flash attention on the same contiguous tokens."""
     silence_triton_deprecation()
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
-    from bench_prefill import build, rel_err
+    from benchmarks.bench_prefill import build, rel_err
 
     d = build(jax.random.PRNGKey(1), B=2, T=2048, prefix=0, prefixes=[0, 1024], Hq=32, Hkv=8, D=128, ps=16,
               arena_gib=0.5)
