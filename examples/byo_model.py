@@ -20,14 +20,15 @@ from flax import nnx
 from umem_jax import LLM, SamplingParams
 from umem_jax.memory import full_attention, mamba2_state_tensors, recurrent_state, window_attention
 from umem_jax.models import Model, ModelConfig
-from umem_jax.models.attention import Attention, kv_slot
-from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig, RopeConfig
+from umem_jax.models.arena_slot import arena_slot
+from umem_jax.models.attention import Attention
+from umem_jax.models.config import FULL, RECURRENT, SLIDING, MambaConfig, RopeConfig
 from umem_jax.models.layers import MLP, RMSNorm
-from umem_jax.models.mamba2_mixer import Mamba2Mixer, state_slot
+from umem_jax.models.mamba2_mixer import Mamba2Mixer
 
 CONFIG = ModelConfig(
     architecture="ByoHybrid", vocab_size=256, hidden_size=64, intermediate_size=128, num_heads=4,
-    num_kv_heads=2, head_dim=16, layer_types=(SLIDING, MAMBA, FULL), sliding_window=8,
+    num_kv_heads=2, head_dim=16, layer_types=(SLIDING, RECURRENT, FULL), sliding_window=8,
     rope=((SLIDING, RopeConfig(10_000.0)), (FULL, RopeConfig(1_000_000.0))), hidden_activation="silu",
     mamba=MambaConfig(num_heads=4, head_dim=16, state_size=16), eos_token_id=None, max_position_embeddings=512)
 
@@ -40,7 +41,7 @@ class Block(nnx.Module):
         self.kind = cfg.layer_types[i]
         self.norm1, self.norm2 = RMSNorm(d, eps=1e-6, dtype=jnp.float32), RMSNorm(d, eps=1e-6, dtype=jnp.float32)
         self.mixer = (Mamba2Mixer(d, cfg.mamba, time_step_min=0.0, eps=1e-6, conv_bias=True, dtype=jnp.float32,
-                                  rngs=rngs) if self.kind == MAMBA else Attention(cfg, i, qk_norm=False, rngs=rngs))
+                                  rngs=rngs) if self.kind == RECURRENT else Attention(cfg, i, qk_norm=False, rngs=rngs))
         self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=jnp.float32, rngs=rngs)
 
     def dense(self, h, positions, valid):
@@ -80,8 +81,7 @@ class ByoHybrid(nnx.Module):
     def __call__(self, arena, batch, plan, *, impl=None, interpret=False):
         h = jnp.take(self.embed[...], batch.tokens, axis=0)
         for i, layer in enumerate(self.layers):  # where layer i lives in the arena (static, from the plan)
-            find = state_slot if layer.kind == MAMBA else kv_slot
-            h, arena = layer(h, arena, batch, find(plan, i, impl=impl, interpret=interpret))
+            h, arena = layer(h, arena, batch, arena_slot(plan, i, impl=impl, interpret=interpret))
         last = jnp.take_along_axis(h, batch.last_index()[:, None, None], axis=1)[:, 0]
         return self._logits(last), arena
 

@@ -52,12 +52,12 @@ def tiny() -> dict:
     from jax.sharding import PartitionSpec as P
 
     from umem_jax.arena import check_in_place
-    from umem_jax.models.config import FULL, MAMBA, SLIDING
+    from umem_jax.models.config import FULL, RECURRENT, SLIDING
     from umem_jax.models.tiny import tiny_model
 
     # Three layers (one of each kind) keep the compiles short; G=1 < tp and 2 KV heads < 4
     # exercise the split norm and the replicated KV heads.
-    model = tiny_model(seed=3, layer_types=(SLIDING, MAMBA, FULL))
+    model = tiny_model(seed=3, layer_types=(SLIDING, RECURRENT, FULL))
     _, want = _greedy(model, 1)
     out = {"tokens": want}
     for tp in (2, 4):

@@ -29,7 +29,7 @@ from umem_jax.arena import Arena
 from umem_jax.core.batch import Batch
 from umem_jax.memory import plan as make_plan
 from umem_jax.memory import size_arena
-from umem_jax.models.config import FULL, MAMBA, MambaConfig
+from umem_jax.models.config import FULL, RECURRENT, MambaConfig
 from umem_jax.models.nemotron_h import nemotron_h_8b_like
 from umem_jax.models.qwen3_5 import qwen3_5_4b_like
 from umem_jax.models.registry import build_random
@@ -83,8 +83,8 @@ def _assert_in_place(cfg, impl: str):
 
 
 @pytest.mark.parametrize("name,cfg", [
-    ("nemotronh", _nemotron((MAMBA, MLP, MAMBA, FULL, MLP))),
-    ("qwen3_5", _qwen((MAMBA, MAMBA, FULL))),
+    ("nemotronh", _nemotron((RECURRENT, MLP, RECURRENT, FULL, MLP))),
+    ("qwen3_5", _qwen((RECURRENT, RECURRENT, FULL))),
     ("tiny", tiny_config()),
 ])
 def test_reference_prefill_is_in_place(name, cfg):
@@ -133,8 +133,8 @@ def opaque_pallas(monkeypatch):
 
 
 @pytest.mark.parametrize("name,cfg", [
-    ("nemotronh", _nemotron((MAMBA, MLP, MAMBA, FULL, MLP))),
-    ("qwen3_5", _qwen((MAMBA, MAMBA, FULL))),
+    ("nemotronh", _nemotron((RECURRENT, MLP, RECURRENT, FULL, MLP))),
+    ("qwen3_5", _qwen((RECURRENT, RECURRENT, FULL))),
     ("tiny", tiny_config()),
 ])
 def test_gpu_prefill_dataflow_is_in_place(name, cfg, opaque_pallas):

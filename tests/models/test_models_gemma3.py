@@ -2,55 +2,45 @@
 
 The fixture: 6 layers (5 local : 1 global), window 8, GQA 4:2, query_pre_attn_scalar 24 != head
 dim, linear RoPE x8 on the global layer, every parameter (norms too) random.  CI needs no torch:
-the expected logits and greedy ids are in expected.npz.  `test_live_transformers` re-checks
-against transformers itself when torch and transformers are installed.
+the expected logits and greedy ids are in expected.npz.  The checks Gemma 3 shares with the
+other families (hub-era keys, a missing tensor, the arena updated in place, the live transformers
+oracle) are in test_families.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from _model_arena import generate
+from _model_fixtures import FIXTURES, PROMPTS, RTOL, bf16_checkpoint, copy_fixture, fixture_model, rel_err
+from _model_fixtures import expected as load_expected
 
-from umem_jax.arena import Arena, check_in_place
 from umem_jax.core.batch import make_batch
 from umem_jax.memory import Full, Window
 from umem_jax.memory import plan as make_plan
-from umem_jax.models.config import from_hf_config, load_hf_config, to_hf_config
-from umem_jax.models.loader import load_model, load_safetensors
+from umem_jax.models.gemma3 import gemma3_config_to_dict
+from umem_jax.models.loader import load_safetensors
+from umem_jax.models.registry import from_hf_config, load_hf_config
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "gemma3_tiny"
-PROMPTS = ("short", "long")
-RTOL = 1e-4  # max |ours - transformers| / max |transformers|, fp32
+NAME = "gemma3_tiny"
+FIXTURE = FIXTURES / NAME
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model(FIXTURE)
+    return fixture_model(NAME)
 
 
 @pytest.fixture(scope="module")
 def expected():
-    return dict(np.load(FIXTURE / "expected.npz"))
-
-
-def rel_err(a, b) -> float:
-    return float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
+    return load_expected(NAME)
 
 
 # ----------------------------------------------------------------------------- config
-
-
-def test_hub_keys_normalise_like_5x_keys():
-    """sliding_window_pattern, rope_theta / rope_local_base_freq / rope_scaling, torch_dtype."""
-    assert from_hf_config(json.loads((FIXTURE / "config_hub.json").read_text())) == load_hf_config(FIXTURE)
 
 
 def test_config_fields(model):
@@ -58,7 +48,7 @@ def test_config_fields(model):
     assert cfg.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
     assert cfg.sliding_window == 8 and cfg.attn_scale == pytest.approx(24 ** -0.5)
     assert cfg.rope_for("full_attention").rope_type == "linear" and cfg.rope_for("full_attention").factor == 8
-    assert from_hf_config(to_hf_config(cfg)) == cfg
+    assert from_hf_config(gemma3_config_to_dict(cfg)) == cfg
 
 
 def test_multimodal_wrapper_config_reads_text_config():
@@ -75,27 +65,10 @@ def test_unknown_architecture_is_a_clear_error():
 # ----------------------------------------------------------------------------- loading
 
 
-def _copy_fixture(tmp_path) -> Path:
-    d = tmp_path / "ckpt"
-    shutil.copytree(FIXTURE, d)
-    return d
-
-
-def test_missing_tensor_is_named(tmp_path):
-    from safetensors.numpy import load_file, save_file
-
-    d = _copy_fixture(tmp_path)
-    t = load_file(d / "model.safetensors")
-    del t["model.layers.5.self_attn.k_norm.weight"]
-    save_file(t, d / "model.safetensors")
-    with pytest.raises(KeyError, match="missing 1 tensor.*layers.5.self_attn.k_norm.weight"):
-        load_safetensors(d)
-
-
 def test_unexpected_and_misshaped_tensors_are_named(tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    d = _copy_fixture(tmp_path)
+    d = copy_fixture(tmp_path, NAME)
     t = load_file(d / "model.safetensors")
     t["model.layers.9.mlp.up_proj.weight"] = np.zeros((2, 2), np.float32)
     save_file(t, d / "model.safetensors")
@@ -108,15 +81,8 @@ def test_unexpected_and_misshaped_tensors_are_named(tmp_path):
         load_safetensors(d)
 
 
-def test_bf16_checkpoint_loads_as_bf16(tmp_path, model, expected):
-    from safetensors.flax import load_file, save_file
-
-    d = _copy_fixture(tmp_path)
-    t = load_file(str(d / "model.safetensors"))
-    save_file({k: v.astype(jnp.bfloat16) for k, v in t.items()}, str(d / "model.safetensors"))
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["dtype"] = "bfloat16"
-    (d / "config.json").write_text(json.dumps(cfg))
+def test_bf16_checkpoint_loads_as_bf16(tmp_path, expected):
+    d = bf16_checkpoint(tmp_path, NAME)
     m = load_safetensors(d)
     assert m.config.dtype == "bfloat16"
     assert {x.dtype for x in jax.tree.leaves(m.params)} == {jnp.dtype(jnp.bfloat16)}
@@ -169,16 +135,6 @@ def test_arena_bf16_kv_teacher_forced(model, expected):
         assert max(rel_err(lg, ref[pos]) for pos, lg in run.logits[i]) <= 2e-2
 
 
-@pytest.mark.parametrize("t", [1, 4])
-def test_forward_updates_arena_in_place(model, t):
-    plan = make_plan(model.decls(), page_size=4)
-    arena = Arena.abstract(plan, 4096)
-    b, p = 2, 8
-    batch = make_batch(np.zeros((b, t)), np.full(b, t), np.full(b, t), {n: np.zeros((b, p)) for n in plan.names})
-    compiled = model.jit_forward().lower(model.params, arena, batch).compile()
-    check_in_place(compiled, arena)
-
-
 def test_raw_array_arena_needs_plan(model):
     plan = make_plan(model.decls(), page_size=4)
     data = jnp.zeros((512, plan.row_words), jnp.uint16)
@@ -187,32 +143,6 @@ def test_raw_array_arena_needs_plan(model):
     assert logits.shape == (1, model.config.vocab_size) and data2.shape == data.shape
     with pytest.raises(ValueError, match="needs the plan"):
         model.forward_fn()(model.params, data, batch)
-
-
-# ----------------------------------------------------------------------------- live oracle
-
-_HAS_ORACLE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
-
-
-@pytest.mark.skipif(not _HAS_ORACLE, reason="torch and transformers not installed (CI uses the committed expected.npz)")
-def test_live_transformers(model):
-    """Load the fixture in transformers and compare on fresh prompts, teacher-forced and greedy."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(FIXTURE, dtype=torch.float32, attn_implementation="eager").eval()
-    rng = np.random.default_rng(11)
-    prompts = [rng.integers(3, 128, size=n) for n in (13, 27)]
-    for p in prompts:
-        ids = torch.tensor(p[None], dtype=torch.long)
-        with torch.no_grad():
-            gen = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-            ref = hf(gen, use_cache=False).logits[0].numpy()
-        assert rel_err(model.dense_logits(model.params, jnp.asarray(gen.numpy()))[0], ref) <= RTOL
-        plan = make_plan(model.decls(kv_dtype="float32"), page_size=4)
-        run = generate(model, plan, [p], 32, chunk=6)
-        assert run.tokens[0] == gen[0, len(p):].tolist()
 
 
 def test_pallas_kernels_interpreted_through_the_model(model, expected):

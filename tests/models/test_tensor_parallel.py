@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 7): the split of every model family over a `tp` mesh axis.
+"""Tensor parallelism: the split of every model family over a `tp` mesh axis.
 
 In this process (one CPU device): which tensor_parallel_size is refused and why, the per-device
 config, and that the weight split gives every device whole heads and covers every weight.
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from conftest import long_tests_enabled
 
-from umem_jax.models.config import FULL, MAMBA, SLIDING, MambaConfig
+from umem_jax.models.config import FULL, RECURRENT, SLIDING, MambaConfig
 from umem_jax.models.sharding import check_tp, local_config, split_indices
 from umem_jax.models.tiny import tiny_config
 
@@ -74,7 +74,7 @@ def test_mesh_wants_the_devices():
 
 
 def test_local_config_divides_every_head_count():
-    cfg = tiny_config(layer_types=(SLIDING, MAMBA, FULL))
+    cfg = tiny_config(layer_types=(SLIDING, RECURRENT, FULL))
     two, four = local_config(cfg, 2), local_config(cfg, 4)
     assert (two.num_heads, two.num_kv_heads, two.intermediate_size) == (2, 1, 64)
     assert (four.num_heads, four.num_kv_heads) == (1, 1)  # 2 KV heads on 4 devices: each holds the one it reads

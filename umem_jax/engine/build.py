@@ -160,8 +160,7 @@ def _load(cfg: EngineConfig):
 
         from flax import nnx
 
-        from ..models.config import load_hf_config
-        from ..models.registry import model_class
+        from ..models.registry import load_hf_config, model_class
 
         path = Path(name)
         if name == loader.DEFAULT_MODEL:

@@ -8,7 +8,7 @@
 """
 
 from ..core.batch import Batch, make_batch
-from .config import ModelConfig, from_hf_config, load_hf_config
+from .config import ModelConfig
 from .loader import (
                      DEFAULT_MODEL,
                      cache_dir,
@@ -19,7 +19,7 @@ from .loader import (
                      save_pretrained,
 )
 from .model import Model
-from .registry import model_class, supported_architectures
+from .registry import from_hf_config, load_hf_config, model_class, supported_architectures
 from .tiny import tiny_config, tiny_model
 
 __all__ = ["Batch", "DEFAULT_MODEL", "Model", "ModelConfig", "cache_dir", "convert_gguf", "fetch_default_model",

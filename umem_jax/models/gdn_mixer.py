@@ -22,8 +22,9 @@ from flax import nnx
 from ..core.batch import Batch
 from ..pallas_kernels.gated_deltanet import L2NORM_EPS, gdn_decode, gdn_prefill
 from ..pallas_kernels.mamba2 import softplus
+from .arena_slot import ArenaSlot
 from .layers import FusedLinear, Linear
-from .mamba2_mixer import DepthwiseConv1d, GatedRMSNorm, StateSlot, first_chunk
+from .recurrent import DepthwiseConv1d, GatedRMSNorm, first_chunk
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
@@ -97,13 +98,13 @@ class GatedDeltaNet(nnx.Module):
             s = s + k_t[..., :, None] * (beta_t[..., None] * (v_t - kv))[..., None, :]
             return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision="highest")
 
-        sw = lambda a: jnp.swapaxes(a, 0, 1)
+        time_major = lambda a: jnp.swapaxes(a, 0, 1)
         s0 = jnp.zeros((b, self.v_heads, self.k_dim, self.v_dim), jnp.float32)
-        _, o = jax.lax.scan(step, s0, (sw(q), sw(k), sw(v), sw(g), sw(beta)))
-        return self._out(sw(o), z, x.dtype)
+        _, o = jax.lax.scan(step, s0, (time_major(q), time_major(k), time_major(v), time_major(g), time_major(beta)))
+        return self._out(time_major(o), z, x.dtype)
 
     # ------------------------------------------------------------------ serving path
-    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: StateSlot):
+    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: ArenaSlot):
         """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
         qkv, z, b, a = self._project(x)
         params = (self.conv1d.kernel_weight, self.A_log[...], self.dt_bias[...])

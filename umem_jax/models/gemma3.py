@@ -8,6 +8,10 @@
 Parameter paths match the checkpoint names with the `model.` prefix dropped
 (`layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`
 when untied), so loading is a rename.
+
+config.json: the 5.x keys (`layer_types`, `rope_parameters` keyed by layer type, `dtype`) and the
+hub's older spellings (`sliding_window_pattern`, `rope_theta` + `rope_local_base_freq` +
+`rope_scaling`, `torch_dtype`) both parse; `gemma3_config_to_dict` writes the 5.x form back.
 """
 
 from __future__ import annotations
@@ -16,118 +20,147 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..core.batch import Batch
-from ..memory.declarations import MHA, Full, LayerDecl, Part, Window
-from ..memory.plan import Plan
-from .attention import Attention, kv_slot
-from .config import SLIDING, ModelConfig, from_hf_config
-from .layers import MLP, RMSNorm, _init
+from .attention import Attention
+from .causal_lm import CausalLM, ResidualLayer
+from .config import FULL, LEGACY_LAYER_TYPES, SLIDING, ModelConfig, RopeConfig, int_or_tuple, weight_dtype
+from .layers import MLP, RMSNorm
+
+ARCHITECTURE = "Gemma3ForCausalLM"
+
+# ----------------------------------------------------------------------------- config.json
 
 
-class Embedding(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs, (vocab, dim), dtype))
-
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        return jnp.take(self.weight[...], ids, axis=0)
-
-    def attend(self, h: jax.Array) -> jax.Array:
-        return jnp.einsum("...d,vd->...v", h, self.weight[...])
-
-
-class DecoderLayer(nnx.Module):
-    """One Gemma 3 block: attention then MLP, each wrapped in a pre- and a post-norm."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        dt, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-        self.self_attn = Attention(cfg, layer, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dt, rngs=rngs)
-        self.post_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-
-    def _ffn(self, h: jax.Array) -> jax.Array:
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-
-    def dense(self, h, positions, valid):
-        a = self.self_attn.dense(self.input_layernorm(h), positions, valid)
-        return self._ffn(h + self.post_attention_layernorm(a))
-
-    def __call__(self, h, arena, batch, slot):
-        a, arena = self.self_attn(self.input_layernorm(h), arena, batch, slot)
-        return self._ffn(h + self.post_attention_layernorm(a)), arena
+def _layer_types(d: dict) -> tuple[str, ...]:
+    n = d.get("num_hidden_layers", 26)
+    if d.get("layer_types") is not None:
+        types = tuple(LEGACY_LAYER_TYPES.get(t, t) for t in d["layer_types"])
+    else:
+        # Hub files: layer i is global iff (i + 1) % pattern == 0 (pattern 6 when absent).
+        pattern = d.get("sliding_window_pattern") or 6
+        types = tuple(SLIDING if (i + 1) % pattern else FULL for i in range(n))
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
+    return types
 
 
-class Gemma3ForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        dt = jnp.dtype(cfg.dtype)
-        self.config = cfg
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt, rngs=rngs)
-        self.layers = nnx.List([self.make_layer(cfg, i, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt)
-        self.lm_head = None if cfg.tie_word_embeddings else Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt, rngs=rngs)
+def _rope_entry(p: dict | None, default_theta: float) -> RopeConfig:
+    p = dict(p or {})
+    kind = p.get("rope_type", p.get("type", "default"))
+    return RopeConfig(float(p.get("rope_theta", default_theta)), kind, float(p.get("factor", 1.0)))
 
-    def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
-        return DecoderLayer(cfg, layer, rngs=rngs)
 
-    def arena_slot(self, plan: Plan, layer: int, **kernel_kw):
-        """Static placement of `layer`'s memory in the plan, handed to the layer's forward."""
-        return kv_slot(plan, layer, **kernel_kw)
+def _rope(d: dict) -> tuple[tuple[str, RopeConfig], ...]:
+    params = d.get("rope_parameters")
+    if params and (FULL in params or SLIDING in params):  # 5.x: keyed by layer type
+        full, local = params.get(FULL), params.get(SLIDING)
+    else:  # hub: rope_theta (global), rope_local_base_freq (local), rope_scaling (global only)
+        full = dict(params or {})
+        full.update(d.get("rope_scaling") or {})
+        local = None
+    global_theta = d.get("rope_theta", 1_000_000.0)
+    local_theta = d.get("rope_local_base_freq", 10_000.0)
+    return ((FULL, _rope_entry(full, global_theta)), (SLIDING, _rope_entry(local, local_theta)))
 
-    # ------------------------------------------------------------------ memory declaration
-    @staticmethod
-    def decls(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
-        """Local layers keep Window(sliding_window) K/V, global layers Full."""
-        geom = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
-        return [LayerDecl(i, (Part(geom, Window(cfg.sliding_window) if t == SLIDING else Full()),))
-                for i, t in enumerate(cfg.layer_types)]
 
-    # ------------------------------------------------------------------ pieces
-    def embed(self, ids: jax.Array) -> jax.Array:
-        w = self.embed_tokens.weight[...]
-        # transformers multiplies by sqrt(d) cast to the weight dtype (bf16 rounds it).
-        return self.embed_tokens(ids) * jnp.asarray(self.config.hidden_size ** 0.5, w.dtype)
+def gemma3_config(d: dict) -> ModelConfig:
+    """A `gemma3_text` config.json dict (a multimodal wrapper's text_config already unwrapped) -> config."""
+    if d.get("use_bidirectional_attention"):
+        raise NotImplementedError("Gemma 3 with use_bidirectional_attention (an encoder) is not a decoder we serve")
+    if d.get("attention_bias"):
+        raise NotImplementedError("Gemma 3 with attention_bias=True is not supported")
+    return ModelConfig(
+        architecture=ARCHITECTURE,
+        vocab_size=d.get("vocab_size", 262_208),
+        hidden_size=d.get("hidden_size", 2304),
+        intermediate_size=d.get("intermediate_size", 9216),
+        num_heads=d.get("num_attention_heads", 8),
+        num_kv_heads=d.get("num_key_value_heads", 4),
+        head_dim=d.get("head_dim") or 256,
+        layer_types=_layer_types(d),
+        sliding_window=d.get("sliding_window", 4096),
+        rope=_rope(d),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        final_logit_softcapping=d.get("final_logit_softcapping"),
+        hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
+        tie_word_embeddings=d.get("tie_word_embeddings", True),
+        dtype=weight_dtype(d),
+        bos_token_id=d.get("bos_token_id", 2),
+        eos_token_id=int_or_tuple(d.get("eos_token_id", 1)),
+        pad_token_id=d.get("pad_token_id", 0),
+        max_position_embeddings=d.get("max_position_embeddings", 131_072),
+    )
 
-    def logits(self, h: jax.Array) -> jax.Array:
-        """h [..., d] -> fp32 logits [..., V]."""
-        h = self.norm(h)
-        head = self.lm_head if self.lm_head is not None else self.embed_tokens
-        out = head.attend(h).astype(jnp.float32)
-        cap = self.config.final_logit_softcapping
-        return out if cap is None else cap * jnp.tanh(out / cap)
 
-    # ------------------------------------------------------------------ forwards
-    def dense(self, tokens: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        """Cache-free forward.  tokens [B, T] (positions 0..T-1) -> logits [B, T, V] fp32."""
-        b, t = tokens.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        valid = jnp.ones((b, t), bool) if valid is None else valid
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer.dense(h, positions, valid)
-        return self.logits(h)
-
-    def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, **kernel_kw):
-        """Serving forward -> (logits [B, V] fp32 at each row's last valid token, arena).
-
-        kernel_kw: impl ("pallas" | "reference") and interpret, passed to every kernel.
-        """
-        h = self.embed(batch.tokens)
-        for i, layer in enumerate(self.layers):
-            h, arena = layer(h, arena, batch, self.arena_slot(plan, i, **kernel_kw))
-        last = jnp.take_along_axis(h, batch.last_index()[:, None, None], axis=1)[:, 0]
-        return self.logits(last), arena
+def gemma3_config_to_dict(cfg: ModelConfig) -> dict:
+    """A transformers 5.x config.json dict (gemma3_config's inverse), so a converted checkpoint
+    loads in transformers too."""
+    rope = {name: {"rope_type": r.rope_type, "rope_theta": r.theta,
+                   **({"factor": r.factor} if r.rope_type == "linear" else {})}
+            for name, r in cfg.rope}
+    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "gemma3_text", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "layer_types": list(cfg.layer_types),
+        "sliding_window": cfg.sliding_window, "rope_parameters": rope, "rms_norm_eps": cfg.rms_norm_eps,
+        "query_pre_attn_scalar": cfg.query_pre_attn_scalar, "attn_logit_softcapping": cfg.attn_logit_softcapping,
+        "final_logit_softcapping": cfg.final_logit_softcapping, "hidden_activation": cfg.hidden_activation,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.dtype, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": eos, "pad_token_id": cfg.pad_token_id,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
 
 
 def gemma3_4b_like(dtype: str = "bfloat16") -> ModelConfig:
     """Gemma-3-4B's text decoder shape: 34 layers (5 sliding w=1024 : 1 global), hidden 2560, GeGLU
     10240, 8 q / 4 kv heads x 256, vocab 262144, tied, 128K positions (global RoPE linear x8).
-    Its memory is presets.gemma3_4b_like's.  For benchmarks with random weights."""
-    return from_hf_config({
-        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144,
+    For benchmarks with random weights (registry.build_random) and its memory preset."""
+    return gemma3_config({
+        "architectures": [ARCHITECTURE], "model_type": "gemma3_text", "vocab_size": 262144,
         "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
         "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024, "sliding_window_pattern": 6,
         "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
         "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 256,
         "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 131072, "dtype": dtype})
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class DecoderLayer(ResidualLayer):
+    """One Gemma 3 block: attention then MLP, each wrapped in a pre- and a post-norm."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        dtype, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.self_attn = Attention(cfg, layer, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dtype, rngs=rngs)
+        self.post_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+
+    @property
+    def mixer(self) -> Attention:
+        return self.self_attn
+
+    def post_mixer(self, a: jax.Array) -> jax.Array:
+        return self.post_attention_layernorm(a)
+
+    def ffn(self, h: jax.Array) -> jax.Array:
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3ForCausalLM(CausalLM):
+    """Gemma 3 blocks in the shared decoder, embeddings scaled by sqrt(d)."""
+
+    scale_embeddings = True
+
+    def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
+        return DecoderLayer(cfg, layer, rngs=rngs)
+
+
+__all__ = ["ARCHITECTURE", "DecoderLayer", "Gemma3ForCausalLM", "gemma3_4b_like", "gemma3_config",
+           "gemma3_config_to_dict"]

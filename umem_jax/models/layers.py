@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, RoPE, gated MLP, projections.
+"""Building blocks shared by the model families: projections, embedding, RMSNorm, RoPE, MLPs.
 
 Weights are stored in the Hugging Face layout ([out, in] for projections) so loading a
 checkpoint is a rename, never a transpose; `Linear` computes x @ W^T.
@@ -16,12 +16,12 @@ from ..parallel.collectives import reduce_sum
 from .config import RopeConfig
 
 
-def _init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
+def normal_init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     """std * N(0, 1) of `shape`.  Called eagerly (a model built outside jit), it runs one jitted
-    generator per distinct (shape, dtype, std): a 4B model's ~500 weights are ~10 shapes, so the
-    device compiles ~10 small programs instead of one program with a generator per weight (the
-    one-jit build of a 4B model took 124 s on the H200; built this way, 4-6 s for the 4B and 8B
-    shapes).  Inside a jit (an abstract build) the generator is inlined."""
+    generator per distinct (shape, dtype, std): a model has a handful of distinct weight shapes,
+    so the device compiles a handful of small programs, where one jit over the whole constructor
+    would compile a generator per weight (slow to build a billion-parameter model).  Inside a jit
+    (an abstract build) the generator is inlined."""
     return _normal(rngs.params(), tuple(shape), jnp.dtype(dtype), float(std))
 
 
@@ -34,12 +34,12 @@ class Linear(nnx.Module):
     """y = x W^T, W [out, in] as in the checkpoint (no bias: none of our families has one).
 
     reduce_axis: under tensor parallelism a row-parallel projection holds a slice of `in` on each
-    device and psums its partial outputs over this mesh axis (parallel/sharding.py sets it on the
+    device and psums its partial outputs over this mesh axis (sharding.py sets it on the
     per-device module; None, the default, is the unsplit layer).
     """
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype))
+        self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
         self.reduce_axis = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -73,13 +73,26 @@ class FusedLinear(nnx.Module):
         return tuple(y[..., e - n:e] for e, n in zip(ends, self.sizes))
 
 
+class Embedding(nnx.Module):
+    """Token embedding [vocab, d]; `attend` is the tied (or separate) LM head h E^T."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal_init(rngs, (vocab, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        return jnp.einsum("...d,vd->...v", h, self.weight[...])
+
+
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * (offset + w), in fp32, cast back to x's dtype.
 
     Gemma stores w zero-centred and multiplies by (1 + w): offset = 1.  Plain RMSNorm: offset = 0.
     """
 
-    def __init__(self, dim: int, *, eps: float, offset: float = 1.0, dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, *, eps: float, offset: float = 1.0, dtype):
         init = jnp.zeros if offset else jnp.ones
         self.weight = nnx.Param(init((dim,), dtype))
         self.eps = eps
@@ -148,3 +161,15 @@ class MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
         return self.down_proj(activation(self.act)(gate) * up)
+
+
+class UngatedMLP(nnx.Module):
+    """down(act(up x)), no gate (NemotronH's MLP blocks, act relu^2)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, *, dtype, rngs: nnx.Rngs):
+        self.up_proj = Linear(hidden, intermediate, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(intermediate, hidden, dtype=dtype, rngs=rngs)
+        self.act = act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(activation(self.act)(self.up_proj(x)))

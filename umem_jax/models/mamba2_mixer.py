@@ -1,5 +1,4 @@
-"""Mamba2 mixer (NemotronH / Bamba / Granite-4-H naming) and the state-slot plumbing shared with
-the gated DeltaNet mixer.
+"""Mamba2 mixer (NemotronH / Bamba / Granite-4-H naming).
 
     zxbcdt = in_proj(x)                 -> z [d_inner] | xBC [conv_dim] | dt [H]   (this order)
     xBC    = silu(causal_conv1d(xBC))   -> x [H, P] | B [G, N] | C [G, N]
@@ -26,129 +25,31 @@ it rides in (see `_prefill_dt_min`).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..core.batch import Batch
-from ..memory.plan import Plan, StateView
+from ..memory.declarations import StateTensor, mamba2_state_tensors
 from ..pallas_kernels.mamba2 import mamba2_decode, mamba2_prefill, softplus
-from ..parallel.collectives import group_sum
+from .arena_slot import ArenaSlot
 from .config import MambaConfig
-from .layers import Linear, _init
-
-# ----------------------------------------------------------------------------- state slots
-
-
-@dataclasses.dataclass(frozen=True)
-class StateSlot:
-    """Where one state layer's tensors live (its StateView in the plan's state sub-pool) and which
-    kernel implementation to call (None: the kernels' default, Pallas on GPU)."""
-
-    view: StateView
-    impl: str | None = None
-    interpret: bool = False
-
-    @property
-    def kernel_kw(self) -> dict:
-        return {"impl": self.impl, "interpret": self.interpret}
-
-
-def state_slot(plan: Plan, layer: int, model: str = "target", **kernel_kw) -> StateSlot:
-    """Find `layer`'s state tensors in the plan's state sub-pool."""
-    sp = plan.state
-    if sp is None or (model, layer) not in sp.layers:
-        raise KeyError(f"the plan holds no state for layer {model}:{layer}")
-    return StateSlot(sp.state_view(layer, model), **kernel_kw)
-
-
-def first_chunk(batch: Batch) -> jax.Array:
-    """[B] bool: this step starts the row's request (nothing cached before it), so the prefill
-    kernels start from a zero state instead of reading the slot.  Rows with q_len 0 never reset:
-    a paused request keeps its state.
-
-    A request's first tokens must come through a T > 1 (prefill) step: the decode kernels always
-    read the slot.  The scheduler's prefill buckets guarantee that.
-    """
-    return (batch.kv_lens == batch.q_lens) & (batch.q_lens > 0)
-
-
-# ----------------------------------------------------------------------------- pieces
-
-
-class DepthwiseConv1d(nnx.Module):
-    """Causal depthwise conv1d, weight [C, 1, K] as torch's nn.Conv1d(groups=C) stores it."""
-
-    def __init__(self, channels: int, kernel: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_init(rngs, (channels, 1, kernel), dtype, std=0.2))
-        self.bias = nnx.Param(jnp.zeros((channels,), dtype)) if bias else None
-
-    @property
-    def kernel_weight(self) -> jax.Array:
-        """[C, K], the layout the state kernels take."""
-        return self.weight[...][:, 0, :]
-
-    @property
-    def bias_or_none(self) -> jax.Array | None:
-        return None if self.bias is None else self.bias[...]
-
-    def dense(self, x: jax.Array) -> jax.Array:
-        """x [B, T, C] from a zero history -> fp32 [B, T, C] (before the activation)."""
-        w = self.kernel_weight.astype(jnp.float32)
-        k = w.shape[1]
-        t = x.shape[1]
-        xp = jnp.pad(x.astype(jnp.float32), ((0, 0), (k - 1, 0), (0, 0)))
-        out = sum(xp[:, j:j + t, :] * w[:, j] for j in range(k))
-        return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
-
-
-class GatedRMSNorm(nnx.Module):
-    """w * RMSNorm(y) gated by silu(z), over groups of `group_size` channels of the last axis.
-
-    norm_before_gate=False (Mamba2): w * norm(y * silu(z)).
-    norm_before_gate=True (gated DeltaNet): w * norm(y) * silu(z).
-    The casts follow transformers: statistics in fp32, w multiplies in the input dtype.
-    Tensor parallelism with fewer groups than devices splits one group over `group_shards`
-    consecutive devices of `reduce_axis` (set by parallel/sharding.py): the sum of squares is
-    then added over them.
-    """
-
-    def __init__(self, dim: int, *, group_size: int, eps: float, norm_before_gate: bool, dtype):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
-        self.group_size = group_size
-        self.eps = eps
-        self.norm_before_gate = norm_before_gate
-        self.reduce_axis, self.group_shards = None, 1
-
-    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
-        dtype = y.dtype
-        yf = y.astype(jnp.float32)
-        gate = jax.nn.silu(z.astype(jnp.float32))
-        if not self.norm_before_gate:
-            yf = yf * gate
-        g = yf.reshape(*yf.shape[:-1], -1, self.group_size)
-        if self.reduce_axis is None or self.group_shards == 1:
-            ms = jnp.mean(g * g, axis=-1, keepdims=True)
-        else:  # this device holds 1/group_shards of the group's channels
-            ms = group_sum(jnp.sum(g * g, axis=-1, keepdims=True), self.reduce_axis, self.group_shards)
-            ms = ms / (self.group_size * self.group_shards)
-        g = g * jax.lax.rsqrt(ms + self.eps)
-        out = self.weight[...] * g.reshape(yf.shape).astype(dtype)
-        if self.norm_before_gate:
-            out = (out.astype(jnp.float32) * gate).astype(dtype)
-        return out
+from .layers import Linear
+from .recurrent import DepthwiseConv1d, GatedRMSNorm, first_chunk
 
 
 def inverse_softplus(x: jax.Array) -> jax.Array:
     return x + jnp.log(-jnp.expm1(-x))
 
 
-# ----------------------------------------------------------------------------- the mixer
-
-
 class Mamba2Mixer(nnx.Module):
+    @staticmethod
+    def state_tensors(m: MambaConfig, conv_dtype: str) -> tuple[StateTensor, ...]:
+        """What one Mamba2 layer keeps per request: the conv window over x|B|C (conv_dtype) and
+        the fp32 SSM state."""
+        return mamba2_state_tensors(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel,
+                                    conv_dtype=conv_dtype)
+
     def __init__(self, hidden: int, m: MambaConfig, *, time_step_min: float, eps: float, conv_bias: bool,
                  dtype, rngs: nnx.Rngs):
         h, p, n, g, k = m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel
@@ -190,9 +91,10 @@ class Mamba2Mixer(nnx.Module):
         z, xbc, dt = self._split(self.in_proj(x * mask))
         xbc = jax.nn.silu(self.conv1d.dense(xbc)) * mask.astype(jnp.float32)
         xs = xbc[..., :self.d_inner].reshape(b, t, h, p)
-        rep = h // g
-        bm = jnp.repeat(xbc[..., self.d_inner:self.d_inner + g * n].reshape(b, t, g, n), rep, axis=2)  # [B,T,H,N]
-        cm = jnp.repeat(xbc[..., self.d_inner + g * n:].reshape(b, t, g, n), rep, axis=2)
+        heads_per_group = h // g
+        b_heads = jnp.repeat(xbc[..., self.d_inner:self.d_inner + g * n].reshape(b, t, g, n), heads_per_group,
+                             axis=2)  # [B, T, H, N]
+        c_heads = jnp.repeat(xbc[..., self.d_inner + g * n:].reshape(b, t, g, n), heads_per_group, axis=2)
         dt = softplus(dt.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         dt = jnp.maximum(dt, self.time_step_min)
         a = -jnp.exp(self.A_log[...].astype(jnp.float32))
@@ -204,12 +106,13 @@ class Mamba2Mixer(nnx.Module):
             y = jnp.einsum("bhpn,bhn->bhp", s, c_t, precision="highest") + d[:, None] * x_t
             return s, y
 
-        sw = lambda v: jnp.swapaxes(v, 0, 1)
-        _, ys = jax.lax.scan(step, jnp.zeros((b, h, p, n), jnp.float32), (sw(xs), sw(bm), sw(cm), sw(dt)))
-        return self._out(sw(ys), z, x.dtype)
+        time_major = lambda v: jnp.swapaxes(v, 0, 1)
+        _, ys = jax.lax.scan(step, jnp.zeros((b, h, p, n), jnp.float32),
+                             (time_major(xs), time_major(b_heads), time_major(c_heads), time_major(dt)))
+        return self._out(time_major(ys), z, x.dtype)
 
     # ------------------------------------------------------------------ serving path
-    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: StateSlot):
+    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: ArenaSlot):
         """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
         z, xbc, dt = self._split(self.in_proj(x))
         params = (self.conv1d.kernel_weight, self.conv1d.bias_or_none, self.A_log[...], self.dt_bias[...],
@@ -239,5 +142,4 @@ class Mamba2Mixer(nnx.Module):
         return jnp.where(prefilling, jnp.float32(self.time_step_min), jnp.float32(0.0))
 
 
-__all__ = ["DepthwiseConv1d", "GatedRMSNorm", "Mamba2Mixer", "StateSlot", "first_chunk", "inverse_softplus",
-           "state_slot"]
+__all__ = ["Mamba2Mixer", "inverse_softplus"]

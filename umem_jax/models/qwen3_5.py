@@ -26,23 +26,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..core.batch import Batch
-from ..memory.declarations import MHA, Full, LayerDecl, Part, State, StateGeometry, gated_deltanet_state_tensors
-from ..memory.plan import Plan
-from ..pallas_kernels.kv_write import write_kv
-from ..pallas_kernels.paged_decode import paged_decode_attention
-from ..pallas_kernels.paged_prefill import paged_prefill_attention
-from .attention import _NEG, Attention, KVSlot, kv_slot
-from .config import FULL, MAMBA, ModelConfig, RopeConfig, _dtype, _tuple_or_int
+from ..memory.declarations import StateTensor, gated_deltanet_state_tensors
+from .attention import Attention
+from .causal_lm import CausalLM, ResidualLayer
+from .config import FULL, RECURRENT, ModelConfig, RopeConfig, int_or_tuple, weight_dtype
 from .gdn_mixer import GatedDeltaNet
-from .gemma3 import Gemma3ForCausalLM
-from .layers import MLP, Linear, RMSNorm, apply_rope, rope_inv_freq
-from .mamba2_mixer import state_slot
+from .layers import MLP, Linear, RMSNorm
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 # Decode tokens between prefix-cache checkpoints of the recurrent state (SGLang's default --mamba-track-interval).
 CHECKPOINT_INTERVAL = 256
-LINEAR = MAMBA  # transformers calls every recurrent layer "linear_attention"; here it is gated DeltaNet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,9 +50,9 @@ class Qwen3_5Config(ModelConfig):
     partial_rotary_factor: float = 0.25
 
     def __post_init__(self):
-        bad = sorted(set(self.layer_types) - {FULL, LINEAR})
+        bad = sorted(set(self.layer_types) - {FULL, RECURRENT})
         if bad:
-            raise ValueError(f"Qwen3.5 layer types must be {FULL} or {LINEAR}, got {bad}")
+            raise ValueError(f"Qwen3.5 layer types must be {FULL} or {RECURRENT}, got {bad}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.linear_num_value_heads % self.linear_num_key_heads:
@@ -80,7 +73,7 @@ _LINEAR_DEFAULTS = {"linear_num_key_heads": 16, "linear_num_value_heads": 32, "l
 
 def qwen3_5_config(d: dict) -> Qwen3_5Config:
     """A `qwen3_5_text` config.json dict (the multimodal wrapper's text_config already unwrapped by
-    config.from_hf_config) -> config.  MoE variants are refused."""
+    registry.from_hf_config) -> config.  MoE variants are refused."""
     archs = d.get("architectures") or []
     if "moe" in str(d.get("model_type", "")) or any("Moe" in a for a in archs) or d.get("num_experts"):
         raise NotImplementedError("Qwen3.5 MoE (qwen3_5_moe) is not supported: umem_jax serves the dense Qwen3.5 "
@@ -89,11 +82,11 @@ def qwen3_5_config(d: dict) -> Qwen3_5Config:
         raise NotImplementedError("Qwen3.5 with attention_bias=true is not supported")
     n = d.get("num_hidden_layers", 32)
     if d.get("layer_types") is not None:
-        legacy = {"attention": FULL, "linear": LINEAR}
+        legacy = {"attention": FULL, "linear": RECURRENT}
         types = tuple(legacy.get(t, t) for t in d["layer_types"])
     else:  # hub: every full_attention_interval-th layer is full attention
         every = d.get("full_attention_interval", 4)
-        types = tuple(FULL if (i + 1) % every == 0 else LINEAR for i in range(n))
+        types = tuple(FULL if (i + 1) % every == 0 else RECURRENT for i in range(n))
     if len(types) != n:
         raise ValueError(f"layer_types has {len(types)} entries for num_hidden_layers={n}")
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
@@ -109,7 +102,7 @@ def qwen3_5_config(d: dict) -> Qwen3_5Config:
         num_kv_heads=d.get("num_key_value_heads", 4), head_dim=d.get("head_dim") or 256, layer_types=types,
         rope=((FULL, RopeConfig(theta)),), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         hidden_activation=d.get("hidden_act", "silu"), tie_word_embeddings=d.get("tie_word_embeddings", False),
-        dtype=_dtype(d), bos_token_id=d.get("bos_token_id"), eos_token_id=_tuple_or_int(d.get("eos_token_id")),
+        dtype=weight_dtype(d), bos_token_id=d.get("bos_token_id"), eos_token_id=int_or_tuple(d.get("eos_token_id")),
         pad_token_id=d.get("pad_token_id"), max_position_embeddings=d.get("max_position_embeddings", 32768),
         partial_rotary_factor=partial,
         **{k: d.get(k, default) for k, default in _LINEAR_DEFAULTS.items()},
@@ -119,9 +112,9 @@ def qwen3_5_config(d: dict) -> Qwen3_5Config:
 def qwen3_5_4b_like(dtype: str = "bfloat16") -> Qwen3_5Config:
     """A Qwen3.5-4B-sized text decoder: 32 layers, 3 gated DeltaNet (16 key / 32 value heads x 128)
     : 1 gated attention (16 q / 4 kv heads x 256, partial RoPE 0.25), hidden 2560, SwiGLU 9216,
-    vocab 248320, tied; about 4.2B parameters.  The memory geometry is presets.qwen35_4b_like's;
-    hidden/intermediate sizes are this family's usual 4B figures, not read from a released
-    config.json (none was to hand).  For benchmarks with random weights."""
+    vocab 248320, tied; about 4.2B parameters.  Hidden and intermediate sizes are this family's
+    usual 4B figures, not a released config.json's.  For benchmarks with random weights
+    (registry.build_random) and its memory preset."""
     return qwen3_5_config({
         "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216, "num_hidden_layers": 32,
         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256, "full_attention_interval": 4,
@@ -135,129 +128,69 @@ def qwen3_5_4b_like(dtype: str = "bfloat16") -> Qwen3_5Config:
 
 
 class GatedAttention(Attention):
-    """Qwen3.5 full attention: the shared Attention's K/V path, plus the per-head output gate and
-    partial RoPE.  The gate is computed with the query (one q_proj), so this class owns its two
-    forwards; the arena writes and kernels are the same calls as Attention's."""
+    """Qwen3.5 full attention: the shared Attention with a per-head output gate and partial RoPE.
+    q_proj gives each head its query and its gate, [Hq, 2*hd] interleaved per head (not
+    [all q | all gate]), so `project` splits them; Attention.output applies the gate."""
 
     def __init__(self, cfg: Qwen3_5Config, layer: int, *, rngs: nnx.Rngs):
         super().__init__(cfg, layer, qk_norm=True, rngs=rngs)
-        # [Hq, 2*hd] per head: query then gate, interleaved per head (not [all q | all gate]).
         self.q_proj = Linear(cfg.hidden_size, 2 * cfg.num_heads * cfg.head_dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
         self.rotary_dim = cfg.rotary_dim
 
-    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        r = self.rotary_dim
-        rotated = apply_rope(x[..., :r], positions, rope_inv_freq(self.rope, r))
-        return jnp.concatenate([rotated, x[..., r:]], axis=-1)
-
-    def project_gated(self, x: jax.Array, positions: jax.Array):
-        """x [B, T, d] -> q [B, T, Hq, D], gate [B, T, Hq*D], k and v [B, T, Hkv, D]."""
+    def project(self, x: jax.Array, positions: jax.Array):
+        """x [B, T, d] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], gate [B, T, Hq*D]."""
         b, t, _ = x.shape
         hq, hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.project_qkv(x)
         qg = qg.reshape(b, t, hq, 2 * hd)
-        q, gate = self.q_norm(qg[..., :hd]), qg[..., hd:].reshape(b, t, hq * hd)
-        k = self.k_norm(k.reshape(b, t, hkv, hd))
-        v = v.reshape(b, t, hkv, hd)
-        return self._rope(q, positions), gate, self._rope(k, positions), v
-
-    def project(self, x: jax.Array, positions: jax.Array):
-        q, _, k, v = self.project_gated(x, positions)
-        return q, k, v
-
-    def _gated_out(self, o: jax.Array, gate: jax.Array, dtype) -> jax.Array:
-        b, t = gate.shape[:2]
-        o = o.reshape(b, t, self.num_heads * self.head_dim).astype(dtype)
-        return self.o_proj(o * jax.nn.sigmoid(gate))
-
-    def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-        """Cache-free causal attention among the tokens of x: [B, T, d] -> [B, T, d]."""
-        b, t, _ = x.shape
-        q, gate, k, v = self.project_gated(x, positions)
-        g = self.num_heads // self.num_kv_heads
-        q = q.reshape(b, t, self.num_kv_heads, g, self.head_dim)
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * self.scale
-        mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
-        p = jax.nn.softmax(jnp.where(mask[:, None, None], s, _NEG), axis=-1)
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
-        return self._gated_out(o, gate, x.dtype)
-
-    def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: KVSlot):
-        """Serving path: write this step's K/V first, then attend over the new arena."""
-        b, t, _ = x.shape
-        q, gate, k, v = self.project_gated(x, batch.positions())
-        pages, slots = batch.write_targets(slot.pool, slot.view.page_size)
-        arena = write_kv(arena, k.reshape(b * t, self.num_kv_heads, self.head_dim),
-                         v.reshape(b * t, self.num_kv_heads, self.head_dim), pages, slots, view=slot.view,
-                         **slot.kernel_kw)
-        table = batch.page_tables[slot.pool]
-        kw = dict(view=slot.view, scale=self.scale, **slot.kernel_kw)
-        if t == 1:
-            o = paged_decode_attention(q[:, 0], arena, table, batch.kv_lens, **kw)[:, None]
-        else:
-            o = paged_prefill_attention(q, arena, table, batch.q_lens, batch.kv_lens, **kw)
-        return self._gated_out(o, gate, x.dtype), arena
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(b, t, hq * hd)
+        q, k = self.position(q, k.reshape(b, t, hkv, hd), positions)
+        return q, k, v.reshape(b, t, hkv, hd), gate
 
 
 # ------------------------------------------------------------------------------- layers
 
 
-class Qwen3_5DecoderLayer(nnx.Module):
+class Qwen3_5DecoderLayer(ResidualLayer):
     """h + mixer(input_norm(h)), then h + MLP(post_attention_norm(h))."""
 
     def __init__(self, cfg: Qwen3_5Config, layer: int, *, rngs: nnx.Rngs):
-        dt, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
+        dtype, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
         self.kind = cfg.layer_types[layer]
-        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dt)
+        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
         if self.kind == FULL:
             self.self_attn = GatedAttention(cfg, layer, rngs=rngs)
         else:
             self.linear_attn = GatedDeltaNet(
                 d, k_heads=cfg.linear_num_key_heads, v_heads=cfg.linear_num_value_heads,
                 k_dim=cfg.linear_key_head_dim, v_dim=cfg.linear_value_head_dim,
-                conv_kernel=cfg.linear_conv_kernel_dim, eps=eps, dtype=dt, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dt, rngs=rngs)
+                conv_kernel=cfg.linear_conv_kernel_dim, eps=eps, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dtype, rngs=rngs)
 
     @property
     def mixer(self) -> nnx.Module:
         return self.self_attn if self.kind == FULL else self.linear_attn
 
-    def _ffn(self, h: jax.Array) -> jax.Array:
+    def ffn(self, h: jax.Array) -> jax.Array:
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def dense(self, h, positions, valid):
-        return self._ffn(h + self.mixer.dense(self.input_layernorm(h), positions, valid))
 
-    def __call__(self, h, arena, batch, slot):
-        a, arena = self.mixer(self.input_layernorm(h), arena, batch, slot)
-        return self._ffn(h + a), arena
+class Qwen3_5ForCausalLM(CausalLM):
+    """Qwen3.5 layers in the shared decoder (embed_tokens, layers, norm, lm_head; zero-centred
+    (1 + w) final norm, unscaled embeddings)."""
 
+    checkpoint_interval = CHECKPOINT_INTERVAL
 
-class Qwen3_5ForCausalLM(Gemma3ForCausalLM):
-    """The Gemma 3 shell (same names: embed_tokens, layers, norm, lm_head; same (1 + w) final norm)
-    over Qwen3.5 layers, without Gemma's sqrt(d) embedding scale."""
-
-    def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
+    def make_layer(self, cfg: Qwen3_5Config, layer: int, rngs: nnx.Rngs) -> nnx.Module:
         return Qwen3_5DecoderLayer(cfg, layer, rngs=rngs)
 
-    def embed(self, ids: jax.Array) -> jax.Array:
-        return self.embed_tokens(ids)
-
-    def arena_slot(self, plan: Plan, layer: int, **kernel_kw):
-        if self.config.layer_types[layer] == FULL:
-            return kv_slot(plan, layer, **kernel_kw)
-        return state_slot(plan, layer, **kernel_kw)
-
     @staticmethod
-    def decls(cfg: Qwen3_5Config, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
-        """Gated DeltaNet layers: State (conv window in kv_dtype, fp32 recurrent); attention: Full K/V."""
-        kv = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
-        st = StateGeometry(gated_deltanet_state_tensors(
-            cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-            cfg.linear_conv_kernel_dim, conv_dtype=kv_dtype))
-        return [LayerDecl(i, (Part(kv, Full()),)) if t == FULL else LayerDecl(i, (Part(st, State(CHECKPOINT_INTERVAL)),))
-                for i, t in enumerate(cfg.layer_types)]
+    def state_tensors(cfg: Qwen3_5Config, conv_dtype: str) -> tuple[StateTensor, ...]:
+        """Gated DeltaNet: the conv window over q|k|v (conv_dtype) and the fp32 recurrent matrix."""
+        return gated_deltanet_state_tensors(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                            cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                            cfg.linear_conv_kernel_dim, conv_dtype=conv_dtype)
 
 
 __all__ = ["ARCHITECTURE", "GatedAttention", "Qwen3_5Config", "Qwen3_5ForCausalLM", "qwen3_5_4b_like",

@@ -1,81 +1,147 @@
-"""Architecture name -> model class.
+"""The architecture table: what a checkpoint's config.json names -> the model class and its config parser.
 
-Keys are the names a checkpoint's config.json lists under `architectures` (and the built-in
-"UmemTinyHybrid").  Each class is an nnx.Module built as `cls(config, rngs=...)` with a static
-`decls(config, kv_dtype)` and a forward `module(arena, batch, plan)`.
+Keys are the names config.json lists under `architectures` (and the built-in "UmemTinyHybrid").
+Each class is an nnx.Module built as `cls(config, rngs=...)` with `decls(config, kv_dtype)` and a
+forward `module(arena, batch, plan)`; each parser takes the config.json dict (a multimodal
+wrapper's `text_config` already unwrapped) and refuses, naming it, what the family does not serve.
+
+    cfg = load_hf_config(path)                      # config.json -> the family's config
+    module = model_class(cfg.architecture)(cfg, rngs=nnx.Rngs(0))
+    model = build_random("qwen3.5-4b-like")         # a realistic shape with random weights
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
 
-def _classes() -> dict[str, type]:
-    from .gemma3 import Gemma3ForCausalLM
-    from .nemotron_h import NemotronHForCausalLM
-    from .qwen3_5 import Qwen3_5ForCausalLM
-    from .tiny import TinyHybrid
+from .config import ModelConfig, text_config
+from .gemma3 import Gemma3ForCausalLM, gemma3_4b_like, gemma3_config, gemma3_config_to_dict
+from .model import Model
+from .nemotron_h import NemotronHForCausalLM, nemotron_h_8b_like, nemotron_h_config
+from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_4b_like, qwen3_5_config
+from .tiny import TinyHybrid, tiny_config_from_dict, tiny_config_to_dict
 
-    return {
-        "Gemma3ForCausalLM": Gemma3ForCausalLM,
-        # The multimodal Gemma 3 checkpoints (4b and up) carry the same text decoder.
-        "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
-        "UmemTinyHybrid": TinyHybrid,
-        "NemotronHForCausalLM": NemotronHForCausalLM,
-        "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-        # The multimodal Qwen3.5 checkpoints: the same text decoder under model.language_model.
-        "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
-    }
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    model_class: type
+    parse_config: Callable[[dict], ModelConfig]  # config.json dict -> config
+    config_to_dict: Callable[[ModelConfig], dict] | None = None  # its inverse, for save_pretrained
+
+
+_GEMMA3 = Architecture(Gemma3ForCausalLM, gemma3_config, gemma3_config_to_dict)
+_QWEN3_5 = Architecture(Qwen3_5ForCausalLM, qwen3_5_config)
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "Gemma3ForCausalLM": _GEMMA3,
+    # The multimodal Gemma 3 checkpoints (4b and up) carry the same text decoder.
+    "Gemma3ForConditionalGeneration": _GEMMA3,
+    "UmemTinyHybrid": Architecture(TinyHybrid, tiny_config_from_dict, tiny_config_to_dict),
+    "NemotronHForCausalLM": Architecture(NemotronHForCausalLM, nemotron_h_config),
+    "Qwen3_5ForCausalLM": _QWEN3_5,
+    # The multimodal Qwen3.5 checkpoints: the same text decoder under model.language_model.
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5,
+}
+
+# Other names a config.json gives (as `architectures[0]` or `model_type`) -> the architecture
+# whose parser reads it.  The Qwen3.5 parser refuses the MoE variants by name.
+_CONFIG_NAMES = {
+    "Gemma3TextModel": "Gemma3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+    "umem_tiny_hybrid": "UmemTinyHybrid",
+    "nemotron_h": "NemotronHForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5ForCausalLM",
+}
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_classes())
+    return sorted(ARCHITECTURES)
+
+
+def _unsupported(name) -> NotImplementedError:
+    supported = ", ".join(supported_architectures())
+    return NotImplementedError(f"architecture {name!r} is not supported; supported: {supported}")
+
+
+def _architecture(name: str) -> Architecture:
+    if name not in ARCHITECTURES:
+        raise _unsupported(name)
+    return ARCHITECTURES[name]
 
 
 def model_class(architecture: str) -> type:
-    classes = _classes()
-    if architecture not in classes:
-        raise NotImplementedError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(classes))}")
-    return classes[architecture]
+    return _architecture(architecture).model_class
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def from_hf_config(d: dict) -> ModelConfig:
+    """Normalise a config.json dict (5.x or hub style) into the family's config.
+
+    Raises NotImplementedError naming the architecture when it is not one this package runs.
+    """
+    d = text_config(d)  # a multimodal wrapper: the text decoder's fields are nested
+    archs = d.get("architectures") or []
+    arch = archs[0] if archs else None
+    model_type = d.get("model_type")
+    for name in (arch, model_type):
+        name = _CONFIG_NAMES.get(name, name)
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name].parse_config(d)
+    raise _unsupported(arch or model_type)
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read `path/config.json` (or `path` itself when it is the file)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.exists():
+        raise FileNotFoundError(f"no config.json at {p}")
+    return from_hf_config(json.loads(p.read_text()))
+
+
+def config_to_dict(cfg: ModelConfig) -> dict:
+    """The config.json content from_hf_config reads back as `cfg`."""
+    write = _architecture(cfg.architecture).config_to_dict
+    if write is None:
+        raise NotImplementedError(f"writing a {cfg.architecture} config.json is not supported")
+    return write(cfg)
 
 
 # ------------------------------------------------------------------ random weights, real shapes
 
-
-def _random_shapes() -> dict:
-    """Preset name (the names umem_jax.models.presets uses for the same models' memory) -> config factory
-    `f(dtype) -> ModelConfig`.  Each family adds its own entries."""
-    from .gemma3 import gemma3_4b_like
-    from .nemotron_h import nemotron_h_8b_like
-    from .qwen3_5 import qwen3_5_4b_like
-
-    return {"gemma3-4b-like": gemma3_4b_like, "nemotronh-8b-like": nemotron_h_8b_like,
-            "qwen3.5-4b-like": qwen3_5_4b_like}
+# Name -> config factory f(dtype) -> ModelConfig; presets.py gives the same names to their memory.
+SHAPES: dict[str, Callable[..., ModelConfig]] = {
+    "gemma3-4b-like": gemma3_4b_like,
+    "nemotronh-8b-like": nemotron_h_8b_like,
+    "qwen3.5-4b-like": qwen3_5_4b_like,
+}
 
 
 def random_shape_names() -> list[str]:
-    return sorted(_random_shapes())
+    return sorted(SHAPES)
 
 
-def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abstract: bool = False):
+def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abstract: bool = False) -> Model:
     """A Model of a realistic shape with random weights, for benchmarks (no checkpoint needed).
 
     name_or_config: a name from `random_shape_names()` or a ModelConfig.  The weights are made
     on the default device (an 8B model in bf16 is 16 GB: nothing goes through the host).
     abstract=True gives jax.ShapeDtypeStruct leaves instead (weight bytes for sizing, no memory).
-    Returns a `model.Model`.
     """
-    import dataclasses
-
     import jax
     from flax import nnx
 
-    from .model import Model
-
     if isinstance(name_or_config, str):
-        shapes = _random_shapes()
-        if name_or_config not in shapes:
-            raise ValueError(f"unknown model shape {name_or_config!r}; choose one of {sorted(shapes)}")
-        cfg = shapes[name_or_config](dtype)
+        if name_or_config not in SHAPES:
+            raise ValueError(f"unknown model shape {name_or_config!r}; choose one of {sorted(SHAPES)}")
+        cfg = SHAPES[name_or_config](dtype)
     else:
         cfg = dataclasses.replace(name_or_config, dtype=dtype)
     cls = model_class(cfg.architecture)
@@ -85,9 +151,19 @@ def build_random(name_or_config, dtype: str = "bfloat16", *, seed: int = 0, abst
     if abstract:
         graphdef, params = nnx.split(nnx.eval_shape(build))  # ShapeDtypeStruct leaves
         return Model(cfg, graphdef, params, cls)
-    # Built eagerly, not in one jit: each weight comes from a jitted generator cached per shape
-    # (layers._init), so the device compiles ~10 small programs; the one jit over the whole
-    # constructor (a generator kernel per weight) took 124 s to build a 4B model on the H200,
-    # this way 4-6 s.
-    graphdef, params = nnx.split(build())
+    graphdef, params = nnx.split(build())  # eagerly: layers.normal_init says why
     return Model(cfg, graphdef, params, cls)
+
+
+__all__ = [
+    "ARCHITECTURES",
+    "SHAPES",
+    "Architecture",
+    "build_random",
+    "config_to_dict",
+    "from_hf_config",
+    "load_hf_config",
+    "model_class",
+    "random_shape_names",
+    "supported_architectures",
+]

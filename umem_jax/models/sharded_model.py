@@ -11,7 +11,8 @@ It is a `Model` (engine, runner and sampler take it unchanged): `config` is the 
 (NamedSharding P("tp")) and every other leaf replicated (P()).  `forward_fn` wraps the unsplit
 forward in shard_map: each device sees its [rows, words] arena shard, its weight slices, and the
 replicated batch (page tables, slots: one host decision for all devices); logits leave
-replicated, so sampling runs the same on every device.
+replicated, so sampling runs the same on every device.  The per-device module is the family's
+own class built from the per-device config, split by sharding.py's per-layer rules.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
     if len(got) != len(want):
         raise ValueError(f"the per-device module has {len(want)} weights, the model {len(got)}")
     leaves, stacked = [], []
-    for (path, x), sds in zip(got, want):
+    for (path, x), wanted in zip(got, want):
         name = _name(path)
         rule = rules.get(name)
         if rule is None:
@@ -150,9 +151,9 @@ def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
         else:
             out = _stacked(x, *rule, mesh)
         local_shape = out.shape[1:] if rule is not None else out.shape
-        if tuple(local_shape) != tuple(sds.shape):
+        if tuple(local_shape) != tuple(wanted.shape):
             raise ValueError(f"weight {'.'.join(map(str, name))}: a device of the {tp}-way split needs shape "
-                             f"{tuple(sds.shape)}, splitting gives {tuple(local_shape)} (no rule for this module?)")
+                             f"{tuple(wanted.shape)}, splitting gives {tuple(local_shape)} (no rule for this module?)")
         leaves.append(out)
         stacked.append(rule is not None)
     params = jax.tree.unflatten(treedef, leaves)

@@ -1,5 +1,8 @@
 """Megatron-style split of a model over the `tp` axis: the per-device config and weights.
 
+The split is written per layer class of this package (Attention, MLP, UngatedMLP, Mamba2Mixer,
+GatedDeltaNet): a family built from these layers splits with no code of its own.
+
 Each device runs the *same* model code on its slice: `local_config(cfg, tp)` is the model a
 device sees (query, KV, Mamba2 and gated-DeltaNet heads and the MLP width divided by tp), so its
 memory declarations -- hence the plan, page tables, slots and every host allocator decision --
@@ -30,11 +33,10 @@ import numpy as np
 
 from ..parallel.collectives import TP_AXIS
 from .attention import Attention
-from .config import MAMBA, ModelConfig
+from .config import RECURRENT, ModelConfig
 from .gdn_mixer import GatedDeltaNet
-from .layers import MLP
+from .layers import MLP, UngatedMLP
 from .mamba2_mixer import Mamba2Mixer
-from .nemotron_h import SquaredReLUMLP
 
 # ----------------------------------------------------------------------------- config
 
@@ -47,11 +49,11 @@ def _divides(tp: int, n: int, what: str, why: str, *, or_multiple: bool = False)
 
 
 def _has_gdn(cfg: ModelConfig) -> bool:
-    return MAMBA in cfg.layer_types and hasattr(cfg, "linear_num_key_heads")
+    return RECURRENT in cfg.layer_types and hasattr(cfg, "linear_num_key_heads")
 
 
 def _has_mamba2(cfg: ModelConfig) -> bool:
-    return MAMBA in cfg.layer_types and cfg.mamba is not None and not _has_gdn(cfg)
+    return RECURRENT in cfg.layer_types and cfg.mamba is not None and not _has_gdn(cfg)
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
@@ -118,7 +120,7 @@ def _rules(module, tp: int, r: int) -> tuple[dict, list, list]:
                  ("k_proj", "weight"): (0, _channels(kvh, hd)),
                  ("v_proj", "weight"): (0, _channels(kvh, hd)),
                  ("o_proj", "weight"): (1, _channels(qh, hd))}, ["o_proj"], [])
-    if isinstance(module, (MLP, SquaredReLUMLP)):
+    if isinstance(module, (MLP, UngatedMLP)):
         n = module.up_proj.weight.shape[0]
         cols = _units(n, tp, r)
         out = {("up_proj", "weight"): (0, cols), ("down_proj", "weight"): (1, cols)}

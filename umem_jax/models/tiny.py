@@ -2,8 +2,9 @@
 
 It exists so the engine, the arena and the benchmarks can exercise all three kinds of memory
 without any checkpoint: `tiny_model()` builds it with random weights from a seed.  Attention
-layers are Gemma 3 blocks (same math, same parameter names); Mamba2 layers are a pre-norm
-Mamba2 mixer (NemotronH / Bamba naming) followed by the same MLP.
+layers are Gemma 3 blocks (same math, same parameter names, embeddings scaled by sqrt(d) as
+Gemma's); Mamba2 layers are a pre-norm Mamba2 mixer (NemotronH / Bamba naming) followed by the
+same MLP block.
 
 It saves and loads like a checkpoint: config.json with `architectures: ["UmemTinyHybrid"]`
 plus model.safetensors.  `tiny_config(with_mamba=False)` gives an attention-only variant
@@ -20,12 +21,12 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
-from ..memory.declarations import MHA, Full, LayerDecl, Part, State, StateGeometry, Window, mamba2_state_tensors
-from ..memory.plan import Plan
-from .config import FULL, MAMBA, SLIDING, MambaConfig, ModelConfig, RopeConfig
-from .gemma3 import DecoderLayer, Gemma3ForCausalLM
+from ..memory.declarations import StateTensor
+from .causal_lm import CausalLM, ResidualLayer
+from .config import FULL, RECURRENT, SLIDING, MambaConfig, ModelConfig, RopeConfig
+from .gemma3 import DecoderLayer
 from .layers import MLP, RMSNorm
-from .mamba2_mixer import Mamba2Mixer, state_slot
+from .mamba2_mixer import Mamba2Mixer
 
 ARCHITECTURE = "UmemTinyHybrid"
 # Decode tokens between prefix-cache checkpoints of the recurrent state (small, so CPU tests
@@ -38,9 +39,9 @@ def tiny_config(*, with_mamba: bool = True, **overrides) -> ModelConfig:
 
     Sizes are small enough for CPU tests (hidden 64, 4 heads / 2 KV heads of 16, window 16).
     """
-    types = (SLIDING, MAMBA, SLIDING, FULL, SLIDING, MAMBA)
+    types = (SLIDING, RECURRENT, SLIDING, FULL, SLIDING, RECURRENT)
     if not with_mamba:
-        types = tuple(SLIDING if t == MAMBA else t for t in types)
+        types = tuple(SLIDING if t == RECURRENT else t for t in types)
     fields = dict(
         architecture=ARCHITECTURE, vocab_size=320, hidden_size=64, intermediate_size=128,
         num_heads=4, num_kv_heads=2, head_dim=16, layer_types=types, sliding_window=16,
@@ -81,54 +82,34 @@ def tiny_config_from_dict(d: dict) -> ModelConfig:
     return ModelConfig(architecture=ARCHITECTURE, **d)
 
 
-class MambaLayer(nnx.Module):
+class MambaLayer(ResidualLayer):
     """h += mixer(norm(h)); then the Gemma MLP block (pre- and post-norm), both residual."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        dt, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-        self.mixer = Mamba2Mixer(d, cfg.mamba, time_step_min=0.0, eps=eps, conv_bias=True, dtype=dt, rngs=rngs)
-        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dt)
-        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dt, rngs=rngs)
-        self.post_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dt)
+        dtype, d, eps = jnp.dtype(cfg.dtype), cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mixer = Mamba2Mixer(d, cfg.mamba, time_step_min=0.0, eps=eps, conv_bias=True, dtype=dtype, rngs=rngs)
+        self.pre_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
+        self.mlp = MLP(d, cfg.intermediate_size, cfg.hidden_activation, dtype=dtype, rngs=rngs)
+        self.post_feedforward_layernorm = RMSNorm(d, eps=eps, dtype=dtype)
 
-    def _ffn(self, h):
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
-
-    def dense(self, h, positions, valid):
-        return self._ffn(h + self.mixer.dense(self.input_layernorm(h), positions, valid))
-
-    def __call__(self, h, arena, batch, slot):
-        y, arena = self.mixer(self.input_layernorm(h), arena, batch, slot)
-        return self._ffn(h + y), arena
+    ffn = DecoderLayer.ffn
 
 
-class TinyHybrid(Gemma3ForCausalLM):
-    """Gemma 3 shell whose layer list may also hold Mamba2 state layers."""
+class TinyHybrid(CausalLM):
+    """Gemma 3 blocks and Mamba2 layers in the shared decoder, embeddings scaled as Gemma's."""
+
+    scale_embeddings = True
+    checkpoint_interval = CHECKPOINT_INTERVAL
 
     def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
-        if cfg.layer_types[layer] == MAMBA:
+        if cfg.layer_types[layer] == RECURRENT:
             return MambaLayer(cfg, layer, rngs=rngs)
         return DecoderLayer(cfg, layer, rngs=rngs)
 
-    def arena_slot(self, plan: Plan, layer: int, **kernel_kw):
-        if self.config.layer_types[layer] == MAMBA:
-            return state_slot(plan, layer, **kernel_kw)
-        return super().arena_slot(plan, layer, **kernel_kw)
-
     @staticmethod
-    def decls(cfg: ModelConfig, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
-        geom = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
-        out = []
-        for i, t in enumerate(cfg.layer_types):
-            if t == MAMBA:
-                m = cfg.mamba
-                state = mamba2_state_tensors(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel,
-                                             conv_dtype=kv_dtype)
-                out.append(LayerDecl(i, (Part(StateGeometry(state), State(CHECKPOINT_INTERVAL)),)))
-            else:
-                out.append(LayerDecl(i, (Part(geom, Window(cfg.sliding_window) if t == SLIDING else Full()),)))
-        return out
+    def state_tensors(cfg: ModelConfig, conv_dtype: str) -> tuple[StateTensor, ...]:
+        return Mamba2Mixer.state_tensors(cfg.mamba, conv_dtype)
 
 
 def tiny_model(seed: int = 0, **config_overrides):
@@ -153,4 +134,5 @@ def _randomise_norms(module: nnx.Module, seed: int) -> None:
             var[...] = var[...] + 0.1 * jax.random.normal(sub, var[...].shape, var[...].dtype)
 
 
-__all__ = ["ARCHITECTURE", "MambaLayer", "TinyHybrid", "tiny_config", "tiny_config_from_dict", "tiny_config_to_dict", "tiny_model"]
+__all__ = ["ARCHITECTURE", "MambaLayer", "TinyHybrid", "tiny_config", "tiny_config_from_dict", "tiny_config_to_dict",
+           "tiny_model"]

@@ -1,0 +1,141 @@
+"""The decoder every family here shares: embedding, a list of layers, final RMSNorm, LM head.
+
+    h = E[ids]                                  (Gemma-style families: times sqrt(d))
+    per layer i:  h = layer_i(h)                attention, recurrent mixer or MLP block
+    logits = final_norm(h) W^T                  (W = E when tied), optionally softcapped
+
+A family subclasses `CausalLM` with its layers (`make_layer`) and, for recurrent layers, the
+state they keep (`state_tensors`); its checkpoint's top-level names are class attributes, so
+loading stays a rename.  The memory declarations follow from the layer types alone: full
+attention keeps Full K/V, sliding attention Window K/V, recurrent layers one State per request,
+anything else (NemotronH's MLP blocks) nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..core.batch import Batch
+from ..memory.declarations import MHA, Full, LayerDecl, Part, State, StateGeometry, StateTensor, Window
+from ..memory.plan import Plan
+from .arena_slot import arena_slot
+from .config import FULL, LAYER_TYPES, RECURRENT, SLIDING, ModelConfig
+from .layers import Embedding, RMSNorm
+
+
+class ResidualLayer(nnx.Module):
+    """h = ffn(h + post_mixer(mixer(input_layernorm(h)))).
+
+    A subclass provides `input_layernorm`, `mixer` (attention or a recurrent mixer: a `dense`
+    forward and a serving forward over the arena) and `ffn(h)` (the residual feed-forward block);
+    `post_mixer` is the identity unless overridden (Gemma's post-attention norm).
+    """
+
+    def post_mixer(self, a: jax.Array) -> jax.Array:
+        return a
+
+    def dense(self, h: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
+        return self.ffn(h + self.post_mixer(self.mixer.dense(self.input_layernorm(h), positions, valid)))
+
+    def __call__(self, h: jax.Array, arena: jax.Array, batch: Batch, slot):
+        a, arena = self.mixer(self.input_layernorm(h), arena, batch, slot)
+        return self.ffn(h + self.post_mixer(a)), arena
+
+
+class CausalLM(nnx.Module):
+    # The checkpoint's names (without the `model.` prefix) of the embedding and the final norm.
+    embedding_name = "embed_tokens"
+    final_norm_name = "norm"
+    final_norm_offset = 1.0  # 1: zero-centred weight, x_hat * (1 + w); 0: plain x_hat * w
+    scale_embeddings = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
+    checkpoint_interval = 0  # decode tokens between prefix-cache checkpoints of the recurrent state
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        self.config = cfg
+        setattr(self, self.embedding_name, Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs))
+        self.layers = nnx.List([self.make_layer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        setattr(self, self.final_norm_name,
+                RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, offset=self.final_norm_offset, dtype=dtype))
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs))
+
+    def make_layer(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs) -> nnx.Module:
+        """Layer `layer` of the family: `layer.dense(h, positions, valid)` and
+        `layer(h, arena, batch, slot) -> (h, arena)`."""
+        raise NotImplementedError
+
+    @property
+    def embedding(self) -> Embedding:
+        return getattr(self, self.embedding_name)
+
+    @property
+    def final_norm(self) -> RMSNorm:
+        return getattr(self, self.final_norm_name)
+
+    # ------------------------------------------------------------------ memory declaration
+    @staticmethod
+    def state_tensors(cfg: ModelConfig, conv_dtype: str) -> tuple[StateTensor, ...]:
+        """What one recurrent layer keeps per request (families with recurrent layers say)."""
+        raise NotImplementedError(f"{cfg.architecture} declares no state for its recurrent layers")
+
+    @classmethod
+    def decls(cls, cfg: ModelConfig, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
+        """One LayerDecl per layer that keeps memory; K/V (and conv windows) stored as kv_dtype."""
+        kv = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
+        out = []
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == FULL:
+                part = Part(kv, Full())
+            elif kind == SLIDING:
+                part = Part(kv, Window(cfg.sliding_window))
+            elif kind == RECURRENT:
+                part = Part(StateGeometry(cls.state_tensors(cfg, kv_dtype)), State(cls.checkpoint_interval))
+            else:
+                continue
+            out.append(LayerDecl(i, (part,)))
+        return out
+
+    # ------------------------------------------------------------------ pieces
+    def embed(self, ids: jax.Array) -> jax.Array:
+        e = self.embedding(ids)
+        if not self.scale_embeddings:
+            return e
+        # transformers multiplies by sqrt(d) cast to the weight dtype (bf16 rounds it).
+        return e * jnp.asarray(self.config.hidden_size ** 0.5, self.embedding.weight[...].dtype)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [..., d] -> fp32 logits [..., V]."""
+        head = self.lm_head if self.lm_head is not None else self.embedding
+        out = head.attend(self.final_norm(h)).astype(jnp.float32)
+        cap = self.config.final_logit_softcapping
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    # ------------------------------------------------------------------ forwards
+    def dense(self, tokens: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """Cache-free forward.  tokens [B, T] (positions 0..T-1) -> logits [B, T, V] fp32."""
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = jnp.ones((b, t), bool) if valid is None else valid
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer.dense(h, positions, valid)
+        return self.logits(h)
+
+    def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, **kernel_kw):
+        """Serving forward -> (logits [B, V] fp32 at each row's last valid token, arena).
+
+        kernel_kw: impl ("pallas" | "reference") and interpret, passed to every kernel.
+        """
+        h = self.embed(batch.tokens)
+        for i, layer in enumerate(self.layers):
+            keeps_memory = self.config.layer_types[i] in LAYER_TYPES
+            slot = arena_slot(plan, i, **kernel_kw) if keeps_memory else None
+            h, arena = layer(h, arena, batch, slot)
+        last = jnp.take_along_axis(h, batch.last_index()[:, None, None], axis=1)[:, 0]
+        return self.logits(last), arena
+
+
+__all__ = ["CausalLM", "ResidualLayer"]
