@@ -11,7 +11,10 @@
     python3 -m benchmarks.bench_allocator   the host allocator's cost per decode step
     python3 -m benchmarks.bench_tp          tensor-parallel decode: TP=1 against TP=N
 
-Shared pieces: timing.py (device timing, copy rate), report.py (JSON rows, tables), families.py
-(the realistic model shapes) and model_steps.py (pages, batches and bytes of one model step).
+Shared pieces: timing.py (device timing, copy rate), report.py (JSON rows, tables), modes.py (a
+flag that hands over to another module), families.py (the realistic model shapes) and
+model_steps.py (pages, batches and bytes of one model step).  The other modules are parts of one
+subject: decode_peers (kernels), prefill_cases and prefill_mgpu (prefill), model_check,
+model_breakdown and step_memory (models), engine_host, engine_parity and engine_trace (engine).
 Figures and the commands that made them: RESULTS.md.
 """

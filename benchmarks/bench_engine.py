@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .engine_trace import trace_steps
+from .modes import hand_over
 from .report import RowLog, json_path
 
 COMPILE_CACHE = Path(__file__).resolve().parents[1] / "out" / "jax_cache"
@@ -242,24 +243,8 @@ def parse(argv):
     return args
 
 
-def _other_mode(argv) -> int | None:
-    """--host / --parity run their own benchmark with their own options."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for flag in ("--host", "--parity"):
-        if flag in argv:
-            argv.remove(flag)
-            if flag == "--host":
-                from . import engine_host
-
-                return engine_host.main(argv)
-            from . import engine_parity
-
-            return engine_parity.main(argv)
-    return None
-
-
 def main(argv=None) -> int:
-    other = _other_mode(argv)
+    other = hand_over(argv, {"--host": "engine_host", "--parity": "engine_parity"})
     if other is not None:
         return other
     args = parse(argv)
@@ -268,7 +253,7 @@ def main(argv=None) -> int:
     from umem_jax.models.loader import load_model
     from umem_jax.models.registry import build_random
 
-    if not args.small:  # reuse compiled steps across the calls of one session on the same machine
+    if not args.small:  # a later call on the same machine loads the compiled steps instead of compiling them
         from umem_jax.bench.driver import enable_compile_cache
 
         enable_compile_cache(str(COMPILE_CACHE))

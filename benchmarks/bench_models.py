@@ -9,11 +9,11 @@
 Families: benchmarks/families.py (configs built there, no checkpoint; weights made on the device in bf16).
 
 Per family, in this order:
-  1. correctness at a reduced size: one layer of each kind the family has (real head and state
-     geometry; vocab cut to 16384).  Two requests run a T=64 prefill chunk, a T=64 chunk holding
-     one row's last 16 prompt tokens (prefix 64) beside the other row decoding inside the chunk,
-     then a T=1 decode step, all through the arena; each row's logits vs `model.dense_logits` on
-     the same tokens: max|a - b| / max|b| <= --tol (bf16 on both sides).
+  1. correctness at a reduced size (model_check.py): one layer of each kind the family has (real
+     head and state geometry; vocab cut to 16384).  Two requests run a T=64 prefill chunk, a T=64
+     chunk holding one row's last 16 prompt tokens (prefix 64) beside the other row decoding
+     inside the chunk, then a T=1 decode step, all through the arena; each row's logits vs
+     `model.dense_logits` on the same tokens: max|a - b| / max|b| <= --tol (bf16 on both sides).
   2. the full model: plan(model.decls()) -> size_arena(--arena-gib) -> Arena.create.  For every
      measurement a fresh ChainAllocator hands out token pages and state slots as the engine does
      (model_steps.Pager) and translates them into the batch's physical page tables; the step is
@@ -26,9 +26,8 @@ Per family, in this order:
 check runs on the timed model itself and every bucket uses one page-table width (prefill at B=2),
 so a family compiles two step shapes.  Its times mean nothing; it exercises the code path.
 
-Timing (timing.time_calls): the first call (compile + run) is reported as first_call_s; then
-warmup, then --trials runs of --iters steps dispatched back to back (the arena rebound each step)
-and synchronised once; ms = per-step median over trials.
+Timing (timing.time_calls): the first call (compile + run) is first_call_s; ms is the per-step
+median over --trials runs of --iters back-to-back steps (the arena rebound each step).
 
 Roofline = bytes the step must move (model_steps.step_costs) / copy bandwidth measured at the
 start of this run (`x ^ 1` over a 4 GiB uint16 buffer, bytes read + written, best of several).
@@ -47,22 +46,21 @@ import traceback
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from umem_jax.arena import Arena, apply_moves
+from umem_jax.arena import Arena
 from umem_jax.memory import plan as make_plan
 from umem_jax.memory import size_arena
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 
 from .families import ALIASES, FAMILIES, build_model, family_key
-from .model_steps import ArenaFull, Pager, Stepper, param_counts, rel_err, step_costs
+from .model_check import CHECK_T, check_family, check_width
+from .model_steps import ArenaFull, Pager, Stepper, param_counts, step_costs
+from .modes import hand_over
 from .report import RowLog, fmt, json_path
 from .timing import copy_rate, time_calls
 
 GIB = 2**30
-CHECK_LENS = (80, 50)  # prompt lengths of the two check requests; one more token each is decoded
-CHECK_T = 64  # the chunk bucket of the check
 
 
 def record(log: RowLog, **row) -> dict:
@@ -91,53 +89,6 @@ def measure_copy(log: RowLog, small: bool, trials: int) -> float:
     return c.bytes_per_s
 
 
-# =============================================================================== correctness
-
-
-def check_width(page_size: int) -> int:
-    return -(-(CHECK_LENS[0] + 1) // page_size) + 1
-
-
-def check_family(log, fam: str, model, run: Stepper, plan, num_rows: int, a, width: int) -> dict:
-    """Arena path vs the dense cache-free forward (see the module doc), on `run`'s arena."""
-    name, cfg = FAMILIES[fam]["name"], model.config
-    t0 = time.time()
-    pager = Pager(plan, num_rows)
-    rng = np.random.default_rng(0)
-    lens = CHECK_LENS
-    toks = rng.integers(1, cfg.vocab_size, size=(2, lens[0] + 1), dtype=np.int64)
-    reqs = [pager.new(), pager.new()]
-    # (start, end) of each row's new tokens per step: a prefill chunk; a chunk with a 64-token
-    # prefix beside a row decoding inside it; a T=1 decode step.
-    steps = [((0, 64), (0, 50)), ((64, 80), (50, 51)), ((80, 81), (51, 52))]
-    got = []
-    for spans in steps:
-        T = 1 if all(e - s == 1 for s, e in spans) else CHECK_T
-        tb = np.zeros((2, T), np.int64)
-        for b, ((s, e), r) in enumerate(zip(spans, reqs)):
-            pager.extend(r, s, e)
-            tb[b, :e - s] = toks[b, s:e]
-        run.arena = apply_moves(run.arena, pager.alloc.take_moves(), impl=a.impl)
-        batch = pager.batch(reqs, tb, [e - s for s, e in spans], [e for _, e in spans], width)
-        got.append(np.asarray(run(batch)))
-    dense = np.asarray(model.dense_logits(model.params, jnp.asarray(toks, jnp.int32)))
-    errs, agree = [], 0
-    for spans, lg in zip(steps, got):
-        for b, (_, e) in enumerate(spans):
-            ref = dense[b, e - 1]
-            errs.append(rel_err(lg[b], ref))
-            agree += int(np.argmax(lg[b]) == np.argmax(ref))
-    finite = all(np.isfinite(g).all() for g in got)
-    ok = finite and max(errs) <= a.tol
-    layers = ",".join(t.replace("_attention", "") for t in cfg.layer_types)
-    note = (f"layers [{layers}] vocab {cfg.vocab_size}; rel err per (step,row) "
-            + " ".join(f"{e:.1e}" for e in errs) + f"; top-1 {agree}/{len(errs)}; tol {a.tol}"
-            + ("" if finite else "; NON-FINITE LOGITS"))
-    return record(log, family=name, kind="check", B=2, T=CHECK_T, ctx=lens[0] + 1, ms=None, max_rel_err=max(errs),
-                  top1=agree, compared=len(errs), seconds=time.time() - t0, verdict="pass" if ok else "FAIL",
-                  note=note)
-
-
 def setup(cfg, a, arena_bytes: int, seed: int = 0):
     """Random model, plan, arena of `arena_bytes` and the donated step -> (model, plan, rows, Stepper, counts)."""
     model = build_model(cfg, seed)
@@ -155,7 +106,7 @@ def run_check(log, fam: str, cfg, a) -> None:
     """The GPU check: its own reduced model and arena, freed afterwards."""
     model, plan, rows, run, _ = setup(cfg, a, a.check_arena_mib * 2**20, seed=1)
     try:
-        check_family(log, fam, model, run, plan, rows, a, check_width(a.page_size))
+        record(log, **check_family(fam, model, run, plan, rows, a, check_width(a.page_size)))
     finally:
         del run, model
         gc.collect()
@@ -253,7 +204,7 @@ def run_family(log, fam: str, a, copy_bw: float, fam_deadline: float, deadline: 
         return
     if a.small and a.check:
         try:
-            check_family(log, fam, model, run, plan, num_rows, a, a.width)
+            record(log, **check_family(fam, model, run, plan, num_rows, a, a.width))
         except Exception as e:  # noqa: BLE001
             fail(log, name, "check", e)
     for i, m in enumerate(todo):
@@ -366,24 +317,8 @@ def parse(argv):
     return a
 
 
-def _other_mode(argv) -> int | None:
-    """--breakdown / --memory-probe run their own benchmark with their own options."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    for flag in ("--breakdown", "--memory-probe"):
-        if flag in argv:
-            argv.remove(flag)
-            if flag == "--breakdown":
-                from . import model_breakdown
-
-                return model_breakdown.main(argv)
-            from . import step_memory
-
-            return step_memory.main(argv)
-    return None
-
-
 def main(argv=None) -> int:
-    other = _other_mode(argv)
+    other = hand_over(argv, {"--breakdown": "model_breakdown", "--memory-probe": "step_memory"})
     if other is not None:
         return other
     a = parse(argv)
