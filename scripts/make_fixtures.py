@@ -43,7 +43,8 @@ NEW_TOKENS = 32
 REAL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 # Longer than the 512-token window, so the local layers' windows slide in the real model too.
 _FRUITS = ["apples", "pears", "plums", "figs", "limes", "dates"]
-LONG_PROMPT = "".join(f"Day {d}: I walked to the market and bought {d % 7 + 2} {_FRUITS[d % 6]}.\n" for d in range(1, 41))
+LONG_PROMPT = "".join(f"Day {d}: I walked to the market and bought {d % 7 + 2} {_FRUITS[d % 6]}.\n"
+                      for d in range(1, 41))
 REAL_PROMPTS.append(LONG_PROMPT)
 
 
@@ -203,13 +204,10 @@ def expected_hybrid(model, out_file: Path, *, vocab: int = 128):
     logits over prompt + greedy, generate's per-step logits (the cached path, which differs from
     cache-free where NemotronH's prefill-only dt clamp bites), and every recurrent layer's conv /
     recurrent state after prefilling the prompt (HF layouts: conv [C, K], rec as the cache holds it)."""
-    import copy
-
     import torch
 
     rng = np.random.default_rng(7)
     arrays = {}
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
     for name, n in PROMPTS.items():
         ids = torch.tensor(rng.integers(3, vocab, size=(1, n)), dtype=torch.long)
         with torch.no_grad():

@@ -30,8 +30,9 @@ import numpy as np
 
 HERE = Path(__file__).parent
 # One bucket per dimension: each engine compiles exactly one prefill and one decode step.
-SETTINGS = dict(arena_bytes=1 << 20, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, max_model_len=64,
-                batch_buckets=(4,), token_buckets=(16,), page_buckets=(16,), kernel_impl="reference")
+SETTINGS = {"arena_bytes": 1 << 20, "max_num_seqs": 4, "max_num_batched_tokens": 16, "page_size": 4,
+            "max_model_len": 64, "batch_buckets": (4,), "token_buckets": (16,), "page_buckets": (16,),
+            "kernel_impl": "reference"}
 # Lengths around the window (16) and the chunk (16): chunked prefill, window pages retired.
 PROMPTS = [[5, 17, 42, 99, 7, 8, 9, 10, 11], [3, 4, 5], list(range(20, 41))]
 

@@ -154,7 +154,7 @@ def _run_worker(sections: list[str], timeout: int) -> dict:
     # decode step compiled fully optimised gave the same tokens, alias and temp bytes).
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
     proc = subprocess.run([sys.executable, str(HERE / "_tp_worker.py"), *sections], env=env, cwd=HERE.parent,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, check=False)  # the assert says why
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -10,18 +10,18 @@
 from ..core.batch import Batch, make_batch
 from .config import ModelConfig
 from .loader import (
-                     DEFAULT_MODEL,
-                     cache_dir,
-                     convert_gguf,
-                     fetch_default_model,
-                     load_model,
-                     load_tokenizer,
-                     save_pretrained,
+    DEFAULT_MODEL,
+    cache_dir,
+    convert_gguf,
+    fetch_default_model,
+    load_model,
+    load_tokenizer,
+    save_pretrained,
 )
 from .model import Model
 from .registry import from_hf_config, load_hf_config, model_class, supported_architectures
 from .tiny import tiny_config, tiny_model
 
-__all__ = ["Batch", "DEFAULT_MODEL", "Model", "ModelConfig", "cache_dir", "convert_gguf", "fetch_default_model",
+__all__ = ["DEFAULT_MODEL", "Batch", "Model", "ModelConfig", "cache_dir", "convert_gguf", "fetch_default_model",
            "from_hf_config", "load_hf_config", "load_model", "load_tokenizer", "make_batch", "model_class",
            "save_pretrained", "supported_architectures", "tiny_config", "tiny_model"]

@@ -82,10 +82,10 @@ class GatedDeltaNet(nnx.Module):
         x = x * mask
         qkv, z, beta, a = self._project(x)
         qkv = jax.nn.silu(self.conv1d.dense(qkv)) * mask.astype(jnp.float32)
-        r = self.v_heads // self.k_heads
+        values_per_key = self.v_heads // self.k_heads
         q = _l2norm(qkv[..., :self.key_dim].reshape(b, t, self.k_heads, self.k_dim)) * self.k_dim ** -0.5
         k = _l2norm(qkv[..., self.key_dim:2 * self.key_dim].reshape(b, t, self.k_heads, self.k_dim))
-        q, k = jnp.repeat(q, r, axis=2), jnp.repeat(k, r, axis=2)              # [B, T, Hv, Dk]
+        q, k = jnp.repeat(q, values_per_key, axis=2), jnp.repeat(k, values_per_key, axis=2)  # [B, T, Hv, Dk]
         v = qkv[..., 2 * self.key_dim:].reshape(b, t, self.v_heads, self.v_dim)
         beta = jax.nn.sigmoid(beta.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * softplus(

@@ -96,7 +96,8 @@ def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: 
     for name, var in wanted.items():
         arr = tensors[name]
         if tuple(arr.shape) != tuple(var.shape):
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, the model expects {tuple(var.shape)}")
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, "
+                             f"the model expects {tuple(var.shape)}")
         var.set_value(jnp.asarray(arr, dtype=dtype))
     params = nnx.from_flat_state(flat)
     return Model(cfg, graphdef, params, cls)
@@ -113,7 +114,7 @@ def _text_name(hf_name: str, tied: bool) -> str | None:
     """Checkpoint tensor name -> our parameter path (None: not ours to load)."""
     if hf_name.startswith(_IGNORED_PREFIXES) or hf_name.endswith("rotary_emb.inv_freq"):
         return None
-    if hf_name.startswith("lm_head.") or hf_name.startswith("language_model.lm_head."):
+    if hf_name.startswith(("lm_head.", "language_model.lm_head.")):
         return None if tied else "lm_head.weight"
     for prefix in _TEXT_PREFIXES:
         if hf_name.startswith(prefix):
@@ -134,7 +135,7 @@ def load_safetensors(path: str | os.PathLike, *, dtype: str | None = None) -> Mo
     for f in files:
         # framework="flax" reads bf16 natively (numpy has no bf16).
         with safe_open(str(f), framework="flax") as fh:
-            for k in fh.keys():
+            for k in fh.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
                 ours = _text_name(k, cfg.tie_word_embeddings)
                 if ours is not None:
                     tensors[ours] = fh.get_tensor(k)
@@ -179,30 +180,32 @@ def gguf_config(reader) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     if arch != "gemma3":
         raise NotImplementedError(f"GGUF architecture {arch!r} is not supported (gemma3 is)")
-    g = lambda k, d=None: _field(reader, f"gemma3.{k}", d)
-    n, d, heads = g("block_count"), g("embedding_length"), g("attention.head_count")
-    head_dim = g("attention.key_length", d // heads)
+    gemma3 = lambda key, default=None: _field(reader, f"gemma3.{key}", default)
+    num_layers, hidden, heads = gemma3("block_count"), gemma3("embedding_length"), gemma3("attention.head_count")
+    head_dim = gemma3("attention.key_length", hidden // heads)
     # An explicit attention.scale wins; else llama.cpp's rule: the 27B model (62 blocks) scales
     # queries by (d / heads) ** -0.5, the others by head_dim ** -0.5.
-    scale = g("attention.scale")
-    query_pre_attn_scalar = float(scale) ** -2 if scale else (d // heads if n == 62 else head_dim)
-    scaling = g("rope.scaling.type")
-    factor = g("rope.scaling.factor", 1.0)
-    full_rope = RopeConfig(float(g("rope.freq_base", 1e6)), "linear" if scaling == "linear" else "default",
+    scale = gemma3("attention.scale")
+    query_pre_attn_scalar = float(scale) ** -2 if scale else (hidden // heads if num_layers == 62 else head_dim)
+    scaling = gemma3("rope.scaling.type")
+    factor = gemma3("rope.scaling.factor", 1.0)
+    full_rope = RopeConfig(float(gemma3("rope.freq_base", 1e6)), "linear" if scaling == "linear" else "default",
                            float(factor) if scaling == "linear" else 1.0)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return ModelConfig(
-        architecture=GEMMA3, vocab_size=vocab, hidden_size=d,
-        intermediate_size=g("feed_forward_length"), num_heads=heads, num_kv_heads=g("attention.head_count_kv"),
-        head_dim=head_dim, layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(n)),
-        sliding_window=g("attention.sliding_window", 4096),
+        architecture=GEMMA3, vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=gemma3("feed_forward_length"), num_heads=heads,
+        num_kv_heads=gemma3("attention.head_count_kv"), head_dim=head_dim,
+        layer_types=tuple(FULL if (i + 1) % 6 == 0 else SLIDING for i in range(num_layers)),
+        sliding_window=gemma3("attention.sliding_window", 4096),
         rope=((FULL, full_rope), (SLIDING, RopeConfig(10_000.0))),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), query_pre_attn_scalar=query_pre_attn_scalar,
+        rms_norm_eps=float(gemma3("attention.layer_norm_rms_epsilon", 1e-6)),
+        query_pre_attn_scalar=query_pre_attn_scalar,
         tie_word_embeddings=tied, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id", 2),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id", 1),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id", 0),
-        max_position_embeddings=g("context_length", 131072),
+        max_position_embeddings=gemma3("context_length", 131072),
     )
 
 
@@ -243,7 +246,7 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     out.mkdir(parents=True, exist_ok=True)
     reader = gguf.GGUFReader(str(path))
     cfg = gguf_config(reader)
-    tensors = {("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
+    tensors = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
     save_file(tensors, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(gemma3_config_to_dict(cfg), indent=2))
     if "tokenizer.ggml.model" in reader.fields:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -36,11 +37,11 @@ class Model:
     tokenizer_path: Path | None = None  # tokenizer.json, when the source had one
 
     @classmethod
-    def from_module(cls, module: nnx.Module, **kw) -> "Model":
+    def from_module(cls, module: nnx.Module, **kw) -> Model:
         graphdef, params = nnx.split(module)
         return cls(module.config, graphdef, params, type(module), **kw)
 
-    def fuse_projections(self, *, donate: bool = False) -> "Model":
+    def fuse_projections(self, *, donate: bool = False) -> Model:
         """The same model with every group of column projections that read one input (attention
         q|k|v, MLP gate|up, gated-DeltaNet qkv|z|b|a) as one matmul over stacked weights.
 

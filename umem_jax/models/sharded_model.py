@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,7 +53,7 @@ class ShardedModel(Model):
         leaves = jax.tree.leaves(self.params)
         return sum(x.nbytes // self.tp if s else x.nbytes for x, s in zip(leaves, self.stacked))
 
-    def fuse_projections(self, *, donate: bool = False) -> "ShardedModel":
+    def fuse_projections(self, *, donate: bool = False) -> ShardedModel:
         """Model.fuse_projections on the per-device module.  The fused weights are column-parallel
         like their parts: stacked [tp, sum(out_local), in], concatenated per device (axis -2) and
         kept on the tp axis, so device r's fused matrix holds exactly its heads' rows."""
@@ -126,7 +127,7 @@ def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
     not know how to split).  The unsplit params are only read.
     """
     if isinstance(model, ShardedModel):
-        raise ValueError("the model is already sharded")
+        raise ValueError("the model is already sharded")  # noqa: TRY004 (every refusal here is a ValueError)
     cfg = local_config(model.config, tp)
     mesh = tp_mesh(tp, devices)
     full = nnx.merge(model.graphdef, model.params)

@@ -81,8 +81,8 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     check_tp(cfg, tp)
     if tp == 1:
         return cfg
-    kw = dict(num_heads=cfg.num_heads // tp, num_kv_heads=max(cfg.num_kv_heads // tp, 1),
-              intermediate_size=cfg.intermediate_size // tp)
+    kw = {"num_heads": cfg.num_heads // tp, "num_kv_heads": max(cfg.num_kv_heads // tp, 1),
+              "intermediate_size": cfg.intermediate_size // tp}
     if _has_mamba2(cfg):
         m = cfg.mamba
         kw["mamba"] = dataclasses.replace(m, num_heads=m.num_heads // tp, n_groups=max(m.n_groups // tp, 1))
@@ -114,12 +114,12 @@ def _rules(module, tp: int, r: int) -> tuple[dict, list, list]:
     [row-parallel Linear names], [(split norm name, group_shards)]).  Unknown modules: no rule."""
     if isinstance(module, Attention):
         hq, hkv, hd = module.num_heads, module.num_kv_heads, module.head_dim
-        qh, kvh = _units(hq, tp, r), _units(hkv, tp, r)
+        q_heads, kv_heads = _units(hq, tp, r), _units(hkv, tp, r)
         q_rows = module.q_proj.weight.shape[0] // hq  # hd, or 2*hd for Qwen3.5's query|gate heads
-        return ({("q_proj", "weight"): (0, _channels(qh, q_rows)),
-                 ("k_proj", "weight"): (0, _channels(kvh, hd)),
-                 ("v_proj", "weight"): (0, _channels(kvh, hd)),
-                 ("o_proj", "weight"): (1, _channels(qh, hd))}, ["o_proj"], [])
+        return ({("q_proj", "weight"): (0, _channels(q_heads, q_rows)),
+                 ("k_proj", "weight"): (0, _channels(kv_heads, hd)),
+                 ("v_proj", "weight"): (0, _channels(kv_heads, hd)),
+                 ("o_proj", "weight"): (1, _channels(q_heads, hd))}, ["o_proj"], [])
     if isinstance(module, (MLP, UngatedMLP)):
         n = module.up_proj.weight.shape[0]
         cols = _units(n, tp, r)
@@ -129,24 +129,27 @@ def _rules(module, tp: int, r: int) -> tuple[dict, list, list]:
         return out, ["down_proj"], []
     if isinstance(module, Mamba2Mixer):
         h, p, n, g = module.num_heads, module.head_dim, module.state_size, module.n_groups
-        di = module.d_inner
-        hs, gs = _units(h, tp, r), _units(g, tp, r)
-        x = _channels(hs, p)
-        conv = np.concatenate([x, _channels(gs, n, di), _channels(gs, n, di + g * n)])
-        rows = np.concatenate([x, di + conv, 2 * di + 2 * g * n + hs])  # z | x B C | dt
-        out = {("in_proj", "weight"): (0, rows), ("conv1d", "weight"): (0, conv), ("A_log",): (0, hs),
-               ("D",): (0, hs), ("dt_bias",): (0, hs), ("norm", "weight"): (0, x), ("out_proj", "weight"): (1, x)}
+        d_inner = module.d_inner
+        heads, groups = _units(h, tp, r), _units(g, tp, r)
+        x = _channels(heads, p)
+        conv = np.concatenate([x, _channels(groups, n, d_inner), _channels(groups, n, d_inner + g * n)])
+        rows = np.concatenate([x, d_inner + conv, 2 * d_inner + 2 * g * n + heads])  # z | x B C | dt
+        out = {("in_proj", "weight"): (0, rows), ("conv1d", "weight"): (0, conv), ("A_log",): (0, heads),
+               ("D",): (0, heads), ("dt_bias",): (0, heads), ("norm", "weight"): (0, x),
+               ("out_proj", "weight"): (1, x)}
         if module.conv1d.bias is not None:
             out[("conv1d", "bias")] = (0, conv)
         return out, ["out_proj"], ([("norm", tp // g)] if g < tp else [])
     if isinstance(module, GatedDeltaNet):
-        kh, vh = _units(module.k_heads, tp, r), _units(module.v_heads, tp, r)
-        kd, vd, key = module.k_dim, module.v_dim, module.key_dim
-        qkv = np.concatenate([_channels(kh, kd), _channels(kh, kd, key), _channels(vh, vd, 2 * key)])
+        key_heads, value_heads = _units(module.k_heads, tp, r), _units(module.v_heads, tp, r)
+        kd, vd, key_dim = module.k_dim, module.v_dim, module.key_dim
+        qkv = np.concatenate([_channels(key_heads, kd), _channels(key_heads, kd, key_dim),
+                              _channels(value_heads, vd, 2 * key_dim)])
         return ({("in_proj_qkv", "weight"): (0, qkv), ("conv1d", "weight"): (0, qkv),
-                 ("in_proj_z", "weight"): (0, _channels(vh, vd)), ("in_proj_b", "weight"): (0, vh),
-                 ("in_proj_a", "weight"): (0, vh), ("A_log",): (0, vh), ("dt_bias",): (0, vh),
-                 ("out_proj", "weight"): (1, _channels(vh, vd))}, ["out_proj"], [])
+                 ("in_proj_z", "weight"): (0, _channels(value_heads, vd)), ("in_proj_b", "weight"): (0, value_heads),
+                 ("in_proj_a", "weight"): (0, value_heads), ("A_log",): (0, value_heads),
+                 ("dt_bias",): (0, value_heads), ("out_proj", "weight"): (1, _channels(value_heads, vd))},
+                ["out_proj"], [])
     return {}, [], []
 
 

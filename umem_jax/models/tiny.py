@@ -42,14 +42,14 @@ def tiny_config(*, with_mamba: bool = True, **overrides) -> ModelConfig:
     types = (SLIDING, RECURRENT, SLIDING, FULL, SLIDING, RECURRENT)
     if not with_mamba:
         types = tuple(SLIDING if t == RECURRENT else t for t in types)
-    fields = dict(
-        architecture=ARCHITECTURE, vocab_size=320, hidden_size=64, intermediate_size=128,
-        num_heads=4, num_kv_heads=2, head_dim=16, layer_types=types, sliding_window=16,
-        rope=((FULL, RopeConfig(1_000_000.0)), (SLIDING, RopeConfig(10_000.0))),
-        query_pre_attn_scalar=16, mamba=MambaConfig(num_heads=4, head_dim=16, state_size=16, n_groups=1,
-                                                    conv_kernel=4, chunk_size=16),
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=4096,
-    )
+    fields = {
+        "architecture": ARCHITECTURE, "vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+        "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "layer_types": types, "sliding_window": 16,
+        "rope": ((FULL, RopeConfig(1_000_000.0)), (SLIDING, RopeConfig(10_000.0))),
+        "query_pre_attn_scalar": 16,
+        "mamba": MambaConfig(num_heads=4, head_dim=16, state_size=16, n_groups=1, conv_kernel=4, chunk_size=16),
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "max_position_embeddings": 4096,
+    }
     fields.update(overrides)
     return ModelConfig(**fields)
 

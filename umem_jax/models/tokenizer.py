@@ -56,7 +56,8 @@ def gguf_tokenizer(reader):
     model = f["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in f else None
     arch = f["general.architecture"].contents()
     if model != "llama" or not str(arch).startswith("gemma"):
-        raise NotImplementedError(f"tokenizer {model!r} of a {arch!r} GGUF: only Gemma's SentencePiece BPE is built here")
+        raise NotImplementedError(
+            f"tokenizer {model!r} of a {arch!r} GGUF: only Gemma's SentencePiece BPE is built here")
     get = lambda k, d=None: f[k].contents() if k in f else d
     return gemma_tokenizer(list(get("tokenizer.ggml.tokens")), list(get("tokenizer.ggml.token_type")),
                            bos_id=get("tokenizer.ggml.bos_token_id"), unk_id=get("tokenizer.ggml.unknown_token_id", 3),
