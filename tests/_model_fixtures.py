@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from _model_arena import generate
 
 from umem_jax.memory import plan as make_plan
@@ -39,6 +40,11 @@ def fixture_model(name: str):
     m = load_model(FIXTURES / name)
     m.jit_forward = functools.lru_cache(m.jit_forward)
     return m
+
+
+def model_fixture(name: str):
+    """A module-scoped pytest fixture `model`: the fixture's shared Model (`model = model_fixture(NAME)`)."""
+    return pytest.fixture(scope="module", name="model")(lambda: fixture_model(name))
 
 
 def expected(name: str, case: str = "expected") -> dict:

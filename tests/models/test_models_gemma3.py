@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _model_arena import generate
-from _model_fixtures import FIXTURES, PROMPTS, RTOL, bf16_checkpoint, copy_fixture, fixture_model, rel_err
+from _model_fixtures import FIXTURES, PROMPTS, RTOL, bf16_checkpoint, copy_fixture, model_fixture, rel_err
 from _model_fixtures import expected as load_expected
 
 from umem_jax.core.batch import make_batch
@@ -28,11 +28,7 @@ from umem_jax.models.registry import from_hf_config, load_hf_config
 
 NAME = "gemma3_tiny"
 FIXTURE = FIXTURES / NAME
-
-
-@pytest.fixture(scope="module")
-def model():
-    return fixture_model(NAME)
+model = model_fixture(NAME)
 
 
 @pytest.fixture(scope="module")

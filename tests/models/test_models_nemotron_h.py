@@ -28,7 +28,7 @@ from _model_fixtures import (
     copy_fixture,
     dense_logits,
     expected,
-    fixture_model,
+    model_fixture,
     rel_err,
 )
 from flax import nnx
@@ -39,11 +39,7 @@ from umem_jax.models.registry import from_hf_config
 
 NAME = "nemotron_h_tiny"
 FIXTURE = FIXTURES / NAME
-
-
-@pytest.fixture(scope="module")
-def model():
-    return fixture_model(NAME)
+model = model_fixture(NAME)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _model_arena import generate
-from _model_fixtures import FIXTURES, bf16_checkpoint, copy_fixture, expected, fixture_model, rel_err
+from _model_fixtures import FIXTURES, bf16_checkpoint, copy_fixture, expected, model_fixture, rel_err
 
 from umem_jax.memory import plan as make_plan
 from umem_jax.models.loader import load_safetensors
@@ -25,11 +25,7 @@ from umem_jax.models.registry import from_hf_config, load_hf_config
 
 NAME = "qwen3_5_tiny"
 FIXTURE = FIXTURES / NAME
-
-
-@pytest.fixture(scope="module")
-def model():
-    return fixture_model(NAME)
+model = model_fixture(NAME)
 
 
 # ----------------------------------------------------------------------------- config
