@@ -8,7 +8,8 @@ is specialised to it and every layout offset is a compile-time constant.
 Every function here that writes the arena DONATES it: XLA then updates the one buffer in place
 and the caller's old `Arena` is deleted, so always rebind (`arena = write_kv(arena, ...)`).
 Readers (`read_kv`, `read_state`) do not donate; under your own jit call them on the newest
-arena only (write first, then read), or XLA copies the whole arena (DESIGN.md decision 2).
+arena only (write first, then read): a read of the old buffer beside an in-place write of it
+makes XLA copy the whole arena to keep both alive.
 
 Using the arena in your own jitted function::
 
@@ -32,7 +33,7 @@ Tensor parallelism (umem_jax.parallel): `Arena.create(plan, num_rows, mesh=mesh)
 [tp, num_rows, row_words] sharded P("tp"): device r holds its heads' slice of every page, laid
 out by the same per-device plan, so page and slot ids mean the same on every device.  Page moves
 and zeroing run per shard under shard_map; the model writes K/V and state inside its own
-shard_map (parallel/sharded_model.py); read_kv / read_state give every shard's rows [tp, ...].
+shard_map (models/sharded_model.py); read_kv / read_state give every shard's rows [tp, ...].
 """
 
 from __future__ import annotations
@@ -48,18 +49,18 @@ from jax import lax
 from .memory.declarations import WORD_BYTES
 from .memory.plan import KVView, Plan, StateView, SubPool
 from .pallas_kernels import kv_write, relocate, state_io
+from .pallas_kernels.words import WORD_DTYPES
 
-__all__ = ["Arena", "NAN_BITS", "apply_moves", "check_in_place", "move_bucket", "move_pages", "read_kv",
-           "read_state", "write_kv", "write_state", "zero_pages"]
+__all__ = ["NAN_BITS", "Arena", "apply_moves", "check_in_place", "move_bucket", "move_pages", "read_kv", "read_state",
+           "write_kv", "write_state", "zero_pages"]
 
 NAN_BITS = 0x7FC0  # bf16 quiet NaN: the debug fill, so reads of never-written rows show as NaN
 MAX_ROWS = 2**31 - 1  # row ids are int32
-_DTYPES = (jnp.dtype(jnp.uint16), jnp.dtype(jnp.bfloat16))
 
 
 def _word_dtype(dtype) -> jnp.dtype:
     d = jnp.dtype(dtype)
-    if d not in _DTYPES:
+    if d not in WORD_DTYPES:
         raise ValueError(f"arena dtype must be uint16 or bfloat16, got {d}")
     return d
 
@@ -72,7 +73,7 @@ class Arena:
     Leaves may be any object during pytree transforms, so nothing here inspects `data` eagerly.
     """
 
-    __slots__ = ("data", "plan", "dtype", "mesh")
+    __slots__ = ("data", "dtype", "mesh", "plan")
 
     def __init__(self, data, plan: Plan, dtype=jnp.uint16, mesh=None):
         self.data = data
@@ -94,7 +95,7 @@ class Arena:
     # -- construction
     @classmethod
     def create(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, debug_nan: bool = False, sharding=None,
-               mesh=None) -> "Arena":
+               mesh=None) -> Arena:
         """Allocate [num_rows, plan.row_words] directly on the device (a jitted fill: no host copy);
         with a `mesh` ("tp" axis), [tp, num_rows, row_words] with each device filling its shard.
 
@@ -114,7 +115,7 @@ class Arena:
         return cls(data, plan, dtype, mesh)
 
     @classmethod
-    def abstract(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, sharding=None, mesh=None) -> "Arena":
+    def abstract(cls, plan: Plan, num_rows: int, dtype=jnp.uint16, sharding=None, mesh=None) -> Arena:
         """An Arena whose `data` is a ShapeDtypeStruct: for AOT `lower(...)` and memory probes."""
         dtype = _word_dtype(dtype)
         _check_rows(plan, num_rows)
@@ -124,7 +125,7 @@ class Arena:
         kw = {"sharding": sharding} if sharding is not None else {}
         return cls(jax.ShapeDtypeStruct(shape, dtype, **kw), plan, dtype, mesh)
 
-    def replace(self, data) -> "Arena":
+    def replace(self, data) -> Arena:
         """The same plan, dtype and mesh around new `data` (what every writer returns)."""
         return Arena(data, self.plan, self.dtype, self.mesh)
 
@@ -191,7 +192,7 @@ def _per_shard(arena: Arena, fn, *args):
 def _unsplit(arena: Arena, what: str) -> None:
     if arena.mesh is not None:
         raise NotImplementedError(f"{what} on a tensor-parallel arena: the model writes each device's heads "
-                                  "inside its own shard_map (parallel/sharded_model.py)")
+                                  "inside its own shard_map (models/sharded_model.py)")
 
 
 def _check_rows(plan: Plan, num_rows: int) -> None:
@@ -202,7 +203,7 @@ def _check_rows(plan: Plan, num_rows: int) -> None:
         raise ValueError(f"num_rows={num_rows} is smaller than the sink ({plan.sink_rows} rows)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _filler(shape: tuple[int, int], dtype: str, fill: int, sharding):
     """A jitted, argument-free fill of `shape`: XLA writes the buffer on the device itself."""
 
@@ -305,8 +306,8 @@ def move_pages(arena: Arena, src, dst, *, subpool: str, impl: str | None = None,
     Destinations distinct and disjoint from sources; 0 -> 0 pairs are padding
     (relocate.check_moves checks this on the host).  Dispatches to relocate.move_pages.
     """
-    rpp = arena.plan[subpool].rows_per_page
-    move = lambda d, s, t: relocate.move_pages(d, s, t, rows_per_page=rpp, impl=impl, interpret=interpret)
+    rows_per_page = arena.plan[subpool].rows_per_page
+    move = lambda d, s, t: relocate.move_pages(d, s, t, rows_per_page=rows_per_page, impl=impl, interpret=interpret)
     return arena.replace(_per_shard(arena, move, src, dst))
 
 
@@ -314,8 +315,8 @@ def move_pages(arena: Arena, src, dst, *, subpool: str, impl: str | None = None,
 def zero_pages(arena: Arena, pages, *, subpool: str, impl: str | None = None, interpret: bool = False) -> Arena:
     """Zero the page envelopes `pages` (int32 [N]) of `subpool`'s grid; donates.  Dispatches to
     relocate.zero_pages."""
-    rpp = arena.plan[subpool].rows_per_page
-    zero = lambda d, p: relocate.zero_pages(d, p, rows_per_page=rpp, impl=impl, interpret=interpret)
+    rows_per_page = arena.plan[subpool].rows_per_page
+    zero = lambda d, p: relocate.zero_pages(d, p, rows_per_page=rows_per_page, impl=impl, interpret=interpret)
     return arena.replace(_per_shard(arena, zero, pages))
 
 
@@ -333,7 +334,7 @@ def apply_moves(arena: Arena, moves, plan: Plan | None = None, *, impl: str | No
     """Apply the allocator's queued move batches in order; donates and returns the arena.
 
     moves: iterable of objects with .subpool (name), .src and .dst (int32 [N] physical pages),
-    e.g. umem_jax.memory.chain.Move.  Within a batch, moves obey the move_pages contract (checked
+    e.g. umem_jax.memory.tables.Move.  Within a batch, moves obey the move_pages contract (checked
     here on the host); a later batch sees the result of the earlier ones.  Each batch is padded
     with 0 -> 0 sink pairs to `move_bucket(N)`.  `plan`, if given, must be the arena's plan.
     """
@@ -344,9 +345,9 @@ def apply_moves(arena: Arena, moves, plan: Plan | None = None, *, impl: str | No
         dst = np.asarray(m.dst, dtype=np.int32).reshape(-1)
         if src.size == 0:
             continue
-        rpp = getattr(m, "rows_per_page", None)
-        if rpp is not None and rpp != arena.plan[m.subpool].rows_per_page:
-            raise ValueError(f"move batch of {m.subpool} has pages of {rpp} rows, the arena's plan says "
+        rows_per_page = getattr(m, "rows_per_page", None)
+        if rows_per_page is not None and rows_per_page != arena.plan[m.subpool].rows_per_page:
+            raise ValueError(f"move batch of {m.subpool} has pages of {rows_per_page} rows, the arena's plan says "
                              f"{arena.plan[m.subpool].rows_per_page}")
         relocate.check_moves(src, dst, num_pages=arena.num_pages(m.subpool))
         n = move_bucket(src.size, min_bucket)

@@ -23,7 +23,7 @@ from ._compat import pltr
 from .launch import ANY, pow2_divisor
 from .state_io import block_fits, load_block, store_block
 
-__all__ = ["activate", "conv_decode_pallas", "conv_decode_reference", "conv_prefill_reference", "conv_block"]
+__all__ = ["activate", "conv_block", "conv_decode_pallas", "conv_decode_reference", "conv_prefill_reference"]
 
 
 def activate(x, activation):
@@ -52,27 +52,27 @@ def conv_prefill_reference(state, x, q_lens, weight, bias=None, activation="silu
     """Causal conv over a padded chunk that continues from `state`.
 
     state [B, K-1, C]; x [B, T, C] (tokens j >= q_lens[b] are padding); weight [C, K].
-    positions: optional int32 [B, Kc] token counts p in [0, q_len] -> also the conv state after
+    positions: optional int32 [B, n] token counts p in [0, q_len] -> also the conv state after
     the first p tokens of the chunk.  Returns (out fp32 [B, T, C] (padding rows are garbage for
-    the caller to mask), final state fp32 [B, K-1, C], states at positions fp32 [B, Kc, K-1, C]
+    the caller to mask), final state fp32 [B, K-1, C], states at positions fp32 [B, n, K-1, C]
     or None).
     """
-    Km1 = state.shape[1]
+    history = state.shape[1]
     T = x.shape[1]
     full = jnp.concatenate([_f32(state), _f32(x)], axis=1)               # [B, K-1+T, C]
     w = _f32(weight)
-    out = sum(full[:, k: k + T, :] * w[:, k] for k in range(Km1 + 1))
+    out = sum(full[:, k: k + T, :] * w[:, k] for k in range(history + 1))
     if bias is not None:
         out = out + _f32(bias)
 
     def take(f, p):  # the K-1 inputs before position p of the chunk: full[p : p + K-1]
-        return jax.lax.dynamic_slice_in_dim(f, p, Km1, axis=0)
+        return jax.lax.dynamic_slice_in_dim(f, p, history, axis=0)
 
     final = jax.vmap(take)(full, q_lens.astype(jnp.int32))
     at = None
     if positions is not None:
         pos = jnp.clip(positions.astype(jnp.int32), 0, T)
-        at = jax.vmap(lambda f, ps: jax.vmap(lambda p: take(f, p))(ps))(full, pos)
+        at = jax.vmap(lambda f, positions_row: jax.vmap(lambda p: take(f, p))(positions_row))(full, pos)
     return activate(out, activation), final, at
 
 
@@ -81,13 +81,13 @@ def conv_prefill_reference(state, x, q_lens, weight, bias=None, activation="silu
 
 def conv_block(view, rows, C: int, cap: int = 1024) -> int:
     """Channels per program: a power of two dividing C whose runs sit inside one arena row."""
-    blk = pow2_divisor(C, cap)
-    while blk > 1 and not (view.row_words % blk == 0 and block_fits(view, blk)):
-        blk //= 2
-    return blk
+    block = pow2_divisor(C, cap)
+    while block > 1 and not (view.row_words % block == 0 and block_fits(view, block)):
+        block //= 2
+    return block
 
 
-def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, blk, has_bias, activation):
+def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, block, has_bias, activation):
     if has_bias:
         b_ref, arena_in, out_ref, arena_ref = rest
     else:
@@ -95,42 +95,43 @@ def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, blk, has_bias
     del arena_in  # aliased with arena_ref
     b, c = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[b]
-    c0 = pl.multiple_of(c * blk, blk)
-    dst = out_ref.at[b, pl.ds(c0, blk)]
+    c0 = pl.multiple_of(c * block, block)
+    dst = out_ref.at[b, pl.ds(c0, block)]
 
     @pl.when(slot == 0)
     def _():  # padding lane: no state read or write, output 0
-        pltr.store(dst, jnp.zeros((blk,), out_ref.dtype))
+        pltr.store(dst, jnp.zeros((block,), out_ref.dtype))
 
     @pl.when(slot != 0)
     def _():
-        window = [load_block(arena_ref, slot, view, rows, t * C + c0, (blk,), jnp.float32) for t in range(K - 1)]
-        window.append(pltr.load(x_ref.at[b, pl.ds(c0, blk)]).astype(jnp.float32))
-        acc = pltr.load(b_ref.at[pl.ds(c0, blk)]).astype(jnp.float32) if has_bias else jnp.zeros((blk,), jnp.float32)
+        window = [load_block(arena_ref, slot, view, rows, t * C + c0, (block,), jnp.float32) for t in range(K - 1)]
+        window.append(pltr.load(x_ref.at[b, pl.ds(c0, block)]).astype(jnp.float32))
+        acc = (pltr.load(b_ref.at[pl.ds(c0, block)]).astype(jnp.float32) if has_bias
+               else jnp.zeros((block,), jnp.float32))
         for k in range(K):
             # column k of HF's [C, K] weight: a strided load of a tiny, cache-resident array (no
             # per-step transpose in XLA)
-            acc = acc + pltr.load(w_ref.at[pl.ds(c0, blk), jnp.int32(k)]).astype(jnp.float32) * window[k]
+            acc = acc + pltr.load(w_ref.at[pl.ds(c0, block), jnp.int32(k)]).astype(jnp.float32) * window[k]
         for t in range(K - 1):
             store_block(arena_ref, slot, view, rows, t * C + c0, window[t + 1])
         pltr.store(dst, activate(acc, activation).astype(out_ref.dtype))
 
 
 def conv_decode_pallas(words, slots, x, weight, bias, *, view, rows, activation="silu", interpret=False,
-                       block=None, num_warps=4, compiler_params=None):
+                       block=None, compiler_params=None):
     """Pallas conv decode on a uint16 arena view `words`, in place on the conv state `rows`
     (a StateRows of shape [K-1, C]).  x [B, C]; weight [C, K]; bias [C] | None.
     Returns (out fp32 [B, C], words).  Padding lanes (slot 0): out 0, state untouched."""
     B, C = x.shape
     K = weight.shape[1]
-    blk = block or conv_block(view, rows, C)
-    if C % blk or view.row_words % blk:
-        raise ValueError(f"conv block {blk} must divide the channels {C} and the row width {view.row_words}")
+    block = block or conv_block(view, rows, C)
+    if C % block or view.row_words % block:
+        raise ValueError(f"conv block {block} must divide the channels {C} and the row width {view.row_words}")
     args = [slots, x, weight] + ([bias] if bias is not None else []) + [words]
     out, words = pl.pallas_call(
-        functools.partial(_conv_kernel, view=view, rows=rows, C=C, K=K, blk=blk, has_bias=bias is not None,
+        functools.partial(_conv_kernel, view=view, rows=rows, C=C, K=K, block=block, has_bias=bias is not None,
                           activation=activation),
-        grid=(B, C // blk),
+        grid=(B, C // block),
         in_specs=[ANY] * len(args),
         out_specs=(ANY, ANY),
         out_shape=(jax.ShapeDtypeStruct((B, C), jnp.float32), jax.ShapeDtypeStruct(words.shape, words.dtype)),

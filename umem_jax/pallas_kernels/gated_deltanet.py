@@ -45,16 +45,8 @@ from .launch import resolve_impl
 from .recurrent import check_shapes, chunk_checkpoints, from_chunks, initial_checkpoints, softplus, to_chunks
 from .state_io import block_fits, check_slots, check_state_view, load_block, store_block
 
-__all__ = [
-    "GDNDims",
-    "gdn_decode",
-    "gdn_decode_reference",
-    "gdn_dims",
-    "gdn_prefill",
-    "gdn_prefill_reference",
-    "pallas_supported",
-    "L2NORM_EPS",
-]
+__all__ = ["L2NORM_EPS", "GDNDims", "gdn_decode", "gdn_decode_reference", "gdn_dims", "gdn_prefill",
+           "gdn_prefill_reference", "pallas_supported"]
 
 L2NORM_EPS = 1e-6  # HF's l2norm(x, eps=1e-6) in the recurrent and chunked delta rules
 
@@ -76,13 +68,13 @@ def gdn_dims(view) -> GDNDims:
     except KeyError:
         raise ValueError("a gated DeltaNet state view needs the tensors 'conv' and 'recurrent'") from None
     Hv, Dv, Dk = rec.shape
-    Km1, C = conv.shape
+    history, C = conv.shape
     rest = C - Hv * Dv
     if rest <= 0 or rest % (2 * Dk) or Hv % (rest // (2 * Dk)):
         raise ValueError(f"conv width {C} is not 2*Hk*Dk + Hv*Dv for recurrent [Hv, Dv, Dk] = {rec.shape}")
     if rec.dtype != "float32":
         raise ValueError(f"the recurrent state must be float32, got {rec.dtype}")
-    return GDNDims(rest // (2 * Dk), Hv, Dk, Dv, Km1 + 1, C)
+    return GDNDims(rest // (2 * Dk), Hv, Dk, Dv, history + 1, C)
 
 
 def _check(qkv, a, b, conv_weight, A_log, dt_bias, d: GDNDims, lead):
@@ -146,7 +138,8 @@ def gdn_decode_reference(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *
         g, beta = _gates(a, b, A_log, dt_bias)
         return _delta_step(S, xc, g, beta, d)
 
-    return recurrent.decode_reference(arena, slots, qkv, conv_weight, None, view=view, state="recurrent", step=step)
+    return recurrent.decode_reference(arena, slots, qkv, conv_weight, None, view=view, state_name="recurrent",
+                                      step=step)
 
 
 def _delta_update(b, h, slot, v0, xc_ref, a_ref, b_ref, alog_ref, dtb_ref, arena_ref, *, view, d: GDNDims,
@@ -234,7 +227,7 @@ def _chunked_core(S0, xc, g, beta, q_lens, pos, d: GDNDims, chunk: int):
       o_t    = exp(gc_t) q_t S_prev + sum_{s<=t} exp(gc_t - gc_s) (q_t . k_s) delta_s
       S_end  = exp(gc_L) S_prev + sum_s exp(gc_L - gc_s) k_s (outer) delta_s
     (every exponent is <= 0).  The triangular inverse is a unit-lower triangular solve."""
-    hp = "highest"
+    highest = "highest"
     T = xc.shape[1]
     Dv = d.v_dim
     L = min(chunk, T)
@@ -248,45 +241,45 @@ def _chunked_core(S0, xc, g, beta, q_lens, pos, d: GDNDims, chunk: int):
     eye = jnp.eye(L, dtype=jnp.float32)
 
     def body(carry, inp):
-        S, ck = carry                                                        # S [B, H, Dk, Dv] (HF)
+        S, checkpoints = carry                                                        # S [B, H, Dk, Dv] (HF)
         c, q_c, k_c, v_c, g_c, b_c = inp                                     # [B, L, H, .], g/b [B, L, H]
         gc = jnp.cumsum(g_c, axis=1)                                         # [B, L, H]
         seg = gc[:, :, None, :] - gc[:, None, :, :]                          # [B, t, s, H]
         decay = jnp.exp(jnp.where(causal[None, :, :, None], seg, -jnp.inf))  # 0 above the diagonal
-        kk = jnp.einsum("bthd,bshd->btsh", k_c, k_c, precision=hp)
+        kk = jnp.einsum("bthd,bshd->btsh", k_c, k_c, precision=highest)
         M = jnp.where(strict[None, :, :, None], b_c[:, :, None, :] * kk * decay, 0.0)
         IM = jnp.moveaxis(M, 3, 1) + eye                                     # [B, H, t, s] unit lower
         rhs = jnp.concatenate([jnp.moveaxis(b_c[..., None] * v_c, 2, 1),
                                jnp.moveaxis((b_c * jnp.exp(gc))[..., None] * k_c, 2, 1)], axis=-1)
         sol = jax.lax.linalg.triangular_solve(IM, rhs, left_side=True, lower=True, unit_diagonal=True)
         u_v, u_k = sol[..., :Dv], sol[..., Dv:]                              # [B, H, L, Dv|Dk]
-        delta = u_v - jnp.einsum("bhtk,bhkv->bhtv", u_k, S, precision=hp)    # [B, H, L, Dv]
-        qk = jnp.einsum("bthd,bshd->bhts", q_c, k_c, precision=hp) * jnp.moveaxis(decay, 3, 1)
+        delta = u_v - jnp.einsum("bhtk,bhkv->bhtv", u_k, S, precision=highest)    # [B, H, L, Dv]
+        qk = jnp.einsum("bthd,bshd->bhts", q_c, k_c, precision=highest) * jnp.moveaxis(decay, 3, 1)
         eg = jnp.moveaxis(jnp.exp(gc), 2, 1)                                 # [B, H, L]
-        o = (eg[..., None] * jnp.einsum("bthk,bhkv->bhtv", q_c, S, precision=hp)
-             + jnp.einsum("bhts,bhsv->bhtv", qk, delta, precision=hp))
+        o = (eg[..., None] * jnp.einsum("bthk,bhkv->bhtv", q_c, S, precision=highest)
+             + jnp.einsum("bhts,bhsv->bhtv", qk, delta, precision=highest))
         kh = jnp.moveaxis(k_c, 2, 1)                                         # [B, H, L, Dk]
         gch = jnp.moveaxis(gc, 2, 1)                                         # [B, H, L]
         w_end = jnp.exp(gch[..., -1:] - gch)
         S_new = jnp.exp(gc[:, -1])[..., None, None] * S + jnp.einsum("bhs,bhsk,bhsv->bhkv", w_end, kh, delta,
-                                                                      precision=hp)
-        if ck is not None:  # the state after local token `last`, for checkpoints in this chunk
+                                                                      precision=highest)
+        if checkpoints is not None:  # the state after local token `last`, for checkpoints in this chunk
             inside, last = chunk_checkpoints(pos, c, L)                       # [B, C]
             g_last = jnp.take_along_axis(gc, last[:, :, None], axis=1)        # [B, C, H]
             before = (s_idx[None, None, :] <= last[:, :, None])[:, :, None, :]  # [B, C, 1, L]
             gcs = jnp.moveaxis(gc, 2, 1)[:, None]                             # [B, 1, H, L]
             w = jnp.where(before, jnp.exp(jnp.where(before, g_last[..., None] - gcs, 0.0)), 0.0)
             S_k = (jnp.exp(g_last)[..., None, None] * S[:, None]
-                   + jnp.einsum("bchs,bhsk,bhsv->bchkv", w, kh, delta, precision=hp))
-            ck = jnp.where(inside[:, :, None, None, None], S_k, ck)
-        return (S_new, ck), jnp.moveaxis(o, 1, 2)                            # o [B, L, H, Dv]
+                   + jnp.einsum("bchs,bhsk,bhsv->bchkv", w, kh, delta, precision=highest))
+            checkpoints = jnp.where(inside[:, :, None, None, None], S_k, checkpoints)
+        return (S_new, checkpoints), jnp.moveaxis(o, 1, 2)                            # o [B, L, H, Dv]
 
     to_hf = lambda x: jnp.swapaxes(x, -1, -2)                                # arena [.., Dv, Dk] <-> HF [.., Dk, Dv]
     num_chunks = -(-T // L)
     xs = (jnp.arange(num_chunks, dtype=jnp.int32), to_chunks(q, L), to_chunks(k, L), to_chunks(v, L),
           to_chunks(g, L), to_chunks(beta, L))
-    (S, ck), outs = jax.lax.scan(body, (to_hf(S0), initial_checkpoints(to_hf(S0), pos)), xs)
-    return from_chunks(outs, T), to_hf(S), (None if ck is None else to_hf(ck))
+    (S, checkpoints), outs = jax.lax.scan(body, (to_hf(S0), initial_checkpoints(to_hf(S0), pos)), xs)
+    return from_chunks(outs, T), to_hf(S), (None if checkpoints is None else to_hf(checkpoints))
 
 
 def _prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset, checkpoint_positions,
@@ -299,8 +292,8 @@ def _prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, vi
             return _scan_core(S0, xc, g, beta, q_lens, pos, d)
         return _chunked_core(S0, xc, g, beta, q_lens, pos, d, chunk_size)
 
-    return recurrent.prefill(arena, slots, qkv, q_lens, conv_weight, None, view=view, state="recurrent", reset=reset,
-                             checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
+    return recurrent.prefill(arena, slots, qkv, q_lens, conv_weight, None, view=view, state_name="recurrent",
+                             reset=reset, checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
                              state_impl=state_impl, interpret=interpret, algo=algo, core=core)
 
 

@@ -24,7 +24,7 @@ from ._compat import pltr
 from .launch import in_place_call, pow2_divisor, resolve_impl
 from .words import check_arena, decode, encode, from_u16, kernel_dtype, kv_value_dtype, to_u16
 
-__all__ = ["write_kv", "write_kv_reference", "read_kv_reference", "check_view", "head_slot"]
+__all__ = ["check_view", "head_slot", "read_kv_reference", "write_kv", "write_kv_reference"]
 
 
 def check_view(arena, view) -> None:

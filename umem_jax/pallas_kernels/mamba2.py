@@ -43,16 +43,8 @@ from .launch import resolve_impl
 from .recurrent import check_shapes, chunk_checkpoints, from_chunks, initial_checkpoints, softplus, to_chunks
 from .state_io import block_fits, check_slots, check_state_view, load_block, store_block
 
-__all__ = [
-    "Mamba2Dims",
-    "mamba2_decode",
-    "mamba2_decode_reference",
-    "mamba2_dims",
-    "mamba2_prefill",
-    "mamba2_prefill_reference",
-    "pallas_supported",
-    "softplus",
-]
+__all__ = ["Mamba2Dims", "mamba2_decode", "mamba2_decode_reference", "mamba2_dims", "mamba2_prefill",
+           "mamba2_prefill_reference", "pallas_supported", "softplus"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,13 +64,13 @@ def mamba2_dims(view) -> Mamba2Dims:
     except KeyError:
         raise ValueError("a Mamba2 state view needs the tensors 'conv' and 'ssm'") from None
     H, P, N = ssm.shape
-    Km1, C = conv.shape
-    G2N = C - H * P
-    if G2N <= 0 or G2N % (2 * N) or H % (G2N // (2 * N)):
+    history, C = conv.shape
+    two_G_N = C - H * P
+    if two_G_N <= 0 or two_G_N % (2 * N) or H % (two_G_N // (2 * N)):
         raise ValueError(f"conv width {C} is not H*P + 2*G*N for ssm [H, P, N] = {ssm.shape} and G dividing H")
     if ssm.dtype != "float32":
         raise ValueError(f"the ssm state must be float32, got {ssm.dtype}")
-    return Mamba2Dims(H, P, N, G2N // (2 * N), Km1 + 1, C)
+    return Mamba2Dims(H, P, N, two_G_N // (2 * N), history + 1, C)
 
 
 def _check(xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, d: Mamba2Dims, lead):
@@ -118,9 +110,9 @@ def _ssm_step(S, xc, dt_raw, A_log, dt_bias, D, d: Mamba2Dims, dt_min=None):
     """One token for a batch: S fp32 [B, H, P, N], xc fp32 conv output [B, conv_dim], dt_raw [B, H]
     -> (y fp32 [B, H, P], S')."""
     x, Bm, Cm = _split(xc, d)
-    rep = d.heads // d.groups
-    Bh = jnp.repeat(Bm, rep, axis=1)                                   # [B, H, N]
-    Ch = jnp.repeat(Cm, rep, axis=1)
+    heads_per_group = d.heads // d.groups
+    Bh = jnp.repeat(Bm, heads_per_group, axis=1)                                   # [B, H, N]
+    Ch = jnp.repeat(Cm, heads_per_group, axis=1)
     dt = softplus(dt_raw.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     if dt_min is not None:
         dt = jnp.maximum(dt, _per_row(dt_min, dt.ndim))
@@ -137,7 +129,7 @@ def mamba2_decode_reference(arena, slots, xbc, dt, conv_weight, conv_bias, A_log
     """Plain-JAX Mamba2 decode step (XLA gather/scatter of the slots' rows); see the module doc."""
     d = _checked_dims(arena, view, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, slots.shape[:1])
     step = lambda S, xc: _ssm_step(S, xc, dt, A_log, dt_bias, D, d)
-    return recurrent.decode_reference(arena, slots, xbc, conv_weight, conv_bias, view=view, state="ssm", step=step)
+    return recurrent.decode_reference(arena, slots, xbc, conv_weight, conv_bias, view=view, state_name="ssm", step=step)
 
 
 def _ssm_update(b, h, slot, p0, xc_ref, dt_ref, alog_ref, dtb_ref, d_ref, arena_ref, *, view, d: Mamba2Dims,
@@ -215,9 +207,9 @@ def _chunked_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d: Mamba2Dims, dt_
       y_t   = sum_{s<=t} exp(Ac_t - Ac_s) (C_t . B_s) u_s + exp(Ac_t) C_t S_prev + D x_t
       S_end = exp(Ac_L) S_prev + sum_s exp(Ac_L - Ac_s) u_s (outer) B_s
     (every exponent is <= 0, so nothing overflows)."""
-    hp = "highest"
+    highest = "highest"
     T = xc.shape[1]
-    R = d.heads // d.groups
+    heads_per_group = d.heads // d.groups
     L = min(chunk, T)
     x, Bm, Cm = _split(xc, d)                                                 # [B,T,H,P], [B,T,G,N] x2
     dts = softplus(dt.astype(jnp.float32) + dt_bias.astype(jnp.float32))
@@ -230,35 +222,35 @@ def _chunked_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d: Mamba2Dims, dt_
     s_idx = jnp.arange(L)
 
     def body(carry, inp):
-        S, ck = carry
+        S, checkpoints = carry
         c, x_c, B_c, C_c, dt_c = inp
         Ac = jnp.cumsum(dt_c * A, axis=1)                                      # [B, L, H]
         u = dt_c[..., None] * x_c                                             # [B, L, H, P]
-        Bh, Ch = jnp.repeat(B_c, R, axis=2), jnp.repeat(C_c, R, axis=2)       # [B, L, H, N]
+        Bh, Ch = jnp.repeat(B_c, heads_per_group, axis=2), jnp.repeat(C_c, heads_per_group, axis=2)       # [B, L, H, N]
         seg = Ac[:, :, None, :] - Ac[:, None, :, :]                           # [B, t, s, H]
         decay = jnp.where(causal[None, :, :, None], jnp.exp(jnp.where(causal[None, :, :, None], seg, 0.0)), 0.0)
-        CB = jnp.repeat(jnp.einsum("btgn,bsgn->btsg", C_c, B_c, precision=hp), R, axis=3)
-        y = jnp.einsum("btsh,bshp->bthp", decay * CB, u, precision=hp)
-        y = y + jnp.exp(Ac)[..., None] * jnp.einsum("bthn,bhpn->bthp", Ch, S, precision=hp)
+        CB = jnp.repeat(jnp.einsum("btgn,bsgn->btsg", C_c, B_c, precision=highest), heads_per_group, axis=3)
+        y = jnp.einsum("btsh,bshp->bthp", decay * CB, u, precision=highest)
+        y = y + jnp.exp(Ac)[..., None] * jnp.einsum("bthn,bhpn->bthp", Ch, S, precision=highest)
         y = y + Dv[:, None] * x_c
         w_end = jnp.exp(Ac[:, -1:, :] - Ac)                                    # [B, L, H]
         S_new = jnp.exp(Ac[:, -1])[..., None, None] * S + jnp.einsum("bsh,bshp,bshn->bhpn", w_end, u, Bh,
-                                                                      precision=hp)
-        if ck is not None:  # the state after local token `last`, for checkpoints in this chunk
+                                                                      precision=highest)
+        if checkpoints is not None:  # the state after local token `last`, for checkpoints in this chunk
             inside, last = chunk_checkpoints(pos, c, L)                       # [B, C]
             Ac_last = jnp.take_along_axis(Ac, last[:, :, None], axis=1)       # [B, C, H]
             before = (s_idx[None, None, :] <= last[:, :, None])[..., None]    # [B, C, L, 1]
             w = jnp.where(before, jnp.exp(jnp.where(before, Ac_last[:, :, None, :] - Ac[:, None], 0.0)), 0.0)
             S_k = (jnp.exp(Ac_last)[..., None, None] * S[:, None]
-                   + jnp.einsum("bksh,bshp,bshn->bkhpn", w, u, Bh, precision=hp))
-            ck = jnp.where(inside[:, :, None, None, None], S_k, ck)
-        return (S_new, ck), y
+                   + jnp.einsum("bksh,bshp,bshn->bkhpn", w, u, Bh, precision=highest))
+            checkpoints = jnp.where(inside[:, :, None, None, None], S_k, checkpoints)
+        return (S_new, checkpoints), y
 
     num_chunks = -(-T // L)
     xs = (jnp.arange(num_chunks, dtype=jnp.int32), to_chunks(x, L), to_chunks(Bm, L), to_chunks(Cm, L),
           to_chunks(dts, L))
-    (S, ck), ys = jax.lax.scan(body, (S0, initial_checkpoints(S0, pos)), xs)
-    return from_chunks(ys, T), S, ck
+    (S, checkpoints), ys = jax.lax.scan(body, (S0, initial_checkpoints(S0, pos)), xs)
+    return from_chunks(ys, T), S, checkpoints
 
 
 def _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view, dt_min, reset,
@@ -270,8 +262,8 @@ def _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bi
             return _scan_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d, dt_min)
         return _chunked_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d, dt_min, chunk_size)
 
-    return recurrent.prefill(arena, slots, xbc, q_lens, conv_weight, conv_bias, view=view, state="ssm", reset=reset,
-                             checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
+    return recurrent.prefill(arena, slots, xbc, q_lens, conv_weight, conv_bias, view=view, state_name="ssm",
+                             reset=reset, checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
                              state_impl=state_impl, interpret=interpret, algo=algo, core=core)
 
 

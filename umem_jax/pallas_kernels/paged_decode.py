@@ -42,21 +42,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .launch import pow2_ceil, resolve_impl
 from .kv_write import check_view, read_kv_reference
+from .launch import ANY, pow2_ceil, resolve_impl
 from .words import from_u16, join_planes, kernel_view, kv_value_dtype, to_u16
 
-__all__ = [
-    "paged_decode_attention",
-    "paged_decode_attention_reference",
-    "choose_num_splits",
-]
+__all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
 
 _NEG = -1e30  # finite "minus infinity" for the running max: exp(NEG - NEG) stays 1, never NaN
-
-
-
 SMEM_BUDGET = 200 * 1024  # bytes of K/V tiles per program across pipeline stages (SM: 227 KiB)
+
 
 def _check(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
     check_view(arena, view)
@@ -119,27 +113,28 @@ def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, win
 # --------------------------------------------------------------------------- kernel
 
 
-def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, bt,
+def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, block_tokens,
                    window, softcap, scale, num_splits, kv_dtype):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    ps, rpp, W = view.page_size, view.rows_per_page, view.row_words
+    page_size, rows_per_page, W = view.page_size, view.rows_per_page, view.row_words
     D, Dv, Hkv = view.head_dim, view.v_head_dim, view.num_kv_heads
-    log2_ps = ps.bit_length() - 1
+    log2_page_size = page_size.bit_length() - 1
     length = lengths_ref[b]
     # All quantities below are >= 0, so C division (lax.div) equals floor division and keeps
     # the IR free of sign fix-ups.
     start = jnp.int32(0) if window is None else jnp.maximum(length - window, 0)
     # Blocks holding visible positions, shared out between the splits of this (b, h).
-    blk_lo = lax.div(start, jnp.int32(bt))
-    blk_hi = lax.div(length + (bt - 1), jnp.int32(bt))
-    per = lax.div(jnp.maximum(blk_hi - blk_lo, 0) + (num_splits - 1), jnp.int32(num_splits))
-    lo = blk_lo + s * per
-    hi = jnp.minimum(lo + per, blk_hi)
+    first_block = lax.div(start, jnp.int32(block_tokens))
+    end_block = lax.div(length + (block_tokens - 1), jnp.int32(block_tokens))
+    blocks_per_split = lax.div(jnp.maximum(end_block - first_block, 0) + (num_splits - 1),
+                               jnp.int32(num_splits))
+    lo = first_block + s * blocks_per_split
+    hi = jnp.minimum(lo + blocks_per_split, end_block)
 
     two_planes = view.planes == 2
-    q = q_ref[...]  # [Gp, D]
+    q = q_ref[...]  # [group_rows, D]
     q = q.astype(jnp.float32 if two_planes else kv_dtype)
-    tok = jnp.arange(bt, dtype=jnp.int32)
+    token_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
     def head_cols(plane, dim):
         # (row offset within a token's rows, first column) of plane `plane` of kv head h.
@@ -154,60 +149,61 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         return lax.div(off, jnp.int32(W)), pl.multiple_of(lax.rem(off, jnp.int32(W)), dim)
 
     def load_tile(rows_base, slot, r_off, col, m, dim, mask):
-        rows = rows_base + slot * m + r_off                      # [bt] arena rows
+        rows = rows_base + slot * m + r_off                      # [block_tokens] arena rows
         cols = col + jnp.arange(dim, dtype=jnp.int32)
-        # Two broadcasting int indexers ([bt,1] x [1,dim]): Triton computes row*W itself (int64
-        # above 4 GiB) and sees `dim` contiguous columns per row (vector loads); interpret mode
-        # also takes this form.
+        # Two broadcasting int indexers ([block_tokens,1] x [1,dim]): Triton computes row*W itself
+        # (int64 above 4 GiB) and sees `dim` contiguous columns per row (vector loads); interpret
+        # mode also takes this form.
         return pltr.load(arena_ref.at[rows[:, None], cols[None, :]],
-                         mask=jnp.broadcast_to(mask[:, None], (bt, dim)), other=0)
+                         mask=jnp.broadcast_to(mask[:, None], (block_tokens, dim)), other=0)
 
     def decode_tile(rows_base, slot, which, mask):
         dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)
         r0, c0 = head_cols(0, dim)
-        hi_ = load_tile(rows_base + base, slot, r0, c0, m, dim, mask)
+        hi_words = load_tile(rows_base + base, slot, r0, c0, m, dim, mask)
         if not two_planes:
-            return hi_ if hi_.dtype == kv_dtype else from_u16(to_u16(hi_), kv_dtype)
+            return hi_words if hi_words.dtype == kv_dtype else from_u16(to_u16(hi_words), kv_dtype)
         r1, c1 = head_cols(1, dim)
-        lo_ = load_tile(rows_base + base, slot, r1, c1, m, dim, mask)
-        return join_planes(hi_, lo_, jnp.float32)
+        lo_words = load_tile(rows_base + base, slot, r1, c1, m, dim, mask)
+        return join_planes(hi_words, lo_words, jnp.float32)
 
-    n_table = pt_ref.shape[1]
+    table_width = pt_ref.shape[1]
 
-    def envelopes(blk):
-        # First arena row of the page envelope of each token of block `blk` ([bt] int32; a row
-        # index < num_rows < 2**31, so int32 is exact).  The table index is clamped: the
-        # prefetch for the block after a split's last one may run past the table, unused.
-        # A block is `bt` consecutive positions: several pages (bt > ps) or part of one.
-        idx = jnp.minimum(jnp.right_shift(blk * bt + tok, log2_ps), n_table - 1)  # ps: a power of 2
-        return pltr.load(pt_ref.at[b, idx]) * rpp
+    def envelopes(block):
+        # First arena row of the page envelope of each token of block `block` ([block_tokens]
+        # int32; a row index < num_rows < 2**31, so int32 is exact).  The table index is clamped:
+        # the prefetch for the block after a split's last one may run past the table, unused.
+        # A block is `block_tokens` consecutive positions: several pages (block_tokens >
+        # page_size) or part of one.  page_size is a power of two: the page index is a shift.
+        idx = jnp.minimum(jnp.right_shift(block * block_tokens + token_offsets, log2_page_size), table_width - 1)
+        return pltr.load(pt_ref.at[b, idx]) * rows_per_page
 
-    def body(blk, carry):
-        # `env` (this block's envelopes) was read from the table one iteration earlier, so the
-        # K/V gathers depend on a loop-carried value rather than on a load in this iteration:
+    def body(block, carry):
+        # `envelope_rows` (this block's envelopes) was read from the table one iteration earlier, so
+        # the K/V gathers depend on a loop-carried value rather than on a load in this iteration:
         # Triton's pipeliner can then issue them a stage earlier (an in-iteration table load
         # costs a pipeline stage and leaves the gather latency exposed).
-        env, acc, m_i, l_i = carry
-        env_next = envelopes(blk + 1)
-        pos = blk * bt + tok
-        slot = jnp.bitwise_and(pos, ps - 1)
+        envelope_rows, acc, m_i, l_i = carry
+        next_envelope_rows = envelopes(block + 1)
+        pos = block * block_tokens + token_offsets
+        slot = jnp.bitwise_and(pos, page_size - 1)
         visible = (pos < length) & (pos >= start)
-        k = decode_tile(env, slot, "k", visible)                               # [bt, D]
-        sc = pltr.dot(q, k, trans_b=True, allow_tf32=False if two_planes else None) * scale
+        k = decode_tile(envelope_rows, slot, "k", visible)                # [block_tokens, D]
+        scores = pltr.dot(q, k, trans_b=True, allow_tf32=False if two_planes else None) * scale
         if softcap is not None:
-            sc = softcap * jnp.tanh(sc / softcap)
-        sc = jnp.where(visible[None, :], sc, -jnp.inf)                   # [Gp, bt]
-        m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-        p = jnp.exp(sc - m_new[:, None])
+            scores = softcap * jnp.tanh(scores / softcap)
+        scores = jnp.where(visible[None, :], scores, -jnp.inf)            # [group_rows, block_tokens]
+        m_new = jnp.maximum(m_i, jnp.max(scores, axis=1))
+        p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m_i - m_new)
-        v = decode_tile(env, slot, "v", visible)                               # [bt, Dv]; masked rows are 0
+        v = decode_tile(envelope_rows, slot, "v", visible)                # [block_tokens, Dv]; masked rows 0
         pv = pltr.dot(p.astype(v.dtype), v, allow_tf32=False if two_planes else None)
         acc = acc * alpha[:, None] + pv
-        return env_next, acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
+        return next_envelope_rows, acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
 
-    Gp = q.shape[0]
-    init = (envelopes(lo), jnp.zeros((Gp, Dv), jnp.float32), jnp.full((Gp,), _NEG, jnp.float32),
-            jnp.zeros((Gp,), jnp.float32))
+    group_rows = q.shape[0]
+    init = (envelopes(lo), jnp.zeros((group_rows, Dv), jnp.float32), jnp.full((group_rows,), _NEG, jnp.float32),
+            jnp.zeros((group_rows,), jnp.float32))
     _, acc, m_i, l_i = lax.fori_loop(lo, hi, body, init)
     o_ref[...] = acc
     m_ref[...] = m_i
@@ -239,7 +235,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
                          num_warps=4, num_stages=3):
     _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
-    Hkv, Dv, ps = view.num_kv_heads, view.v_head_dim, view.page_size
+    Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
     G = Hq // Hkv
     for dim in (D, Dv):
         if dim & (dim - 1) or dim < 16:
@@ -247,9 +243,9 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         if view.row_words % dim:
             raise NotImplementedError(f"pallas decode needs each head inside one arena row "
                                       f"(row_words={view.row_words} a multiple of head dim {dim})")
-    if ps & (ps - 1):
-        raise NotImplementedError(f"page_size must be a power of two, got {ps}")
-    kvdt = kv_value_dtype(view.planes, kv_dtype)
+    if page_size & (page_size - 1):
+        raise NotImplementedError(f"page_size must be a power of two, got {page_size}")
+    value_dtype = kv_value_dtype(view.planes, kv_dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if block_tokens is None:
         # bf16: 8K words per K (and V) tile (64 tokens at D=128).  With num_stages=3 the
@@ -258,40 +254,38 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         # (ptxas sm_90: ~128-190 registers, no spills).  fp32 planes have no tensor-core dot
         # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
         block_tokens = max(16, 8192 // max(D, Dv)) if view.planes == 1 else 32
-    bt = pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
+    block = pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
     # Each pipeline stage buffers one K and one V tile in shared memory; an H100/H200 SM has
     # 227 KiB.  Trim the stages (then the block) of a config that would not fit rather than fail
     # at launch with RESOURCE_EXHAUSTED.
     tile_bytes = lambda b: b * (D + Dv) * 2 * view.planes
-    while num_stages > 1 and num_stages * tile_bytes(bt) > SMEM_BUDGET:
+    while num_stages > 1 and num_stages * tile_bytes(block) > SMEM_BUDGET:
         num_stages -= 1
-    while bt > 16 and tile_bytes(bt) > SMEM_BUDGET:
-        bt //= 2
+    while block > 16 and tile_bytes(block) > SMEM_BUDGET:
+        block //= 2
     P = page_table.shape[1]
-    lengths = jnp.minimum(lengths, P * ps)
+    lengths = jnp.minimum(lengths, P * page_size)
     if num_splits is None:
-        nblk = -(-P * ps // bt)
+        visible_blocks = -(-P * page_size // block)
         if window is not None:
-            nblk = min(nblk, -(-(window - 1) // bt) + 1)
-        num_splits = choose_num_splits(B, Hkv, nblk)
-    Gp = max(16, pow2_ceil(G))
+            visible_blocks = min(visible_blocks, -(-(window - 1) // block) + 1)
+        num_splits = choose_num_splits(B, Hkv, visible_blocks)
+    group_rows = max(16, pow2_ceil(G))
     qg = q.reshape(B, Hkv, G, D)
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
-    S = num_splits
-    kernel = functools.partial(_decode_kernel, view=view, bt=bt, window=window,
-                               softcap=softcap, scale=scale, num_splits=S, kv_dtype=kvdt)
-    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    if group_rows != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - G), (0, 0)))
+    kernel = functools.partial(_decode_kernel, view=view, block_tokens=block, window=window,
+                               softcap=softcap, scale=scale, num_splits=num_splits, kv_dtype=value_dtype)
     acc, m, l = pl.pallas_call(
         kernel,
-        grid=(B, Hkv, S),
-        in_specs=[any_, any_, pl.BlockSpec((None, None, Gp, D), lambda b, h, s: (b, h, 0, 0)), any_],
-        out_specs=[pl.BlockSpec((None, None, None, Gp, Dv), lambda b, h, s: (b, h, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-                   pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hkv, S, Gp, Dv), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, S, Gp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, S, Gp), jnp.float32)],
+        grid=(B, Hkv, num_splits),
+        in_specs=[ANY, ANY, pl.BlockSpec((None, None, group_rows, D), lambda b, h, s: (b, h, 0, 0)), ANY],
+        out_specs=[pl.BlockSpec((None, None, None, group_rows, Dv), lambda b, h, s: (b, h, s, 0, 0)),
+                   pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0)),
+                   pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32)],
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="umem_paged_decode",
@@ -302,7 +296,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
 
 def _combine(acc, m, l, lengths, sinks, dtype):
     """Merge split partials [B, Hkv, S, G, Dv] (unnormalised acc, running max m, sum l)."""
-    B, Hkv, S, G, _ = acc.shape
+    Hkv, G = acc.shape[1], acc.shape[3]
     M = jnp.max(m, axis=2)                                                 # [B, Hkv, G]
     if sinks is not None:
         sk = sinks.astype(jnp.float32).reshape(1, Hkv, G)
@@ -327,8 +321,7 @@ def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, 
 
     impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
     tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, 32 for fp32
-    planes),
-    num_splits (default: choose_num_splits), num_warps, num_stages.
+    planes), num_splits (default: choose_num_splits), num_warps, num_stages.
     """
     impl = resolve_impl(impl, interpret)
     if impl == "reference":

@@ -54,22 +54,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .launch import pow2_ceil, resolve_impl
 from .kv_write import head_slot
+from .launch import ANY, pow2_ceil, resolve_impl
 from .paged_decode import SMEM_BUDGET
 from .prefill_reference import check_prefill_args, check_prefill_options, paged_prefill_attention_reference
 from .words import from_u16, join_planes, kv_value_dtype, to_u16
 
-__all__ = [
-    "paged_prefill_attention",
-    "paged_prefill_attention_reference",
-    "prefill_config",
-    "PrefillConfig",
-    "prefill_backend",
-    "DeviceInfo",
-    "device_info",
-    "PREFILL_ENV",
-]
+__all__ = ["PREFILL_ENV", "DeviceInfo", "PrefillConfig", "device_info", "paged_prefill_attention",
+           "paged_prefill_attention_reference", "prefill_backend", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: a fully masked block then gives exp2(-inf) = 0, not NaN
@@ -144,7 +136,7 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
 class _Static:
     """Everything the kernel body needs at trace time."""
 
-    nqb: int  # q blocks per row (grid dim 0)
+    q_blocks: int  # q blocks per row (grid dim 0)
     bq: int
     bk: int
     G: int
@@ -173,7 +165,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
     else:
         sinks_ref, (q_ref, arena_ref, o_ref) = None, refs
     # Heaviest q blocks (most KV under the causal mask) first: better tail balance.
-    qi = c.nqb - 1 - pl.program_id(0)
+    qi = c.q_blocks - 1 - pl.program_id(0)
     h = pl.program_id(1)
     b = pl.program_id(2)
     q_len = qlen_ref[b]
@@ -187,10 +179,10 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
 
     @pl.when(j0 < q_len)
     def _attend():
-        cdt = c.kv_dtype
+        compute_dtype = c.kv_dtype
         # fp32 planes exist for parity: keep their dots IEEE (Triton's fp32 default is TF32).
-        prec = lax.Precision.HIGHEST if jnp.dtype(cdt) == jnp.float32 else None
-        q = q_ref[...].reshape(M, c.D).astype(cdt)  # row r: query j0 + r // G, head h*G + r % G
+        precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
+        q = q_ref[...].reshape(M, c.D).astype(compute_dtype)  # row r: query j0 + r // G, head h*G + r % G
         r = lax.broadcasted_iota(jnp.int32, (M,), 0)
         q_start = kv_len - q_len
         pos = q_start + j0 + lax.div(r, c.G)  # [M] key position of each tile row's query
@@ -229,7 +221,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
         k_slots = slots(c.D, c.mk)
         v_slots = slots(c.Dv, c.mv)
 
-        def page_env(kb):
+        def envelope_rows_of(kb):
             """First arena row of the page envelope of each key kb*bk ... kb*bk + bk - 1 (int32
             [bk], or a scalar when a block lies in one page).  Row index, not element offset:
             < num_rows < 2**31, so int32 is exact.  The table index is clamped: the prefetch for
@@ -255,7 +247,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
                     words.append(pltr.load(arena_ref.at[(rows + r_off)[:, None], cols],
                                            mask=jnp.broadcast_to(mask[:, None], (bk, dim)), other=0))
             if c.planes == 2:
-                return join_planes(words[0], words[1], cdt)
+                return join_planes(words[0], words[1], compute_dtype)
             return words[0]  # the wrapper passes 1-plane arenas already viewed as the KV dtype
 
         # Scores stay unscaled; the running max m is kept in log2 units, so the scale folds into
@@ -264,20 +256,20 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
         exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
 
         def step(kb, carry, masked):
-            # `env` (this block's page envelopes) was read from the table one iteration earlier:
-            # the K/V gathers then depend on a loop-carried value, not on a load in the same
-            # iteration, which lets Triton's software pipeliner prefetch K/V tiles ahead (an
+            # `envelope_rows` (this block's page envelopes) was read from the table one iteration
+            # earlier: the K/V gathers then depend on a loop-carried value, not on a load in the
+            # same iteration, which lets Triton's software pipeliner prefetch K/V tiles ahead (an
             # in-iteration table load costs a pipeline stage and serialises its latency).
-            env, m_i, l_i, acc = carry
-            env_next = page_env(kb + 1)
+            envelope_rows, m_i, l_i, acc = carry
+            next_envelope_rows = envelope_rows_of(kb + 1)
             k_idx = kb * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
             slot = lax.rem(k_idx, c.page_size)
-            k_rows = env + c.k_base + slot * c.mk
-            v_rows = env + c.v_base + slot * c.mv
+            k_rows = envelope_rows + c.k_base + slot * c.mk
+            v_rows = envelope_rows + c.v_base + slot * c.mv
             valid = ((k_idx >= lo) & (k_idx < hi)) if masked else None
             kt = load(k_rows, k_slots, c.D, valid)  # [bk, D]
             s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=prec)
+                                precision=precision)
             if c.softcap is not None:
                 s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
             if masked:
@@ -293,13 +285,13 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             p = jnp.exp2(s * exp_scale - m_new[:, None])
             l_new = l_i * alpha + p.sum(axis=1)
             vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dv]
-            pv = lax.dot_general(p.astype(cdt), vt, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=prec)
-            return env_next, m_new, l_new, acc * alpha[:, None] + pv
+            pv = lax.dot_general(p.astype(compute_dtype), vt, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32, precision=precision)
+            return next_envelope_rows, m_new, l_new, acc * alpha[:, None] + pv
 
-        # Each loop ends carrying page_env(its end), which is the next loop's start (an empty
-        # loop passes it through), so one table read before the first loop primes all three.
-        carry = (page_env(kb_first), jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
+        # Each loop ends carrying envelope_rows_of(its end), which is the next loop's start (an
+        # empty loop passes it through), so one table read before the first loop primes all three.
+        carry = (envelope_rows_of(kb_first), jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
                  jnp.zeros((M, c.Dv), jnp.float32))
         carry = lax.fori_loop(kb_first, i_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
@@ -324,12 +316,12 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
     Hkv, Dv = view.num_kv_heads, view.v_head_dim
     G = Hq // Hkv
     bq = cfg.block_q
-    Tp = -(-T // bq) * bq
-    if Tp != T:  # whole q blocks only (Triton blocks have no bounds checks)
-        q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
-    nqb = Tp // bq
+    T_padded = -(-T // bq) * bq
+    if T_padded != T:  # whole q blocks only (Triton blocks have no bounds checks)
+        q = jnp.pad(q, ((0, 0), (0, T_padded - T), (0, 0), (0, 0)))
+    q_blocks = T_padded // bq
     c = _Static(
-        nqb=nqb, bq=bq, bk=cfg.block_k, G=G, D=D, Dv=Dv, P=page_table.shape[1],
+        q_blocks=q_blocks, bq=bq, bk=cfg.block_k, G=G, D=D, Dv=Dv, P=page_table.shape[1],
         page_size=view.page_size, rows_per_page=view.rows_per_page, k_base=view.k_row,
         v_base=view.v_row, mk=view.mk, mv=view.mv,
         Hkv=Hkv, row_words=view.row_words,
@@ -337,33 +329,32 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
         softcap=None if softcap is None else float(softcap),
         scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None)
 
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    sq = getattr(pl, "squeezed", None)  # the batch dim of q/o blocks is squeezed away
-    q_spec = pl.BlockSpec((sq, bq, G, D), lambda i, h, b: (b, nqb - 1 - i, h, 0))
-    o_spec = pl.BlockSpec((sq, bq, G, Dv), lambda i, h, b: (b, nqb - 1 - i, h, 0))
+    squeezed = getattr(pl, "squeezed", None)  # the batch dim of q/o blocks is squeezed away
+    q_spec = pl.BlockSpec((squeezed, bq, G, D), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
+    o_spec = pl.BlockSpec((squeezed, bq, G, Dv), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
     args = [q_lens, kv_lens, page_table]
-    in_specs = [any_spec] * 3
+    in_specs = [ANY] * 3
     if sinks is not None:
         args.append(sinks.astype(jnp.float32))
-        in_specs.append(any_spec)
+        in_specs.append(ANY)
     if view.planes == 1 and arena.dtype != c.kv_dtype:
         # A same-width view (free in XLA: a bitcast, no copy) so the kernel loads bf16 tiles
         # straight into the MMA's shared-memory operands; a bitcast inside the kernel makes Triton
         # bounce every K/V tile through registers (shared -> regs -> shared) before the dot.
         arena = from_u16(to_u16(arena), c.kv_dtype)
     args += [q, arena]
-    in_specs += [q_spec, any_spec]
+    in_specs += [q_spec, ANY]
     out = pl.pallas_call(
         functools.partial(_kernel, c=c),
-        out_shape=jax.ShapeDtypeStruct((B, Tp, Hq, Dv), q.dtype),
-        grid=(nqb, Hkv, B),
+        out_shape=jax.ShapeDtypeStruct((B, T_padded, Hq, Dv), q.dtype),
+        grid=(q_blocks, Hkv, B),
         in_specs=in_specs,
         out_specs=o_spec,
         compiler_params=triton_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="paged_prefill_attention",
     )(*args)
-    return out[:, :T] if Tp != T else out
+    return out[:, :T] if T_padded != T else out
 
 
 # --------------------------------------------------------------------------- kernel choice
@@ -427,7 +418,7 @@ def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo) -> str | None:
         return f"compute capability {info.compute_capability} is not Hopper (9.x)"
     if info.jax_version < (0, 11):
         return f"jax {info.jax_version[0]}.{info.jax_version[1]} < 0.11 (the plgpu.kernel API)"
-    # Only now import the module: on older jax it is never loaded.
+    # Imported here, after the version check, so that on older jax the module is never loaded.
     from .paged_prefill_mgpu import check_mgpu_supported, default_mgpu_config
 
     try:  # pure shape/dtype logic, at trace time

@@ -60,8 +60,8 @@ from jax.experimental import pallas as pl
 from .prefill_reference import check_prefill_args, check_prefill_options
 from .words import from_u16, kv_value_dtype, to_u16
 
-__all__ = ["paged_prefill_attention_mgpu", "MgpuConfig", "mgpu_available", "check_mgpu_supported",
-           "default_mgpu_config"]
+__all__ = ["MgpuConfig", "check_mgpu_supported", "default_mgpu_config", "mgpu_available",
+           "paged_prefill_attention_mgpu"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: a fully masked first block gives exp2(-inf) = 0, not NaN
@@ -75,7 +75,8 @@ def mgpu_available() -> tuple[bool, str]:
     except ValueError:  # pragma: no cover - odd dev version strings
         major, minor = 0, 0
     if (major, minor) < (0, 11):
-        return False, f"the Mosaic GPU prefill kernel is written for jax >= 0.11 (plgpu.kernel API); this is {jax.__version__}"
+        return False, ("the Mosaic GPU prefill kernel is written for jax >= 0.11 (plgpu.kernel API); "
+                       f"this is {jax.__version__}")
     try:
         from jax.experimental.pallas import mosaic_gpu  # noqa: F401
     except ImportError as e:  # pragma: no cover
@@ -119,11 +120,12 @@ def default_mgpu_config(D: int, page_size: int) -> MgpuConfig:
 def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
     """Raise NotImplementedError if the Mosaic GPU kernel does not cover this case (pure shape
     logic: runs on any jax and any backend)."""
-    B, T, Hq, D = q.shape
-    Dv, ps = view.v_head_dim, view.page_size
+    D = q.shape[3]
+    Dv, page_size = view.v_head_dim, view.page_size
 
     def no(why):
-        raise NotImplementedError(f"paged_prefill_attention_mgpu: {why}; use the Triton kernel (paged_prefill_attention)")
+        raise NotImplementedError(f"paged_prefill_attention_mgpu: {why}; use the Triton kernel "
+                                  "(paged_prefill_attention)")
 
     if view.planes != 1:
         no("fp32 (two-plane) K/V is not supported, only bf16/fp16")
@@ -146,8 +148,9 @@ def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
         no(f"block_kv must be 64, 128, 192 or 256, got {cfg.block_kv}")
     if cfg.max_concurrent_steps < 2:
         no(f"max_concurrent_steps must be >= 2, got {cfg.max_concurrent_steps}")
-    if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
-        no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
+    if page_size % 8 or (cfg.block_kv % page_size and page_size % cfg.block_kv):
+        no(f"page_size {page_size} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a "
+           "multiple of it")
     if smem_bytes(D, cfg) > _SMEM_LIMIT:
         no(f"{smem_bytes(D, cfg)} bytes of shared memory needed (limit {_SMEM_LIMIT}); lower block_kv or "
            "max_concurrent_steps")
@@ -166,8 +169,8 @@ class _Static:
     n_tiles: int  # q tiles per row (grid axis "q_seq")
     bq: int
     bkv: int
-    mcs: int
-    sched: bool
+    ring_slots: int  # max_concurrent_steps: shared-memory K/V slots
+    ping_pong: bool  # schedule_barrier: the consumers alternate on the tensor cores
     G: int
     D: int
     P: int  # page-table width
@@ -188,12 +191,12 @@ def _kernel(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, *refs):
         sinks_ref, q_ref, arena_ref, o_ref = refs
     else:
         sinks_ref, (q_ref, arena_ref, o_ref) = None, refs
-    bq, bkv, mcs, D = c.bq, c.bkv, c.mcs, c.D
+    bq, bkv, ring_slots, D = c.bq, c.bkv, c.ring_slots, c.D
     tiling = plgpu.TilingTransform((8, 64))
     swizzle = plgpu.SwizzleTransform(128)
     qo_scratch = plgpu.SMEM((2, bq, D), c.dtype, transforms=(tiling, swizzle))
-    k_scratch = plgpu.SMEM((mcs, bkv, D), c.dtype, transforms=(tiling, swizzle))
-    v_scratch = plgpu.SMEM((mcs, bkv, D), c.dtype, transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((ring_slots, bkv, D), c.dtype, transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((ring_slots, bkv, D), c.dtype, transforms=(tiling, swizzle))
     # Interpret form only: P goes through shared memory (the GPU interpreter's wgmma takes no
     # register operand).
     p_scratch = plgpu.SMEM((2, bq, bkv), c.dtype, transforms=(tiling, swizzle)) if c.pv_in_scoped_acc else None
@@ -201,28 +204,28 @@ def _kernel(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, *refs):
     pl.run_scoped(
         functools.partial(_body, plgpu, c, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, arena_ref, o_ref),
         (qo_scratch, k_scratch, v_scratch, p_scratch),
-        (plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),  # K slot filled
-         plgpu.Barrier(num_arrivals=copies, num_barriers=mcs),  # V slot filled
+        (plgpu.Barrier(num_arrivals=copies, num_barriers=ring_slots),  # K slot filled
+         plgpu.Barrier(num_arrivals=copies, num_barriers=ring_slots),  # V slot filled
          plgpu.Barrier(num_barriers=2)),  # Q tile of each consumer
-        (plgpu.Barrier(num_arrivals=2, num_barriers=mcs),) * 2,  # K / V slot released by both consumers
+        (plgpu.Barrier(num_arrivals=2, num_barriers=ring_slots),) * 2,  # K / V slot released by both consumers
         plgpu.Barrier(num_arrivals=2),  # schedule (ping-pong)
         collective_axes="wg",
     )
 
 
 def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, arena_ref, o_ref, smem, filled,
-          released, sched):
+          released, schedule_bar):
     qo_smem2, k_smem, v_smem, p_smem2 = smem
     k_filled, v_filled, q_filled = filled
     k_released, v_released = released
-    bq, bkv, mcs, D, G = c.bq, c.bkv, c.mcs, c.D, c.G
+    bq, bkv, ring_slots, D, G = c.bq, c.bkv, c.ring_slots, c.D, c.G
     i32 = jnp.int32
 
     head = lax.axis_index("heads")
     tile = (c.n_tiles - 1) - lax.axis_index("q_seq")  # heaviest tiles (most keys) first
     b = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    hkv = lax.div(head, i32(G))
+    kv_head = lax.div(head, i32(G))
     q_len = qlen_ref[b]
     kv_len = kvlen_ref[b]
     q_start = kv_len - q_len  # position of the chunk's first query
@@ -249,34 +252,34 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
         i_hi = jnp.clip(lax.div(u_hi, i32(bkv)), i_lo, last)
         return active, first, i_lo, i_hi, last
 
-    r0, r1 = wg_range(0), wg_range(1)
+    range0, range1 = wg_range(0), wg_range(1)
     # The CTA walks the union of both ranges; consumer 0 has the earlier queries, so its range
     # starts first and consumer 1's ends last.  Consumer 0 idle => consumer 1 idle too.
-    cta_first = r0[1]
-    cta_last = jnp.where(r1[0], r1[4], jnp.where(r0[0], r0[4], cta_first))
+    cta_first = range0[1]
+    cta_last = jnp.where(range1[0], range1[4], jnp.where(range0[0], range0[4], cta_first))
     n_steps = cta_last - cta_first
 
     def slot_of(kb):
-        return lax.rem(kb - cta_first, i32(mcs))
+        return lax.rem(kb - cta_first, i32(ring_slots))
 
     # Keys outside [row_lo, kv_len) may be garbage (tombstoned pages, unwritten slots).
     row_lo = jnp.maximum(q_start - c.window + 1, 0) if c.window is not None else i32(0)
 
     def schedule():
-        if c.sched:
-            plgpu.barrier_arrive(sched)
-            plgpu.barrier_wait(sched)
+        if c.ping_pong:
+            plgpu.barrier_arrive(schedule_bar)
+            plgpu.barrier_wait(schedule_bar)
 
     # ------------------------------------------------------------------ consumers
     @pl.when(wg < 2)
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
-        sel = lambda a, b_: jnp.where(wg == 0, a, b_)  # noqa: E731
-        active = sel(r0[0], r1[0])
-        first = jnp.where(active, sel(r0[1], r1[1]), cta_last)
-        i_lo = jnp.where(active, sel(r0[2], r1[2]), cta_last)
-        i_hi = jnp.where(active, sel(r0[3], r1[3]), cta_last)
-        last = jnp.where(active, sel(r0[4], r1[4]), cta_last)
+        sel = lambda a, b_: jnp.where(wg == 0, a, b_)
+        active = sel(range0[0], range1[0])
+        first = jnp.where(active, sel(range0[1], range1[1]), cta_last)
+        i_lo = jnp.where(active, sel(range0[2], range1[2]), cta_last)
+        i_hi = jnp.where(active, sel(range0[3], range1[3]), cta_last)
+        last = jnp.where(active, sel(range0[4], range1[4]), cta_last)
         qo_smem = qo_smem2.at[wg]
         j0 = tile * (2 * bq) + wg * bq
         q_pos0 = q_start + j0  # position of this consumer's first query
@@ -337,11 +340,11 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
                 # Finish the whole softmax (row sums included) before handing the tensor cores
                 # back; jax's FA3 kernel measured this order as markedly faster at D <= 128.
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-            if c.sched:
-                plgpu.barrier_arrive(sched)  # softmax done
+            if c.ping_pong:
+                plgpu.barrier_arrive(schedule_bar)  # softmax done
             plgpu.barrier_wait(v_filled.at[slot])
-            if c.sched:
-                plgpu.barrier_wait(sched)  # tensor cores free
+            if c.ping_pong:
+                plgpu.barrier_wait(schedule_bar)  # tensor cores free
             if masked:
                 k0 = kb * bkv
 
@@ -374,7 +377,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
             plgpu.barrier_arrive(v_released.at[slot])
             return acc, m_new, l_i
 
-        if c.sched:
+        if c.ping_pong:
             pl.when(wg == 1)(schedule)  # consumer 0 goes first
         lax.fori_loop(cta_first, first, skip, None)
         carry = (acc, m_i, l_i)
@@ -383,7 +386,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
         carry = lax.fori_loop(i_hi, last, functools.partial(step, masked=True), carry)
         acc, m_i, l_i = carry
         lax.fori_loop(last, cta_last, skip, None)
-        if c.sched:
+        if c.ping_pong:
             pl.when(wg == 0)(schedule)
 
         if c.has_sinks:
@@ -404,54 +407,54 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        ps, rpp = c.page_size, c.rows_per_page
-        col = hkv * D
-        rows_per_copy = min(ps, bkv)
-        n_copies = max(1, bkv // ps)
+        page_size, rows_per_page = c.page_size, c.rows_per_page
+        col = kv_head * D
+        rows_per_copy = min(page_size, bkv)
+        n_copies = max(1, bkv // page_size)
 
         def pages_of(kb):
             """Page ids of block kb's copies: scalar reads of the table in global memory, clamped
             to the table (the read one block past the end is never used)."""
-            return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(ps)), c.P - 1)]
+            return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(page_size)), c.P - 1)]
                          for i in range(n_copies))
 
         def issue(kb, slot, pages, base_row, smem, bar):
             for i, page in enumerate(pages):
                 # first arena row of this copy: the page's K (or V) rows, from token kb*bkv + i*rows
-                row = page * rpp + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(ps))
+                row = page * rows_per_page + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(page_size))
                 plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
                                         smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
 
         def fill(i, pages):
             kb = cta_first + i
-            slot = lax.rem(i, i32(mcs))
+            slot = lax.rem(i, i32(ring_slots))
             # The next block's page ids are read before this block's waits, so the table reads'
             # latency hides behind them; K and V share the ids.
-            nxt = pages_of(kb + 1)
+            next_pages = pages_of(kb + 1)
 
-            @pl.when(i >= mcs)
+            @pl.when(i >= ring_slots)
             def _():
                 plgpu.barrier_wait(k_released.at[slot])
 
             issue(kb, slot, pages, c.k_row, k_smem, k_filled)
 
-            @pl.when(i >= mcs)
+            @pl.when(i >= ring_slots)
             def _():
                 plgpu.barrier_wait(v_released.at[slot])
 
             issue(kb, slot, pages, c.v_row, v_smem, v_filled)
-            return nxt
+            return next_pages
 
         lax.fori_loop(0, n_steps, fill, pages_of(cta_first))
 
         # Observe the last releases too, so every barrier phase the producer took part in is
         # seen before the scratch goes away (the CTA cannot retire before the consumers anyway).
-        for j in range(mcs):
-            i = n_steps - mcs + j
+        for j in range(ring_slots):
+            i = n_steps - ring_slots + j
 
             @pl.when(i >= 0)
             def _():
-                slot = lax.rem(i, i32(mcs))
+                slot = lax.rem(i, i32(ring_slots))
                 plgpu.barrier_wait(k_released.at[slot])
                 plgpu.barrier_wait(v_released.at[slot])
 
@@ -463,15 +466,15 @@ def _paged_prefill_mgpu(q, arena, page_table, q_lens, kv_lens, sinks, *, view, w
     Hkv = view.num_kv_heads
     dtype = kv_value_dtype(view.planes, kv_dtype)
     tile_q = 2 * cfg.block_q
-    Tp = -(-T // tile_q) * tile_q
+    T_padded = -(-T // tile_q) * tile_q
     out_dtype = q.dtype
     q = q.astype(dtype)
-    if Tp != T:  # whole q tiles only (the q/o TMA boxes are block_q rows)
-        q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+    if T_padded != T:  # whole q tiles only (the q/o TMA boxes are block_q rows)
+        q = jnp.pad(q, ((0, 0), (0, T_padded - T), (0, 0), (0, 0)))
     if arena.dtype != dtype:
         arena = from_u16(to_u16(arena), dtype)  # same-width view: a bitcast, no copy
-    c = _Static(n_tiles=Tp // tile_q, bq=cfg.block_q, bkv=cfg.block_kv, mcs=cfg.max_concurrent_steps,
-                sched=cfg.schedule_barrier, G=Hq // Hkv, D=D, P=page_table.shape[1], page_size=view.page_size,
+    c = _Static(n_tiles=T_padded // tile_q, bq=cfg.block_q, bkv=cfg.block_kv, ring_slots=cfg.max_concurrent_steps,
+                ping_pong=cfg.schedule_barrier, G=Hq // Hkv, D=D, P=page_table.shape[1], page_size=view.page_size,
                 rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row, window=window,
                 softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None,
@@ -482,7 +485,7 @@ def _paged_prefill_mgpu(q, arena, page_table, q_lens, kv_lens, sinks, *, view, w
     args += [q, arena]
     out = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
-        out_type=jax.ShapeDtypeStruct((B, Tp, Hq, D), dtype),
+        out_type=jax.ShapeDtypeStruct((B, T_padded, Hq, D), dtype),
         grid=(Hq, c.n_tiles, B),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=3,
@@ -491,7 +494,7 @@ def _paged_prefill_mgpu(q, arena, page_table, q_lens, kv_lens, sinks, *, view, w
         # CPU tests: jax's GPU interpreter (simulated SMEM, TMA and barriers, race detection).
         interpret=plgpu.InterpretGPUParams(detect_races=interpret == "races") if interpret else False,
     )(*args)
-    out = out[:, :T] if Tp != T else out
+    out = out[:, :T] if T_padded != T else out
     return out.astype(out_dtype)
 
 

@@ -25,7 +25,7 @@ def check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view) -> No
     check_view(arena, view)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, Hq, D], got shape {q.shape}")
-    B, T, Hq, D = q.shape
+    B, _, Hq, D = q.shape
     Hkv = view.num_kv_heads
     if D != view.head_dim:
         raise ValueError(f"q head_dim {D} != the view's head_dim {view.head_dim}")

@@ -26,20 +26,8 @@ from .launch import ANY, resolve_impl
 from .state_io import block_fits, read_state, read_state_reference, write_state, write_state_reference
 from .words import from_u16, to_u16
 
-__all__ = [
-    "checkpoint_args",
-    "check_shapes",
-    "decode_impl",
-    "decode_pallas",
-    "decode_reference",
-    "from_chunks",
-    "initial_checkpoints",
-    "prefill",
-    "scan_tokens",
-    "softplus",
-    "tile_rows",
-    "to_chunks",
-]
+__all__ = ["check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
+           "initial_checkpoints", "prefill", "scan_tokens", "softplus", "tile_rows", "to_chunks"]
 
 
 def softplus(x):
@@ -68,14 +56,14 @@ def decode_impl(impl: str | None, interpret: bool, supported) -> str:
     return chosen
 
 
-def decode_reference(arena, slots, x, conv_weight, conv_bias, *, view, state: str, step):
+def decode_reference(arena, slots, x, conv_weight, conv_bias, *, view, state_name: str, step):
     """Plain-JAX decode token: read the slots' state (one XLA gather), conv, then
-    `step(S, xc) -> (out fp32 [B, heads, rows], S')` on the recurrent tensor `state`, write both
-    back (one scatter).  Returns (out in x's dtype, padding lanes 0; arena)."""
-    st = read_state_reference(arena, slots, view=view)
-    xc, conv = conv_decode_reference(st["conv"], x, conv_weight, conv_bias)
-    out, S = step(st[state], xc)
-    arena = write_state_reference(arena, slots, {"conv": conv, state: S}, view=view)
+    `step(S, xc) -> (out fp32 [B, heads, rows], S')` on the recurrent tensor named `state_name`,
+    write both back (one scatter).  Returns (out in x's dtype, padding lanes 0; arena)."""
+    tensors = read_state_reference(arena, slots, view=view)
+    xc, conv = conv_decode_reference(tensors["conv"], x, conv_weight, conv_bias)
+    out, S = step(tensors[state_name], xc)
+    arena = write_state_reference(arena, slots, {"conv": conv, state_name: S}, view=view)
     out = jnp.where((slots != 0)[:, None, None], out, 0.0)
     return out.astype(x.dtype), arena
 
@@ -182,17 +170,17 @@ def scan_tokens(S0, step, inputs, q_lens, pos):
     T = inputs[0].shape[1]
 
     def body(carry, inp):
-        S, ck = carry
+        S, checkpoints = carry
         t, *inputs_t = inp
         out, S_new = step(S, *inputs_t)
         S = jnp.where((t < q_lens)[:, None, None, None], S_new, S)
-        if ck is not None:  # checkpoint p = t + 1: the state after token t
-            ck = jnp.where((pos == t + 1)[:, :, None, None, None], S[:, None], ck)
-        return (S, ck), out
+        if checkpoints is not None:  # checkpoint p = t + 1: the state after token t
+            checkpoints = jnp.where((pos == t + 1)[:, :, None, None, None], S[:, None], checkpoints)
+        return (S, checkpoints), out
 
     xs = (jnp.arange(T, dtype=jnp.int32), *(jnp.swapaxes(a, 0, 1) for a in inputs))
-    (S, ck), outs = jax.lax.scan(body, (S0, initial_checkpoints(S0, pos)), xs)
-    return jnp.swapaxes(outs, 0, 1), S, ck
+    (S, checkpoints), outs = jax.lax.scan(body, (S0, initial_checkpoints(S0, pos)), xs)
+    return jnp.swapaxes(outs, 0, 1), S, checkpoints
 
 
 def to_chunks(a, L: int):
@@ -217,31 +205,32 @@ def chunk_checkpoints(pos, c, L: int):
     return (local >= 0) & (local < L), jnp.clip(local, 0, L - 1)
 
 
-def prefill(arena, slots, x, q_lens, conv_weight, conv_bias, *, view, state: str, reset, checkpoint_positions,
+def prefill(arena, slots, x, q_lens, conv_weight, conv_bias, *, view, state_name: str, reset, checkpoint_positions,
             checkpoint_slots, state_impl, interpret, algo, core):
     """One padded chunk per request from the state in its slot.
 
     x [B, T, conv_dim] (the conv input); q_lens [B]; `core(S0, xc, q_lens, pos) -> (out
     [B, T, heads, rows], S, checkpoints | None)` runs the family's scan over the conv output xc
-    fp32 [B, T, conv_dim] from S0 (the recurrent tensor `state`).  Writes the final conv and
-    recurrent state back to `slots` and the checkpoints to their slots.  Returns (out in x's
+    fp32 [B, T, conv_dim] from S0 (the recurrent tensor named `state_name`).  Writes the final conv
+    and recurrent state back to `slots` and the checkpoints to their slots.  Returns (out in x's
     dtype, 0 past q_len and in padding lanes; arena)."""
     if algo not in ("scan", "chunked"):
         raise ValueError(f"algo must be 'scan' or 'chunked', got {algo!r}")
     B, T = x.shape[:2]
     q_lens = q_lens.astype(jnp.int32)
-    pos, ck_slots = checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
-    st = _reset(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
-    xc, conv_final, conv_at = conv_prefill_reference(st["conv"], x, q_lens, conv_weight, conv_bias, positions=pos)
-    out, S, ck = core(st[state], xc, q_lens, pos)
+    pos, checkpoint_ids = checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
+    tensors = _reset(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
+    xc, conv_final, conv_at = conv_prefill_reference(tensors["conv"], x, q_lens, conv_weight, conv_bias, positions=pos)
+    out, S, checkpoints = core(tensors[state_name], xc, q_lens, pos)
     valid = (jnp.arange(T)[None, :] < q_lens[:, None]) & (slots != 0)[:, None]
     out = jnp.where(valid[:, :, None, None], out, 0.0).astype(x.dtype)
-    arena = write_state(arena, slots, {"conv": conv_final, state: S}, view=view, impl=state_impl, interpret=interpret)
+    arena = write_state(arena, slots, {"conv": conv_final, state_name: S}, view=view, impl=state_impl,
+                        interpret=interpret)
     if pos is not None:
         per_row = pos.shape[1]
-        ck_slots = jnp.where((slots != 0)[:, None], ck_slots, 0)
-        arena = write_state(arena, ck_slots.reshape(-1),
+        checkpoint_ids = jnp.where((slots != 0)[:, None], checkpoint_ids, 0)
+        arena = write_state(arena, checkpoint_ids.reshape(-1),
                             {"conv": conv_at.reshape(B * per_row, *conv_at.shape[2:]),
-                             state: ck.reshape(B * per_row, *ck.shape[2:])},
+                             state_name: checkpoints.reshape(B * per_row, *checkpoints.shape[2:])},
                             view=view, impl=state_impl, interpret=interpret)
     return out, arena

@@ -30,13 +30,7 @@ from ._compat import pltr
 from .launch import in_place_call, pow2_divisor, pow2_floor, resolve_impl
 from .words import check_arena, from_u16, kernel_dtype, to_u16
 
-__all__ = [
-    "check_moves",
-    "move_pages",
-    "move_pages_reference",
-    "zero_pages",
-    "zero_pages_reference",
-]
+__all__ = ["check_moves", "move_pages", "move_pages_reference", "zero_pages", "zero_pages_reference"]
 
 
 # --------------------------------------------------------------------------- host-side checks

@@ -35,19 +35,8 @@ from ._compat import pltr, triton_params
 from .launch import ANY, pow2_divisor, resolve_impl
 from .words import check_arena, from_u16, join_planes, planes_of, split_planes, to_u16
 
-__all__ = [
-    "block_fits",
-    "check_slots",
-    "check_state_view",
-    "load_block",
-    "store_block",
-    "plane_row",
-    "read_state",
-    "read_state_reference",
-    "state_dtype",
-    "write_state",
-    "write_state_reference",
-]
+__all__ = ["block_fits", "check_slots", "check_state_view", "load_block", "plane_row", "read_state",
+           "read_state_reference", "state_dtype", "store_block", "write_state", "write_state_reference"]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -196,7 +185,7 @@ def write_state_reference(arena, slots, tensors, *, view):
     check_state_view(arena, view)
     check_slots(slots)
     _check_tensors(tensors, slots, view)
-    B, W = slots.shape[0], view.row_words
+    W = view.row_words
     words = jnp.concatenate([_padded_words(tensors[t.tensor.name], t, W) for t in view.tensors], axis=1)
     # Padding lanes get an out-of-range row, which mode="drop" skips (never clamp onto a real row).
     rows = jnp.where((slots != 0)[:, None], _rows_of(slots, view), arena.shape[0])

@@ -21,26 +21,12 @@ Shapes: ``encode(x[..., n]) -> words[..., planes * n]``; ``decode(words[..., pla
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = [
-    "WORD_DTYPES",
-    "planes_of",
-    "kv_value_dtype",
-    "to_u16",
-    "from_u16",
-    "split_planes",
-    "join_planes",
-    "encode",
-    "decode",
-    "encode_np",
-    "check_arena",
-    "kernel_dtype",
-    "kernel_view",
-]
+__all__ = ["WORD_DTYPES", "check_arena", "decode", "encode", "encode_np", "from_u16", "join_planes", "kernel_dtype",
+           "kernel_view", "kv_value_dtype", "planes_of", "split_planes", "to_u16"]
 
 # Dtypes an arena may have: one 16-bit word per element.
 WORD_DTYPES = (jnp.dtype(jnp.uint16), jnp.dtype(jnp.bfloat16))
