@@ -7,8 +7,6 @@ Skipped on CPU (conftest: `gpu` marker).  Run: python -m pytest -q tests/gpu/tes
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -150,6 +148,13 @@ def test_in_place_pointer_and_no_copy():
     m = c.memory_analysis()
     assert m.alias_size_in_bytes >= a2.nbytes
     assert m.temp_size_in_bytes < a2.nbytes // 8
+    # and the step computes what the references compute on the same arena
+    pos = ln - 1
+    a_ref = write_kv_reference(jnp.zeros_like(a2), kv, kv, pt[jnp.arange(B), pos // 16], pos % 16, view=view)
+    o_ref = np.asarray(paged_decode_attention_reference(q, a_ref, pt, ln, view=view), np.float32)
+    del a_ref
+    _, o = c(a2, q, kv, kv, pt, ln)
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("arena_dtype", [jnp.uint16, jnp.bfloat16])

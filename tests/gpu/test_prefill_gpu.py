@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_prefill import assert_close, bf16_case, kv_view, make_case  # same helpers as the CPU tests
+from _prefill_utils import assert_close, kv_view, make_case, prefill_case  # same helpers as the CPU tests
 
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_prefill import (
@@ -53,14 +53,8 @@ GPU_CASES = [
 def test_gpu_kernel_matches_reference(case):
     silence_triton_deprecation()
     name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, T, P, rows, extra = case
-    rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    view = kv_view(Hkv, D, ps, fp32=fp32, row_words=extra.get("row_words"))
-    q, arena, pt, q_lens, kv_lens = make_case(
-        rng, view, rows, T=T, P=P, Hq=Hkv * G, q_dtype=jnp.float32 if fp32 else jnp.bfloat16, window=window,
-        tombstone=extra.get("tombstone", False), arena_dtype=extra.get("arena_dtype", jnp.uint16))
-    sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
-    kw = dict(view=view, window=window, softcap=softcap, sinks=sinks)
-    ref = paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
+    q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case(name, Hkv, G, D, ps, T, P, rows, fp32=fp32, window=window,
+                                                          softcap=softcap, use_sinks=use_sinks, **extra)
     out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", backend="triton")
     assert_close(out, ref, q_lens, fp32=fp32)
 
@@ -113,8 +107,9 @@ def test_gpu_mgpu_kernel_matches_reference(case):
     if not ok:
         pytest.skip(why)
     name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, T, P, rows, extra = case
-    q, arena, pt, q_lens, kv_lens, kw, ref = bf16_case(name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows,
-                                                       tombstone=extra.get("tombstone", False))
+    q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case(name, Hkv, G, D, ps, T, P, rows, window=window,
+                                                          softcap=softcap, use_sinks=use_sinks,
+                                                          tombstone=extra.get("tombstone", False))
     for bkv, steps in ((128, 2), (64, 3)) if D <= 128 else ((64, 2),):
         out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, block_kv=bkv,
                                            max_concurrent_steps=steps)
@@ -140,7 +135,7 @@ def test_gpu_model_prefill_auto_matches_reference(D, softcap, monkeypatch):
     from umem_jax.models.tiny import tiny_model
 
     silence_triton_deprecation()
-    monkeypatch.setenv(PREFILL_ENV, "auto")  # the opt-in this test is here to clear
+    monkeypatch.setenv(PREFILL_ENV, "auto")  # the Mosaic GPU kernel where it covers the case (opt-in)
     m = tiny_model(seed=4, hidden_size=128, head_dim=D, query_pre_attn_scalar=D, sliding_window=48,
                    attn_logit_softcapping=softcap, dtype="bfloat16")
     plan = make_plan(m.decls(kv_dtype="bfloat16"), page_size=16)
@@ -180,8 +175,8 @@ def test_gpu_model_prefill_auto_matches_reference(D, softcap, monkeypatch):
 @pytest.mark.parametrize("backend", ["mgpu"])
 def test_gpu_engine_serves_with_mosaic_prefill(backend, monkeypatch):
     """The engine's step (metadata packed in one int32 buffer and sliced on the device) with the
-    Mosaic GPU prefill forced: it runs (the H200 once refused an unaligned page-table view), and
-    its greedy tokens agree with the Triton kernel's on most sequences (bf16: a near-tie may flip
+    Mosaic GPU prefill forced: it runs (that kernel refuses inputs that are not 256-byte aligned;
+    the runner's packing aligns every field), and its greedy tokens agree with the Triton kernel's on most sequences (bf16: a near-tie may flip
     a token; gpu_engine_smoke.py prints the margins)."""
     from umem_jax import LLM, SamplingParams
     from umem_jax.models.tiny import tiny_model

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _state_utils import rel_err, state_view
+from _state_utils import BF16_TOL, F32_TOL, rel_err, state_view
 
 from umem_jax.memory import gated_deltanet_state_tensors, mamba2_state_tensors
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
@@ -22,8 +22,6 @@ from umem_jax.pallas_kernels.state_io import read_state, read_state_reference, w
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU (Triton kernels)")]
 
-F32_TOL = 1e-5
-BF16_TOL = 1e-2
 ARENA_BYTES = 5 << 30  # over 4 GiB: Triton switches to 64-bit offsets
 
 
@@ -73,51 +71,51 @@ def _seed_states(arena, view, slots, rng):
     return jax.jit(lambda a, s, x: write_state_reference(a, s, x, view=view), donate_argnums=0)(arena, slots, st)
 
 
-@pytest.mark.parametrize("B", [8, 64])
-def test_mamba2_decode_nemotronh_8b_shape(B):
-    silence_triton_deprecation()
-    rng = np.random.default_rng(B)
-    view = state_view(mamba2_state_tensors(128, 64, 128, 8, 4), row_words=1024, layers=2)
-    d = mamba2_dims(view)
-    arena, num_slots = _arena(view)
-    slots = _slots(rng, num_slots, B)
-    arena = _seed_states(arena, view, slots, rng)
-    n = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)
-    xbc, dt = n(B, d.conv_dim), n(B, d.heads)
+def _mamba2_inputs(rng, d, B, n):
+    """NemotronH-8B-like Mamba2 decode inputs: (xbc, dt), (conv weight, conv bias, A_log, dt_bias, D)."""
     f32 = lambda sc=1.0, off=0.0: jnp.asarray(rng.standard_normal(d.heads) * sc + off, jnp.float32)
-    p = (n(d.conv_dim, 4, sc=0.5), n(d.conv_dim, sc=0.1), f32(0.5), f32(0.5, -1.0), f32())
-    ref = jax.jit(lambda a, *x: mamba2_decode(a, *x, view=view, impl="reference"))
-    y_ref, a_ref = ref(arena, slots, xbc, dt, *p)
-    y_ref, st_ref = np.asarray(y_ref, np.float32), _read(a_ref, view, slots)
-    del a_ref
-    pal = lambda a, *x: mamba2_decode(a, *x, view=view, impl="pallas")
-    y_pal, arena = _check_in_place(pal, arena, slots, xbc, dt, *p)
-    real = np.asarray(slots) != 0
-    assert np.isfinite(np.asarray(y_pal, np.float32)).all()
-    assert rel_err(np.asarray(y_pal, np.float32), y_ref) <= BF16_TOL  # y is bf16
-    _compare_states(_read(arena, view, slots), st_ref, real)
+    return (n(B, d.conv_dim), n(B, d.heads)), (n(d.conv_dim, 4, sc=0.5), n(d.conv_dim, sc=0.1), f32(0.5),
+                                                f32(0.5, -1.0), f32())
+
+
+def _gdn_inputs(rng, d, B, n):
+    """Qwen3.5-4B-like gated DeltaNet decode inputs: (qkv, a, b), (conv weight, A_log, dt_bias)."""
+    f32 = lambda: jnp.asarray(rng.standard_normal(d.v_heads) * 0.5, jnp.float32)
+    return (n(B, d.conv_dim), n(B, d.v_heads), n(B, d.v_heads)), (n(d.conv_dim, 4, sc=0.5), f32(), f32())
+
+
+# family: (state tensors, dims, decode, inputs, seed offset)
+FAMILIES = {
+    "mamba2_nemotronh_8b": (lambda: mamba2_state_tensors(128, 64, 128, 8, 4), mamba2_dims, mamba2_decode,
+                            _mamba2_inputs, 0),
+    "gdn_qwen35_4b": (lambda: gated_deltanet_state_tensors(16, 32, 128, 128, 4), gdn_dims, gdn_decode,
+                      _gdn_inputs, 100),
+}
 
 
 @pytest.mark.parametrize("B", [8, 64])
-def test_gdn_decode_qwen35_4b_shape(B):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_decode_at_model_shape(family, B):
+    """The Pallas decode, in place on a donated 5 GiB arena, vs the reference: output within bf16
+    tolerance (it is bf16), states within their dtype's tolerance."""
     silence_triton_deprecation()
-    rng = np.random.default_rng(100 + B)
-    view = state_view(gated_deltanet_state_tensors(16, 32, 128, 128, 4), row_words=1024, layers=2)
-    d = gdn_dims(view)
+    tensors, dims, decode, make_inputs, seed = FAMILIES[family]
+    rng = np.random.default_rng(seed + B)
+    view = state_view(tensors(), row_words=1024, layers=2)
+    d = dims(view)
     arena, num_slots = _arena(view)
     slots = _slots(rng, num_slots, B)
     arena = _seed_states(arena, view, slots, rng)
     n = lambda *s, sc=1.0: jnp.asarray(rng.standard_normal(s) * sc, jnp.bfloat16)
-    qkv, a, b = n(B, d.conv_dim), n(B, d.v_heads), n(B, d.v_heads)
-    p = (n(d.conv_dim, 4, sc=0.5), jnp.asarray(rng.standard_normal(d.v_heads) * 0.5, jnp.float32),
-         jnp.asarray(rng.standard_normal(d.v_heads) * 0.5, jnp.float32))
-    o_ref, a_ref = jax.jit(lambda ar, *x: gdn_decode(ar, *x, view=view, impl="reference"))(arena, slots, qkv, a, b, *p)
-    o_ref, st_ref = np.asarray(o_ref, np.float32), _read(a_ref, view, slots)
+    inputs, params = make_inputs(rng, d, B, n)
+    ref = jax.jit(lambda ar, *x: decode(ar, *x, view=view, impl="reference"))
+    out_ref, a_ref = ref(arena, slots, *inputs, *params)
+    out_ref, st_ref = np.asarray(out_ref, np.float32), _read(a_ref, view, slots)
     del a_ref
-    pal = lambda ar, *x: gdn_decode(ar, *x, view=view, impl="pallas")
-    o_pal, arena = _check_in_place(pal, arena, slots, qkv, a, b, *p)
-    assert np.isfinite(np.asarray(o_pal, np.float32)).all()
-    assert rel_err(np.asarray(o_pal, np.float32), o_ref) <= BF16_TOL
+    pal = lambda ar, *x: decode(ar, *x, view=view, impl="pallas")
+    out_pal, arena = _check_in_place(pal, arena, slots, *inputs, *params)
+    assert np.isfinite(np.asarray(out_pal, np.float32)).all()
+    assert rel_err(np.asarray(out_pal, np.float32), out_ref) <= BF16_TOL
     _compare_states(_read(arena, view, slots), st_ref, np.asarray(slots) != 0)
 
 

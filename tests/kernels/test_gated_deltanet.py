@@ -9,21 +9,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _state_utils import assert_rows_untouched, poisoned_arena, random_slots, rel_err, slot_rows, state_view
+from _state_utils import (
+    CHECKPOINT_ALGOS,
+    F32_TOL,
+    PREFILL_ALGOS,
+    StateCase,
+    assert_rows_untouched,
+    check_against_oracle,
+    check_bf16_decode,
+    check_decode,
+    check_decode_lowers_for_cuda,
+    check_prefill_lanes,
+    check_two_chunks_and_decode,
+    np_softplus,
+    rel_err,
+    slot_rows,
+    state_view,
+)
 
 from umem_jax.memory import gated_deltanet_state_tensors
 from umem_jax.pallas_kernels.gated_deltanet import gdn_decode, gdn_dims, gdn_prefill, pallas_supported
-from umem_jax.pallas_kernels.state_io import read_state_reference, write_state_reference
-
-F32_TOL = 1e-5
-BF16_TOL = 1e-2
-
+from umem_jax.pallas_kernels.state_io import write_state_reference
 
 # ------------------------------------------------------------------- numpy oracle (HF math)
-
-
-def _softplus(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
 
 def _l2norm(x, eps=1e-6):
@@ -54,7 +62,7 @@ def hf_gdn(conv0, S0_hf, qkv, a, b, w, A_log, dt_bias, Hk, Hv, Dk, Dv):
         q, k = np.repeat(_l2norm(q), r, axis=1), np.repeat(_l2norm(k), r, axis=1)   # repeat_interleave
         q = q / np.sqrt(Dk)
         beta = 1 / (1 + np.exp(-f(b[:, t])))
-        g = -np.exp(f(A_log)) * _softplus(f(a[:, t]) + f(dt_bias))
+        g = -np.exp(f(A_log)) * np_softplus(f(a[:, t]) + f(dt_bias))
         S = S * np.exp(g)[:, :, None, None]
         kv_mem = (S * k[..., None]).sum(-2)
         delta = (v - kv_mem) * beta[..., None]
@@ -64,28 +72,22 @@ def hf_gdn(conv0, S0_hf, qkv, a, b, w, A_log, dt_bias, Hk, Hv, Dk, Dv):
     return o, conv[:, :, 1:].transpose(0, 2, 1), S
 
 
-class Case:
+class Case(StateCase):
     def __init__(self, Hk, Hv, Dk, Dv, K=4, row_words=64, num_slots=7, B=4, seed=0, dtype=jnp.float32,
                  arena_dtype=jnp.uint16):
         self.Hk, self.Hv, self.Dk, self.Dv = Hk, Hv, Dk, Dv
         conv_dtype = "float32" if dtype == jnp.float32 else "bfloat16"
-        self.view = state_view(gated_deltanet_state_tensors(Hk, Hv, Dk, Dv, K, conv_dtype=conv_dtype),
-                               row_words=row_words)
+        super().__init__(gated_deltanet_state_tensors(Hk, Hv, Dk, Dv, K, conv_dtype=conv_dtype), "recurrent",
+                         row_words=row_words, num_slots=num_slots, B=B, seed=seed, dtype=dtype,
+                         arena_dtype=arena_dtype)
         self.d = gdn_dims(self.view)
-        self.rng = np.random.default_rng(seed)
-        self.dtype = dtype
-        self.B = B
-        self.arena0 = poisoned_arena(self.view, num_slots, arena_dtype)
-        self.slots = random_slots(self.rng, num_slots, B, pad=1)
         r = lambda *s: self.rng.standard_normal(s).astype(np.float32)
         C = self.d.conv_dim
         self.w = jnp.asarray(r(C, K) * 0.5, dtype)
         self.A_log = jnp.asarray(r(Hv) * 0.5, jnp.float32)
         self.dt_bias = jnp.asarray(r(Hv) * 0.5, jnp.float32)
-        self.conv0 = jnp.asarray(r(B, K - 1, C), dtype)
-        self.S0 = jnp.asarray(r(B, Hv, Dv, Dk) * 0.3, jnp.float32)           # arena orientation
-        self.arena = write_state_reference(self.arena0, self.slots, {"conv": self.conv0, "recurrent": self.S0},
-                                           view=self.view)
+        self.set_states(jnp.asarray(r(B, K - 1, C), dtype),
+                  jnp.asarray(r(B, Hv, Dv, Dk) * 0.3, jnp.float32))                  # arena orientation
 
     def inputs(self, T=None):
         lead = (self.B,) if T is None else (self.B, T)
@@ -104,15 +106,6 @@ class Case:
                             self.A_log, self.dt_bias, self.Hk, self.Hv, self.Dk, self.Dv)
         return o, conv, np.swapaxes(S, -1, -2)
 
-    @property
-    def real(self):
-        return np.asarray(self.slots) != 0
-
-
-def _states(case, arena, slots=None):
-    st = read_state_reference(arena, case.slots if slots is None else slots, view=case.view)
-    return np.asarray(st["conv"], np.float64), np.asarray(st["recurrent"], np.float64)
-
 
 @pytest.mark.parametrize("Hk,Hv,Dk,Dv,row_words", [(2, 4, 16, 8, 64),     # GQA 2, tile inside a row
                                                    (2, 2, 32, 16, 64),    # no GQA, tile spans rows
@@ -121,44 +114,17 @@ def test_decode_pallas_matches_reference_and_hf(Hk, Hv, Dk, Dv, row_words):
     case = Case(Hk, Hv, Dk, Dv, row_words=row_words, seed=Hv + Dk)
     assert pallas_supported(case.view)
     qkv, a, b = case.inputs()
-    o_ref, a_ref = gdn_decode(case.arena, case.slots, qkv, a, b, *case.params(), view=case.view, impl="reference")
-    o_pal, a_pal = gdn_decode(case.arena, case.slots, qkv, a, b, *case.params(), view=case.view, impl="pallas",
-                              interpret=True)
-    o_pal = np.asarray(o_pal)
-    assert np.isfinite(o_pal).all(), "unwritten or poisoned output"
-    assert rel_err(o_pal, o_ref) <= F32_TOL
-    assert not o_pal[~case.real].any()
-    for ar in (a_ref, a_pal):
-        assert_rows_untouched(case.arena0, ar, slot_rows(case.view, case.slots))
-    for got, want in zip(_states(case, a_pal), _states(case, a_ref)):
-        assert rel_err(got[case.real], want[case.real]) <= F32_TOL
-    o_hf, conv_hf, S_hf = case.oracle(qkv[:, None], a[:, None], b[:, None])
-    conv, S = _states(case, a_ref)
-    real = case.real
-    assert rel_err(np.asarray(o_ref)[real], o_hf[real, 0]) <= F32_TOL
-    assert rel_err(conv[real], conv_hf[real]) <= F32_TOL
-    assert rel_err(S[real], S_hf[real]) <= F32_TOL
+    o_ref, a_ref = check_decode(case, gdn_decode, (qkv, a, b), case.params())
+    check_against_oracle(case, o_ref, a_ref, case.oracle(qkv[:, None], a[:, None], b[:, None]))
 
 
 def test_decode_bf16_inputs_bf16_arena():
     case = Case(2, 4, 16, 8, row_words=64, dtype=jnp.bfloat16, arena_dtype=jnp.bfloat16, seed=11)
     qkv, a, b = case.inputs()
-    o_ref, _ = gdn_decode(case.arena, case.slots, qkv, a, b, *case.params(), view=case.view, impl="reference")
-    o_pal, a_pal = gdn_decode(case.arena, case.slots, qkv, a, b, *case.params(), view=case.view, impl="pallas",
-                              interpret=True)
-    assert o_pal.dtype == jnp.bfloat16 and a_pal.dtype == jnp.bfloat16
-    assert rel_err(np.asarray(o_pal, np.float32), np.asarray(o_ref, np.float32)) <= BF16_TOL
-    assert_rows_untouched(case.arena, a_pal, slot_rows(case.view, case.slots))
-    o_hf, _, S_hf = case.oracle(qkv[:, None], a[:, None], b[:, None])
-    assert rel_err(np.asarray(o_pal, np.float32)[case.real], o_hf[case.real, 0]) <= BF16_TOL
-    assert rel_err(_states(case, a_pal)[1][case.real], S_hf[case.real]) <= BF16_TOL
+    check_bf16_decode(case, gdn_decode, (qkv, a, b), case.params(), case.oracle(qkv[:, None], a[:, None], b[:, None]))
 
 
-ALGOS = [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 4, id="chunked4"),
-         pytest.param("chunked", 64, id="chunked64")]
-
-
-@pytest.mark.parametrize("algo,chunk", ALGOS)
+@pytest.mark.parametrize("algo,chunk", PREFILL_ALGOS)
 def test_prefill_matches_hf_loop_with_q_lens(algo, chunk):
     case = Case(2, 4, 16, 8, row_words=64, B=4, seed=13)
     T = 6
@@ -166,51 +132,17 @@ def test_prefill_matches_hf_loop_with_q_lens(algo, chunk):
     q_lens = jnp.array([6, 0, 2, 5], jnp.int32)
     o, arena = gdn_prefill(case.arena, case.slots, qkv, a, b, q_lens, *case.params(), view=case.view,
                            impl="reference", algo=algo, chunk_size=chunk)
-    o = np.asarray(o)
-    conv, S = _states(case, arena)
-    assert_rows_untouched(case.arena0, arena, slot_rows(case.view, case.slots))
-    for i in range(case.B):
-        if not case.real[i]:
-            assert not o[i].any()
-            continue
-        n = int(q_lens[i])
-        o_hf, conv_hf, S_hf = case.oracle(qkv[i:i + 1, :n], a[i:i + 1, :n], b[i:i + 1, :n], slice(i, i + 1))
-        if n:
-            assert rel_err(o[i, :n], o_hf[0]) <= F32_TOL
-        assert not o[i, n:].any()
-        assert rel_err(conv[i], conv_hf[0]) <= F32_TOL
-        assert rel_err(S[i], S_hf[0]) <= F32_TOL
+    lane = lambda i, n: case.oracle(qkv[i:i + 1, :n], a[i:i + 1, :n], b[i:i + 1, :n], slice(i, i + 1))
+    check_prefill_lanes(case, o, arena, q_lens, lane)
 
 
 def test_two_chunks_equal_one_and_decode_continues_prefill():
     case = Case(2, 2, 32, 16, row_words=64, B=3, seed=17)
     T1, T2 = 4, 2
-    qkv, a, b = case.inputs(T1 + T2 + 1)
-    p = case.params()
-    full = jnp.full((case.B,), T1 + T2, jnp.int32)
-    reset = jnp.ones((case.B,), bool)
-    cut = lambda x, s, e: x[:, s:e]
-    o_one, a_one = gdn_prefill(case.arena, case.slots, cut(qkv, 0, T1 + T2), cut(a, 0, T1 + T2), cut(b, 0, T1 + T2),
-                               full, *p, view=case.view, reset=reset)
-    o1, a2 = gdn_prefill(case.arena, case.slots, cut(qkv, 0, T1), cut(a, 0, T1), cut(b, 0, T1),
-                         jnp.full((case.B,), T1, jnp.int32), *p, view=case.view, reset=reset)
-    pad = lambda x: jnp.pad(x[:, T1:T1 + T2], ((0, 0), (0, T1 - T2), (0, 0)))
-    o2, a2 = gdn_prefill(a2, case.slots, pad(qkv), pad(a), pad(b), jnp.full((case.B,), T2, jnp.int32), *p,
-                         view=case.view)
-    real = case.real
-    assert rel_err(np.asarray(o1)[real], np.asarray(o_one)[real, :T1]) <= F32_TOL
-    assert rel_err(np.asarray(o2)[real, :T2], np.asarray(o_one)[real, T1:]) <= F32_TOL
-    for got, want in zip(_states(case, a2), _states(case, a_one)):
-        assert rel_err(got[real], want[real]) <= F32_TOL
-    od, a3 = gdn_decode(a_one, case.slots, qkv[:, -1], a[:, -1], b[:, -1], *p, view=case.view, impl="pallas",
-                        interpret=True)
-    o_long, a_long = gdn_prefill(case.arena, case.slots, qkv, a, b, full + 1, *p, view=case.view, reset=reset)
-    assert rel_err(np.asarray(od)[real], np.asarray(o_long)[real, -1]) <= F32_TOL
-    for got, want in zip(_states(case, a3), _states(case, a_long)):
-        assert rel_err(got[real], want[real]) <= F32_TOL
+    check_two_chunks_and_decode(case, gdn_prefill, gdn_decode, case.inputs(T1 + T2 + 1), case.params(), T1, T2)
 
 
-@pytest.mark.parametrize("algo,chunk", [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 2, id="chunked2")])
+@pytest.mark.parametrize("algo,chunk", CHECKPOINT_ALGOS)
 def test_prefill_checkpoints_and_reset(algo, chunk):
     case = Case(2, 4, 16, 8, row_words=64, B=2, num_slots=8, seed=19)
     T = 4
@@ -231,7 +163,7 @@ def test_prefill_checkpoints_and_reset(algo, chunk):
         init = ({} if lane == 0 else {"conv0": zero_conv, "S0": zero_S})
         _, conv_hf, S_hf = case.oracle(qkv[lane:lane + 1, :p_], a[lane:lane + 1, :p_], b[lane:lane + 1, :p_],
                                        slice(lane, lane + 1), **init)
-        conv, S = _states(case, out, jnp.array([s], jnp.int32))
+        conv, S = case.states(out, jnp.array([s], jnp.int32))
         assert rel_err(conv[0], conv_hf[0]) <= F32_TOL and rel_err(S[0], S_hf[0]) <= F32_TOL, (lane, p_, s)
 
 
@@ -244,11 +176,4 @@ def test_decode_lowers_for_cuda():
     args = (S((1 << 24, 1024), jnp.uint16), S((B,), jnp.int32), S((B, d.conv_dim), jnp.bfloat16),
             S((B, d.v_heads), jnp.bfloat16), S((B, d.v_heads), jnp.bfloat16), S((d.conv_dim, 4), jnp.bfloat16),
             S((d.v_heads,), jnp.float32), S((d.v_heads,), jnp.float32))
-    f = jax.jit(lambda *x: gdn_decode(*x, view=view, impl="pallas"), donate_argnums=0)
-    try:
-        txt = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:
-        if "abstract" in str(e).lower() or "device" in str(e).lower():
-            pytest.skip(f"cannot cross-lower for CUDA on this jax: {e}")
-        raise
-    assert txt.count("__gpu$xla.gpu.triton") == 2 and "output_operand_aliases" in txt
+    check_decode_lowers_for_cuda(gdn_decode, view, args)

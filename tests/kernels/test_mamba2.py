@@ -8,21 +8,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _state_utils import assert_rows_untouched, poisoned_arena, random_slots, rel_err, slot_rows, state_view
+from _state_utils import (
+    CHECKPOINT_ALGOS,
+    F32_TOL,
+    PREFILL_ALGOS,
+    StateCase,
+    assert_rows_untouched,
+    check_against_oracle,
+    check_bf16_decode,
+    check_decode,
+    check_decode_lowers_for_cuda,
+    check_prefill_lanes,
+    check_two_chunks_and_decode,
+    np_softplus,
+    rel_err,
+    slot_rows,
+    state_view,
+)
 
 from umem_jax.memory import mamba2_state_tensors
 from umem_jax.pallas_kernels.mamba2 import mamba2_decode, mamba2_dims, mamba2_prefill, pallas_supported
-from umem_jax.pallas_kernels.state_io import read_state_reference, write_state_reference
-
-F32_TOL = 1e-5
-BF16_TOL = 1e-2
-
+from umem_jax.pallas_kernels.state_io import write_state_reference
 
 # ------------------------------------------------------------------- numpy oracle (HF math)
-
-
-def _softplus(x):
-    return np.where(x > 20, x, np.log1p(np.exp(np.minimum(x, 20))))
 
 
 def hf_mamba2(conv0, S0, xbc, dt, w, bias, A_log, dt_bias, D, H, P, N, G, dt_min=None):
@@ -47,7 +55,7 @@ def hf_mamba2(conv0, S0, xbc, dt, w, bias, A_log, dt_bias, D, H, P, N, G, dt_min
         Bm = o[:, H * P:H * P + G * N].reshape(Bsz, G, N)
         Cm = o[:, H * P + G * N:].reshape(Bsz, G, N)
         hg = np.arange(H) // (H // G)
-        d = _softplus(f(dt[:, t]) + f(dt_bias))
+        d = np_softplus(f(dt[:, t]) + f(dt_bias))
         if dt_min is not None:
             d = np.clip(d, dt_min, None)
         dA = np.exp(d * A)
@@ -60,17 +68,14 @@ def hf_mamba2(conv0, S0, xbc, dt, w, bias, A_log, dt_bias, D, H, P, N, G, dt_min
 # ------------------------------------------------------------------------------ fixtures
 
 
-class Case:
+class Case(StateCase):
     def __init__(self, H, P, N, G, K=4, row_words=64, num_slots=7, B=4, seed=0, dtype=jnp.float32,
                  arena_dtype=jnp.uint16):
         self.H, self.P, self.N, self.G, self.K = H, P, N, G, K
-        self.view = state_view(mamba2_state_tensors(H, P, N, G, K, conv_dtype="float32" if dtype == jnp.float32
-                                                    else "bfloat16"), row_words=row_words)
+        conv_dtype = "float32" if dtype == jnp.float32 else "bfloat16"
+        super().__init__(mamba2_state_tensors(H, P, N, G, K, conv_dtype=conv_dtype), "ssm", row_words=row_words,
+                         num_slots=num_slots, B=B, seed=seed, dtype=dtype, arena_dtype=arena_dtype)
         self.d = mamba2_dims(self.view)
-        self.rng = np.random.default_rng(seed)
-        self.dtype = dtype
-        self.arena0 = poisoned_arena(self.view, num_slots, arena_dtype)
-        self.slots = random_slots(self.rng, num_slots, B, pad=1)
         r = lambda *s: self.rng.standard_normal(s).astype(np.float32)
         C = self.d.conv_dim
         self.w = jnp.asarray(r(C, K) * 0.5, dtype)
@@ -78,12 +83,7 @@ class Case:
         self.A_log = jnp.asarray(r(H) * 0.5, jnp.float32)
         self.dt_bias = jnp.asarray(r(H) * 0.5 - 1.0, jnp.float32)
         self.D = jnp.asarray(r(H), jnp.float32)
-        self.B = B
-        # a live state in every real slot, poison everywhere else
-        self.conv0 = jnp.asarray(r(B, K - 1, C), dtype)
-        self.S0 = jnp.asarray(r(B, H, P, N) * 0.5, jnp.float32)
-        self.arena = write_state_reference(self.arena0, self.slots, {"conv": self.conv0, "ssm": self.S0},
-                                           view=self.view)
+        self.set_states(jnp.asarray(r(B, K - 1, C), dtype), jnp.asarray(r(B, H, P, N) * 0.5, jnp.float32))
 
     def inputs(self, T=None):
         lead = (self.B,) if T is None else (self.B, T)
@@ -95,18 +95,9 @@ class Case:
         return self.w, self.bias, self.A_log, self.dt_bias, self.D
 
     def oracle(self, xbc, dt, dt_min=None, conv0=None, S0=None):
-        return hf_mamba2(self.conv0 if conv0 is None else conv0, self.S0 if S0 is None else S0, np.asarray(xbc, np.float64),
-                         np.asarray(dt, np.float64), np.asarray(self.w, np.float64), np.asarray(self.bias, np.float64),
+        return hf_mamba2(self.conv0 if conv0 is None else conv0, self.S0 if S0 is None else S0,
+                         np.asarray(xbc, np.float64), np.asarray(dt, np.float64), np.asarray(self.w, np.float64), np.asarray(self.bias, np.float64),
                          self.A_log, self.dt_bias, self.D, self.H, self.P, self.N, self.G, dt_min)
-
-    @property
-    def real(self):
-        return np.asarray(self.slots) != 0
-
-
-def _states(case, arena, slots=None):
-    st = read_state_reference(arena, case.slots if slots is None else slots, view=case.view)
-    return np.asarray(st["conv"], np.float64), np.asarray(st["ssm"], np.float64)
 
 
 # ------------------------------------------------------------------------------ decode
@@ -119,48 +110,20 @@ def test_decode_pallas_matches_reference_and_hf(H, P, N, G, row_words):
     case = Case(H, P, N, G, row_words=row_words, seed=H + P)
     assert pallas_supported(case.view)
     xbc, dt = case.inputs()
-    y_ref, a_ref = mamba2_decode(case.arena, case.slots, xbc, dt, *case.params(), view=case.view, impl="reference")
-    y_pal, a_pal = mamba2_decode(case.arena, case.slots, xbc, dt, *case.params(), view=case.view, impl="pallas",
-                                 interpret=True)
-    y_pal = np.asarray(y_pal)
-    assert np.isfinite(y_pal).all(), "unwritten or poisoned output"
-    assert rel_err(y_pal, y_ref) <= F32_TOL
-    assert not y_pal[~case.real].any(), "padding lanes output 0"
-    for impl_arena in (a_ref, a_pal):
-        assert_rows_untouched(case.arena, impl_arena, slot_rows(case.view, case.slots))
-        assert_rows_untouched(case.arena0, impl_arena, slot_rows(case.view, case.slots))  # sink and spare rows
-    for got, want in zip(_states(case, a_pal), _states(case, a_ref)):
-        assert rel_err(got[case.real], want[case.real]) <= F32_TOL
-
-    y_hf, conv_hf, S_hf = case.oracle(xbc[:, None], dt[:, None])
-    conv, S = _states(case, a_ref)
-    assert rel_err(np.asarray(y_ref)[case.real], y_hf[case.real, 0]) <= F32_TOL
-    assert rel_err(conv[case.real], conv_hf[case.real]) <= F32_TOL
-    assert rel_err(S[case.real], S_hf[case.real]) <= F32_TOL
+    y_ref, a_ref = check_decode(case, mamba2_decode, (xbc, dt), case.params())
+    check_against_oracle(case, y_ref, a_ref, case.oracle(xbc[:, None], dt[:, None]))
 
 
 def test_decode_bf16_inputs_bf16_arena():
     case = Case(4, 8, 16, 2, row_words=64, dtype=jnp.bfloat16, arena_dtype=jnp.bfloat16, seed=3)
     xbc, dt = case.inputs()
-    y_ref, a_ref = mamba2_decode(case.arena, case.slots, xbc, dt, *case.params(), view=case.view, impl="reference")
-    y_pal, a_pal = mamba2_decode(case.arena, case.slots, xbc, dt, *case.params(), view=case.view, impl="pallas",
-                                 interpret=True)
-    assert y_pal.dtype == jnp.bfloat16 and a_pal.dtype == jnp.bfloat16
-    assert rel_err(np.asarray(y_pal, np.float32), np.asarray(y_ref, np.float32)) <= BF16_TOL
-    assert_rows_untouched(case.arena, a_pal, slot_rows(case.view, case.slots))
-    y_hf, _, S_hf = case.oracle(xbc[:, None], dt[:, None])
-    assert rel_err(np.asarray(y_ref, np.float32)[case.real], y_hf[case.real, 0]) <= BF16_TOL
-    assert rel_err(_states(case, a_pal)[1][case.real], S_hf[case.real]) <= BF16_TOL
+    check_bf16_decode(case, mamba2_decode, (xbc, dt), case.params(), case.oracle(xbc[:, None], dt[:, None]))
 
 
 # ------------------------------------------------------------------------------ prefill
 
 
-ALGOS = [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 4, id="chunked4"),
-         pytest.param("chunked", 64, id="chunked64")]
-
-
-@pytest.mark.parametrize("algo,chunk", ALGOS)
+@pytest.mark.parametrize("algo,chunk", PREFILL_ALGOS)
 def test_prefill_matches_hf_loop_with_q_lens_and_dt_clamp(algo, chunk):
     case = Case(4, 8, 16, 2, row_words=64, B=4, seed=5)
     T = 6
@@ -169,21 +132,8 @@ def test_prefill_matches_hf_loop_with_q_lens_and_dt_clamp(algo, chunk):
     dt_min = 0.5  # large enough that the clamp bites
     y, arena = mamba2_prefill(case.arena, case.slots, xbc, dt, q_lens, *case.params(), view=case.view,
                               dt_min=dt_min, impl="reference", algo=algo, chunk_size=chunk)
-    y = np.asarray(y)
-    conv, S = _states(case, arena)
-    assert_rows_untouched(case.arena0, arena, slot_rows(case.view, case.slots))
-    for b in range(case.B):
-        if not case.real[b]:
-            assert not y[b].any()
-            continue
-        n = int(q_lens[b])
-        y_hf, conv_hf, S_hf = case.oracle(xbc[b:b + 1, :n], dt[b:b + 1, :n], dt_min, case.conv0[b:b + 1],
-                                          case.S0[b:b + 1])
-        if n:
-            assert rel_err(y[b, :n], y_hf[0]) <= F32_TOL
-        assert not y[b, n:].any(), "padding tokens output 0"
-        assert rel_err(conv[b], conv_hf[0]) <= F32_TOL
-        assert rel_err(S[b], S_hf[0]) <= F32_TOL
+    lane = lambda b, n: case.oracle(xbc[b:b + 1, :n], dt[b:b + 1, :n], dt_min, case.conv0[b:b + 1], case.S0[b:b + 1])
+    check_prefill_lanes(case, y, arena, q_lens, lane)
 
 
 def test_prefill_per_row_dt_min():
@@ -203,34 +153,10 @@ def test_prefill_per_row_dt_min():
 def test_two_chunks_equal_one_and_decode_continues_prefill():
     case = Case(2, 16, 32, 1, row_words=128, B=3, seed=7)
     T1, T2 = 4, 3
-    xbc, dt = case.inputs(T1 + T2 + 1)
-    full = jnp.full((case.B,), T1 + T2, jnp.int32)
-    reset = jnp.ones((case.B,), bool)
-    p = case.params()
-    # one chunk of T1+T2 from a reset state
-    y_one, a_one = mamba2_prefill(case.arena, case.slots, xbc[:, :T1 + T2], dt[:, :T1 + T2], full, *p,
-                                  view=case.view, reset=reset)
-    # the same tokens in two chunks, the second padded to T1 with q_len T2
-    y1, a2 = mamba2_prefill(case.arena, case.slots, xbc[:, :T1], dt[:, :T1], jnp.full((case.B,), T1, jnp.int32),
-                            *p, view=case.view, reset=reset)
-    pad = lambda a: jnp.pad(a[:, T1:T1 + T2], ((0, 0), (0, T1 - T2), (0, 0)))
-    y2, a2 = mamba2_prefill(a2, case.slots, pad(xbc), pad(dt), jnp.full((case.B,), T2, jnp.int32), *p,
-                            view=case.view)
-    real = case.real
-    assert rel_err(np.asarray(y1)[real], np.asarray(y_one)[real, :T1]) <= F32_TOL
-    assert rel_err(np.asarray(y2)[real, :T2], np.asarray(y_one)[real, T1:]) <= F32_TOL
-    for got, want in zip(_states(case, a2), _states(case, a_one)):
-        assert rel_err(got[real], want[real]) <= F32_TOL
-    # decode of token T1+T2 (Pallas, interpret) after the prefill == a prefill of T1+T2+1 tokens
-    yd, a3 = mamba2_decode(a_one, case.slots, xbc[:, -1], dt[:, -1], *p, view=case.view, impl="pallas",
-                           interpret=True)
-    y_long, a_long = mamba2_prefill(case.arena, case.slots, xbc, dt, full + 1, *p, view=case.view, reset=reset)
-    assert rel_err(np.asarray(yd)[real], np.asarray(y_long)[real, -1]) <= F32_TOL
-    for got, want in zip(_states(case, a3), _states(case, a_long)):
-        assert rel_err(got[real], want[real]) <= F32_TOL
+    check_two_chunks_and_decode(case, mamba2_prefill, mamba2_decode, case.inputs(T1 + T2 + 1), case.params(), T1, T2)
 
 
-@pytest.mark.parametrize("algo,chunk", [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 2, id="chunked2")])
+@pytest.mark.parametrize("algo,chunk", CHECKPOINT_ALGOS)
 def test_prefill_checkpoints(algo, chunk):
     case = Case(4, 8, 16, 2, row_words=64, B=3, num_slots=12, seed=9)
     T = 5
@@ -241,7 +167,7 @@ def test_prefill_checkpoints(algo, chunk):
     pos = jnp.array([[2, 0, -1], [1, 2, 3], [2, 5, 1]], jnp.int32)   # 5 > q_len in lane 2: padding
     ck = jnp.array([[4, 5, 0], [8, 9, 10], [11, 6, 1]], jnp.int32)
     arena = write_state_reference(case.arena0, slots, {"conv": case.conv0, "ssm": case.S0}, view=case.view)
-    y, a = mamba2_prefill(arena, slots, xbc, dt, q_lens, *case.params(), view=case.view, checkpoint_positions=pos,
+    _, a = mamba2_prefill(arena, slots, xbc, dt, q_lens, *case.params(), view=case.view, checkpoint_positions=pos,
                           checkpoint_slots=ck, algo=algo, chunk_size=chunk)
     written = {3, 7, 4, 5, 11, 1}
     assert_rows_untouched(case.arena0, a, slot_rows(case.view, jnp.array(sorted(written))))
@@ -252,7 +178,7 @@ def test_prefill_checkpoints(algo, chunk):
                 continue
             _, conv_hf, S_hf = case.oracle(xbc[b:b + 1, :p_], dt[b:b + 1, :p_], None, case.conv0[b:b + 1],
                                            case.S0[b:b + 1])
-            conv, S = _states(case, a, jnp.array([s], jnp.int32))
+            conv, S = case.states(a, jnp.array([s], jnp.int32))
             assert rel_err(conv[0], conv_hf[0]) <= F32_TOL and rel_err(S[0], S_hf[0]) <= F32_TOL, (b, k)
 
 
@@ -275,11 +201,4 @@ def test_decode_lowers_for_cuda():
     args = (S((1 << 24, 1024), jnp.uint16), S((B,), jnp.int32), S((B, d.conv_dim), jnp.bfloat16),
             S((B, d.heads), jnp.bfloat16), S((d.conv_dim, 4), jnp.bfloat16), S((d.conv_dim,), jnp.bfloat16),
             S((d.heads,), jnp.float32), S((d.heads,), jnp.float32), S((d.heads,), jnp.float32))
-    f = jax.jit(lambda *a: mamba2_decode(*a, view=view, impl="pallas"), donate_argnums=0)
-    try:
-        txt = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    except Exception as e:  # jax 0.11 wants GPU info to lower Triton without a GPU
-        if "abstract" in str(e).lower() or "device" in str(e).lower():
-            pytest.skip(f"cannot cross-lower for CUDA on this jax: {e}")
-        raise
-    assert txt.count("__gpu$xla.gpu.triton") == 2 and "output_operand_aliases" in txt
+    check_decode_lowers_for_cuda(mamba2_decode, view, args)

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from test_paged_prefill import assert_close, bf16_case, kv_view
+from _prefill_utils import assert_close, kv_view, prefill_case
 
 from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available, paged_prefill_attention_mgpu
 
@@ -46,8 +46,10 @@ CASES = [
 @needs_mgpu
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_mgpu_interpret_matches_reference(case):
-    *geometry, cfg, extra = case
-    q, arena, pt, q_lens, kv_lens, kw, ref = bf16_case(*geometry, tombstone=extra.get("tombstone", False))
+    name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows, cfg, extra = case
+    q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case(name, Hkv, G, D, ps, T, P, rows, window=window,
+                                                          softcap=softcap, use_sinks=use_sinks,
+                                                          tombstone=extra.get("tombstone", False))
     out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, block_kv=64,
                                        interpret=extra.get("interpret", True), **cfg)
     assert out.shape == ref.shape and out.dtype == q.dtype

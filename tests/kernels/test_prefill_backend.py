@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_paged_prefill import kv_view, make_case
+from _prefill_utils import kv_view, make_case
 
 from umem_jax.pallas_kernels import paged_prefill
 from umem_jax.pallas_kernels.paged_prefill import (
@@ -250,7 +250,7 @@ def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):
     """With the device info of an H200, impl="pallas" through the public wrapper cross-lowers the
     Mosaic GPU kernel for CUDA (D=256 with its 64-token default blocks); with the Triton choice
     forced, the Triton kernel."""
-    from test_paged_prefill import _abstract_gpu
+    from _prefill_utils import abstract_gpu
 
     monkeypatch.setattr(paged_prefill, "device_info", lambda: H200)
     view = kv_view(2, D, 16, layer=0)
@@ -262,7 +262,7 @@ def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):
         def f(*a):  # a new function per lowering: the choice is made when f is traced
             return paged_prefill_attention(*a, view=view, window=window, softcap=softcap, impl="pallas")
 
-        with _abstract_gpu():
+        with abstract_gpu():
             return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     text = lowered()
