@@ -198,6 +198,88 @@ class Request:
         self.stop_reason = stop_reason
         self.error = error
 
+    # -------------------------------------------------------------- scheduling state
+    # Only the scheduler changes these (status, num_computed, pages, slots, window_start and the
+    # prefix-cache fields fork / ckpts / cache_node / cache_pages), and only through these
+    # methods, so every transition of a request is read here.
+    def mark_waiting(self) -> None:
+        self.status = RequestStatus.WAITING
+
+    def mark_running(self, cached_tokens: int) -> None:
+        """Admitted: the first admission stamps the time and the prompt tokens the cache served."""
+        self.status = RequestStatus.RUNNING
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = time.time()
+            self.num_cached_tokens = cached_tokens
+
+    def leave_queues(self, status: RequestStatus) -> None:
+        """Out of the scheduler's queues with `status` (the engine records why: mark_finished)."""
+        self.status = status
+
+    def compute_to(self, end: int) -> None:
+        """A launched step computes the request's tokens up to `end`."""
+        self.num_computed = end
+
+    def restart(self, *, preempted: bool) -> None:
+        """Retracted: it keeps its tokens but computes them all again (no fork is known)."""
+        self.num_computed = 0
+        self.fork = 0
+        self.metrics.num_retractions += 1
+        if preempted:
+            self.metrics.num_preemptions += 1
+
+    def hold(self, pages: list[int], slots: list[int]) -> None:
+        """New token page ids and state slots, after those it holds."""
+        self.pages += pages
+        self.slots += slots
+
+    def drop_held_since(self, num_pages: int, num_slots: int) -> None:
+        """Forget the page ids and slots past the first `num_pages` / `num_slots` (rolled back)."""
+        del self.pages[num_pages:], self.slots[num_slots:]
+
+    def pass_window(self, window: str, first_page: int) -> None:
+        """Pages before `first_page` are out of every future query's `window`."""
+        self.window_start[window] = first_page
+
+    def forget_memory(self, windows: tuple[str, ...]) -> None:
+        """Holds nothing any more: no pages, slots, planned checkpoints or cached prefix."""
+        self.pages, self.slots, self.ckpts = [], [], []
+        self.window_start = {name: 0 for name in windows}
+        self.cache_node, self.cache_pages = None, 0
+
+    def set_fork(self, fork: int) -> None:
+        """Where the request leaves a cached path that goes on (0: nowhere known)."""
+        self.fork = fork
+
+    def resume_from(self, pages: list[int], window_start: dict[str, int], resume: int, node) -> None:
+        """A cache hit: the request holds the shared `pages` (cached up to `node`) and skips their
+        `resume` tokens."""
+        self.pages = pages
+        self.window_start.update(window_start)
+        self.num_computed = resume
+        self.cache_node, self.cache_pages = node, len(pages)
+
+    def undo_resume(self) -> None:
+        """The hit is dropped: nothing is computed."""
+        self.num_computed = 0
+
+    def plan_checkpoints(self, checkpoints: list[tuple[int, int]]) -> None:
+        """State checkpoints ((position, slot), ...) its next pass writes, for the cache."""
+        self.ckpts += checkpoints
+
+    def take_planned_checkpoints(self) -> list[tuple[int, int]]:
+        """The planned checkpoints, handed over: the request no longer holds their slots."""
+        planned, self.ckpts = self.ckpts, []
+        return planned
+
+    def mark_cached(self, node, num_pages: int) -> None:
+        """Its first `num_pages` pages are in the cache, the last one at `node`."""
+        self.cache_node, self.cache_pages = node, num_pages
+
+    def add_checkpoint(self, slot: int) -> None:
+        """A checkpoint of the state after every token it computed, in `slot`."""
+        self.ckpts.append((self.num_computed, slot))
+
     @property
     def sort_key(self) -> tuple[int, int]:
         """Most preferred first: higher priority (lower value), then earlier arrival."""

@@ -6,7 +6,7 @@ preemption under pressure, and the prefix cache.
   decode.py          the decode batch and the memory for each row's next token
   retraction.py      which running requests make room, and in what order
   request_memory.py  the pages and slots requests hold, taken and given back
-  request_state.py   every change the scheduler makes to a request's scheduling state
+                     (a request's scheduling state changes only through core/request.py's methods)
   prefix_sharing.py  the scheduler's side of the prefix cache: hits, hand-off, checkpoints
   prefix_cache.py    the radix tree of cached pages (radix_node.py: its nodes and hits;
                      cache_holdings.py: its refs and per-sub-pool accounting)

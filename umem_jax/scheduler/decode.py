@@ -5,7 +5,6 @@ from __future__ import annotations
 from ..core.request import Request
 from ..core.scheduled_batch import Row, ScheduledBatch
 from ..memory.demand import Demand, DemandModel
-from . import request_state
 from .request_memory import RequestMemory
 
 
@@ -41,5 +40,5 @@ def decode_batch(rows: list[Request]) -> ScheduledBatch:
     out = []
     for r in rows:
         out.append(Row(r, r.num_computed, r.num_computed + 1, True))
-        request_state.compute_to(r, r.num_computed + 1)
+        r.compute_to(r.num_computed + 1)
     return ScheduledBatch("decode", out)

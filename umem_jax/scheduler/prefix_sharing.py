@@ -28,7 +28,6 @@ from collections.abc import Callable
 from ..core.request import Request
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW
 from ..memory.demand import Demand, DemandModel
-from . import request_state
 from .prefix_cache import PrefixCache
 from .radix_node import Hit
 from .request_memory import RequestMemory
@@ -67,7 +66,7 @@ class PrefixSharing:
         admitted; the state is restored by `restore` once it has a working slot."""
         n = req.num_tokens  # a waiting request has no pending token: all known
         hit = self.cache.match(req.token_ids(0, n), (n - 1) // self.page_size)  # compute >= 1 token
-        request_state.set_fork(req, hit.fork)
+        req.set_fork(hit.fork)
         if hit.resume:
             owner, vids = self.memory.owner, [x.vid for x in hit.nodes]
             owner.take(vids)
@@ -76,7 +75,7 @@ class PrefixSharing:
                 first = max(0, hit.resume - w + 1) // self.page_size
                 owner.take_window(vids[first:], name)
                 window_start[name] = first
-            request_state.resume_from(req, vids, window_start, hit.resume, hit.nodes[-1])
+            req.resume_from(vids, window_start, hit.resume, hit.nodes[-1])
             self.cache.pin(hit.nodes[-1])  # its checkpoint must survive evictions for this admission
         return hit
 
@@ -86,8 +85,8 @@ class PrefixSharing:
         if hit is not None and hit.resume:
             self.cache.unpin(hit.nodes[-1])
             self.memory.free(req)  # it holds only cached pages: nothing to hand off
-            request_state.undo_resume(req)
-        request_state.set_fork(req, 0)
+            req.undo_resume()
+        req.set_fork(0)
 
     def restore(self, req: Request, hit: Hit) -> None:
         """Count the admitted lookup; copy the hit's checkpoint into the request's working slot
@@ -114,7 +113,7 @@ class PrefixSharing:
         if due:
             self.allocator.copy_state_slots([r.slots[0] for r, _ in due], [s for _, s in due])
             for r, slot in due:
-                request_state.add_checkpoint(r, slot)
+                r.add_checkpoint(slot)
                 self.hand_off(r)
 
     def hand_off(self, req: Request) -> None:
@@ -122,12 +121,12 @@ class PrefixSharing:
         ps = self.page_size
         num_pages = min(req.num_computed, req.prompt_len + len(req.output_token_ids)) // ps
         if num_pages > req.cache_pages or req.ckpts:
-            checkpoints = {pos // ps: slot for pos, slot in request_state.take_planned_checkpoints(req)}
+            checkpoints = {pos // ps: slot for pos, slot in req.take_planned_checkpoints()}
             node, rejected = self.cache.insert(req.token_ids, req.pages, num_pages, hint=req.cache_node,
                                                checkpoints=checkpoints)
             if rejected:
                 self.allocator.free_state_slots(rejected)
-            request_state.mark_cached(req, node, num_pages)
+            req.mark_cached(node, num_pages)
 
     def _decode_checkpoint_due(self, req: Request) -> bool:
         """The working slot holds the state after p = num_computed tokens, p is on the decode
@@ -159,7 +158,7 @@ class PrefixSharing:
             if not slot:
                 break
             out.append((position, slot))
-        request_state.plan_checkpoints(req, out)
+        req.plan_checkpoints(out)
         return tuple(out)
 
     def take_checkpoint_slot(self, owed: Owed) -> int:

@@ -14,7 +14,6 @@ from ..core.request import Request
 from ..memory.chain import ChainAllocator
 from ..memory.demand import DemandModel
 from ..memory.page_owner import PageOwner
-from . import request_state
 
 
 class RequestMemory:
@@ -41,7 +40,7 @@ class RequestMemory:
                 self.allocator.free_token_pages(vids)
             return False
         self.owner.take(vids, self.window_names)
-        request_state.hold(req, vids.tolist(), slots.tolist())
+        req.hold(vids.tolist(), slots.tolist())
         return True
 
     def give_back_since(self, req: Request, num_pages: int, num_slots: int) -> None:
@@ -53,7 +52,7 @@ class RequestMemory:
         self.owner.release(pages)
         if req.slots[num_slots:]:
             self.allocator.free_state_slots(req.slots[num_slots:])
-        request_state.drop_held_since(req, num_pages, num_slots)
+        req.drop_held_since(num_pages, num_slots)
 
     def free(self, req: Request) -> None:
         """Give back everything `req` holds (its planned checkpoints not handed to the cache
@@ -65,7 +64,7 @@ class RequestMemory:
         self.owner.release(req.pages)
         if req.slots:
             self.allocator.free_state_slots(req.slots)
-        request_state.forget_memory(req, self.window_names)
+        req.forget_memory(self.window_names)
 
     def release_passed_windows(self, running: list[Request]) -> None:
         """Give up window pages whose tokens every future query of their request has passed:
@@ -77,7 +76,7 @@ class RequestMemory:
                 start = r.window_start[name]
                 if upto > start:
                     self.owner.release_window(r.pages[start:upto], name)
-                    request_state.pass_window(r, name, upto)
+                    r.pass_window(name, upto)
 
     # ------------------------------------------------------------------ checks
     def held_ids(self, requests: list[Request], cache) -> tuple[np.ndarray, np.ndarray]:

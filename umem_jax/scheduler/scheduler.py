@@ -40,7 +40,6 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
-from . import request_state
 from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
@@ -102,7 +101,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
-        request_state.mark_waiting(req)
+        req.mark_waiting()
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
     def has_work(self) -> bool:
@@ -115,13 +114,13 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        request_state.mark_finished(req, status)
+        req.leave_queues(status)
 
     def retract(self, req: Request, *, preempted: bool = False) -> None:
         """Send a running request back to the queue: free its memory, keep its tokens."""
         self._free_memory(req)
         self.running.remove(req)
-        request_state.restart(req, preempted=preempted)
+        req.restart(preempted=preempted)
         self.num_retractions += 1
         if preempted:
             self.num_preemptions += 1
@@ -131,7 +130,7 @@ class Scheduler:
     def _admit(self, req: Request, hit: Hit | None) -> None:
         self.waiting.remove(req)
         self.running.append(req)
-        request_state.mark_running(req, hit.resume if hit is not None else 0)
+        req.mark_running(hit.resume if hit is not None else 0)
         if hit is not None:
             self.prefix.restore(req, hit)
 
@@ -192,7 +191,7 @@ class Scheduler:
             owed = lambda: self._reservations() + batch.admitted_reservations
             checkpoints = self.prefix.plan_checkpoints(req, start, end, owed)
         batch.add(Row(req, start, end, end == req.num_tokens, checkpoints))
-        request_state.compute_to(req, end)
+        req.compute_to(end)
         return True
 
     def _price_pass(self, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit | None) -> tuple[int, Demand]:
