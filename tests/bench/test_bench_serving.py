@@ -107,7 +107,7 @@ def test_coarse_buckets_few_shapes_and_all_reachable():
     b = coarse_buckets(64, 2048, 20000, 16)
     bk = Buckets(b["batch_buckets"], b["token_buckets"], b["page_buckets"])
     assert bk.batch[-1] == 64 and bk.tokens[-1] == 2048 and bk.pages[-1] * 16 >= 20000
-    shapes = shapes_of(bk, 2048, 16, 64, kc=2)
+    shapes = shapes_of(bk, 2048, 16, 64, checkpoints_per_row=2)
     assert len(shapes) <= 48 and len(set(shapes)) == len(shapes)
     assert {(B, P) for B, T, P, _ in shapes if T == 1} == {(B, P) for B in bk.batch for P in bk.pages}
     assert all(B == 1 or B * T <= 2048 for B, T, _, _ in shapes if T > 1)

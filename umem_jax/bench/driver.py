@@ -142,9 +142,9 @@ def reachable_shapes(engine: LLMEngine) -> list[tuple[int, int, int, int]]:
 
 
 def shapes_of(bk: Buckets, max_num_batched_tokens: int, page_size: int, max_num_seqs: int,
-              kc: int = 0) -> list[tuple[int, int, int, int]]:
-    """Every launchable (B, T, P, kc) step shape: Buckets.reachable."""
-    return bk.reachable(max_num_batched_tokens, page_size, max_num_seqs, kc)
+              checkpoints_per_row: int = 0) -> list[tuple[int, int, int, int]]:
+    """Every launchable (B, T, P, checkpoints_per_row) step shape: Buckets.reachable."""
+    return bk.reachable(max_num_batched_tokens, page_size, max_num_seqs, checkpoints_per_row)
 
 
 def enable_compile_cache(path: str) -> None:
@@ -175,14 +175,14 @@ def warm_up(engine: LLMEngine, *, probe: bool = True, log=None) -> dict:
             f"({compile_count() - c0} compilations)")
     seen = set()
     for sp in engine.plan.subpools:
-        rpp = sp.rows_per_page
-        if rpp in seen:
+        rows_per_page = sp.rows_per_page
+        if rows_per_page in seen:
             continue
-        seen.add(rpp)
-        n, top = 16, min(MAX_MOVE_BUCKET, engine.size.num_rows // rpp)
+        seen.add(rows_per_page)
+        n, top = 16, min(MAX_MOVE_BUCKET, engine.size.num_rows // rows_per_page)
         while n <= max(16, top):
             zeros = np.zeros(n, np.int32)
-            runner.arena = apply_moves(runner.arena, [Move(sp.name, zeros, zeros, rpp)], impl=runner.impl,
+            runner.arena = apply_moves(runner.arena, [Move(sp.name, zeros, zeros, rows_per_page)], impl=runner.impl,
                                        interpret=runner.interpret)
             n *= 2
     jax.block_until_ready(runner.arena)

@@ -82,18 +82,19 @@ class PrefixCache:
     # ================================================================== lookups
     def match(self, tokens, max_pages: int) -> Hit:
         """The deepest resumable prefix of `tokens` within `max_pages` pages (touches it for LRU)."""
-        ps, node, path = self.page_size, self.root, []
+        node, path = self.root, []
+        page_size = self.page_size
         while len(path) < max_pages:
             d = len(path)
-            child = node.children.get(tuple(tokens[d * ps:(d + 1) * ps]))
+            child = node.children.get(tuple(tokens[d * page_size:(d + 1) * page_size]))
             if child is None:
                 break
             path.append(child)
             node = child
         m = len(path)
         fork = 0
-        if m and node.children and tuple(tokens[m * ps:(m + 1) * ps]) not in node.children:
-            fork = m * ps
+        if m and node.children and tuple(tokens[m * page_size:(m + 1) * page_size]) not in node.children:
+            fork = m * page_size
         k = m
         if k and self.windows:  # unbound[w][i]: pages among path[:i] tombstoned in w
             unbound = {n: np.concatenate([[0], np.cumsum([not self.owner.window_bound(x.vid, n) for x in path])])
@@ -106,7 +107,7 @@ class PrefixCache:
         t = next(self._tick)
         for x in path[:k]:
             x.stamp = t
-        return Hit(path[:k], k * ps, m * ps, fork)
+        return Hit(path[:k], k * page_size, m * page_size, fork)
 
     def find(self, tokens, pages: int) -> Node | None:
         """The node `pages` deep along `tokens`, or None."""
@@ -137,14 +138,14 @@ class PrefixCache:
         on this path already inserted (continue from it).  checkpoints {depth: slot}: state
         slots to attach at those depths (the tree takes them).
         -> (the node n_pages deep, the checkpoint slots NOT taken: the caller frees them)."""
-        ps = self.page_size
+        page_size = self.page_size
         get = tokens if callable(tokens) else (lambda a, b: tokens[a:b])
         node = hint if hint is not None and hint.alive and hint.depth <= n_pages else self.root
         low = node.depth
         t = next(self._tick)
         while node.depth < n_pages:
             d = node.depth
-            key = tuple(get(d * ps, (d + 1) * ps))
+            key = tuple(get(d * page_size, (d + 1) * page_size))
             child = node.children.get(key)
             if child is None:
                 child = Node(key, vids[d], node, d + 1)

@@ -46,8 +46,8 @@ class PrefixSharing:
         self.page_size = memory.page_size
         self.has_state = demand.plan.state is not None
         # decode checkpoints land on page boundaries: the interval rounded up to whole pages
-        interval, ps = int(checkpoint_interval), self.page_size
-        self.checkpoint_stride = -(-interval // ps) * ps if interval > 0 and self.has_state else 0
+        interval, page_size = int(checkpoint_interval), self.page_size
+        self.checkpoint_stride = -(-interval // page_size) * page_size if interval > 0 and self.has_state else 0
         self.num_checkpoints = 0  # state checkpoints taken (prefill and decode)
         self.num_checkpoints_skipped = 0  # ... and skipped: no slot fit (never stalls a request)
 
@@ -118,10 +118,10 @@ class PrefixSharing:
 
     def hand_off(self, req: Request) -> None:
         """Insert the pages `req` computed whose tokens are known, with its planned checkpoints."""
-        ps = self.page_size
-        num_pages = min(req.num_computed, req.prompt_len + len(req.output_token_ids)) // ps
+        page_size = self.page_size
+        num_pages = min(req.num_computed, req.prompt_len + len(req.output_token_ids)) // page_size
         if num_pages > req.cache_pages or req.ckpts:
-            checkpoints = {pos // ps: slot for pos, slot in req.take_planned_checkpoints()}
+            checkpoints = {pos // page_size: slot for pos, slot in req.take_planned_checkpoints()}
             node, rejected = self.cache.insert(req.token_ids, req.pages, num_pages, hint=req.cache_node,
                                                checkpoints=checkpoints)
             if rejected:
@@ -147,11 +147,11 @@ class PrefixSharing:
         on the pass that ends the known tokens, since a hit always computes one token)."""
         if not self.has_state:
             return ()
-        ps = self.page_size
-        last = ((end - 1) if end == req.num_tokens else end) // ps * ps
+        page_size = self.page_size
+        last = ((end - 1) if end == req.num_tokens else end) // page_size * page_size
         out = []
         for position in sorted({q for q in (req.fork, last) if start < q <= end})[-CHECKPOINTS_PER_ROW:]:
-            node = self.cache.find(req.token_ids(0, position), position // ps)
+            node = self.cache.find(req.token_ids(0, position), position // page_size)
             if node is not None and node.ckpt:
                 continue
             slot = self.take_checkpoint_slot(owed)
