@@ -1,9 +1,9 @@
 """The scheduler: which requests run each step, the pages they get, retraction and
 preemption under pressure, and the prefix cache.
 
-  scheduler.py       Scheduler: the queues, schedule() (prefill or decode), finish, retract
+  scheduler.py       Scheduler: the queues, schedule() (prefill or decode), finish, retract; the
+                     decode batch and the memory for each row's next token
   prefill.py         the prefill batch being shaped: candidates, chunks, padded shapes
-  decode.py          the decode batch and the memory for each row's next token
   retraction.py      which running requests make room, and in what order
   request_memory.py  the pages and slots requests hold, taken and given back
                      (a request's scheduling state changes only through core/request.py's methods)

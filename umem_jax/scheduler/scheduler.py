@@ -1,7 +1,7 @@
 """Scheduler: continuous batching over one arena -- who runs next, with what memory.
 
 Every step is either a prefill step (chunks of prompts, [B, T] padded to buckets, T > 1:
-prefill.py) or a decode step (one token per request, [B, 1]: decode.py).  Prefill goes first,
+prefill.py) or a decode step (one token per request, [B, 1]: the functions below).  Prefill goes first,
 but at most `max_prefill_streak` prefill steps in a row while requests wait to decode, so a
 flood of long prompts cannot stall generation.
 
@@ -40,13 +40,50 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
-from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
 from .radix_node import Hit
 from .request_memory import RequestMemory
 from .retraction import least_preferred, make_room, preempt_for
+
+# ------------------------------------------------------------------ the decode step
+# One token per running request ([B, 1]) and the memory for that token.
+
+def rows_needing_memory(rows: list[Request], page_size: int, slots_per_request: int) -> list[Request]:
+    """The decode rows whose next token needs a new page or state slot, in order.  For the
+    others DemandModel.step prices the token at nothing (no new full page means no window
+    page either) and RequestMemory.alloc takes nothing, so pricing and allocating only these
+    is the same decision in the same order, without a Python demand per row per step."""
+    return [r for r in rows if len(r.pages) * page_size <= r.num_computed or len(r.slots) < slots_per_request]
+
+
+def next_token_demand(rows: list[Request], demand: DemandModel) -> Demand:
+    """What the next token of every row in `rows` adds, summed."""
+    return sum((demand.step(r, r.num_computed + 1) for r in rows), Demand())
+
+
+def alloc_next_tokens(memory: RequestMemory, rows: list[Request]) -> bool:
+    """Take the memory of every row's next token -> False (and nothing kept) if the arena
+    refuses one of them."""
+    done = []
+    for r in rows:
+        held = (r, len(r.pages), len(r.slots))
+        if not memory.alloc(r, r.num_computed + 1):
+            for q, num_pages, num_slots in done:
+                memory.give_back_since(q, num_pages, num_slots)
+            return False
+        done.append(held)
+    return True
+
+
+def decode_batch(rows: list[Request]) -> ScheduledBatch:
+    """The step computing (and sampling after) the next token of every row."""
+    out = []
+    for r in rows:
+        out.append(Row(r, r.num_computed, r.num_computed + 1, True))
+        r.compute_to(r.num_computed + 1)
+    return ScheduledBatch("decode", out)
 
 
 @dataclasses.dataclass
