@@ -47,6 +47,10 @@ def _trace_one_decode_step() -> set[str]:
         if event == "call" and frame.f_code.co_filename.startswith(pkg):
             ran.add(str(Path(frame.f_code.co_filename).relative_to(ROOT)))
 
+    # The applications above the API (the benchmark's compile listeners, say) are reached only
+    # through process-wide hooks that earlier tests in this process registered: not the step.
+    apps = ("umem_jax/bench/", "umem_jax/cli.py", "umem_jax/demo.py", "umem_jax/arena_demo.py")
+
     sys.setprofile(profile)
     try:
         engine.step()  # a decode step: schedule, launch (traced again), read back
@@ -54,7 +58,7 @@ def _trace_one_decode_step() -> set[str]:
         sys.setprofile(None)
     while engine.has_unfinished_requests():
         engine.step()
-    return ran
+    return {f for f in ran if not f.startswith(apps)}
 
 
 def test_decode_step_crosses_the_documented_files():
