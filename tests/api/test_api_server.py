@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from umem_jax import cli
@@ -230,7 +232,17 @@ def _post(srv, path, body, raw=None):
     ("/v1/completions", {"prompt": "x" * 5000}, None, 400, None, "max_model_len"),
     ("/v1/completions", {}, None, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, None, 404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop", "non-empty"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", ""]}, None, 400, "stop", "non-empty"),
+    ("/v1/completions", {"prompt": "x", "stop": ""}, None, 400, "stop", "non-empty"),
+    ("/v1/completions", {"prompt": "x", "top_k": 2**40}, None, 400, "top_k", "vocabulary size"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 1, "stop_token_ids": [2**40]}, None, 400, "stop_token_ids",
+     "vocabulary"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [-1]}, None, 400, "stop_token_ids", "vocabulary"),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, None, 400, "seed", "seed="),
     ("/v1/chat/completions", {"messages": []}, None, 400, "messages", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, None, 400, "messages", "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, None, 400, "messages", "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400,
      "messages", "not supported"),
 ])
@@ -362,6 +374,35 @@ def test_metrics_parse_and_move(srv):
     gauge = lambda name: {s.labels["band"]: s.value for s in fams[name].samples}
     assert {k: v[0] for k, v in held.items()} == gauge("umem:arena_band_held")
     assert {k: v[1] for k, v in held.items()} == gauge("umem:arena_band_held_bytes")
+
+
+# Integer fields of a completion request, each sent with extreme values: out-of-range ones must
+# be a 400 naming the field, never a 500 or an int32 overflow inside the engine.
+INT_FIELDS = ("max_tokens", "max_new_tokens", "min_tokens", "n", "top_k", "seed", "priority", "logprobs", "best_of",
+              "stop_token_ids")
+EXTREME_INTS = st.one_of(st.sampled_from([0, 1, -1, 319, 320, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63,
+                                          -(2**63), -(2**63) - 1, 2**64 - 1, 2**64]),
+                         st.integers(-(2**70), 2**70))
+
+
+@settings(max_examples=25, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(INT_FIELDS), EXTREME_INTS, min_size=1, max_size=3))
+def test_extreme_integers_are_served_or_refused_naming_the_field(srv, fields):
+    body = {"model": MODEL, "prompt": [5, 6, 7], "stream": True,
+            **{k: [v] if k == "stop_token_ids" else v for k, v in fields.items()}}
+    # streamed and left after the first event: an accepted max_tokens=2**40 would run for long;
+    # leaving aborts it
+    with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+        if r.status_code == 400:
+            r.read()
+            err = r.json()["error"]
+            assert err["code"] == 400 and err["param"] in fields, err
+        else:
+            assert r.status_code == 200, r.read()
+            first = next(line for line in r.iter_lines() if line)
+            assert first.startswith("data: ") and "choices" in json.loads(first[len("data: "):]), first
+    ok = srv.client.completions.create(model=MODEL, prompt="still here", max_tokens=1)
+    assert ok.usage.completion_tokens == 1
 
 
 def test_engine_is_idle_clean_at_the_end(srv):

@@ -6,8 +6,13 @@ like vLLM's; the step must stop compiling after warmup; the arena must be clean 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from _engine_utils import assert_idle_clean, compile_count, dense_greedy, llm, prompts, tiny
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from umem_jax import SamplingParams
 from umem_jax.engine.engine import LLMEngine
@@ -204,3 +209,44 @@ def test_engine_text_leaves_stop_token_out():
     assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop
     tok = m.get_tokenizer()
     assert out.text == tok.decode(full.token_ids[:k]) and full.text == tok.decode(full.token_ids)
+
+
+def test_out_of_vocabulary_fields_are_refused_by_name(engine_llm):
+    e: LLMEngine = engine_llm.llm_engine
+    vocab = e.model.config.vocab_size
+    for params, field in [(SamplingParams(top_k=vocab + 1), "top_k"), (SamplingParams(top_k=2**40), "top_k"),
+                          (SamplingParams(min_tokens=2, stop_token_ids=[2**40]), "stop_token_ids"),
+                          (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+                          (SamplingParams(stop_token_ids=[-1]), "stop_token_ids")]:
+        with pytest.raises(ValueError, match=f"^{field}="):
+            e.prepare([5, 6], params)
+    assert not e.has_unfinished_requests()
+    out = engine_llm.generate([[5, 6]], SamplingParams(temperature=0.7, top_k=vocab, seed=2**64 - 1, max_tokens=3))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+# Integer fields of SamplingParams (and the request priority), each with extreme values.
+INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "stop_token_ids", "priority")
+EXTREME_INTS = st.one_of(st.sampled_from([0, 1, -1, 319, 320, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63,
+                                          -(2**63), -(2**63) - 1, 2**64 - 1, 2**64]),
+                         st.integers(-(2**70), 2**70))
+
+
+@settings(max_examples=25, deadline=None)
+@given(fields=st.dictionaries(st.sampled_from(INT_FIELDS), EXTREME_INTS, min_size=1, max_size=3))
+def test_extreme_integers_are_served_or_refused_naming_the_field(engine_llm, fields):
+    """Either served (finished, in range) or a ValueError naming one of the fields set; the
+    engine serves the next request either way."""
+    kw = {k: [v] if k == "stop_token_ids" else v for k, v in fields.items() if k != "priority"}
+    try:
+        params = SamplingParams(temperature=0.7, **kw)
+        out = engine_llm.generate([[5, 6, 7]], params, priority=[fields.get("priority", 0)])[0].outputs[0]
+    except ValueError as err:
+        named = re.match(r"(?:prompt \d+: )?(\w+)", str(err)).group(1)
+        assert named in fields, err
+    else:
+        vocab = engine_llm.llm_engine.model.config.vocab_size
+        assert out.finish_reason in ("stop", "length") and all(0 <= t < vocab for t in out.token_ids)
+        assert params.max_tokens is None or len(out.token_ids) <= params.max_tokens
+    assert len(engine_llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == 12
+    assert_idle_clean(engine_llm)

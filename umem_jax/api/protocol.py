@@ -20,7 +20,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..core.sampling_params import SamplingParams
 
@@ -151,7 +151,13 @@ class ContentPart(_Request):
 
 class ChatMessage(_Request):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | list[ContentPart] | None  # required; null only for an assistant turn (OpenAI's rule)
+
+    @model_validator(mode="after")
+    def _content_given(self):
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
 
     def text(self) -> str:
         """The message as text: parts of type "text" joined; any other part is refused."""

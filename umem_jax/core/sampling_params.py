@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+SEED_RANGE = (-(2**63), 2**64)  # a seed fits 64 bits, signed or unsigned
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -54,6 +55,9 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", "must be in [-2**63, 2**64)"),
+            # an empty stop string matches everywhere, and a stream's hold-back would go negative
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
         ]
         for ok, name, why in checks:
             if not ok:

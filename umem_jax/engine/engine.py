@@ -77,9 +77,11 @@ class LLMEngine:
         text, ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of the vocabulary [0, {self.model.config.vocab_size}): {bad[:8]}")
+            raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:8]}")
+        self._check_vocab_fields(params, vocab)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is "
                              f"{self.max_model_len}")
@@ -100,6 +102,16 @@ class LLMEngine:
                       priority=priority, windows=tuple(n for n, _ in self.demand.windows))
         req.stop_ids = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
         return req
+
+    @staticmethod
+    def _check_vocab_fields(params: SamplingParams, vocab: int) -> None:
+        """Fields bounded by the vocabulary (they are packed into int32 sampling words)."""
+        if params.top_k > vocab:
+            raise ValueError(f"top_k={params.top_k}: must be at most the vocabulary size {vocab} (-1 or 0: off)")
+        bad = [t for t in params.stop_token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+               or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
