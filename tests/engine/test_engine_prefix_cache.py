@@ -147,3 +147,84 @@ def test_fixture_models_hits_equal_misses(fixture):
     assert [h[0] for h in hits] == misses + misses[:1]
     assert [h[1] for h in hits] == [0, 32, 36, 44]
     assert_idle_clean(model_llm)
+
+
+# ------------------------------------------------------------------ issue 21: no admitted request waits on itself
+# A prompt at the clip limit, run twice: the second's hit is shortened to nothing (its window
+# rows are gone) and it computes the prefix again; once its own pages are cached below the
+# first run's copies, those copies are no leaf and LRU eviction could not reach them, so its
+# next chunk never fit ("scheduler stalled").  The tree-only copies now go (release_duplicates).
+
+def _tight(model, arena_bytes=100000, max_model_len=1024):
+    return LLM(model, arena_bytes=arena_bytes, max_num_seqs=4, max_num_batched_tokens=32, page_size=4,
+               max_model_len=max_model_len, batch_buckets=(4,), token_buckets=(32,), page_buckets=(256,))
+
+
+def _clip_limit(engine_llm, max_model_len=1024) -> int:
+    demand = engine_llm.llm_engine.demand
+    return max(k for k in range(1, max_model_len - 1) if demand.clip(k, 1) is not None)
+
+
+def _twice(engine_llm, prompt, n):
+    first, second = (engine_llm.generate(prompt, G(n))[0].outputs[0].token_ids for _ in range(2))
+    return first, second
+
+
+@pytest.fixture(scope="module")
+def tiny_attention():
+    """(the model, a large-arena engine: the reference outputs)."""
+    from umem_jax.models.loader import load_model
+
+    m = load_model("tiny-attention")
+    return m, _tight(m, arena_bytes=1 << 21)
+
+
+def test_prompt_at_the_clip_limit_runs_twice(tiny_attention):
+    import numpy as np
+
+    model, big = tiny_attention
+    small = _tight(model)
+    n = _clip_limit(small)
+    p = np.random.default_rng(11).integers(3, 300, n).tolist()
+    clip = small.llm_engine.demand.clip(n, 10_000)
+    want = big.generate(p, G(clip))[0].outputs[0].token_ids
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    first, second = (small.generate(p, sp)[0].outputs[0].token_ids for _ in range(2))
+    assert first == want and second == want and len(want) == clip
+    assert_idle_clean(small)
+
+
+def test_window_model_prompts_near_the_budget_repeated():
+    import numpy as np
+
+    from umem_jax.models.loader import load_model
+
+    m = load_model(str(FIXTURES / "gemma3_tiny"))
+    small = _tight(m, arena_bytes=64 << 10, max_model_len=256)
+    n = _clip_limit(small, 256)
+    rng = np.random.default_rng(5)
+    big = _tight(m, arena_bytes=4 << 20, max_model_len=256)
+    for k in (n, n - 3):
+        p = rng.integers(3, 120, k).tolist()
+        clip = small.llm_engine.demand.clip(k, 10_000)
+        want = big.generate(p, G(clip))[0].outputs[0].token_ids
+        assert _twice(small, p, clip) == (want, want)
+    assert_idle_clean(small)
+
+
+def test_prompts_near_the_clip_limit_random(tiny_attention):
+    import numpy as np
+
+    model, big = tiny_attention
+    small = _tight(model)
+    n = _clip_limit(small)
+    cases = []
+    for seed in range(20):
+        rng = np.random.default_rng(100 + seed)
+        k = int(rng.integers(int(0.7 * n), n + 1))
+        cases.append((rng.integers(3, 300, k).tolist(), small.llm_engine.demand.clip(k, 10_000)))
+    wants = [o.outputs[0].token_ids for o in big.generate([p for p, _ in cases], [G(c) for _, c in cases])]
+    for (p, clip), want in zip(cases, wants):
+        assert _twice(small, p, clip) == (want, want)
+        small.llm_engine.check_idle()
+    assert_idle_clean(small)

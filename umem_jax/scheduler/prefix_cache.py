@@ -256,12 +256,34 @@ class PrefixCache:
         has = lambda v: sum(self.owner.window_bound(v, n) for n in want)
         if has(vid) <= has(node.vid) or self.owner.refs[vid] <= 0:
             return
+        self._swap_page(node, vid)
+        self.adopted_pages += 1
+
+    def release_duplicates(self, paths) -> int:
+        """(node, vids): a running request's deepest cached node and its page ids.  A tree-only
+        page above it is no leaf, so eviction cannot reach it, and the request pays for those
+        tokens twice: swap it for the request's copy (windows follow where bound) -> swaps."""
+        out = 0
+        for node, vids in paths:
+            while node is not None and node.alive and node is not self.root:
+                vid = int(vids[node.depth - 1]) if node.depth <= len(vids) else node.vid
+                if vid != node.vid and self.owner.refs[node.vid] == 1 and self.owner.refs[vid] > 0:
+                    wins = sorted(node.wins)
+                    self._swap_page(node, vid)
+                    for n in wins:
+                        if self.owner.window_bound(vid, n):
+                            self._hold_window(node, n)
+                    out += 1
+                node = node.parent
+        return out
+
+    def _swap_page(self, node: Node, vid: int) -> None:
+        """Make `node` hold page `vid` (the same tokens) in place of its own, windows let go."""
         self.holdings.take_page(vid)
         for n in sorted(node.wins):
             self._let_window_go(node, n)
         self.holdings.release_page(node.vid)
         node.vid = vid
-        self.adopted_pages += 1
 
     def pin(self, node: Node) -> None:
         """Keep node's checkpoint until `unpin` (a hit restores from it once admitted)."""

@@ -51,13 +51,20 @@ class PrefixSharing:
         self.num_checkpoints = 0  # state checkpoints taken (prefill and decode)
         self.num_checkpoints_skipped = 0  # ... and skipped: no slot fit (never stalls a request)
 
-    def fits_or_evict(self, need: Callable[[], Demand]) -> bool:
+    def fits_or_evict(self, need: Callable[[], Demand], running: list[Request] = ()) -> bool:
         """need() fits now, or after evicting unreferenced cache entries (LRU) -- tried before
-        anything is retracted."""
-        if self.demand.fits(self.allocator, need()):
+        anything is retracted.  Then the tree-only copies of pages that `running` requests
+        computed again (a shortened hit, a prefix computed twice) go too: they sit above the
+        requests' own cached pages, where eviction cannot reach them (`release_duplicates`)."""
+        fits = lambda: self.demand.fits(self.allocator, need())
+        if fits():
             return True
-        self.cache.evict(lambda: self.demand.fits(self.allocator, need()))
-        return self.demand.fits(self.allocator, need())
+        self.cache.evict(fits)
+        if fits():
+            return True
+        if self.cache.release_duplicates([(r.cache_node, r.pages) for r in running if r.cache_node is not None]):
+            self.cache.evict(fits)
+        return fits()
 
     # ------------------------------------------------------------------ lookup
     def take_hit(self, req: Request) -> Hit:

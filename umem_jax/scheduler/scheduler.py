@@ -279,7 +279,7 @@ class Scheduler:
     def _fits(self, need) -> bool:
         """need() fits the arena now (or, with the prefix cache, after evicting from it)."""
         if self.prefix is not None:
-            return self.prefix.fits_or_evict(need)
+            return self.prefix.fits_or_evict(need, self.running)
         return self.demand.fits(self.allocator, need())
 
     def _make_room(self, need, req: Request, batch: PrefillBatch) -> bool:
