@@ -75,6 +75,16 @@ class CausalLM(nnx.Module):
     def final_norm(self) -> RMSNorm:
         return getattr(self, self.final_norm_name)
 
+    @classmethod
+    def checkpoint_to_params(cls, cfg: ModelConfig, tensors: dict) -> dict:
+        """{checkpoint name (text prefix stripped): array} -> {our parameter path: array}.
+
+        The identity: our parameter paths are the checkpoint's names.  A family whose checkpoint
+        keeps some weights in another form (one tensor per expert, quantised blocks) overrides
+        this to build its module's arrays from them; loader.build then checks every name and shape.
+        """
+        return tensors
+
     # ------------------------------------------------------------------ memory declaration
     @staticmethod
     def state_tensors(cfg: ModelConfig, conv_dtype: str) -> tuple[StateTensor, ...]:

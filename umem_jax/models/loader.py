@@ -139,6 +139,10 @@ def load_safetensors(path: str | os.PathLike, *, dtype: str | None = None) -> Mo
                 ours = _text_name(k, cfg.tie_word_embeddings)
                 if ours is not None:
                     tensors[ours] = fh.get_tensor(k)
+    # A family whose checkpoint stores some weights otherwise than its module (per-expert tensors
+    # stacked here, MXFP4 blocks) converts them; the others' checkpoints load by name alone.
+    convert = getattr(model_class(cfg.architecture), "checkpoint_to_params", None)
+    tensors = tensors if convert is None else convert(cfg, tensors)
     model = build(cfg, tensors, dtype or cfg.dtype, str(path))
     tok = path / "tokenizer.json"
     model.tokenizer_path = tok if tok.exists() else None
