@@ -1,0 +1,287 @@
+"""The mixture-of-experts block: a router, E stacked expert MLPs, an optional shared expert.
+
+    w, e = route(logits, cfg)                 [N, k] weights (fp32) and expert ids of every token
+    y_n  = sum_j w[n, j] * expert_{e[n, j]}(x_n)  (+ shared_expert(x_n), optionally gated)
+
+Expert weights are stacked leaves ([E, d, 2I] gate|up, [E, I, d] down; (in, out) layout, the
+layout `jax.lax.ragged_dot` takes), never one module per expert, so a step has no per-expert
+Python loop and no shape that depends on the routing.  Dispatch (`Experts.__call__`) flattens
+the N*k (token, expert) assignments, sorts them by expert, runs the two grouped matmuls over the
+sorted rows with the experts' row counts as group sizes, weights each row, un-sorts with the
+inverse permutation (a gather: deterministic, no scatter-add) and sums over k.  Padding rows
+(valid False) get the sort key E: they sort to the end, fall outside every group, and come back
+as zeros, so they cost no expert work and cannot touch other rows.
+
+`moe_reference` is the dense per-token definition (each token's k experts' weights gathered
+explicitly, einsum, no ragged_dot) that the dispatch is tested against.
+
+Under tensor parallelism (sharding.py) each device holds a slice of every expert's
+intermediate dimension: gate_up column-parallel ([gate_r | up_r] per device), down row-parallel;
+`Experts.reduce_axis` psums the routed partial sums, then the down bias is added once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ..parallel.collectives import reduce_sum
+from .layers import MLP, Linear, UngatedMLP, activation, normal_init
+
+SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """One MoE block's shape and routing (hashable: a field `moe` of a family's ModelConfig).
+
+    scoring: "softmax"      p = softmax(logits) over all E, top-k of p            (Qwen3-MoE/Next/3.5)
+             "topk_softmax" top-k of logits, softmax over the k chosen            (gpt-oss)
+             "sigmoid"      s = sigmoid(logits), top-k of s + correction bias,
+                            weights s of the chosen                                (Nemotron-H, DeepSeek-V3)
+    norm_topk_prob renormalises the k weights to sum 1 (softmax / sigmoid); routed_scaling_factor
+    multiplies them after.  n_group > 1: keep the topk_group groups of E/n_group experts with the
+    largest sum of their top-2 selection scores, then pick top-k inside them.
+    expert_kind: "swiglu" act(gate) * up; "gpt_oss" the clamped SwiGLU (swiglu_limit, swiglu_alpha,
+    (up + 1)); "ungated" act(up).
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    score_correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    expert_kind: str = "swiglu"
+    activation: str = "silu"
+    expert_bias: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    shared_intermediate_size: int = 0
+    shared_expert_kind: str = "swiglu"
+    shared_expert_gate: bool = False
+
+    def __post_init__(self):
+        if self.scoring not in SCORINGS:
+            raise NotImplementedError(f"MoE scoring {self.scoring!r}; supported: {SCORINGS}")
+        if self.expert_kind not in EXPERT_KINDS:
+            raise NotImplementedError(f"MoE expert_kind {self.expert_kind!r}; supported: {EXPERT_KINDS}")
+        if self.shared_expert_kind not in ("swiglu", "ungated"):
+            raise NotImplementedError(f"MoE shared_expert_kind {self.shared_expert_kind!r}; supported: swiglu, ungated")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"MoE top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"MoE n_group={self.n_group} must divide num_experts={self.num_experts}")
+        if self.n_group > 1 and not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"MoE topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
+        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(f"MoE top_k={self.top_k} exceeds the experts of topk_group={self.topk_group} groups")
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+    """[..., E] selection scores -> [..., E] bool: the experts of the topk_group groups whose
+    top-2 scores (top-1 for groups of one) sum highest."""
+    *lead, e = choice.shape
+    groups = choice.reshape(*lead, n_group, e // n_group)
+    group_score = jax.lax.top_k(groups, min(2, e // n_group))[0].sum(-1)  # [..., G]
+    _, keep = jax.lax.top_k(group_score, topk_group)
+    kept = jnp.any(keep[..., :, None] == jnp.arange(n_group), axis=-2)  # [..., G]
+    return jnp.repeat(kept, e // n_group, axis=-1)
+
+
+def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None = None):
+    """Router logits [..., E] (fp32, router bias included) -> (weights [..., k] fp32, experts
+    [..., k] int32).  correction_bias [E] shifts the selection only (never the weights)."""
+    logits = logits.astype(jnp.float32)
+    k = cfg.top_k
+    if cfg.scoring == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, k)
+        return jax.nn.softmax(top, axis=-1) * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+    scores = jax.nn.softmax(logits, axis=-1) if cfg.scoring == "softmax" else jax.nn.sigmoid(logits)
+    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
+    if cfg.n_group > 1:
+        choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class Router(nnx.Module):
+    """logits = x W^T (+ bias), in fp32; W [E, d]; e_score_correction_bias [E] for selection."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+        e = cfg.num_experts
+        self.weight = nnx.Param(normal_init(rngs, (e, hidden), dtype))
+        self.bias = nnx.Param(jnp.zeros((e,), dtype)) if cfg.router_bias else nnx.data(None)
+        self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), dtype)) if cfg.score_correction_bias
+                                        else nnx.data(None))
+        self.cfg = cfg
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        out = jnp.einsum("...d,ed->...e", x, self.weight[...], preferred_element_type=jnp.float32)
+        return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
+
+    def __call__(self, x: jax.Array):
+        """x [..., d] -> (weights [..., k] fp32, experts [..., k] int32)."""
+        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
+        return route(self.logits(x), self.cfg, bias)
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+def expert_activation(h: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """The expert's hidden activation: h [..., 2I] (gate | up) or [..., I] (ungated) -> [..., I]."""
+    if cfg.expert_kind == "ungated":
+        return activation(cfg.activation)(h)
+    i = h.shape[-1] // 2
+    gate, up = h[..., :i], h[..., i:]
+    if cfg.expert_kind == "swiglu":
+        return activation(cfg.activation)(gate) * up
+    limit = cfg.swiglu_limit  # gpt-oss: clamp, then gate * sigmoid(alpha * gate) * (up + 1)
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1.0) * (gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate))
+
+
+class Experts(nnx.Module):
+    """E stacked expert MLPs: gate_up_proj [E, d, 2I] (or up_proj [E, d, I]), down_proj [E, I, d],
+    optional biases [E, 2I] / [E, d].  reduce_axis: the tp axis when I is split (sharding.py)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+        e, i = cfg.num_experts, cfg.intermediate_size
+        first = i if cfg.expert_kind == "ungated" else 2 * i
+        name = "up_proj" if cfg.expert_kind == "ungated" else "gate_up_proj"
+        setattr(self, name, nnx.Param(normal_init(rngs, (e, hidden, first), dtype)))
+        self.down_proj = nnx.Param(normal_init(rngs, (e, i, hidden), dtype))
+        if cfg.expert_bias:
+            setattr(self, name + "_bias", nnx.Param(jnp.zeros((e, first), dtype)))
+            self.down_proj_bias = nnx.Param(jnp.zeros((e, hidden), dtype))
+        self.first_name = name
+        self.cfg = cfg
+        self.reduce_axis = None
+
+    @property
+    def first(self) -> jax.Array:
+        return getattr(self, self.first_name)[...]
+
+    def first_bias(self):
+        return getattr(self, self.first_name + "_bias")[...] if self.cfg.expert_bias else None
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array | None = None):
+        """x [N, d], weights/experts [N, k], valid [N] bool or None -> [N, d] fp32 (the weighted
+        sum of each token's k experts; zeros for invalid rows)."""
+        n, k = experts.shape
+        e = self.cfg.num_experts
+        key = experts.reshape(-1)
+        if valid is not None:
+            key = jnp.where(jnp.repeat(valid, k), key, e)  # padding sorts past the last group
+        order = jnp.argsort(key, stable=True)  # [R]: sorted row -> flat assignment
+        sorted_experts = key[order]
+        group_sizes = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]
+        xs = jnp.take(x, order // k, axis=0)  # [R, d]
+        h = jax.lax.ragged_dot(xs, self.first, group_sizes, preferred_element_type=jnp.float32)
+        y = self._down(h, sorted_experts, group_sizes)  # [R, d] fp32
+        y = y * jnp.take(weights.reshape(-1), order)[:, None]
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        out = jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
+        return self._finish(out, weights, experts, valid)
+
+    def _down(self, h, sorted_experts, group_sizes):
+        """First projection's fp32 output h [R, 2I] of sorted rows -> down projection [R, d] fp32."""
+        bias = self.first_bias()
+        if bias is not None:
+            h = h + jnp.take(bias, jnp.minimum(sorted_experts, self.cfg.num_experts - 1), axis=0).astype(jnp.float32)
+        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
+        return jax.lax.ragged_dot(a, self.down_proj[...], group_sizes, preferred_element_type=jnp.float32)
+
+    def _finish(self, out, weights, experts, valid):
+        """psum the partial sums over the tp axis, then add the down bias once: sum_j w_j b_{e_j}."""
+        out = reduce_sum(out, self.reduce_axis)
+        if self.cfg.expert_bias:
+            b = jnp.take(self.down_proj_bias[...], experts, axis=0).astype(jnp.float32)  # [N, k, d]
+            out = out + jnp.einsum("nk,nkd->nd", weights, b)
+        return out if valid is None else jnp.where(valid[:, None], out, 0.0)
+
+
+# ----------------------------------------------------------------------------- the block
+
+
+class MoE(nnx.Module):
+    """gate (Router), experts (Experts), optional shared_expert (MLP / UngatedMLP) and
+    shared_expert_gate (Linear d -> 1, sigmoid)."""
+
+    def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.gate = Router(hidden, cfg, dtype=dtype, rngs=rngs)
+        self.experts = Experts(hidden, cfg, dtype=dtype, rngs=rngs)
+        self.shared_expert = nnx.data(None)
+        self.shared_expert_gate = nnx.data(None)
+        if cfg.shared_intermediate_size:
+            cls = MLP if cfg.shared_expert_kind == "swiglu" else UngatedMLP
+            self.shared_expert = cls(hidden, cfg.shared_intermediate_size, cfg.activation, dtype=dtype, rngs=rngs)
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs)
+
+    def shared(self, x: jax.Array) -> jax.Array | None:
+        """The shared expert's output [N, d] fp32 (times its sigmoid gate), or None."""
+        if self.shared_expert is None:
+            return None
+        s = self.shared_expert(x).astype(jnp.float32)
+        if self.shared_expert_gate is not None:
+            s = s * jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+        return s
+
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        """x [..., d]; valid [...] bool (padding rows: output zeros plus the shared expert,
+        unused) -> [..., d] in x.dtype."""
+        lead, d = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, d)
+        ok = None if valid is None else jnp.broadcast_to(valid, lead).reshape(-1)
+        weights, experts = self.gate(flat)
+        out = self.experts(flat, weights, experts, ok)
+        s = self.shared(flat)
+        if s is not None:
+            out = out + s
+        return out.astype(x.dtype).reshape(*lead, d)
+
+
+def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
+    """The dense per-token definition: x [..., d] -> [..., d] in x.dtype.  Each token's k
+    experts' weights are gathered ([N, k, d, 2I]) and applied by einsum; no sorting, no
+    ragged_dot.  Memory grows with N*k*d*I: tests and small shapes only."""
+    cfg, ex = moe.cfg, moe.experts
+    lead, d = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, d)
+    weights, experts = moe.gate(flat)
+    w1 = jnp.take(ex.first, experts, axis=0)  # [N, k, d, F]
+    h = jnp.einsum("nd,nkdf->nkf", flat, w1, preferred_element_type=jnp.float32)
+    if cfg.expert_bias:
+        h = h + jnp.take(ex.first_bias(), experts, axis=0).astype(jnp.float32)
+    a = expert_activation(h, cfg).astype(ex.down_proj.dtype)
+    w2 = jnp.take(ex.down_proj[...], experts, axis=0)  # [N, k, I, d]
+    y = jnp.einsum("nki,nkid->nkd", a, w2, preferred_element_type=jnp.float32)
+    if cfg.expert_bias:
+        y = y + jnp.take(ex.down_proj_bias[...], experts, axis=0).astype(jnp.float32)
+    out = jnp.einsum("nk,nkd->nd", weights, y)
+    s = moe.shared(flat)
+    if s is not None:
+        out = out + s
+    return out.astype(x.dtype).reshape(*lead, d)
+
+
+__all__ = ["EXPERT_KINDS", "SCORINGS", "Experts", "MoE", "MoEConfig", "Router", "expert_activation",
+           "moe_reference", "route"]
