@@ -70,6 +70,27 @@ CASES = {
 }
 
 
+# Any GQA ratio and head dim (issue 15): G in {1, 3, 5, 6, 7} x D in {64, 80, 96, 128, 256}, a
+# covering subset.  Padded q heads / head dims must neither read the arena past a head's words
+# (poisoned neighbours would turn the output NaN) nor leak into the output.
+GQA_CASES = {
+    "g3_d80_window_sinks": (dict(Hkv=2, G=3, D=80, ps=16, P=4, lengths=[50, 1, 33, 0], window=20, sinks=True),
+                            dict(window=20)),
+    "g5_d96_softcap_splitk": (dict(Hkv=1, G=5, D=96, ps=16, P=6, lengths=[90, 17]),
+                              dict(softcap=5.0, block_tokens=16, num_splits=3)),
+    "g6_d128_sinks_bf16arena": (dict(Hkv=2, G=6, D=128, ps=32, P=3, lengths=[70, 32, 5], sinks=True,
+                                     arena_dtype=jnp.bfloat16), {}),
+    "g7_d64_window_crosses_pages": (dict(Hkv=2, G=7, D=64, ps=16, P=5, lengths=[75, 40], window=37, sinks=True),
+                                    dict(window=37, block_tokens=16)),
+    "g3_d256": (dict(Hkv=1, G=3, D=256, ps=16, P=3, lengths=[40, 9]), {}),
+    "g1_d80_mha": (dict(Hkv=4, G=1, D=80, ps=16, P=3, lengths=[35, 16]), {}),
+    # rows narrower than a K row (row_words = D, mk = Hkv): the column of head h is traced.
+    "g6_d80_rows_of_one_head": (dict(Hkv=2, G=6, D=80, ps=16, P=3, lengths=[40, 21], row_words=80), dict(window=30)),
+    "g6_d96_fp32_planes": (dict(Hkv=2, G=6, D=96, ps=16, P=3, lengths=[44, 3], planes=2, sinks=True),
+                           dict(window=25, softcap=4.0, block_tokens=16)),
+}
+
+
 FP32_CASES = {
     "fp32_window_softcap_sinks": (dict(Hkv=2, G=4, D=64, ps=16, P=4, lengths=[50, 1, 17, 0], planes=2, window=20,
                                        sinks=True), dict(window=20, softcap=3.0, block_tokens=32)),
@@ -78,10 +99,13 @@ FP32_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", [*CASES, *FP32_CASES])
+ALL_CASES = {**CASES, **GQA_CASES, **FP32_CASES}
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_pallas_matches_reference(name):
     """bf16 K/V within 1e-2 of the reference, fp32 planes (IEEE dots) within 1e-5."""
-    setup, call = CASES[name] if name in CASES else FP32_CASES[name]
+    setup, call = ALL_CASES[name]
     view, arena, pt, lengths, q, sk, _, _ = _setup(hash(name) % 2**31, **setup)
     tuning = {k: call[k] for k in ("block_tokens", "num_splits") if k in call}
     opts = {k: v for k, v in call.items() if k not in tuning}
@@ -98,9 +122,9 @@ def test_pallas_matches_reference(name):
 
 
 @pytest.mark.parametrize("name", ["gqa4_d128_ps32_window_midpage_softcap", "gqa8_d256_ps64_sinks_bf16arena",
-                                  "rows_narrower_than_k_mk4"])
+                                  "rows_narrower_than_k_mk4", "g3_d80_window_sinks", "g5_d96_softcap_splitk"])
 def test_reference_matches_naive_loop(name):
-    setup, call = CASES[name]
+    setup, call = ALL_CASES[name]
     setup = dict(setup, planes=2, arena_dtype=jnp.uint16, q_dtype=jnp.float32)  # exact fp32 K/V
     view, arena, pt, lengths, q, sk, k, v = _setup(1, **setup)
     opts = {kk: vv for kk, vv in call.items() if kk in ("window", "softcap")}
@@ -145,13 +169,14 @@ def test_shape_checks():
         paged_decode_attention(jnp.zeros((2, 4, 16)), arena, pt, ln, view=view, sinks=jnp.zeros(3), impl="reference")
     with pytest.raises(ValueError, match="window"):
         paged_decode_attention(jnp.zeros((2, 4, 16)), arena, pt, ln, view=view, window=0, impl="reference")
-    with pytest.raises(NotImplementedError, match="power-of-two"):
-        v48 = make_view(1, 48, 48, 4)
+    with pytest.raises(NotImplementedError, match="inside one arena row"):  # a head over two rows
+        v48 = make_view(1, 48, 48, 4, row_words=16)
         a48 = jnp.zeros((8 * v48.rows_per_page, v48.row_words), jnp.uint16)
         paged_decode_attention(jnp.zeros((2, 1, 48)), a48, pt, ln, view=v48, impl="pallas", interpret=True)
 
 
-@pytest.mark.parametrize("planes,D,ps,G", [(1, 128, 16, 4), (1, 256, 64, 8), (2, 64, 32, 1)])
+@pytest.mark.parametrize("planes,D,ps,G", [(1, 128, 16, 4), (1, 256, 64, 8), (2, 64, 32, 1), (1, 80, 16, 6),
+                                           (1, 96, 32, 3), (2, 80, 16, 5)])
 def test_lowers_for_cuda_above_4gib(planes, D, ps, G):
     view = make_view(8, D, D, ps, layers=4, layer=3, planes=planes)
     a = jax.ShapeDtypeStruct((2**33 // (2 * view.row_words) + 64, view.row_words), jnp.uint16)   # > 8 GiB

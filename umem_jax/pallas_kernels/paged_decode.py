@@ -21,10 +21,12 @@ Where a head's rows are (KVView, plan.py): the K row of token t of page p is are
 `p*rows_per_page + k_row + t*mk ... + mk`, holding [planes, Hkv, D] words; so the K tile of one
 page for kv head h is `page_size` rows (stride mk) x D contiguous columns.
 
-Kernel: grid (B, Hkv, num_splits).  Program (b, h, s) takes the q heads of kv head h (padded to
-16 rows, the smallest Triton dot), walks its share of the blocks of `block_tokens` positions that hold
-visible positions (the visible range is split dynamically, so a window of 512 tokens in a 32K
-page table costs what 512 tokens cost), gathers each block's K and V tiles with one vector load
+Kernel: grid (B, Hkv, num_splits).  Program (b, h, s) takes the q heads of kv head h (any G:
+padded to a power of two >= 16 rows, the smallest Triton dot; a head dim that is no power of
+two, e.g. 80 or 96, is a 128-wide tile whose columns past the head are masked off the loads, q
+zero-padded), walks its share of the blocks of `block_tokens` positions that hold visible
+positions (the visible range is split dynamically, so a window of 512 tokens in a 32K page
+table costs what 512 tokens cost), gathers each block's K and V tiles with one vector load
 each (page ids from the page table, row ids computed per token; masked lanes: positions outside
 [start, len) are not loaded at all, so tombstoned and poisoned sink pages are never read) and
 runs an fp32 online softmax.  Each split writes (acc, m, l); a small XLA step combines the
@@ -43,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
 from .kv_write import check_view, read_kv_reference
-from .launch import ANY, pow2_ceil, resolve_impl
+from .launch import ANY, pow2_ceil, pow2_divisor, resolve_impl
 from .words import from_u16, join_planes, kernel_view, kv_value_dtype, to_u16
 
 __all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
@@ -113,11 +115,19 @@ def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, win
 # --------------------------------------------------------------------------- kernel
 
 
+def _tile_dim(dim: int) -> int:
+    """Tile width of a head dim: a power of two (Triton tiles), >= 16 (the smallest Triton dot)."""
+    return max(16, pow2_ceil(dim))
+
+
 def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, block_tokens,
                    window, softcap, scale, num_splits, kv_dtype):
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, rows_per_page, W = view.page_size, view.rows_per_page, view.row_words
     D, Dv, Hkv = view.head_dim, view.v_head_dim, view.num_kv_heads
+    # Triton tiles are powers of two: a head dim of 80 or 96 is loaded as a 128-wide tile whose
+    # columns past the head are masked off (never read; they load as 0), q is zero-padded likewise.
+    Dp, Dvp = _tile_dim(D), _tile_dim(Dv)
     log2_page_size = page_size.bit_length() - 1
     length = lengths_ref[b]
     # All quantities below are >= 0, so C division (lax.div) equals floor division and keeps
@@ -132,7 +142,7 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
     hi = jnp.minimum(lo + blocks_per_split, end_block)
 
     two_planes = view.planes == 2
-    q = q_ref[...]  # [group_rows, D]
+    q = q_ref[...]  # [group_rows, Dp]
     q = q.astype(jnp.float32 if two_planes else kv_dtype)
     token_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
@@ -145,17 +155,22 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
             return off_static // W, off_static % W + h * dim
         off = off_static + h * dim
         # Rows narrower than a plane: W is a multiple of dim (checked), so the column is too;
-        # say so, since Triton cannot see through the remainder.
-        return lax.div(off, jnp.int32(W)), pl.multiple_of(lax.rem(off, jnp.int32(W)), dim)
+        # say so (as a power of two: Triton's divisibility hints are), since Triton cannot see
+        # through the remainder.
+        return lax.div(off, jnp.int32(W)), pl.multiple_of(lax.rem(off, jnp.int32(W)), pow2_divisor(dim))
 
     def load_tile(rows_base, slot, r_off, col, m, dim, mask):
         rows = rows_base + slot * m + r_off                      # [block_tokens] arena rows
-        cols = col + jnp.arange(dim, dtype=jnp.int32)
-        # Two broadcasting int indexers ([block_tokens,1] x [1,dim]): Triton computes row*W itself
-        # (int64 above 4 GiB) and sees `dim` contiguous columns per row (vector loads); interpret
-        # mode also takes this form.
-        return pltr.load(arena_ref.at[rows[:, None], cols[None, :]],
-                         mask=jnp.broadcast_to(mask[:, None], (block_tokens, dim)), other=0)
+        width = _tile_dim(dim)
+        lanes = jnp.arange(width, dtype=jnp.int32)
+        cols = col + lanes
+        full = jnp.broadcast_to(mask[:, None], (block_tokens, width))
+        if width != dim:  # padded columns past the head's words: never read, 0
+            full = full & (lanes < dim)[None, :]
+        # Two broadcasting int indexers ([block_tokens,1] x [1,width]): Triton computes row*W
+        # itself (int64 above 4 GiB) and sees contiguous columns per row (vector loads);
+        # interpret mode also takes this form.
+        return pltr.load(arena_ref.at[rows[:, None], cols[None, :]], mask=full, other=0)
 
     def decode_tile(rows_base, slot, which, mask):
         dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)
@@ -188,7 +203,7 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         pos = block * block_tokens + token_offsets
         slot = jnp.bitwise_and(pos, page_size - 1)
         visible = (pos < length) & (pos >= start)
-        k = decode_tile(envelope_rows, slot, "k", visible)                # [block_tokens, D]
+        k = decode_tile(envelope_rows, slot, "k", visible)                # [block_tokens, Dp]
         scores = pltr.dot(q, k, trans_b=True, allow_tf32=False if two_planes else None) * scale
         if softcap is not None:
             scores = softcap * jnp.tanh(scores / softcap)
@@ -196,13 +211,13 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         m_new = jnp.maximum(m_i, jnp.max(scores, axis=1))
         p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m_i - m_new)
-        v = decode_tile(envelope_rows, slot, "v", visible)                # [block_tokens, Dv]; masked rows 0
+        v = decode_tile(envelope_rows, slot, "v", visible)                # [block_tokens, Dvp]; masked 0
         pv = pltr.dot(p.astype(v.dtype), v, allow_tf32=False if two_planes else None)
         acc = acc * alpha[:, None] + pv
         return next_envelope_rows, acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
 
     group_rows = q.shape[0]
-    init = (envelopes(lo), jnp.zeros((group_rows, Dv), jnp.float32), jnp.full((group_rows,), _NEG, jnp.float32),
+    init = (envelopes(lo), jnp.zeros((group_rows, Dvp), jnp.float32), jnp.full((group_rows,), _NEG, jnp.float32),
             jnp.zeros((group_rows,), jnp.float32))
     _, acc, m_i, l_i = lax.fori_loop(lo, hi, body, init)
     o_ref[...] = acc
@@ -237,9 +252,10 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
     B, Hq, D = q.shape
     Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
     G = Hq // Hkv
+    # Any G (q heads padded to a power-of-two tile of >= 16 rows) and any head dim (tiles padded
+    # to a power of two, the padding masked).
+    Dp, Dvp = _tile_dim(D), _tile_dim(Dv)
     for dim in (D, Dv):
-        if dim & (dim - 1) or dim < 16:
-            raise NotImplementedError(f"pallas decode needs power-of-two head dims >= 16, got {dim}")
         if view.row_words % dim:
             raise NotImplementedError(f"pallas decode needs each head inside one arena row "
                                       f"(row_words={view.row_words} a multiple of head dim {dim})")
@@ -253,12 +269,12 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         # shared memory, so three programs share an SM and keep ~200 KiB of loads in flight
         # (ptxas sm_90: ~128-190 registers, no spills).  fp32 planes have no tensor-core dot
         # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
-        block_tokens = max(16, 8192 // max(D, Dv)) if view.planes == 1 else 32
+        block_tokens = max(16, 8192 // max(Dp, Dvp)) if view.planes == 1 else 32
     block = pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
     # Each pipeline stage buffers one K and one V tile in shared memory; an H100/H200 SM has
     # 227 KiB.  Trim the stages (then the block) of a config that would not fit rather than fail
     # at launch with RESOURCE_EXHAUSTED.
-    tile_bytes = lambda b: b * (D + Dv) * 2 * view.planes
+    tile_bytes = lambda b: b * (Dp + Dvp) * 2 * view.planes
     while num_stages > 1 and num_stages * tile_bytes(block) > SMEM_BUDGET:
         num_stages -= 1
     while block > 16 and tile_bytes(block) > SMEM_BUDGET:
@@ -272,25 +288,25 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         num_splits = choose_num_splits(B, Hkv, visible_blocks)
     group_rows = max(16, pow2_ceil(G))
     qg = q.reshape(B, Hkv, G, D)
-    if group_rows != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - G), (0, 0)))
+    if group_rows != G or Dp != D:  # zero rows/columns: padded heads are sliced off, padded dims add 0
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - G), (0, Dp - D)))
     kernel = functools.partial(_decode_kernel, view=view, block_tokens=block, window=window,
                                softcap=softcap, scale=scale, num_splits=num_splits, kv_dtype=value_dtype)
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, num_splits),
-        in_specs=[ANY, ANY, pl.BlockSpec((None, None, group_rows, D), lambda b, h, s: (b, h, 0, 0)), ANY],
-        out_specs=[pl.BlockSpec((None, None, None, group_rows, Dv), lambda b, h, s: (b, h, s, 0, 0)),
+        in_specs=[ANY, ANY, pl.BlockSpec((None, None, group_rows, Dp), lambda b, h, s: (b, h, 0, 0)), ANY],
+        out_specs=[pl.BlockSpec((None, None, None, group_rows, Dvp), lambda b, h, s: (b, h, s, 0, 0)),
                    pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0)),
                    pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows, Dv), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows, Dvp), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32)],
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="umem_paged_decode",
     )(lengths, page_table, qg, kernel_view(arena, interpret))  # tiles are bitcast to bf16/f16/f32 in-kernel
-    acc, m, l = acc[:, :, :, :G], m[:, :, :, :G], l[:, :, :, :G]
+    acc, m, l = acc[:, :, :, :G, :Dv], m[:, :, :, :G], l[:, :, :, :G]
     return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
 
 
