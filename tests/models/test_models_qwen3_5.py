@@ -21,6 +21,7 @@ from _model_fixtures import FIXTURES, bf16_checkpoint, copy_fixture, expected, m
 
 from umem_jax.memory import plan as make_plan
 from umem_jax.models.loader import load_safetensors
+from umem_jax.models.qwen3_5 import qwen3_5_config
 from umem_jax.models.registry import from_hf_config, load_hf_config
 
 NAME = "qwen3_5_tiny"
@@ -50,9 +51,13 @@ def test_hub_style_config_normalises_like_5x():
     assert cfg == load_hf_config(FIXTURE)
 
 
-def test_moe_variant_is_refused():
-    with pytest.raises(NotImplementedError, match="Qwen3.5 MoE.*dense"):
-        from_hf_config({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"})
+def test_moe_variant_goes_to_the_moe_family():
+    """Qwen3.5-MoE names reach their own parser (test_models_qwen3_5_moe.py); the dense parser
+    will not read a config with experts as a dense model."""
+    cfg = from_hf_config({"architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text"})
+    assert cfg.architecture == "Qwen3_5MoeForCausalLM" and cfg.moe.num_experts == 256
+    with pytest.raises(ValueError, match="num_experts=256.*qwen3_5_moe_config"):
+        qwen3_5_config({"model_type": "qwen3_5_text", "num_experts": 256})
 
 
 # ----------------------------------------------------------------------------- loading

@@ -22,6 +22,8 @@ from .gemma3 import Gemma3ForCausalLM, gemma3_4b_like, gemma3_config, gemma3_con
 from .model import Model
 from .nemotron_h import NemotronHForCausalLM, nemotron_h_8b_like, nemotron_h_config
 from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_4b_like, qwen3_5_config
+from .qwen3_5_moe import Qwen3_5MoeForCausalLM, qwen3_5_35b_a3b_like, qwen3_5_moe_config
+from .qwen3_next import Qwen3NextForCausalLM, qwen3_next_80b_a3b_like, qwen3_next_config
 from .tiny import TinyHybrid, tiny_config_from_dict, tiny_config_to_dict
 
 
@@ -34,6 +36,7 @@ class Architecture:
 
 _GEMMA3 = Architecture(Gemma3ForCausalLM, gemma3_config, gemma3_config_to_dict)
 _QWEN3_5 = Architecture(Qwen3_5ForCausalLM, qwen3_5_config)
+_QWEN3_5_MOE = Architecture(Qwen3_5MoeForCausalLM, qwen3_5_moe_config)
 
 ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": _GEMMA3,
@@ -44,17 +47,20 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5ForCausalLM": _QWEN3_5,
     # The multimodal Qwen3.5 checkpoints: the same text decoder under model.language_model.
     "Qwen3_5ForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5MoeForCausalLM": _QWEN3_5_MOE,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5_MOE,  # Qwen3.5-35B-A3B etc.: text decoder only
+    "Qwen3NextForCausalLM": Architecture(Qwen3NextForCausalLM, qwen3_next_config),
 }
 
 # Other names a config.json gives (as `architectures[0]` or `model_type`) -> the architecture
-# whose parser reads it.  The Qwen3.5 parser refuses the MoE variants by name.
+# whose parser reads it.
 _CONFIG_NAMES = {
     "Gemma3TextModel": "Gemma3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "umem_tiny_hybrid": "UmemTinyHybrid",
     "nemotron_h": "NemotronHForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForCausalLM": "Qwen3_5ForCausalLM", "Qwen3_5MoeForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "qwen3_5_moe_text": "Qwen3_5ForCausalLM", "qwen3_5_moe": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 
@@ -121,6 +127,8 @@ SHAPES: dict[str, Callable[..., ModelConfig]] = {
     "gemma3-4b-like": gemma3_4b_like,
     "nemotronh-8b-like": nemotron_h_8b_like,
     "qwen3.5-4b-like": qwen3_5_4b_like,
+    "qwen3.5-35b-a3b-like": qwen3_5_35b_a3b_like,
+    "qwen3-next-80b-a3b-like": qwen3_next_80b_a3b_like,
 }
 
 
