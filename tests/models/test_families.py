@@ -72,6 +72,9 @@ FAMILIES = {
                          (1, 8), 32768, ((27,), 16, 8)),
     "qwen3_5": Family("qwen3_5_tiny", ("model.layers.1.linear_attn.dt_bias", "layers.1.linear_attn.dt_bias"),
                       (1, 8), 32768, ((27,), 16, 8)),
+    "nemotron_h_moe": Family("nemotron_h_moe_tiny", ("backbone.layers.1.mixer.gate.e_score_correction_bias",
+                                                     "layers.1.mixer.gate.e_score_correction_bias"),
+                             (1, 8), 32768, ((27,), 16, 8)),
 }
 # NemotronH: Mamba2 4 heads x 16 in 2 groups, state 16; MLP blocks 1 and 5 keep nothing.
 # Qwen3.5: gated DeltaNet 2 key heads of 16 serving 4 value heads of 16.

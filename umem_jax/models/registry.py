@@ -20,7 +20,7 @@ from pathlib import Path
 from .config import ModelConfig, text_config
 from .gemma3 import Gemma3ForCausalLM, gemma3_4b_like, gemma3_config, gemma3_config_to_dict
 from .model import Model
-from .nemotron_h import NemotronHForCausalLM, nemotron_h_8b_like, nemotron_h_config
+from .nemotron_h import NemotronHForCausalLM, nemotron_3_nano_30b_a3b_like, nemotron_h_8b_like, nemotron_h_config
 from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_4b_like, qwen3_5_config
 from .qwen3_5_moe import Qwen3_5MoeForCausalLM, qwen3_5_35b_a3b_like, qwen3_5_moe_config
 from .qwen3_next import Qwen3NextForCausalLM, qwen3_next_80b_a3b_like, qwen3_next_config
@@ -126,6 +126,7 @@ def config_to_dict(cfg: ModelConfig) -> dict:
 SHAPES: dict[str, Callable[..., ModelConfig]] = {
     "gemma3-4b-like": gemma3_4b_like,
     "nemotronh-8b-like": nemotron_h_8b_like,
+    "nemotron-3-nano-30b-a3b-like": nemotron_3_nano_30b_a3b_like,
     "qwen3.5-4b-like": qwen3_5_4b_like,
     "qwen3.5-35b-a3b-like": qwen3_5_35b_a3b_like,
     "qwen3-next-80b-a3b-like": qwen3_next_80b_a3b_like,
