@@ -255,7 +255,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", action="store_true", help="also write the 270M expected greedy ids")
     ap.add_argument("--out", type=Path, default=FIXTURES)
-    ap.add_argument("--family", choices=("gemma3", "nemotron_h", "qwen3_5", "nemotron_h_moe", "all"),
+    ap.add_argument("--family", choices=("gemma3", "nemotron_h", "qwen3_5", "gpt_oss", "nemotron_h_moe", "all"),
                     default="gemma3", help="which tiny fixture(s) to (re)write; default gemma3")
     args = ap.parse_args()
     if args.family in ("gemma3", "all"):
@@ -269,6 +269,8 @@ def main():
     if args.family in ("qwen3_5", "all"):
         make_qwen3_5(args.out / "qwen3_5_tiny")
         print("wrote", args.out / "qwen3_5_tiny")
+    if args.family in ("gpt_oss", "all"):  # scripts/fixtures_gpt_oss.py
+        __import__("fixtures_gpt_oss").make_gpt_oss(args.out / "gpt_oss_tiny")
     if args.family in ("nemotron_h_moe", "all"):  # scripts/fixtures_nemotron_moe.py
         __import__("fixtures_nemotron_moe").make(args.out / "nemotron_h_moe_tiny")
     if args.real:

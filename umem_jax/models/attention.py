@@ -1,5 +1,6 @@
 """Attention layer: GQA with optional q/k RMSNorm, RoPE (full or partial, or none), sliding
-window, logit softcap and per-head output gate.
+window, logit softcap, per-head output gate, projection biases and attention sinks (gpt-oss: a
+learned per-head logit `sinks` [Hq] that joins each softmax denominator, no value row).
 
 Two paths share the projections (`project`) and the output (`output`):
   * `dense`: cache-free attention over the tokens given (the math oracle, checked against
@@ -31,7 +32,8 @@ _NEG = -1e30  # finite, so fully masked rows (padding) give zeros, not NaN
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, *, qk_norm: bool = True, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, layer: int, *, qk_norm: bool = True, bias: bool = False,
+                 sinks: bool = False, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.dtype)
         d, hq, hkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, hd
@@ -40,10 +42,11 @@ class Attention(nnx.Module):
         self.softcap = cfg.attn_logit_softcapping
         self.rope = cfg.rope_for(cfg.layer_types[layer])  # None: no positional encoding (NemotronH)
         self.rotary_dim = hd  # RoPE turns the first rotary_dim dims of each head
-        self.q_proj = Linear(d, hq * hd, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(hq * hd, d, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(d, hq * hd, dtype=dtype, rngs=rngs, bias=bias)
+        self.k_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs, bias=bias)
+        self.v_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs, bias=bias)
+        self.o_proj = Linear(hq * hd, d, dtype=dtype, rngs=rngs, bias=bias)
+        self.sinks = nnx.Param(jnp.zeros((hq,), dtype)) if sinks else nnx.data(None)
         if qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -86,10 +89,14 @@ class Attention(nnx.Module):
         return self._rotate(q, positions, inv_freq), self._rotate(k, positions, inv_freq)
 
     def _rotate(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-        r = self.rotary_dim
+        r, scaling = self.rotary_dim, self.rope.attention_scaling
         if r == self.head_dim:
-            return apply_rope(x, positions, inv_freq)
-        return jnp.concatenate([apply_rope(x[..., :r], positions, inv_freq), x[..., r:]], axis=-1)
+            return apply_rope(x, positions, inv_freq, scaling)
+        return jnp.concatenate([apply_rope(x[..., :r], positions, inv_freq, scaling), x[..., r:]], axis=-1)
+
+    def sink_logits(self) -> jax.Array | None:
+        """The per-head sink logits, f32 [Hq] (None: no sinks), as the kernels take them."""
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def output(self, o: jax.Array, gate: jax.Array | None, dtype) -> jax.Array:
         """Attention output o [B, T, Hq, D] -> o_proj(o * sigmoid(gate)) [B, T, d] (no gate: o_proj(o))."""
@@ -114,7 +121,11 @@ class Attention(nnx.Module):
         if self.window is not None:
             mask &= kp > qp - self.window  # the query sees `window` keys, itself included
         s = jnp.where(mask[:, None, None], s, _NEG)
-        p = jax.nn.softmax(s, axis=-1)
+        if self.sinks is None:
+            p = jax.nn.softmax(s, axis=-1)
+        else:  # one more logit per head in the denominator, with no value: dropped after the softmax
+            sink = jnp.broadcast_to(self.sink_logits().reshape(1, self.num_kv_heads, group, 1, 1), (*s.shape[:-1], 1))
+            p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
         o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
         return self.output(o, gate, x.dtype)
 
@@ -131,7 +142,8 @@ class Attention(nnx.Module):
         # Read only the arena just written: attending over an older version would make XLA
         # keep both alive, i.e. copy the whole arena.
         table = batch.page_tables[slot.pool]
-        kw = dict(view=view, window=self.window, softcap=self.softcap, scale=self.scale, **slot.kernel_kw)
+        kw = dict(view=view, window=self.window, softcap=self.softcap, scale=self.scale, sinks=self.sink_logits(),
+                  **slot.kernel_kw)
         if t == 1:
             o = paged_decode_attention(q[:, 0], arena, table, batch.kv_lens, **kw)[:, None]
         else:

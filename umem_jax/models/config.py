@@ -13,6 +13,7 @@ DeltaNet mixer, each keeping one state per request).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -26,15 +27,45 @@ LEGACY_LAYER_TYPES = {"attention": FULL, "full": FULL, "global": FULL, "sliding"
 
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding of one layer type: inv_freq = 1 / (theta ** (2i / dim)) / factor."""
+    """Rotary embedding of one layer type: inv_freq = 1 / (theta ** (2i / dim)), then per rope_type:
+    "linear" divides it by `factor`; "yarn" (NTK-by-parts) blends it with inv_freq / factor over a
+    ramp of dims set by beta_fast / beta_slow rotations in original_max_position_embeddings, and
+    scales cos and sin by `attention_scaling` (layers.rope_inv_freq).  Field names are
+    transformers' rope_parameters keys."""
 
     theta: float
-    rope_type: str = "default"  # "default" | "linear"
+    rope_type: str = "default"  # "default" | "linear" | "yarn"
     factor: float = 1.0
+    # yarn only
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # floor / ceil the ramp's ends (transformers' default when the key is absent)
+    attention_factor: float | None = None  # None: from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def __post_init__(self):
-        if self.rope_type not in ("default", "linear"):
-            raise NotImplementedError(f"rope_type {self.rope_type!r} is not supported yet (default and linear are)")
+        if self.rope_type not in ("default", "linear", "yarn"):
+            raise NotImplementedError(f"rope_type {self.rope_type!r} is not supported yet (default, linear and "
+                                      "yarn are)")
+        if self.rope_type == "yarn" and self.original_max_position_embeddings <= 0:
+            raise ValueError("yarn RoPE needs original_max_position_embeddings (the pretraining context length)")
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (yarn's mscale; 1 otherwise), as transformers derives it."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def get_mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(get_mscale(self.factor, self.mscale) / get_mscale(self.factor, self.mscale_all_dim))
+        return float(get_mscale(self.factor))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,7 @@ checkpoint is a rename, never a transpose; `Linear` computes x @ W^T.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,26 +32,31 @@ def _normal(key, shape, dtype, std):
 
 
 class Linear(nnx.Module):
-    """y = x W^T, W [out, in] as in the checkpoint (no bias: none of our families has one).
+    """y = x W^T (+ b), W [out, in] as in the checkpoint; bias=True adds `bias` [out] (gpt-oss's
+    attention projections have one).
 
     reduce_axis: under tensor parallelism a row-parallel projection holds a slice of `in` on each
     device and psums its partial outputs over this mesh axis (sharding.py sets it on the
-    per-device module; None, the default, is the unsplit layer).
+    per-device module; None, the default, is the unsplit layer).  The bias is added once, after
+    the psum.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, bias: bool = False):
         self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype))
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else nnx.data(None)
         self.reduce_axis = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return reduce_sum(jnp.einsum("...i,oi->...o", x, self.weight[...]), self.reduce_axis)
+        y = reduce_sum(jnp.einsum("...i,oi->...o", x, self.weight[...]), self.reduce_axis)
+        return y if self.bias is None else y + self.bias[...]
 
 
 class FusedLinear(nnx.Module):
-    """Several column projections of the same input as one matmul: y_i = x W_i^T for each part.
+    """Several column projections of the same input as one matmul: y_i = x W_i^T (+ b_i) for each part.
 
     weight [sum(out_i), in] is the parts' weights stacked along `out` (also [tp, sum, in] for a
-    stacked tensor-parallel leaf: the concatenation is on axis -2 either way).  At small batch a
+    stacked tensor-parallel leaf: the concatenation is on axis -2 either way); bias [sum(out_i)]
+    (or [tp, sum]) their biases, zeros for a part without one, when any part has one.  At small batch a
     projection is a weight read; one launch over the stacked weight avoids a launch per part and
     lets the GEMM reach the copy rate (Qwen3.5-4B-like decode at B=64: -0.3 ms of 7.4 ms on the H200).
     """
@@ -62,13 +68,22 @@ class FusedLinear(nnx.Module):
             raise ValueError("only column-parallel projections (no psum) can be fused")
         self.sizes = tuple(int(p.weight.shape[-2]) for p in parts)
         self.weight = nnx.Param(jnp.concatenate([p.weight[...] for p in parts], axis=-2))
+        self.bias = nnx.data(None)
+        if any(p.bias is not None for p in parts):
+            biases = [p.bias[...] if p.bias is not None else jnp.zeros(p.weight.shape[:-1], p.weight.dtype)
+                      for p in parts]
+            self.bias = nnx.Param(jnp.concatenate(biases, axis=-1))
         if donate:
             self.weight[...].block_until_ready()
             for p in parts:
                 p.weight[...].delete()
+                if p.bias is not None:
+                    p.bias[...].delete()
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
         y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
         ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
         return tuple(y[..., e - n:e] for e, n in zip(ends, self.sizes))
 
@@ -105,21 +120,49 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:
-    """[dim/2] fp32 inverse frequencies; linear scaling divides them by the factor."""
+    """[dim/2] fp32 inverse frequencies; linear scaling divides them by the factor, yarn blends
+    the two (the cos/sin factor yarn also applies is rope.attention_scaling)."""
     exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
-    inv = 1.0 / (rope.theta ** exponents)
-    return inv / rope.factor if rope.rope_type == "linear" else inv
+    pos_freqs = rope.theta ** exponents
+    inv = 1.0 / pos_freqs
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type != "yarn":
+        return inv
+    low, high = _yarn_correction_range(rope, dim)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the dim's own frequency (fast dims); 0: interpolate by factor
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + inv * extrapolation
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def _yarn_correction_range(rope: RopeConfig, dim: int) -> tuple[float, float]:
+    """The dims (of dim/2) where yarn's ramp runs: from the one turning beta_fast times to the one
+    turning beta_slow times over the original context."""
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array, scaling: float = 1.0) -> jax.Array:
     """Rotate pairs (x[j], x[j + D/2]) ("rotate_half" layout).
 
     x [B, T, H, D], positions [B, T] int32, inv_freq [D/2] -> [B, T, H, D] in x's dtype.
-    cos/sin are computed in fp32 and cast to x's dtype before the product, as transformers does.
+    cos/sin are computed in fp32, times `scaling` (yarn's attention factor), and cast to x's dtype
+    before the product, as transformers does.
     """
     ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     ang = jnp.concatenate([ang, ang], axis=-1)[:, :, None, :]  # [B, T, 1, D]
-    cos, sin = jnp.cos(ang).astype(x.dtype), jnp.sin(ang).astype(x.dtype)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin

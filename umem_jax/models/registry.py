@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .config import ModelConfig, text_config
 from .gemma3 import Gemma3ForCausalLM, gemma3_4b_like, gemma3_config, gemma3_config_to_dict
+from .gpt_oss import GptOssForCausalLM, gpt_oss_20b_like, gpt_oss_config
 from .model import Model
 from .nemotron_h import NemotronHForCausalLM, nemotron_3_nano_30b_a3b_like, nemotron_h_8b_like, nemotron_h_config
 from .qwen3_5 import Qwen3_5ForCausalLM, qwen3_5_4b_like, qwen3_5_config
@@ -42,6 +43,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Gemma3ForCausalLM": _GEMMA3,
     # The multimodal Gemma 3 checkpoints (4b and up) carry the same text decoder.
     "Gemma3ForConditionalGeneration": _GEMMA3,
+    "GptOssForCausalLM": Architecture(GptOssForCausalLM, gpt_oss_config),
     "UmemTinyHybrid": Architecture(TinyHybrid, tiny_config_from_dict, tiny_config_to_dict),
     "NemotronHForCausalLM": Architecture(NemotronHForCausalLM, nemotron_h_config),
     "Qwen3_5ForCausalLM": _QWEN3_5,
@@ -57,6 +59,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 _CONFIG_NAMES = {
     "Gemma3TextModel": "Gemma3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
     "umem_tiny_hybrid": "UmemTinyHybrid",
+    "gpt_oss": "GptOssForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
@@ -125,6 +128,7 @@ def config_to_dict(cfg: ModelConfig) -> dict:
 # Name -> config factory f(dtype) -> ModelConfig; presets.py gives the same names to their memory.
 SHAPES: dict[str, Callable[..., ModelConfig]] = {
     "gemma3-4b-like": gemma3_4b_like,
+    "gpt-oss-20b-like": gpt_oss_20b_like,
     "nemotronh-8b-like": nemotron_h_8b_like,
     "nemotron-3-nano-30b-a3b-like": nemotron_3_nano_30b_a3b_like,
     "qwen3.5-4b-like": qwen3_5_4b_like,
