@@ -33,6 +33,10 @@ from .layers import MLP, Linear, UngatedMLP, activation, normal_init
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
+# Up to this many (token, expert) rows the dispatch gathers each row's expert weights instead of
+# sorting and running the grouped matmul (a decode step at small batch reads only the chosen
+# experts); measured by benchmarks/bench_moe.py.
+GATHER_ROWS = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +185,20 @@ class Experts(nnx.Module):
     def first_bias(self):
         return getattr(self, self.first_name + "_bias")[...] if self.cfg.expert_bias else None
 
-    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array | None = None):
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array | None = None,
+                 *, path: str | None = None):
         """x [N, d], weights/experts [N, k], valid [N] bool or None -> [N, d] fp32 (the weighted
-        sum of each token's k experts; zeros for invalid rows)."""
+        sum of each token's k experts; zeros for invalid rows).
+
+        path: "ragged" (sort + grouped matmul), "gather" (each row's expert weights gathered:
+        touches only the chosen experts, for a few rows), None: "gather" when N*k <= GATHER_ROWS."""
         n, k = experts.shape
+        if path is None:
+            path = "gather" if n * k <= GATHER_ROWS else "ragged"
+        if path == "gather":
+            return self._gathered(x, weights, experts, valid)
+        if path != "ragged":
+            raise ValueError(f"MoE dispatch path {path!r}; known: ragged, gather")
         e = self.cfg.num_experts
         key = experts.reshape(-1)
         if valid is not None:
@@ -198,6 +212,20 @@ class Experts(nnx.Module):
         y = y * jnp.take(weights.reshape(-1), order)[:, None]
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         out = jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
+        return self._finish(out, weights, experts, valid)
+
+    def _gathered(self, x, weights, experts, valid):
+        """The few-rows path: every (token, expert) row reads its expert's weights by a gather."""
+        n, k = experts.shape
+        ids = experts.reshape(-1)
+        xs = jnp.repeat(x, k, axis=0)  # [R, d]
+        h = jnp.einsum("rd,rdf->rf", xs, jnp.take(self.first, ids, axis=0), preferred_element_type=jnp.float32)
+        bias = self.first_bias()
+        if bias is not None:
+            h = h + jnp.take(bias, ids, axis=0).astype(jnp.float32)
+        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
+        y = jnp.einsum("ri,rid->rd", a, jnp.take(self.down_proj[...], ids, axis=0), preferred_element_type=jnp.float32)
+        out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
         return self._finish(out, weights, experts, valid)
 
     def _down(self, h, sorted_experts, group_sizes):

@@ -1,0 +1,197 @@
+"""The MoE block's grouped matmuls and decode dispatch against their ceilings, in one run.
+
+  python3 -m benchmarks.bench_moe            # GPU: gpt-oss-20b and Qwen3.5-35B-A3B-like shapes
+  python3 -m benchmarks.bench_moe --small    # CPU: tiny shapes, in seconds
+
+prefill  the two grouped matmuls of models/moe.py (jax.lax.ragged_dot over tokens sorted by
+         expert, random top-k routing) in TFLOP/s, against a dense bf16 matmul of the same rows
+         and FLOPs ([R, d] @ [d, F]) in the same run (goal: ragged >= 0.6x dense), and the whole
+         routed block (sort, gather, both matmuls, un-sort) for the total time
+decode   Experts.__call__ at N tokens by each dispatch path ("ragged", "gather"): time against
+         the bytes of the experts the tokens actually touch over the copy rate measured here
+Every timed function is first checked against moe_reference-style math on the same device.
+The table comes last; with $OUT (or --json) set, the rows are also written as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from umem_jax.models.moe import Experts, MoEConfig, expert_activation
+
+from .report import RowLog, fmt, format_table, json_path
+from .timing import copy_rate, time_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    E: int
+    k: int
+    d: int
+    I: int  # noqa: E741 - the intermediate size, as in the papers
+
+
+GPT_OSS = Shape("gpt-oss-20b", 32, 4, 2880, 2880)
+QWEN = Shape("qwen3.5-35b-a3b-like", 256, 8, 2048, 512)
+SMALL = (Shape("small-a", 8, 2, 64, 32), Shape("small-b", 16, 4, 32, 16))
+
+
+def experts_of(shape: Shape, kind: str = "swiglu", dtype=jnp.bfloat16) -> Experts:
+    cfg = MoEConfig(shape.E, shape.k, shape.I, expert_kind=kind)
+    return Experts(shape.d, cfg, dtype=dtype, rngs=nnx.Rngs(0))
+
+
+def random_routing(key, n: int, shape: Shape):
+    """Top-k of random logits: about n*k/E rows per expert, some more, some fewer."""
+    logits = jax.random.normal(key, (n, shape.E), jnp.float32)
+    top, ids = jax.lax.top_k(logits, shape.k)
+    return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def timed(a, fn) -> float:
+    return time_calls(fn, iters=a.iters, trials=a.trials).median
+
+
+def row(a, **r) -> dict:
+    a.log.add(r)
+    print("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()), flush=True)
+    return r
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def bench_matmul_pair(a, shape: Shape, tokens: int, which: str, xs, w, group_sizes):
+    """One grouped matmul (ragged_dot, bf16 out) vs the dense matmul of the same FLOPs."""
+    rows, kdim = xs.shape
+    f = w.shape[-1]
+    flops = 2 * rows * kdim * f
+    ragged = jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, w, g))
+    dense = jax.jit(lambda x, w: jnp.dot(x, w))
+    w0 = w[0]
+    # Check on a slice: every row of group 0 against its dense product.
+    n0 = int(group_sizes[0])
+    err = rel_err(ragged(xs, w, group_sizes)[:n0], jnp.dot(xs[:n0].astype(jnp.float32), w0.astype(jnp.float32)))
+    t_ragged = timed(a, lambda: ragged(xs, w, group_sizes))
+    t_dense = timed(a, lambda: dense(xs, w0))
+    return row(a, case="prefill_" + which, shape=f"{shape.name} T={tokens} R={rows} K={kdim} F={f}",
+               ragged_us=t_ragged * 1e6, dense_us=t_dense * 1e6, ragged_tflops=flops / t_ragged / 1e12,
+               dense_tflops=flops / t_dense / 1e12, ratio=t_dense / t_ragged, goal=">=0.6", err=err)
+
+
+def bench_prefill(a, shape: Shape, tokens: int):
+    ex = experts_of(shape)
+    key = jax.random.key(tokens)
+    x = (jax.random.normal(key, (tokens, shape.d), jnp.float32)).astype(jnp.bfloat16)
+    weights, ids = random_routing(jax.random.key(tokens + 1), tokens, shape)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    group_sizes = jnp.bincount(flat, length=shape.E).astype(jnp.int32)
+    xs = jnp.take(x, order // shape.k, axis=0)
+    bench_matmul_pair(a, shape, tokens, "gate_up", xs, ex.gate_up_proj[...], group_sizes)
+    hs = jax.random.normal(jax.random.key(7), (xs.shape[0], shape.I), jnp.float32).astype(jnp.bfloat16)
+    bench_matmul_pair(a, shape, tokens, "down", hs, ex.down_proj[...], group_sizes)
+    # The whole routed block as the model runs it.
+    g, st = nnx.split(ex)
+    block = jax.jit(lambda st, x, w, e: nnx.merge(g, st)(x, w, e, path="ragged"))
+    t = timed(a, lambda: block(st, x, weights, ids))
+    flops = 2 * tokens * shape.k * shape.d * 3 * shape.I
+    row(a, case="prefill_block", shape=f"{shape.name} T={tokens}", us=t * 1e6, tflops=flops / t / 1e12)
+
+
+# ----------------------------------------------------------------------------- decode
+
+
+def touched_bytes(ex: Experts, ids) -> int:
+    """Weight bytes of the distinct experts `ids` names (gate_up + down, biases aside)."""
+    per_expert = (ex.first[0].size + ex.down_proj[0].size) * ex.first.dtype.itemsize
+    return int(len(np.unique(np.asarray(ids)))) * per_expert
+
+
+def decode_reference(ex: Experts, x, weights, ids):
+    """Per token, per chosen expert, in fp32 on the device: the definition the paths must match."""
+    w1 = jnp.take(ex.first, ids, axis=0).astype(jnp.float32)
+    h = jnp.einsum("nd,nkdf->nkf", x.astype(jnp.float32), w1)
+    a_ = expert_activation(h, ex.cfg)
+    y = jnp.einsum("nki,nkid->nkd", a_, jnp.take(ex.down_proj[...], ids, axis=0).astype(jnp.float32))
+    return jnp.einsum("nk,nkd->nd", weights, y)
+
+
+def bench_decode(a, shape: Shape, n: int, rate):
+    ex = experts_of(shape)
+    x = jax.random.normal(jax.random.key(n), (n, shape.d), jnp.float32).astype(jnp.bfloat16)
+    weights, ids = random_routing(jax.random.key(n + 100), n, shape)
+    nbytes = touched_bytes(ex, ids)
+    bound = nbytes / rate.bytes_per_s
+    want = jax.jit(decode_reference)(ex, x, weights, ids)
+    g, st = nnx.split(ex)
+    for path in ("ragged", "gather"):
+        fn = jax.jit(lambda st, x, w, e, path=path: nnx.merge(g, st)(x, w, e, path=path))
+        try:
+            err = rel_err(fn(st, x, weights, ids), want)
+            t = timed(a, lambda: fn(st, x, weights, ids))
+            row(a, case=f"decode_{path}", shape=f"{shape.name} N={n}", us=t * 1e6, touched_mib=nbytes / 2**20,
+                bound_us=bound * 1e6, of_bound=bound / t, all_experts_mib=(ex.first.nbytes + ex.down_proj.nbytes) / 2**20,
+                err=err)
+        except Exception as e:  # noqa: BLE001 - one failing path must not end a one-shot GPU run
+            traceback.print_exc()
+            row(a, case=f"decode_{path}", shape=f"{shape.name} N={n}", note=f"FAILED {type(e).__name__}: {e}"[:200])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python3 -m benchmarks.bench_moe", description=__doc__.split("\n")[0])
+    p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
+    p.add_argument("--only", default="prefill,decode", help="comma list of: prefill, decode")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--trials", type=int, default=None)
+    p.add_argument("--json", default=None, help="write the rows here (default $OUT/bench_moe.json when $OUT is set)")
+    a = p.parse_args(argv)
+    a.iters = a.iters or (2 if a.small else 10)
+    a.trials = a.trials or (2 if a.small else 5)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(sys.argv[1:] if argv is None else argv)
+    dev = jax.devices()[0]
+    a.log = RowLog(json_path(a.json, "bench_moe"), jax=jax.__version__, device=str(dev.device_kind))
+    print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    only = set(a.only.split(","))
+    rate = copy_rate((4 << 20) if a.small else (4 << 30), iters=a.iters, trials=a.trials)
+    row(a, case="copy", shape=f"{rate.nbytes >> 20} MiB", tbps=rate.tbps, exact=rate.exact)
+    shapes = SMALL if a.small else (GPT_OSS, QWEN)
+    token_counts = (64, 256) if a.small else (4096, 16384)
+    for shape in shapes:
+        for tokens in token_counts if "prefill" in only else ():
+            try:
+                bench_prefill(a, shape, tokens)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
+        for n in (1, 64) if "decode" in only else ():
+            bench_decode(a, shape, n, rate)
+    keys = ["case", "shape", "ragged_tflops", "dense_tflops", "ratio", "us", "bound_us", "of_bound", "err"]
+    print(format_table(keys, [[r.get("case"), r.get("shape")] + [fmt(r.get(k), ".3g") for k in keys[2:]]
+                              for r in a.log.rows], left=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""The MoE block (models/moe.py): the router against a plain numpy re-derivation of each scoring
+mode, the sort + ragged_dot dispatch and the gather path against the dense per-token reference
+(moe_reference) in fp32 and bf16, padding rows, and a jitted block with no host round trip.
+
+Fresh random weights and inputs per case (seeded parametrisations); every expert and router
+bias is set to random values, since the zero init would hide a bias that is dropped or doubled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from umem_jax.models import moe as moe_lib
+from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route
+
+HIDDEN = 32
+
+
+def build(cfg: MoEConfig, seed: int, dtype=jnp.float32, hidden: int = HIDDEN) -> MoE:
+    """A block with every parameter random (biases included), std chosen so activations are O(1).
+    Built abstractly and filled from numpy: no device program per weight shape."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(hidden, cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for leaf in jax.tree.leaves(state):
+        std = 1.0 / np.sqrt(leaf.shape[-2]) if leaf.ndim >= 2 else 0.5
+        leaves.append(jnp.asarray(std * rng.standard_normal(leaf.shape, np.float32)).astype(leaf.dtype))
+    return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
+
+
+def inputs(seed: int, shape, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32)).astype(dtype)
+
+
+def jitted(fn, m: MoE, *args, **kw):
+    """fn(m, *args) under one jit (one compile per case, instead of one per eager op)."""
+    graphdef, state = nnx.split(m)
+    return jax.jit(lambda state, *args: fn(nnx.merge(graphdef, state), *args, **kw))(state, *args)
+
+
+def block(m, x, valid=None):
+    return m(x, valid)
+
+
+def rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+# ----------------------------------------------------------------------------- configs
+
+BASE = dict(num_experts=8, top_k=2, intermediate_size=16)
+CONFIGS = {
+    "qwen_softmax": MoEConfig(**BASE),
+    "softmax_unnormed_scaled": MoEConfig(**BASE, norm_topk_prob=False, routed_scaling_factor=2.5),
+    "qwen_next_shared_gate": MoEConfig(**BASE, shared_intermediate_size=24, shared_expert_gate=True),
+    "shared_no_gate": MoEConfig(**BASE, shared_intermediate_size=24),
+    "gpt_oss": MoEConfig(num_experts=7, top_k=3, intermediate_size=16, scoring="topk_softmax", router_bias=True,
+                         expert_kind="gpt_oss", expert_bias=True, swiglu_limit=1.5),
+    "nemotron_sigmoid_grouped": MoEConfig(num_experts=12, top_k=3, intermediate_size=16, scoring="sigmoid",
+                                          score_correction_bias=True, n_group=4, topk_group=2,
+                                          routed_scaling_factor=1.7, expert_kind="ungated", activation="relu2",
+                                          shared_intermediate_size=20, shared_expert_kind="ungated"),
+    "sigmoid_unnormed": MoEConfig(num_experts=9, top_k=2, intermediate_size=8, scoring="sigmoid",
+                                  norm_topk_prob=False, score_correction_bias=True),
+    "softmax_grouped_bias": MoEConfig(num_experts=8, top_k=2, intermediate_size=8, n_group=2, topk_group=1,
+                                      router_bias=True, expert_bias=True),
+    "k1_odd_E": MoEConfig(num_experts=5, top_k=1, intermediate_size=8),
+    "k_equals_E": MoEConfig(num_experts=5, top_k=5, intermediate_size=8, expert_kind="gpt_oss", expert_bias=True,
+                            scoring="topk_softmax"),
+    "many_empty_experts": MoEConfig(num_experts=37, top_k=2, intermediate_size=8, expert_kind="ungated",
+                                    activation="relu2", expert_bias=True),
+}
+
+
+# ----------------------------------------------------------------------------- router
+
+
+def np_route(logits: np.ndarray, cfg: MoEConfig, bias: np.ndarray | None):
+    """The routing written out in numpy, float64: (weights [N, k], experts [N, k])."""
+    logits = logits.astype(np.float64)
+    k = cfg.top_k
+    if cfg.scoring == "topk_softmax":
+        ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+        top = np.take_along_axis(logits, ids, -1)
+        w = np.exp(top - top.max(-1, keepdims=True))
+        return w / w.sum(-1, keepdims=True) * cfg.routed_scaling_factor, ids
+    if cfg.scoring == "softmax":
+        e = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = e / e.sum(-1, keepdims=True)
+    else:
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    choice = scores + (0.0 if bias is None else bias.astype(np.float64))
+    if cfg.n_group > 1:
+        n, size = choice.shape[0], cfg.num_experts // cfg.n_group
+        groups = choice.reshape(n, cfg.n_group, size)
+        group_score = np.sort(groups, axis=-1)[..., -min(2, size):].sum(-1)
+        keep = np.argsort(-group_score, axis=-1)[:, :cfg.topk_group]
+        mask = np.zeros((n, cfg.n_group), bool)
+        np.put_along_axis(mask, keep, True, -1)
+        choice = np.where(np.repeat(mask, size, -1), choice, -np.inf)
+    ids = np.argsort(-choice, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(scores, ids, -1)
+    if cfg.norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    return w * cfg.routed_scaling_factor, ids
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_router_matches_numpy(name, seed):
+    cfg = CONFIGS[name]
+    n = 48
+    logits = np.asarray(inputs(seed, (n, cfg.num_experts))) * 3.0
+    bias = np.asarray(inputs(seed + 7, (cfg.num_experts,))) * 0.3 if cfg.score_correction_bias else None
+    w, ids = route(jnp.asarray(logits), cfg, None if bias is None else jnp.asarray(bias))
+    want_w, want_ids = np_route(logits, cfg, bias)
+    w, ids = np.asarray(w), np.asarray(ids)
+    assert ids.dtype == np.int32 and w.dtype == np.float32 and ids.shape == (n, cfg.top_k)
+    # Same chosen set per token (order of equal-rank picks is not part of the contract) ...
+    got_order, want_order = np.argsort(ids, -1), np.argsort(want_ids, -1)
+    np.testing.assert_array_equal(np.take_along_axis(ids, got_order, -1), np.take_along_axis(want_ids, want_order, -1))
+    # ... and the same weight for each chosen expert.
+    np.testing.assert_allclose(np.take_along_axis(w, got_order, -1), np.take_along_axis(want_w, want_order, -1),
+                               rtol=2e-6, atol=1e-7)
+
+
+def test_correction_bias_changes_selection_not_weights():
+    """A large correction bias on expert 3 makes every token choose it, with its plain sigmoid score."""
+    cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=8, scoring="sigmoid", norm_topk_prob=False,
+                    score_correction_bias=True)
+    logits = inputs(3, (20, 6))
+    bias = jnp.zeros((6,)).at[3].set(10.0)
+    w, ids = route(logits, cfg, bias)
+    assert bool(jnp.all(jnp.any(ids == 3, axis=-1)))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(jnp.take_along_axis(jax.nn.sigmoid(logits), ids, -1)),
+                               rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+GATHER_CASES = ["gpt_oss", "nemotron_sigmoid_grouped", "qwen_next_shared_gate", "k_equals_E"]  # every kind
+
+
+@pytest.mark.parametrize("name,path", [(n, "ragged") for n in sorted(CONFIGS)] + [(n, "gather") for n in GATHER_CASES])
+def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
+    cfg = CONFIGS[name]
+    m = build(cfg, seed=hash(name) % 1000)
+    x = inputs(5, (3, 11, HIDDEN))
+    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    got, want = jitted(block, m, x), jitted(moe_reference, m, x)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["qwen_next_shared_gate", "gpt_oss", "nemotron_sigmoid_grouped", "k1_odd_E"])
+def test_dispatch_matches_reference_bf16(name):
+    """bf16 weights and activations: both sides accumulate in fp32 and round the expert hidden
+    to bf16 once, so they differ by a few bf16 ulps of the output."""
+    cfg = CONFIGS[name]
+    m = build(cfg, seed=11, dtype=jnp.bfloat16)
+    x = inputs(6, (4, 16, HIDDEN), jnp.bfloat16)
+    got, want = jitted(block, m, x), jitted(moe_reference, m, x)
+    assert got.dtype == jnp.bfloat16
+    assert rel(got, want) < 2e-2
+    # And both are close to the fp32 block with the same (bf16-rounded) weights.
+    m32 = nnx.merge(*_cast(m, jnp.float32))
+    assert rel(got, jitted(moe_reference, m32, x.astype(jnp.float32))) < 3e-2
+
+
+def _cast(m, dtype):
+    graphdef, state = nnx.split(m)
+    return graphdef, jax.tree.map(lambda a: a.astype(dtype), state)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_every_token_on_one_expert(k):
+    """All 64 tokens route to expert 0 (one group holds every row; the others are empty)."""
+    cfg = MoEConfig(num_experts=6, top_k=k, intermediate_size=8, expert_bias=True, router_bias=True)
+    m = build(cfg, seed=21)
+    m.gate.bias[...] = jnp.array([50.0, 0, 0, 0, 0, 0]) + m.gate.bias[...]
+    x = inputs(8, (64, HIDDEN))
+    _, ids = m.gate(x)
+    assert bool(jnp.all(ids[:, 0] == 0))
+    assert rel(jitted(block, m, x), jitted(moe_reference, m, x)) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["ragged", "gather"])
+def test_padding_rows_do_not_touch_valid_rows(path, monkeypatch):
+    """Padding rows filled with NaN and huge values: valid rows are exactly what they are without
+    the padding; padding rows come back finite or not, but are never read."""
+    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    cfg = CONFIGS["gpt_oss"]
+    m = build(cfg, seed=31)
+    x = inputs(9, (2, 12, HIDDEN))
+    valid = jnp.asarray(np.random.default_rng(0).random((2, 12)) < 0.6)
+    junk = jnp.where(jnp.arange(2 * 12).reshape(2, 12, 1) % 2 == 0, jnp.nan, 1e6)
+    padded = jnp.where(valid[..., None], x, junk)
+    got = np.asarray(jitted(block, m, padded, valid))
+    alone = np.asarray(jitted(block, m, x[valid]))  # only the valid rows, no padding at all
+    np.testing.assert_allclose(got[np.asarray(valid)], alone, rtol=1e-6, atol=1e-6)
+    ref = np.asarray(jitted(moe_reference, m, x))
+    np.testing.assert_allclose(got[np.asarray(valid)], ref[np.asarray(valid)], rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_activation_formula():
+    """gate = min(gate, limit); up = clip(up, -limit, limit); (up + 1) * gate * sigmoid(alpha * gate)."""
+    cfg = MoEConfig(num_experts=2, top_k=1, intermediate_size=5, expert_kind="gpt_oss")
+    h = np.asarray(inputs(12, (7, 10))) * 6.0
+    gate, up = h[:, :5], h[:, 5:]
+    g = np.minimum(gate, cfg.swiglu_limit)
+    u = np.clip(up, -cfg.swiglu_limit, cfg.swiglu_limit)
+    want = (u + 1.0) * g / (1.0 + np.exp(-cfg.swiglu_alpha * g))
+    np.testing.assert_allclose(np.asarray(expert_activation(jnp.asarray(h), cfg)), want, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- jit
+
+
+def _primitives(jaxpr) -> set[str]:
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out |= _primitives(inner)
+    return out
+
+
+@pytest.mark.parametrize("name", ["nemotron_sigmoid_grouped", "gpt_oss", "qwen_next_shared_gate"])
+def test_jitted_block_has_no_host_round_trip(name, monkeypatch):
+    m = build(CONFIGS[name], seed=41)
+    graphdef, state = nnx.split(m)
+    fn = lambda state, x, valid: nnx.merge(graphdef, state)(x, valid)  # noqa: E731
+    x, valid = inputs(13, (2, 8, HIDDEN)), jnp.ones((2, 8), bool).at[1, 5:].set(False)
+    for rows in (0, 10**9):  # both dispatch paths
+        monkeypatch.setattr(moe_lib, "GATHER_ROWS", rows)
+        prims = _primitives(jax.make_jaxpr(fn)(state, x, valid).jaxpr)
+        assert not {p for p in prims if "callback" in p or p in ("outfeed", "infeed")}, prims
+        got = jax.jit(fn)(state, x, valid)
+        want = jitted(moe_reference, m, x)
+        np.testing.assert_allclose(np.asarray(got)[np.asarray(valid)], np.asarray(want)[np.asarray(valid)],
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_auto_path_picks_gather_for_few_rows(monkeypatch):
+    """The default dispatch: N*k <= GATHER_ROWS gathers (no ragged_dot in the program)."""
+    m = build(CONFIGS["qwen_softmax"], seed=51)
+    graphdef, state = nnx.split(m)
+    fn = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 4)
+    assert "ragged_dot_general" not in _primitives(jax.make_jaxpr(fn)(state, inputs(1, (2, HIDDEN))).jaxpr)
+    assert "ragged_dot_general" in _primitives(jax.make_jaxpr(fn)(state, inputs(1, (3, HIDDEN))).jaxpr)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(scoring="relu"), "scoring"), (dict(expert_kind="geglu"), "expert_kind"), (dict(top_k=9), "top_k"),
+    (dict(n_group=3), "n_group"), (dict(n_group=4, topk_group=5), "topk_group"),
+    (dict(n_group=4, topk_group=1, top_k=3), "exceeds"), (dict(shared_expert_kind="moe"), "shared_expert_kind"),
+])
+def test_unsupported_configs_say_what(kw, match):
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        MoEConfig(**{**BASE, **kw})
+
+
+def test_config_is_hashable():
+    assert hash(CONFIGS["gpt_oss"]) == hash(dataclasses.replace(CONFIGS["gpt_oss"]))
