@@ -63,6 +63,7 @@ class Recurrent:
     shape_params: tuple[float, float]
     shape_layer_types: dict
     shape_layers: int
+    state_shape: tuple[int, ...] = (4, 16, 16)  # one layer's recurrent state
 
 
 FAMILIES = {
@@ -75,6 +76,12 @@ FAMILIES = {
     "nemotron_h_moe": Family("nemotron_h_moe_tiny", ("backbone.layers.1.mixer.gate.e_score_correction_bias",
                                                      "layers.1.mixer.gate.e_score_correction_bias"),
                              (1, 8), 32768, ((27,), 16, 8)),
+    "gpt_oss": Family("gpt_oss_tiny", ("model.layers.1.self_attn.sinks", "layers.1.self_attn.sinks"),
+                      (1, 4), 32768, ((13, 27), 32, 6)),
+    "qwen3_5_moe": Family("qwen3_5_moe_tiny", ("model.layers.2.mlp.experts.5.up_proj.weight",
+                                               "layers.2.mlp.experts.5.up_proj.weight"), (1, 8), 32768, ((27,), 16, 8)),
+    "qwen3_next": Family("qwen3_next_tiny", ("model.layers.1.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight"),
+                         (1, 8), 32768, ((27,), 16, 8)),
 }
 # NemotronH: Mamba2 4 heads x 16 in 2 groups, state 16; MLP blocks 1 and 5 keep nothing.
 # Qwen3.5: gated DeltaNet 2 key heads of 16 serving 4 value heads of 16.
@@ -84,6 +91,11 @@ RECURRENT = {
                             {"linear_attention": 24, "full_attention": 4, "mlp": 24}, 52),
     "qwen3_5": Recurrent("qwen3_5", (0, 1, 3), 2, 2 * 2 * 16 + 4 * 16, "recurrent", False, (0, 1, 2, 3),
                          "qwen3.5-4b-like", (4.0e+09, 4.4e+09), {"full_attention": 8}, 32),
+    # Qwen3.5-MoE / Qwen3-Next: gated DeltaNet 2 key heads of 8 serving 4 value heads of 8.
+    "qwen3_5_moe": Recurrent("qwen3_5_moe", (0, 1, 3), 2, 2 * 2 * 8 + 4 * 8, "recurrent", False, (0, 1, 2, 3),
+                             "qwen3.5-35b-a3b-like", (34.5e+09, 34.8e+09), {"full_attention": 10}, 40, (4, 8, 8)),
+    "qwen3_next": Recurrent("qwen3_next", (0, 1, 3), 2, 2 * 2 * 8 + 4 * 8, "recurrent", False, (0, 1, 2, 3),
+                            "qwen3-next-80b-a3b-like", (79.5e+09, 79.9e+09), {"full_attention": 12}, 48, (4, 8, 8)),
 }
 
 
@@ -144,7 +156,7 @@ def test_decls_state_and_full(family):
     assert [type(d.parts[0].lifetime) for d in decls] == [State, State, Full, State]
     conv, state = decls[0].parts[0].geometry.tensors
     assert (conv.shape, conv.dtype) == ((3, spec.conv_dim), "bfloat16")
-    assert (state.name, state.shape, state.dtype) == (spec.state, (4, 16, 16), "float32")
+    assert (state.name, state.shape, state.dtype) == (spec.state, spec.state_shape, "float32")
     assert make_plan(decls, page_size=4).names == ("state", "full")
 
 

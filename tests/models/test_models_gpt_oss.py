@@ -75,6 +75,31 @@ def test_hub_style_config_normalises_like_5x():
     assert from_hf_config(d) == load_hf_config(FIXTURE)
 
 
+# gpt-oss-20b's config.json on the hub (transformers 4.55 era: rope_scaling, no dtype)
+HUB_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False,
+    "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+        "quant_method": "mxfp4"}, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True, "vocab_size": 201088,
+}
+
+
+def test_hub_20b_config_is_the_20b_like_shape():
+    """The real config.json parses to registry's gpt-oss-20b-like, in bf16 (the hub file names no
+    dtype; its tensors are bf16 and MXFP4)."""
+    from umem_jax.models.gpt_oss import gpt_oss_20b_like
+
+    assert from_hf_config(HUB_20B) == gpt_oss_20b_like("bfloat16")
+
+
 def test_unsupported_configs_are_refused():
     base = json.loads((FIXTURE / "config.json").read_text())
     with pytest.raises(NotImplementedError, match="quantization 'fp8'"):

@@ -100,6 +100,12 @@ def _check_quantization(d: dict) -> None:
                                   "weights are, dequantised at load)")
 
 
+def _dtype(d: dict) -> str:
+    """The hub's config.json names no dtype; its tensors are bf16 (and MXFP4 experts), not the fp32
+    that transformers (and weight_dtype) would assume."""
+    return weight_dtype(d) if (d.get("dtype") or d.get("torch_dtype")) else "bfloat16"
+
+
 def gpt_oss_config(d: dict) -> GptOssConfig:
     """A `gpt_oss` config.json dict -> config (transformers' GptOssConfig defaults where a key is absent)."""
     _check_quantization(d)
@@ -124,7 +130,7 @@ def gpt_oss_config(d: dict) -> GptOssConfig:
         head_dim=d.get("head_dim") or hidden // heads, layer_types=types, sliding_window=d.get("sliding_window", 128),
         rope=((FULL, _rope(d)), (SLIDING, _rope(d))), rms_norm_eps=d.get("rms_norm_eps", 1e-5),
         hidden_activation=d.get("hidden_act", "silu"), tie_word_embeddings=d.get("tie_word_embeddings", False),
-        dtype=weight_dtype(d), bos_token_id=d.get("bos_token_id"), eos_token_id=int_or_tuple(d.get("eos_token_id")),
+        dtype=_dtype(d), bos_token_id=d.get("bos_token_id"), eos_token_id=int_or_tuple(d.get("eos_token_id")),
         pad_token_id=d.get("pad_token_id"), max_position_embeddings=d.get("max_position_embeddings", 131072),
         moe=moe, attention_bias=d.get("attention_bias", True),
     )
