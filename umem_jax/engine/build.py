@@ -154,7 +154,7 @@ def _load(cfg: EngineConfig):
 
     if isinstance(cfg.model, Model):
         return cfg.model
-    name = str(cfg.model)
+    name = loader.HF_NAMES.get(str(cfg.model), str(cfg.model))  # "google/gemma-3-270m" is the built-in
     if cfg.load_format == "dummy" and name not in ("tiny", "tiny-attention"):
         from pathlib import Path
 

