@@ -63,8 +63,8 @@ def test_hub_keys_normalise_like_5x_keys():
 def test_moe_fields_default_as_transformers():
     """A pattern with "E" and no MoE fields: transformers' NemotronHConfig defaults (8 experts of
     7688, top-2, shared 7688, no grouping, scale 1)."""
-    moe_keys = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-                "n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob"}
+    moe_keys = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group",
+                "moe_shared_expert_intermediate_size", "routed_scaling_factor", "norm_topk_prob"}
     d = {k: v for k, v in json.loads((FIXTURE / "config_hub.json").read_text()).items() if k not in moe_keys}
     moe = from_hf_config({**d, "hybrid_override_pattern": "M-E*", "num_hidden_layers": 4}).moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size) == (8, 2, 7688, 7688)
