@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from make_fixtures import FIXTURES, NEW_TOKENS, PROMPTS
 
-from umem_jax.models.gpt_oss import quantize_mxfp4
+from umem_jax.models.mxfp4 import quantize_mxfp4
 
 YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 4096}
@@ -111,7 +111,7 @@ def _mxfp4_tensors(model) -> dict[str, np.ndarray]:
     out = {}
     for name, p in model.named_parameters():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = quantize_mxfp4(np.swapaxes(p.detach().numpy(), 1, 2))
+            blocks, scales = quantize_mxfp4(p.detach().numpy())  # [E, in, out] -> [E, out, G, 16]
             out[f"{name}_blocks"], out[f"{name}_scales"] = blocks, scales
     return out
 

@@ -25,9 +25,10 @@ from _model_fixtures import expected as load_expected
 from umem_jax import LLM, SamplingParams
 from umem_jax.memory import MHA, Full, Window
 from umem_jax.memory import plan as make_plan
-from umem_jax.models.gpt_oss import _rope, dequantize_mxfp4, quantize_mxfp4
+from umem_jax.models.gpt_oss import _rope
 from umem_jax.models.layers import rope_inv_freq
 from umem_jax.models.loader import load_safetensors
+from umem_jax.models.mxfp4 import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
 from umem_jax.models.registry import build_random, from_hf_config, load_hf_config
 
 NAME = "gpt_oss_tiny"
@@ -127,25 +128,41 @@ def test_yarn_matches_transformers():
 
 
 def test_mxfp4_dequant_matches_transformers(mxfp4):
-    """Random bytes, 3 blocks a row: ours [E, rows, G*32] vs transformers' [E, G*32, rows]."""
-    ours = dequantize_mxfp4(mxfp4["random_blocks"], mxfp4["random_scales"], np.float32)
-    np.testing.assert_array_equal(np.swapaxes(ours, 1, 2), mxfp4["random_dequant"])
+    """Random bytes, 3 blocks a row, against transformers' convert_moe_packed_tensors ([E, in, out]),
+    in fp32 and bf16 (the bit-pattern path), and in fp16 (the fp32 path)."""
+    want = mxfp4["random_dequant"]
+    for dtype in (np.float32, jnp.bfloat16, np.float16):
+        with np.errstate(over="ignore"):  # fp16: values past 65504 are inf on both sides
+            got = dequantize_mxfp4(mxfp4["random_blocks"], mxfp4["random_scales"], dtype)
+            ref = want.astype(dtype).astype(np.float32)
+        assert got.dtype == np.dtype(dtype) and got.shape == want.shape == (2, 96, 4)
+        np.testing.assert_array_equal(got.astype(np.float32), ref)
 
 
-def test_mxfp4_quantize_round_trip():
-    """quantize_mxfp4 (fixtures, tests) picks the OCP MX scale 2^e: every value comes back within
+def test_mxfp4_round_trip_and_range():
+    """quantize_mxfp4 (tests, fixtures) picks the OCP MX scale 2^e: every value comes back within
     2 * 2^e (e2m1's widest gap, 4 to 6, halved; or the clamp of (6, 8) to 6), and dequantised
-    values re-quantise to the same bytes."""
-    w = np.random.default_rng(0).standard_normal((3, 5, 96)).astype(np.float32) * np.float32(3.0)
-    blocks, scales = quantize_mxfp4(w)
+    values re-quantise to the same bytes.  Scales past the normal range (2^-127 and 2^127) take
+    the fp32 path and match it."""
+    w = np.random.default_rng(0).standard_normal((3, 96, 5)).astype(np.float32) * np.float32(3.0)
+    blocks, scales = quantize_mxfp4(w)  # w [E, in, out]
     assert blocks.shape == (3, 5, 3, 16) and scales.shape == (3, 5, 3)
     back = dequantize_mxfp4(blocks, scales, np.float32)
-    unit = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)  # 2^e of each block
-    err = np.abs(back - w).reshape(3, 5, 3, 32).max(-1)
-    assert (err <= 2 * unit).all() and (err > 0).any()
+    unit = np.ldexp(np.float32(1), scales.astype(np.int32) - 127)  # [E, out, G]: 2^e of each block
+    err = np.abs(back - w).reshape(3, 3, 32, 5).max(2)  # [E, G, out]
+    assert (err <= 2 * np.swapaxes(unit, 1, 2)).all() and (err > 0).any()
     b2, s2 = quantize_mxfp4(back)
     np.testing.assert_array_equal(b2, blocks)
     np.testing.assert_array_equal(s2, scales)
+    extreme = scales.copy()
+    extreme[0, 0, 0], extreme[1, 2, 1] = 0, 254  # 2^-127 and 2^127
+    codes = np.stack([blocks & 0x0F, blocks >> 4], -1).reshape(3, 5, 3, 32)  # [E, out, G, 32]
+    exact = FP4_VALUES[codes].astype(np.float64) * 2.0 ** (extreme.astype(np.float64) - 127)[..., None]
+    with np.errstate(over="ignore"):
+        want = np.swapaxes(exact.reshape(3, 5, 96), 1, 2).astype(jnp.bfloat16)
+        got = dequantize_mxfp4(blocks, extreme, jnp.bfloat16)
+    np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    assert np.isinf(got.astype(np.float32)).any()  # 6 * 2^127 overflows, as transformers' ldexp does
 
 
 @pytest.mark.skipif(not _HAS_TORCH, reason="torch and transformers not installed (CI checks the committed bytes)")
@@ -154,12 +171,11 @@ def test_mxfp4_dequant_live_transformers():
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    w = np.random.default_rng(1).standard_normal((4, 6, 160)).astype(np.float32) * np.float32(0.02)
+    w = np.random.default_rng(1).standard_normal((4, 160, 6)).astype(np.float32) * np.float32(0.02)
     blocks, scales = quantize_mxfp4(w)
     for dtype, tdtype in ((np.float32, torch.float32), (jnp.bfloat16, torch.bfloat16)):
         hf = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=tdtype)
-        ours = np.swapaxes(dequantize_mxfp4(blocks, scales, dtype), 1, 2).astype(np.float32)
-        np.testing.assert_array_equal(ours, hf.float().numpy())
+        np.testing.assert_array_equal(dequantize_mxfp4(blocks, scales, dtype).astype(np.float32), hf.float().numpy())
 
 
 def _mxfp4_checkpoint(tmp_path, mxfp4):

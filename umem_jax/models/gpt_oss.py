@@ -18,8 +18,8 @@ Checkpoint -> parameters (`checkpoint_to_params`): the router `mlp.router.*` is 
 the experts' gate and up columns are interleaved in the checkpoint (gate = [..., ::2], up =
 [..., 1::2]) and concatenated in ours (gate | up); the hub checkpoints keep the expert weights in
 MXFP4 (`*_blocks` uint8: two e2m1 values a byte, 32 values a block along the input dim;
-`*_scales` uint8 e8m0: the block's power of two, biased by 127), dequantised here into the
-model dtype, layer by layer.  Everything else is the checkpoint's name without `model.`.
+`*_scales` uint8 e8m0: the block's power of two, biased by 127; mxfp4.py), dequantised here into
+the model dtype, layer by layer.  Everything else is the checkpoint's name without `model.`.
 """
 
 from __future__ import annotations
@@ -38,14 +38,9 @@ from .causal_lm import CausalLM, ResidualLayer
 from .config import FULL, LEGACY_LAYER_TYPES, SLIDING, ModelConfig, RopeConfig, int_or_tuple, weight_dtype
 from .layers import RMSNorm
 from .moe import MoE, MoEConfig
+from .mxfp4 import dequantize_mxfp4
 
 ARCHITECTURE = "GptOssForCausalLM"
-
-# e2m1 (FP4) code -> value: sign bit 3, then exponent and mantissa (the OCP MX spec's table).
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
-_E8M0_BIAS = 127
-_MXFP4_BLOCK = 32  # values per scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,46 +147,7 @@ def gpt_oss_20b_like(dtype: str = "bfloat16") -> GptOssConfig:
         "tie_word_embeddings": False, "eos_token_id": 200002, "pad_token_id": 199999, "dtype": dtype})
 
 
-# ----------------------------------------------------------------------------- MXFP4
-
-
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype) -> np.ndarray:
-    """MXFP4 -> values: blocks uint8 [..., G, 16] (the low nibble is the even element), scales
-    uint8 [..., G] (e8m0) -> [..., G * 32] in `dtype` (exact: every value is an e2m1 number times
-    a power of two).  Computed in fp32 a slice of the leading axis at a time, so a layer of
-    gpt-oss-120b's experts needs ~0.5 GB of temporaries, not ~8 GB."""
-    blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != _MXFP4_BLOCK // 2:
-        raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not match: blocks must be "
-                         f"[..., G, {_MXFP4_BLOCK // 2}] over scales [..., G]")
-    out = np.empty((*scales.shape, _MXFP4_BLOCK), dtype)
-    step = max(1, (1 << 27) // max(1, int(np.prod(blocks.shape[1:]))))  # ~128M values a slice
-    for s in range(0, blocks.shape[0], step):
-        b, e = blocks[s:s + step], scales[s:s + step].astype(np.int32) - _E8M0_BIAS
-        vals = np.empty((*b.shape[:-1], _MXFP4_BLOCK), np.float32)
-        vals[..., 0::2] = FP4_VALUES[b & 0x0F]
-        vals[..., 1::2] = FP4_VALUES[b >> 4]
-        out[s:s + step] = np.ldexp(vals, e[..., None]).astype(dtype)
-    return out.reshape(*scales.shape[:-1], -1)
-
-
-def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """dequantize_mxfp4's inverse (for tests and fixtures): w [..., K] (K a multiple of 32) ->
-    (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]).  The OCP MX rule: a block's scale is
-    2^(floor(log2 max|x|) - 2) (2 = e2m1's largest exponent), each value rounds to the nearest
-    e2m1 number (a tie to the smaller magnitude), |values| past 6 clamp to 6."""
-    w = np.asarray(w, np.float32)
-    blocks = w.reshape(*w.shape[:-1], -1, _MXFP4_BLOCK)
-    amax = np.abs(blocks).max(-1)
-    with np.errstate(divide="ignore"):
-        e = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-38))) - 2, -_E8M0_BIAS)
-    e = np.clip(e, -_E8M0_BIAS, _E8M0_BIAS).astype(np.int32)
-    v = np.abs(blocks) / np.ldexp(np.float32(1), e)[..., None]
-    # the nearest of the 8 magnitudes (argmin: the first, smaller one on a tie)
-    mag = np.abs(v[..., None] - FP4_VALUES[:8]).argmin(-1).astype(np.uint8)
-    codes = mag | np.where(np.signbit(blocks) & (mag > 0), 8, 0).astype(np.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.astype(np.uint8), (e + _E8M0_BIAS).astype(np.uint8)
+# ----------------------------------------------------------------------------- checkpoint -> parameters
 
 
 def _np_dtype(name: str):
@@ -223,8 +179,7 @@ def _convert_experts(prefix: str, tensors: dict, dtype) -> dict:
             blocks, scales = np.asarray(blocks), np.asarray(scales)
             if gate_up:  # de-interleave the output rows before dequantising: uint8, cheap
                 blocks, scales = _deinterleave(blocks, 1), _deinterleave(scales, 1)
-            w = dequantize_mxfp4(blocks, scales, dtype)  # [E, out, in]
-            out[name] = np.ascontiguousarray(np.swapaxes(w, 1, 2))  # (in, out), as our experts hold it
+            out[name] = dequantize_mxfp4(blocks, scales, dtype)  # [E, in, out], as our experts hold it
         elif name in tensors:
             w = tensors.pop(name)
             out[name] = _deinterleave(w, -1) if gate_up else w
@@ -282,5 +237,5 @@ class GptOssForCausalLM(CausalLM):
         return out
 
 
-__all__ = ["ARCHITECTURE", "FP4_VALUES", "GptOssConfig", "GptOssDecoderLayer", "GptOssForCausalLM",
-           "dequantize_mxfp4", "gpt_oss_20b_like", "gpt_oss_config", "quantize_mxfp4"]
+__all__ = ["ARCHITECTURE", "GptOssConfig", "GptOssDecoderLayer", "GptOssForCausalLM", "gpt_oss_20b_like",
+           "gpt_oss_config"]
