@@ -15,6 +15,8 @@ JSON summary.  Sections:
                    split over 4 devices) against TP=1
   arena-fixtures   the same splits: greedy tokens through the arena (hand-paged steps)
   engine-fixtures  the two fixtures through the engine, TP=2 against TP=1
+  moe              a tiny MoE layer (gpt-oss, Qwen3-Next and Nemotron-H style) at TP=2 and 4
+                   against TP=1, sort + ragged_dot and gather dispatch
 """
 
 from __future__ import annotations
@@ -147,7 +149,76 @@ def engine_fixtures() -> dict:
     return out
 
 
-SECTIONS = {"tiny": tiny, "dense": dense, "arena-fixtures": arena_fixtures, "engine-fixtures": engine_fixtures}
+def moe() -> dict:
+    """A tiny MoE layer (routed experts with biases, shared expert with its gate) split over
+    TP=2 and 4 by sharding.py's rules == the unsplit layer, both dispatch paths."""
+    import dataclasses
+
+    from flax import nnx
+
+    from umem_jax.models import moe as moe_lib
+    from umem_jax.models.sharding import mark_local, split_indices
+    from jax.sharding import PartitionSpec as P
+
+    from umem_jax.parallel.mesh import shard_map, tp_mesh
+
+    d = 32
+    configs = {
+        "gpt_oss": moe_lib.MoEConfig(num_experts=6, top_k=2, intermediate_size=16, scoring="topk_softmax",
+                                     router_bias=True, expert_kind="gpt_oss", expert_bias=True, swiglu_limit=1.5),
+        "qwen_next": moe_lib.MoEConfig(num_experts=7, top_k=3, intermediate_size=8, shared_intermediate_size=16,
+                                       shared_expert_gate=True),
+        "nemotron": moe_lib.MoEConfig(num_experts=8, top_k=2, intermediate_size=8, scoring="sigmoid",
+                                      score_correction_bias=True, n_group=2, topk_group=1, expert_kind="ungated",
+                                      activation="relu2", shared_intermediate_size=8, shared_expert_kind="ungated"),
+    }
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 9, d), np.float32))
+    valid = jnp.asarray(rng.random((2, 9)) < 0.7)
+    out = {}
+    for name, cfg in configs.items():
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: moe_lib.MoE(d, cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+        leaves = [jnp.asarray(rng.standard_normal(s.shape, np.float32) / np.sqrt(s.shape[-2] if s.ndim > 1 else 4))
+                  for s in jax.tree.leaves(state)]
+        full = nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
+        for tp in (2, 4):
+            local_cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size // tp,
+                                            shared_intermediate_size=cfg.shared_intermediate_size // tp)
+            local = nnx.eval_shape(lambda: moe_lib.MoE(d, local_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+            mark_local(local, full, tp)
+            assert local.experts.reduce_axis == "tp"
+            local_def, local_state = nnx.split(local)
+            rules = split_indices(full, tp)
+            flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.split(full)[1])
+            parts, stacked = [], []
+            for (path, leaf), want in zip(flat, jax.tree.leaves(local_state)):
+                key = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+                key = key[:-1] if key[-1] == "value" else key
+                rule = rules.get(key)
+                host = np.asarray(leaf)
+                got = host if rule is None else np.stack([np.take(host, i, axis=rule[0]) for i in rule[1]])
+                assert (got.shape if rule is None else got.shape[1:]) == want.shape, (name, key, got.shape)
+                parts.append(jnp.asarray(got))
+                stacked.append(rule is not None)
+            for rows in (0, 10**9):  # ragged, then gather
+                moe_lib.GATHER_ROWS = rows
+                want = np.asarray(full(x, valid))
+
+                def body(leaves, x, valid):
+                    own = [a[0] if s else a for a, s in zip(leaves, stacked)]
+                    return nnx.merge(local_def, jax.tree.unflatten(treedef, own))(x, valid)
+
+                specs = [P("tp") if s else P() for s in stacked]
+                got = np.asarray(jax.jit(shard_map(body, tp_mesh(tp), (specs, P(), P()), P()))(parts, x, valid))
+                err = float(np.abs(got - want)[np.asarray(valid)].max() / np.abs(want).max())
+                assert err < 1e-5, f"MoE {name} TP={tp} gather_rows={rows}: rel {err}"
+                out[f"{name}_tp{tp}_{'gather' if rows else 'ragged'}"] = err
+            moe_lib.GATHER_ROWS = 0
+    return out
+
+
+SECTIONS = {"tiny": tiny, "dense": dense, "arena-fixtures": arena_fixtures, "engine-fixtures": engine_fixtures,
+            "moe": moe}
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))

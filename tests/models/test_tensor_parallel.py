@@ -169,3 +169,44 @@ def test_tp2_and_tp4_match_tp1_on_several_devices(request):
         assert tiny[f"tp{tp}"]["alias_bytes"] >= tiny[f"tp{tp}"]["shard_bytes"]
         assert tiny[f"tp{tp}"]["moved_pages"] > 0  # page moves ran per shard too
     assert set(got["dense"]) == {"nemotron_h_tp2", "nemotron_h_tp4", "qwen3_5_tp2"}
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def test_moe_split_gives_each_device_its_gate_and_up_columns():
+    """gate_up_proj [E, d, 2I] at TP=2: device r holds gate columns [r*I/2, (r+1)*I/2) then the
+    same up columns (offset I), so its local matrix is again gate | up; down_proj rows match;
+    the router and the down bias stay whole."""
+    from flax import nnx
+
+    from umem_jax.models.moe import MoE, MoEConfig
+
+    cfg = MoEConfig(num_experts=5, top_k=2, intermediate_size=8, expert_kind="gpt_oss", expert_bias=True,
+                    scoring="topk_softmax", router_bias=True)
+    rules = split_indices(nnx.eval_shape(lambda: MoE(16, cfg, dtype=np.float32, rngs=nnx.Rngs(0))), 2)
+    axis, parts = rules[("experts", "gate_up_proj")]
+    assert axis == 2 and [p.tolist() for p in parts] == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
+    assert rules[("experts", "gate_up_proj_bias")][0] == 1
+    assert rules[("experts", "down_proj")][0] == 1 and rules[("experts", "down_proj")][1][1].tolist() == [4, 5, 6, 7]
+    assert not {("gate", "weight"), ("gate", "bias"), ("experts", "down_proj_bias")} & set(rules)
+
+
+def test_moe_tp_that_splits_an_expert_unevenly_is_refused():
+    from umem_jax.models.moe import MoEConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class WithMoE(type(tiny_config())):
+        moe: MoEConfig | None = None
+
+    cfg = WithMoE(**{f.name: getattr(tiny_config(), f.name) for f in dataclasses.fields(tiny_config())},
+                  moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=12, shared_intermediate_size=6))
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size=6"):
+        check_tp(cfg, 4)
+    two = local_config(cfg, 2)
+    assert (two.moe.intermediate_size, two.moe.shared_intermediate_size, two.moe.num_experts) == (6, 3, 4)
+
+
+def test_moe_layer_tp2_and_tp4_match_tp1_on_several_devices():
+    got = _run_worker(["moe"], timeout=600)["moe"]
+    assert len(got) == 12 and max(got.values()) < 1e-5

@@ -1,7 +1,7 @@
 """Megatron-style split of a model over the `tp` axis: the per-device config and weights.
 
 The split is written per layer class of this package (Attention, MLP, UngatedMLP, Mamba2Mixer,
-GatedDeltaNet): a family built from these layers splits with no code of its own.
+GatedDeltaNet, MoE): a family built from these layers splits with no code of its own.
 
 Each device runs the *same* model code on its slice: `local_config(cfg, tp)` is the model a
 device sees (query, KV, Mamba2 and gated-DeltaNet heads and the MLP width divided by tp), so its
@@ -9,11 +9,21 @@ memory declarations -- hence the plan, page tables, slots and every host allocat
 are the same on every device.  `split_params` gives each weight as a stacked [tp, *local] array
 (device r holds row r) or, for what every device needs whole, replicated:
 
-    column-parallel (output dim split)   q/k/v_proj, gate/up_proj, Mamba2 in_proj, GDN in_proj_*
-    row-parallel (input dim split, psum)  o_proj, down_proj, out_proj
-    per head                              Mamba2 conv1d/A_log/D/dt_bias/norm, GDN conv1d/A_log/dt_bias
+    column-parallel (output dim split)   q/k/v_proj, gate/up_proj, Mamba2 in_proj, GDN in_proj_*,
+                                          MoE experts' gate_up_proj / up_proj (and their biases)
+    row-parallel (input dim split, psum)  o_proj, down_proj, out_proj, MoE experts' down_proj
+    per head                              Mamba2 conv1d/A_log/D/dt_bias/norm, GDN conv1d/A_log/dt_bias,
+                                          attention sinks
     replicated                            embeddings, lm_head, every norm over the hidden size,
-                                          q/k norms, GDN's per-head-dim norm
+                                          q/k norms, GDN's per-head-dim norm, the MoE router (weight,
+                                          bias, e_score_correction_bias), the shared expert's gate
+
+A Linear's bias follows its weight: split with the columns of a column-parallel projection,
+replicated for a row-parallel one (Linear adds it once, after the psum).  The MoE experts'
+intermediate dimension is split like an MLP's: device r holds [gate_r | up_r] of every expert's
+gate_up_proj (the two halves are split separately, so its local matrix is again gate | up) and
+the matching rows of down_proj; Experts psums its routed sum, then adds the down bias once.  The
+shared expert is an MLP and splits as one.
 
 Heads are split whole and in order: device r holds heads [r*H/tp, (r+1)*H/tp).  When a model
 has fewer KV heads (or Mamba2 groups) than devices, each device holds the one its query heads
@@ -37,6 +47,7 @@ from .config import RECURRENT, ModelConfig
 from .gdn_mixer import GatedDeltaNet
 from .layers import MLP, UngatedMLP
 from .mamba2_mixer import Mamba2Mixer
+from .moe import MoE
 
 # ----------------------------------------------------------------------------- config
 
@@ -74,6 +85,11 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
     if _has_gdn(cfg):
         _divides(tp, cfg.linear_num_key_heads, "linear_num_key_heads",
                  "each device keeps whole gated-DeltaNet key heads (and their value heads) in its state slots")
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:
+        _divides(tp, moe.intermediate_size, "moe_intermediate_size", "every expert's MLP is split by columns")
+        _divides(tp, moe.shared_intermediate_size, "shared_expert_intermediate_size",
+                 "the shared expert is split by columns")
 
 
 def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -89,6 +105,10 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     if _has_gdn(cfg):
         kw.update(linear_num_key_heads=cfg.linear_num_key_heads // tp,
                   linear_num_value_heads=cfg.linear_num_value_heads // tp)
+    moe = getattr(cfg, "moe", None)
+    if moe is not None:
+        kw["moe"] = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp,
+                                        shared_intermediate_size=moe.shared_intermediate_size // tp)
     return dataclasses.replace(cfg, **kw)
 
 
@@ -111,15 +131,43 @@ def _channels(units: np.ndarray, width: int, offset: int = 0) -> np.ndarray:
 
 def _rules(module, tp: int, r: int) -> tuple[dict, list, list]:
     """Device r's slice of one module's weights -> ({param path: (axis, indices)},
-    [row-parallel Linear names], [(split norm name, group_shards)]).  Unknown modules: no rule."""
+    [row-parallel Linear names (or Experts)], [(split norm name, group_shards)]).  Unknown
+    modules: no rule.  A column-parallel Linear's bias is split with its rows."""
+    split, linears, norms = _layer_rules(module, tp, r)
+    for (name, *leaf), (axis, idx) in list(split.items()):
+        child = getattr(module, name, None) if leaf == ["weight"] and axis == 0 else None
+        if getattr(child, "bias", None) is not None:
+            split[(name, "bias")] = (0, idx)
+    return split, linears, norms
+
+
+def _moe_rules(module: MoE, tp: int, r: int) -> dict:
+    """The routed experts' intermediate columns: [gate_r | up_r] of gate_up, rows of down."""
+    cfg = module.cfg
+    i = cfg.intermediate_size
+    cols = _units(i, tp, r)
+    first = cols if cfg.expert_kind == "ungated" else np.concatenate([cols, i + cols])
+    name = module.experts.first_name
+    out = {("experts", name): (2, first), ("experts", "down_proj"): (1, cols)}
+    if cfg.expert_bias:
+        out[("experts", name + "_bias")] = (1, first)
+    return out
+
+
+def _layer_rules(module, tp: int, r: int) -> tuple[dict, list, list]:
+    if isinstance(module, MoE):
+        return _moe_rules(module, tp, r), ["experts"], []
     if isinstance(module, Attention):
         hq, hkv, hd = module.num_heads, module.num_kv_heads, module.head_dim
         q_heads, kv_heads = _units(hq, tp, r), _units(hkv, tp, r)
         q_rows = module.q_proj.weight.shape[0] // hq  # hd, or 2*hd for Qwen3.5's query|gate heads
-        return ({("q_proj", "weight"): (0, _channels(q_heads, q_rows)),
-                 ("k_proj", "weight"): (0, _channels(kv_heads, hd)),
-                 ("v_proj", "weight"): (0, _channels(kv_heads, hd)),
-                 ("o_proj", "weight"): (1, _channels(q_heads, hd))}, ["o_proj"], [])
+        out = {("q_proj", "weight"): (0, _channels(q_heads, q_rows)),
+               ("k_proj", "weight"): (0, _channels(kv_heads, hd)),
+               ("v_proj", "weight"): (0, _channels(kv_heads, hd)),
+               ("o_proj", "weight"): (1, _channels(q_heads, hd))}
+        if getattr(module, "sinks", None) is not None:
+            out[("sinks",)] = (0, q_heads)
+        return out, ["o_proj"], []
     if isinstance(module, (MLP, UngatedMLP)):
         n = module.up_proj.weight.shape[0]
         cols = _units(n, tp, r)
