@@ -13,6 +13,11 @@ Engine flags take vLLM's names (--gpu-memory-utilization, --max-num-seqs, --max-
 the engine cannot run (a model, an option, a JAX backend other than CPU or NVIDIA GPU) is
 refused at startup: exit code 2, the reason on stderr.
 
+Serving guards: --api-key KEY (or $UMEM_JAX_API_KEY) requires `Authorization: Bearer KEY` on
+/v1/* (/health and /metrics stay open), --max-request-bytes caps a request body (413),
+--priority-range MIN MAX bounds the priorities requests may ask for (400).  If the engine fails
+(not one request: see engine/isolation.py), `serve` stops and exits with code 1.
+
 Tensor parallelism: --tensor-parallel-size N splits the model and the arena over N devices (KV,
 Mamba2 and gated-DeltaNet heads; the arena budget is per device).  Several hosts: start the same
 command on every host with --dist-init-addr HOST:PORT (process 0's address), --nnodes and
@@ -22,6 +27,7 @@ command on every host with --dist-init-addr HOST:PORT (process 0's address), --n
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -57,8 +63,6 @@ def _compilation_cache() -> None:
     """Keep XLA's compiled steps on disk ($UMEM_JAX_CACHE/xla, ~/.cache/umem_jax/xla): a model's
     step shapes compile once per machine, later starts read them back.  UMEM_JAX_COMPILATION_CACHE=0
     turns it off."""
-    import os
-
     import jax
 
     if os.environ.get("UMEM_JAX_COMPILATION_CACHE", "1") == "0":
@@ -99,7 +103,7 @@ def _engine(args):
                        load_format=args.load_format, seed=args.seed,
                        enable_prefix_caching=args.enable_prefix_caching,
                        max_checkpoints_per_path=args.max_checkpoints_per_path,
-                       tensor_parallel_size=args.tensor_parallel_size)
+                       tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range))
     try:
         engine = LLMEngine(cfg)
     except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
@@ -160,8 +164,11 @@ def _serve(args) -> int:
                           warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes,
                           warmup_sampling=_sampling_modes(args.warmup_sampling))
     print(f"serving {names} on http://{args.host}:{args.port} (GET /health is 503 until warm)", flush=True)
-    serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path))
-    return 0
+    code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
+                 api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
+    if code:
+        print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
+    return code or 0
 
 
 def _generate(args) -> int:
@@ -221,6 +228,9 @@ def _engine_flags(p) -> None:
     p.add_argument("--dist-init-addr", default=None, help="multi-host: process 0's HOST:PORT (jax.distributed)")
     p.add_argument("--nnodes", type=int, default=None, help="multi-host: number of hosts (processes)")
     p.add_argument("--node-rank", type=int, default=None, help="multi-host: this host's rank, 0 .. nnodes-1")
+    p.add_argument("--priority-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=[-(2**31), 2**31 - 1],
+                   help="priorities a request may ask for (lower is served first; MIN <= 0 <= MAX, 0 is the "
+                   "default); others get 400")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None)
     s.add_argument("--max-waiting-requests", type=int, default=1024, help="queue length at which requests get 503")
+    s.add_argument("--api-key", default=os.environ.get("UMEM_JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 without it); /health and /metrics stay "
+                   "open (default: $UMEM_JAX_API_KEY; unset: no key)")
+    s.add_argument("--max-request-bytes", type=int, default=16 << 20,
+                   help="largest request body in bytes, larger ones get 413 (default 16 MiB; 0: no limit)")
     s.add_argument("--warmup-shapes", type=int, default=32,
                    help="step shapes compiled before /health turns 200, decode first (-1: every reachable one; "
                    "the rest compile on first use; compiled steps are kept on disk for the next start)")

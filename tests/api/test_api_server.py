@@ -1,109 +1,25 @@
 """The HTTP server end to end: a real uvicorn on loopback, the official `openai` client, raw httpx
 for the byte-level checks, and the engine's leak / invariant checks at the end.
 
-One server (tiny hybrid model, 1 MiB arena) serves the whole module.  Its buckets are pinned to
-one batch size so that every step compiles to the same shapes: concurrent and one-at-a-time
-greedy outputs are then bit-identical, and only two step shapes compile.
+One server (`srv`, conftest.py; tiny hybrid model, 1 MiB arena) serves the whole package, its
+buckets pinned so that concurrent and one-at-a-time greedy outputs are bit-identical.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from _server_utils import MAX_SEQS, MODEL, client_aborts, drained, engine_call, live_memory, sse_events, wait_idle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from umem_jax import cli
-from umem_jax.api.async_engine import AsyncLLMEngine
-from umem_jax.api.metrics import EngineMetrics
-from umem_jax.api.server import build_app
-from umem_jax.engine.engine import BUDGET_MESSAGE, EngineConfig, LLMEngine
-
-MODEL = "tiny-test"
-MAX_SEQS = 64
-
-
-class LiveServer:
-    """uvicorn in a thread on a socket bound to 127.0.0.1:<free port>; stopped by stop()."""
-
-    def __init__(self, app):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def start(self, timeout: float = 30.0) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        self.sock.close()
-
-
-@pytest.fixture(scope="module")
-def srv():
-    engine = LLMEngine(EngineConfig(model="tiny", arena_bytes=1 << 20, max_num_seqs=MAX_SEQS,
-                                    max_num_batched_tokens=2048, batch_buckets=(MAX_SEQS,), token_buckets=(32,),
-                                    page_buckets=(8, 256)))
-    aeng = AsyncLLMEngine(engine, max_waiting_requests=256, metrics=EngineMetrics(MODEL))
-    server = LiveServer(build_app(aeng, [MODEL], model_root="tiny"))
-    server.start()
-    server.health_before_start = httpx.get(server.url + "/health").status_code
-    aeng.start()
-    assert aeng.wait_ready(300), aeng.error
-    server.aeng = aeng
-    server.client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=120)
-    yield server
-    server.stop()
-    aeng.shutdown()
-    assert aeng.error is None, aeng.error
-
-
-def engine_call(srv, fn, timeout=60):
-    return srv.aeng.call(fn).result(timeout)
-
-
-def wait_idle(srv, timeout=60.0) -> None:
-    """Until the engine has nothing queued or in flight (aborts are applied between steps)."""
-    deadline = time.monotonic() + timeout
-    while engine_call(srv, lambda e: e.has_unfinished_requests()) or srv.aeng._tracked:
-        assert time.monotonic() < deadline, "engine did not go idle"
-        time.sleep(0.05)
-
-
-def drained(srv) -> tuple[int, int, int]:
-    """Wait for idle, drop the prefix cache (cached pages are held on purpose, not leaked), then
-    -> live_memory: what is left is held by nobody."""
-    wait_idle(srv)
-    assert engine_call(srv, lambda e: e.reset_prefix_cache() if hasattr(e, "reset_prefix_cache") else True)
-    return live_memory(srv)
-
-
-def live_memory(srv) -> tuple[int, int, int]:
-    """(live token pages, live state slots, live arena bytes), read in the engine thread."""
-    return engine_call(srv, lambda e: (e.allocator.live_token_pages().size, e.allocator.live_state_slots().size,
-                                       e.allocator.usage().live_bytes))
-
-
-def sse_events(body: str) -> list[str]:
-    assert body.endswith("\n\n"), "every event ends with a blank line"
-    return [e for e in body.split("\n\n")[:-1]]
+from umem_jax.engine.engine import BUDGET_MESSAGE
 
 
 # ------------------------------------------------------------------------------ basic endpoints
@@ -229,7 +145,12 @@ def _post(srv, path, body, raw=None):
     ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": []}, None, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": [1, 99999]}, None, 400, None, "vocabulary"),
-    ("/v1/completions", {"prompt": "x" * 5000}, None, 400, None, "max_model_len"),
+    ("/v1/completions", {"prompt": "x" * 5000}, None, 400, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": list(range(3, 4100))}, None, 400, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 33}, None, 400, "stop", "at most 32 stop strings"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a" * 257]}, None, 400, "stop", "at most 256 characters"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [5] * 257}, None, 400, "stop_token_ids", "at most 256"),
+    ("/v1/completions", {"prompt": "x", "priority": 2**31}, None, 400, "priority", "priority range"),
     ("/v1/completions", {}, None, 400, "prompt", "prompt"),
     ("/v1/completions", {"prompt": "x", "model": "no-such-model"}, None, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, None, 400, "stop", "non-empty"),
@@ -243,6 +164,8 @@ def _post(srv, path, body, raw=None):
     ("/v1/chat/completions", {"messages": []}, None, 400, "messages", "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, None, 400, "messages", "content"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, None, 400, "messages", "content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, None, 400, "messages",
+     "max_model_len"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400,
      "messages", "not supported"),
 ])
@@ -332,12 +255,6 @@ def test_client_disconnect_mid_stream_aborts_and_frees_pages(srv):
     engine_call(srv, lambda e: e.check_idle())
     assert client_aborts(srv) == before + 1
     assert drained(srv) == (0, 0, 0)
-
-
-def client_aborts(srv) -> float:
-    fams = {f.name: f for f in text_string_to_metric_families(httpx.get(srv.url + "/metrics").text)}
-    return sum(s.value for s in fams["umem:num_aborted_requests"].samples
-               if s.name.endswith("_total") and s.labels["reason"] == "client")
 
 
 def test_metrics_parse_and_move(srv):
@@ -443,7 +360,11 @@ def test_cli_generate_and_serve_startup_print_plan_capacity_and_memory(monkeypat
     assert "[3 tokens, finish_reason=length]" in out or "finish_reason=stop" in out
     assert "peak" in out and "held 0 slots" in out
     seen = {}
-    monkeypatch.setattr("umem_jax.api.server.serve", lambda aeng, names, **kw: seen.update(names=names, **kw))
-    assert cli.main(["serve", "tiny", "--served-model-name", "my-tiny", "--port", "8123", *flags]) == 0
-    assert seen == {"names": ["my-tiny"], "host": "127.0.0.1", "port": 8123, "model_root": "tiny"}
+    monkeypatch.setattr("umem_jax.api.server.serve", lambda aeng, names, **kw: seen.update(
+        names=names, priority_range=aeng.engine.config.priority_range, **kw))
+    monkeypatch.setenv("UMEM_JAX_API_KEY", "from-env")
+    assert cli.main(["serve", "tiny", "--served-model-name", "my-tiny", "--port", "8123", "--priority-range", "-5",
+                     "5", "--max-request-bytes", "1000", *flags]) == 0
+    assert seen == {"names": ["my-tiny"], "host": "127.0.0.1", "port": 8123, "model_root": "tiny",
+                    "api_key": "from-env", "max_request_bytes": 1000, "priority_range": (-5, 5)}
     assert "capacity:" in capsys.readouterr().out

@@ -18,8 +18,16 @@ sent and posts a `StreamDelta` into the request's asyncio queue (loop.call_soon_
 Text that could still turn out to be the start of a stop string is held back until it cannot.
 
 Errors are decided before any byte is streamed: `add_request` returns only once the engine
-thread has validated, tokenized and queued the request -- or refused it (bad parameter or the
-memory clip: ValueError; waiting queue over `max_waiting_requests`: EngineOverloaded).
+thread has validated and queued the request -- or refused it (bad parameter or the memory clip:
+ValueError; waiting queue over `max_waiting_requests`: EngineOverloaded).  Text is tokenized
+before that, in the caller's event loop through a small thread pool, and checked against
+max_model_len there (first by its length in characters, then in tokens), so a long prompt
+never stalls the engine thread and one too long costs no tokenizing.  A caller that goes away
+(its task is cancelled) while the engine adds its request has the request aborted right after.
+
+A request whose own work raises (engine/isolation.py) ends alone: its last delta carries
+`error`; the engine goes on.  If the engine itself fails, every open stream gets the error, new
+requests get EngineDead, and `on_dead` (if set) is called with the reason.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import time
 from ..core.request import Request
 from ..core.sampling_params import SamplingParams
 from ..engine.engine import LLMEngine
+from ..engine.prompt import check_prompt_len, check_text_len
 from .metrics import EngineMetrics
 
 log = logging.getLogger("umem_jax")
@@ -104,14 +113,14 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, *, max_waiting_requests: int | None = 1024,
                  metrics: EngineMetrics | None = None, warmup: bool = True, warmup_shapes: int | None = 0,
-                 warmup_sampling=("greedy", "cuts"), metrics_interval_s: float = 0.25):
+                 warmup_sampling=("greedy", "cuts"), metrics_interval_s: float = 0.25, tokenizer_threads: int = 2):
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
-        self.metrics = metrics
-        self.warmup = warmup
-        self.warmup_shapes = warmup_shapes
-        self.warmup_sampling = tuple(warmup_sampling)
+        self.on_dead = None  # called (from the engine thread) with the reason when the engine fails
+        self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(max(1, tokenizer_threads),
+                                                                    thread_name_prefix="umem-tokenize")
+        self.max_waiting_requests, self.metrics = max_waiting_requests, metrics
         self.metrics_interval_s = metrics_interval_s
+        self.warmup, self.warmup_shapes, self.warmup_sampling = warmup, warmup_shapes, tuple(warmup_sampling)
         self.error: BaseException | None = None
         self._ready = threading.Event()
         self._inbox: queue.Queue = queue.Queue()
@@ -133,6 +142,7 @@ class AsyncLLMEngine:
             self._inbox.put(_STOP)
             self._thread.join(timeout)
             self._thread = None
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def ready(self) -> bool:
@@ -155,15 +165,49 @@ class AsyncLLMEngine:
 
     # ------------------------------------------------------------------ requests (any thread / event loop)
     async def add_request(self, prompt, params: SamplingParams, *, request_id: str, priority: int = 0,
-                          q: asyncio.Queue | None = None) -> RequestStream:
+                          q: asyncio.Queue | None = None, field: str = "prompt") -> RequestStream:
         """Queue one request -> its stream.  Raises ValueError (bad input, or the prompt is over
-        the memory budget), EngineOverloaded or EngineDead.  q: post deltas into this queue
-        (several requests may share one; deltas carry their request_id)."""
+        max_model_len -- naming `field` -- or the memory budget), EngineOverloaded or EngineDead.
+        q: post deltas into this queue (several requests may share one; deltas carry their
+        request_id)."""
+        arrival = time.time()
+        prompt = await self.tokenize(prompt, field)
         q = asyncio.Queue() if q is None else q
-        fut = self._submit("add", (prompt, params, str(request_id), priority, asyncio.get_running_loop(), q,
-                                   time.time()))
-        prompt_tokens = await asyncio.wrap_future(fut)
-        return RequestStream(str(request_id), prompt_tokens, q)
+        rid = str(request_id)
+        fut = self._submit("add", (prompt, params, rid, priority, asyncio.get_running_loop(), q, arrival))
+        try:
+            prompt_tokens = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller went away: the add may have run already
+            self.abort(rid)  # after the add in the inbox, so it finds the request (or nothing)
+            raise
+        return RequestStream(rid, prompt_tokens, q)
+
+    async def tokenize(self, prompt, field: str = "prompt"):
+        """A text prompt -> {"prompt": text, "prompt_token_ids": ids}, tokenized in the pool;
+        token ids as they are.  Either is checked against max_model_len first (ValueError
+        naming `field`); anything else is left to the engine's checks."""
+        eng = self.engine
+        if isinstance(prompt, str) and prompt and eng.tokenizer is not None:
+            check_text_len(prompt, eng.max_model_len, eng.max_token_chars, field)
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._tokenize_pool, eng.tokenizer.encode, prompt)
+            prompt = {"prompt": prompt, "prompt_token_ids": ids}
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        if isinstance(ids, list):
+            check_prompt_len(len(ids), eng.max_model_len, field)
+        return prompt
+
+    async def tokenize_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Chat messages through the tokenizer's template, in the pool, checked against
+        max_model_len (ValueError naming "messages")."""
+        eng = self.engine
+        check_text_len("".join(str(m.get("content", "")) for m in conversation), eng.max_model_len,
+                       eng.max_token_chars, "messages")
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize_pool, eng.tokenizer.encode_chat, conversation,
+                                         add_generation_prompt)
+        check_prompt_len(len(ids), eng.max_model_len, "messages")
+        return ids
 
     def abort(self, request_id: str) -> None:
         """Abort a request (if still running) and free its pages.  Never blocks."""
@@ -209,7 +253,7 @@ class AsyncLLMEngine:
                     self._publish()
                     idle_reported = False
                     self._snapshot(force=False)
-        except BaseException as e:  # noqa: BLE001 - any failure ends the engine; report it everywhere
+        except BaseException as e:  # noqa: BLE001 - the engine cannot go on; report it everywhere
             log.exception("umem_jax engine thread failed")
             self.error = e
             self._ready.set()
@@ -217,6 +261,8 @@ class AsyncLLMEngine:
             for cmd in self._drain(block=False):
                 if cmd is not _STOP and cmd[2] is not None:
                     cmd[2].set_exception(EngineDead(self.dead_message()))
+            if self.on_dead is not None:
+                self.on_dead(self.dead_message())
 
     def _drain(self, block: bool) -> list:
         out = [self._inbox.get()] if block else []
@@ -268,37 +314,54 @@ class AsyncLLMEngine:
         self._post(t, StreamDelta(request_id, "", [], "abort", None, t.req.prompt_len, t.sent_tokens))
 
     def _publish(self) -> None:
-        """Post every tracked request's progress since the last step."""
+        """Post every tracked request's progress since the last step.  Making a request's delta
+        (its text) may raise: that request fails alone (LLMEngine.fail_request)."""
         now = time.time()
         done = []
         for rid, t in self._tracked.items():
-            req = t.req
-            n = len(req.output_token_ids)
-            finished = req.finished
-            end = len(req.text)
-            if not finished and req.params.stop:  # hold back what may become a stop string
-                end = max(t.sent_chars, end - max(map(len, req.params.stop)) + 1)
-            if n == t.sent_tokens and end == t.sent_chars and not finished:
+            try:
+                delta = self._delta(t)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+                self.engine.fail_request(t.req, e, "streaming its text")
+                delta = self._delta(t)  # failed: finished, no new text
+            if delta is None:
                 continue
-            delta = StreamDelta(rid, req.text[t.sent_chars:end], req.output_token_ids[t.sent_tokens:n],
-                                req.finish_reason if finished else None, req.stop_reason if finished else None,
-                                req.prompt_len, n)
+            req, n = t.req, delta.completion_tokens
             if self.metrics is not None and n > t.sent_tokens:
                 first = t.sent_tokens == 0
                 self.metrics.on_tokens(n - t.sent_tokens, ttft=now - t.arrival if first else None,
                                        gap=None if first else now - t.last_token)
             if n > t.sent_tokens:
                 t.last_token = now
-            t.sent_tokens, t.sent_chars = n, end
+            t.sent_tokens, t.sent_chars = n, t.sent_chars + len(delta.text)
             self._post(t, delta)
-            if finished:
+            if delta.finish_reason is not None:
                 done.append(rid)
-                if self.metrics is not None:
+                if self.metrics is not None and delta.error is not None:
+                    self.metrics.on_abort("error")
+                elif self.metrics is not None:
                     sched = req.metrics.first_scheduled_time
                     self.metrics.on_finish(req.finish_reason, now - t.arrival,
                                            None if sched is None else max(0.0, sched - t.arrival))
         for rid in done:
             del self._tracked[rid]
+
+    @staticmethod
+    def _delta(t: _Track) -> StreamDelta | None:
+        """What `t`'s request produced since its last delta (None: nothing); a request that
+        failed in the engine ends with its error."""
+        req = t.req
+        n = len(req.output_token_ids)
+        finished = req.finished
+        end = len(req.text)
+        if not finished and req.params.stop:  # hold back what may become a stop string
+            end = max(t.sent_chars, end - max(map(len, req.params.stop)) + 1)
+        if n == t.sent_tokens and end == t.sent_chars and not finished:
+            return None
+        failed = finished and req.finish_reason == "abort" and req.error is not None
+        return StreamDelta(t.req.request_id, req.text[t.sent_chars:end], req.output_token_ids[t.sent_tokens:n],
+                           req.finish_reason if finished else None, req.stop_reason if finished else None,
+                           req.prompt_len, n, error=req.error if failed else None)
 
     def _post(self, t: _Track, delta: StreamDelta) -> None:
         try:

@@ -40,6 +40,13 @@ class LLM:
 
         Every prompt is validated before any is queued: a bad one raises ValueError naming it,
         and nothing is queued.
+
+        A request that fails while it runs (an exception its own work raised in the engine: see
+        engine/isolation.py) does not take the others with it: its RequestOutput comes back in
+        its place, finished with finish_reason "abort" and `error` saying what raised, and every
+        other prompt gets its full result (as a prompt over the memory budget does; check
+        `out.error`).  Only a failure of the engine itself raises (EngineDeadError), and the
+        engine then refuses further work.
         """
         del use_tqdm
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
@@ -77,8 +84,8 @@ class LLM:
                 raise RuntimeError(f"requests {sorted(want - set(done))} vanished from the engine")
             for out in engine.step():
                 done[out.request_id] = out
-        while engine.has_inflight and not engine.scheduler.has_work():
-            engine.step()  # drain the last overlap row so the engine is idle (and checked)
+        while engine.probing or (engine.has_inflight and not engine.scheduler.has_work()):
+            engine.step()  # drain the last overlap row (and a probe) so the engine is idle (and checked)
         return [done[i] for i in ids]
 
 

@@ -10,7 +10,7 @@ Scheduler
   umem:num_retractions_total                counter    requests sent back to the queue for memory
   umem:num_preemptions_total                counter    ...of which displaced by a higher priority
   umem:num_aborted_requests_total{reason}   counter    "budget" (prompt over the KV budget) | "client"
-                                                       (disconnect / abort)
+                                                       (disconnect / abort) | "error" (failed in the engine)
   umem:request_success_total{finished_reason}  counter "stop" | "length"
   umem:num_compilations_total               counter    distinct step shapes compiled
 Arena (all bands)

@@ -43,8 +43,8 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -89,8 +89,10 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     priority: int = 0
 
-    def _max_tokens(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else self.max_new_tokens
+    def _max_tokens(self) -> tuple[str, int | None]:
+        """(the field the output limit comes from, its value)."""
+        return ("max_tokens", self.max_tokens) if self.max_tokens is not None else ("max_new_tokens",
+                                                                                     self.max_new_tokens)
 
     def unsupported(self) -> str | None:
         """The first field set to something the engine cannot do, or None."""
@@ -99,13 +101,20 @@ class _SamplingRequest(_Request):
         return None
 
     def sampling_params(self) -> SamplingParams:
-        """-> SamplingParams; raises ValueError ("field=value: why") for out-of-range values."""
+        """-> SamplingParams; raises ValueError ("field=value: why", the request's field) for
+        out-of-range values."""
         kw = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                       min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                       presence_penalty=self.presence_penalty,
                                       frequency_penalty=self.frequency_penalty).items() if v is not None}
-        return SamplingParams(n=self.n, max_tokens=self._max_tokens(), min_tokens=self.min_tokens, seed=self.seed,
-                              stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, **kw)
+        field, max_tokens = self._max_tokens()
+        try:
+            return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
+                                  stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, **kw)
+        except ValueError as e:  # SamplingParams names its max_tokens; the request may have used an alias
+            if field != "max_tokens" and str(e).startswith("max_tokens="):
+                raise ValueError(field + str(e)[len("max_tokens"):]) from None
+            raise
 
     @property
     def include_usage(self) -> bool:
@@ -123,11 +132,11 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     logprobs: int | None = None
 
-    def _max_tokens(self) -> int | None:
+    def _max_tokens(self) -> tuple[str, int | None]:
         # an explicit max_new_tokens (SGLang) wins over the OpenAI default of 16
         if "max_tokens" not in self.model_fields_set and self.max_new_tokens is not None:
-            return self.max_new_tokens
-        return self.max_tokens
+            return "max_new_tokens", self.max_new_tokens
+        return "max_tokens", self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch -> a list (each a string or a list of token ids)."""
@@ -178,9 +187,9 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
-    def _max_tokens(self) -> int | None:
+    def _max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
-            return self.max_completion_tokens
+            return "max_completion_tokens", self.max_completion_tokens
         return super()._max_tokens()
 
     def conversation(self) -> list[dict]:

@@ -13,9 +13,13 @@ Endpoints
 Streams are `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`; with
 stream_options.include_usage the last event before [DONE] is a usage chunk with choices=[].
 Errors are `{"error": {"message", "type", "param", "code"}}`: 400 for malformed JSON and bad
-parameters (the memory-budget refusal included), 404 for an unknown model, 503 when the waiting
-queue is over its limit or the engine is not running.  A client that goes away mid-request
-has its request aborted, which frees its pages.
+parameters (the memory-budget refusal included; a prompt over max_model_len names its field),
+401 for /v1/* without the API key (when one is set: guards.py), 404 for an unknown model, 413
+for a body over the size limit, 500 for a request that failed in the engine (the others go on:
+engine/isolation.py), 503 when the waiting queue is over its limit or the engine is not
+running.  Text is tokenized off the engine thread (AsyncLLMEngine.tokenize).  A client that
+goes away -- mid-request, or while its request is being added -- has it aborted, which frees
+its pages.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncLLMEngine, EngineDead, EngineOverloaded, RequestStream, StreamDelta
+from .guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyGuard, BodyLimit
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -65,11 +70,12 @@ def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
-_PARAM = re.compile(r"^(\w+)=")
+_PARAM = re.compile(r"^(\w+)[=:]")
 
 
 def _bad_request(e: ValueError) -> APIError:
-    """ValueError from the engine / SamplingParams -> 400; "field=value: why" names the field."""
+    """ValueError from the engine / SamplingParams -> 400; "field=value: why" or "field: why"
+    names the field."""
     msg = str(e)
     m = _PARAM.match(msg)
     return APIError(400, msg, m.group(1) if m else None)
@@ -79,9 +85,13 @@ def _sse(obj) -> str:
     return f"data: {obj.model_dump_json() if hasattr(obj, 'model_dump_json') else json.dumps(obj)}\n\n"
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, model_root: str | None = None) -> FastAPI:
-    """The FastAPI app.  The caller starts and stops `engine` (serve() does both)."""
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, model_root: str | None = None,
+              api_key: str | None = None, max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app.  The caller starts and stops `engine` (serve() does both).  api_key:
+    required on /v1/* (None: open); max_request_bytes: the body limit (None: none)."""
     app = FastAPI(title="umem_jax", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(ApiKeyGuard, api_key=api_key)  # outermost: no body is read before the key
     app.state.engine = engine
     app.state.names = list(served_model_names)
     app.state.model_root = model_root
@@ -197,11 +207,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
-        ids = tok.encode_chat(body.conversation(), body.add_generation_prompt)
+        ids = await engine.tokenize_chat(body.conversation(), body.add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     rid = random_id("chatcmpl")
-    streams, q = await _start(engine, [ids], body, rid)
+    streams, q = await _start(engine, [ids], body, rid, field="messages")
     if body.stream:
         async def chunks():
             toks = 0
@@ -241,7 +251,8 @@ def _check(body, names: list[str]) -> str:
     return body.model or names[0]
 
 
-async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str) -> tuple[list[RequestStream], asyncio.Queue]:
+async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str,
+                 field: str = "prompt") -> tuple[list[RequestStream], asyncio.Queue]:
     """Queue every prompt (all or none) -> their streams, sharing one queue."""
     try:
         params = body.sampling_params()
@@ -251,9 +262,10 @@ async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str) -> tuple
     streams: list[RequestStream] = []
     try:
         for i, p in enumerate(prompts):
-            streams.append(await engine.add_request(p, params, request_id=f"{rid}-{i}", priority=body.priority, q=q))
+            streams.append(await engine.add_request(p, params, request_id=f"{rid}-{i}", priority=body.priority, q=q,
+                                                    field=field))
     except BaseException as e:
-        for s in streams:
+        for s in streams:  # (a cancelled add aborts its own request: AsyncLLMEngine.add_request)
             engine.abort(s.request_id)
         if isinstance(e, ValueError):
             raise _bad_request(e) from None
@@ -264,19 +276,26 @@ async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str) -> tuple
 
 
 async def _deltas(streams: list[RequestStream], q: asyncio.Queue, raw: Request | None):
-    """(index, delta) until every stream finished.  With raw (non-streaming), polls for a
-    disconnected client; the caller's finally aborts what is left."""
+    """(index, delta) until every stream finished.  With raw (non-streaming), checks every
+    DISCONNECT_POLL_S whether the client is gone -- also while deltas keep coming, which they do
+    every step -- and then stops; the caller's finally aborts what is left."""
     index = {s.request_id: i for i, s in enumerate(streams)}
     left = len(streams)
+    clock = asyncio.get_running_loop().time
+    check_at = clock() + DISCONNECT_POLL_S
     while left:
         if raw is None:
             d: StreamDelta = await q.get()
         else:
             try:
-                d = await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+                d = q.get_nowait() if not q.empty() else await asyncio.wait_for(q.get(), max(0.0, check_at - clock()))
             except asyncio.TimeoutError:
+                d = None
+            if clock() >= check_at:
                 if await raw.is_disconnected():
                     return
+                check_at = clock() + DISCONNECT_POLL_S
+            if d is None:
                 continue
         if d.error is not None:
             raise APIError(500, d.error)
@@ -290,6 +309,22 @@ def _abort_unfinished(engine: AsyncLLMEngine, streams: list[RequestStream]) -> N
     for s in streams:
         if not s.finished:
             engine.abort(s.request_id)
+
+
+class _EngineStream(StreamingResponse):
+    """A StreamingResponse that aborts its unfinished requests however it ends -- also when the
+    client left before the first event, when the body generator never starts (so its own
+    `finally` never runs)."""
+
+    def __init__(self, engine: AsyncLLMEngine, streams: list[RequestStream], events):
+        super().__init__(events, media_type="text/event-stream")
+        self.engine, self.streams = engine, streams
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            _abort_unfinished(self.engine, self.streams)
 
 
 def _event_stream(engine: AsyncLLMEngine, streams: list[RequestStream], chunks) -> StreamingResponse:
@@ -306,20 +341,29 @@ def _event_stream(engine: AsyncLLMEngine, streams: list[RequestStream], chunks) 
             _abort_unfinished(engine, streams)
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return _EngineStream(engine, streams, events())
 
 
 def serve(engine: AsyncLLMEngine, served_model_names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
-          model_root: str | None = None, log_level: str = "info") -> None:
-    """Start the engine thread, serve until interrupted, stop the engine."""
+          model_root: str | None = None, log_level: str = "info", api_key: str | None = None,
+          max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> int:
+    """Start the engine thread, serve until interrupted or the engine fails, stop the engine ->
+    the exit code: 0, or 1 after an engine failure (open requests got its message first)."""
     import uvicorn
 
-    app = build_app(engine, served_model_names, model_root=model_root)
+    app = build_app(engine, served_model_names, model_root=model_root, api_key=api_key,
+                    max_request_bytes=max_request_bytes)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    engine.on_dead = lambda why: setattr(server, "should_exit", True)  # graceful: open responses finish
     engine.start()
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        server.run()
     finally:
         engine.shutdown()
+    if engine.error is not None:
+        log.error("umem_jax: the engine failed, the server stopped: %s", engine.dead_message())
+        return 1
+    return 0
 
 
 __all__ = ["APIError", "build_app", "serve"]

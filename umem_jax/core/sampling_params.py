@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 SEED_RANGE = (-(2**63), 2**64)  # a seed fits 64 bits, signed or unsigned
+# Every stop string is matched against the new text of every step, and a stream holds back the
+# longest one: bounded per request (SGLang allows 32 stop strings; vLLM 4 by default).
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 256  # looked up on every sampled token
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -58,11 +63,25 @@ class SamplingParams:
             (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", "must be in [-2**63, 2**64)"),
             # an empty stop string matches everywhere, and a stream's hold-back would go negative
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings"),
+            (all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop",
+             f"a stop string has at most {MAX_STOP_CHARS} characters"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
         ]
         for ok, name, why in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: {why}")
+                raise ValueError(f"{name}={_short(getattr(self, name))}: {why}")
 
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _short(value) -> str:
+    """repr for an error message, cut short (a refused list may hold a million strings)."""
+    if isinstance(value, list) and len(value) > 8:
+        text = f"[{', '.join(repr(v)[:40] for v in value[:8])}, ...] ({len(value)} items)"
+    else:
+        text = repr(value)
+    return text if len(text) <= 160 else f"{text[:140]}..."

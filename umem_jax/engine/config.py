@@ -40,6 +40,7 @@ class EngineConfig:
     debug_nan: bool = False
     tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
     fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
+    priority_range: tuple[int, int] = (-(2**31), 2**31 - 1)  # a request's priority must lie in it (ValueError)
 
     def __post_init__(self):
         if self.memory_mode not in ("unified", "static"):
@@ -49,6 +50,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        lo, hi = self.priority_range
+        if not (isinstance(lo, int) and isinstance(hi, int) and lo <= 0 <= hi):
+            raise ValueError(f"priority_range must be two ints (min, max) with min <= 0 <= max (0: the priority of "
+                             f"a request that gives none), got {self.priority_range}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
 

@@ -21,6 +21,12 @@ request whose prompt starts with cached pages shares them and computes only the 
 scheduler/prefix_cache.py for what is cached of each kind of memory and scheduler/scheduler.py
 for when.
 
+Failures (isolation.py): an exception one request's work raises -- in its admission, in a
+launch (bisected to the rows that fail alone), in applying its token -- fails that request
+alone (finish_reason "abort", `error`), its memory given back; the others run on.  A failure
+that is not one request's (a probe request fails too, a device error, anything else in a step)
+raises EngineDeadError, and so does every call after it.
+
 At idle (nothing queued, nothing in flight) the engine checks the allocator's invariants and
 that every allocated page / slot is held by a live request or the prefix cache (refcounts
 included), and raises on any violation.
@@ -40,6 +46,8 @@ from ..runner.runner import Launched
 from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
+from .isolation import EngineDeadError, FailureIsolation
+from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
 
 log = logging.getLogger("umem_jax")
 
@@ -54,12 +62,15 @@ class LLMEngine:
         self.size, self.regions, self.allocator = parts.size, parts.regions, parts.allocator
         self.buckets, self.demand, self.scheduler = parts.buckets, parts.demand, parts.scheduler
         self.tokenizer, self.eos_ids, self.runner = parts.tokenizer, parts.eos_ids, parts.runner
+        self.max_token_chars = max_token_chars(self.tokenizer)  # the early length check of text prompts
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []  # refused at arrival or aborted, reported by the next step()
         self._inflight: Launched | None = None  # the launched step whose tokens are not read yet
         self._arrivals = itertools.count()
         self.num_steps = {"prefill": 0, "decode": 0}
         self.num_idle_checks = 0
+        self.isolation = FailureIsolation(self)
+        self.dead: str | None = None  # why the engine stopped (every later call raises EngineDeadError)
         log.info("umem_jax engine: %s mode\n%s\n%s", cfg.memory_mode, self.plan.table(),
                  self.size.summary(self.regions))
 
@@ -74,21 +85,18 @@ class LLMEngine:
         params.validate()
         if params.logprobs is not None:
             raise ValueError("logprobs is not supported by this engine yet")
-        text, ids = self._prompt_ids(prompt)
+        text, ids = prompt_ids(prompt, self.tokenizer, self.max_model_len, self.max_token_chars)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
+        check_prompt_len(len(ids), self.max_model_len)
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:8]}")
-        self._check_vocab_fields(params, vocab)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room for output: max_model_len is "
-                             f"{self.max_model_len}")
+        check_vocab_fields(params, vocab)
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
             raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids is not supported")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
+        check_priority(priority, self.config.priority_range)
         if request_id is not None and str(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)
@@ -103,19 +111,11 @@ class LLMEngine:
         req.stop_ids = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
         return req
 
-    @staticmethod
-    def _check_vocab_fields(params: SamplingParams, vocab: int) -> None:
-        """Fields bounded by the vocabulary (they are packed into int32 sampling words)."""
-        if params.top_k > vocab:
-            raise ValueError(f"top_k={params.top_k}: must be at most the vocabulary size {vocab} (-1 or 0: off)")
-        bad = [t for t in params.stop_token_ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-               or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
-
     def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
         """Queue one request -> its id.  Bad input raises ValueError and changes nothing."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         return self.enqueue(self.prepare(prompt, params, request_id=request_id, priority=priority))
 
     def enqueue(self, req: Request) -> str:
@@ -142,6 +142,11 @@ class LLMEngine:
         req.mark_finished(RequestStatus.FINISHED_ABORTED, error="aborted by the user")
         self._aborted.append(req)
 
+    def fail_request(self, req: Request, error: BaseException, where: str) -> None:
+        """End a request whose own work raised outside step() (e.g. streaming its text): its
+        memory back (if it still holds any), finish_reason "abort" with the error (isolation.py)."""
+        self.isolation.fail(req, error, where)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._aborted) or self.scheduler.has_work() or self._inflight is not None
 
@@ -160,32 +165,28 @@ class LLMEngine:
         """Requests holding arena memory (prefilling or decoding)."""
         return len(self.scheduler.running)
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt: give some text or token ids")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass token ids instead of text")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, np.ndarray):
-            prompt = prompt.tolist()
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                     for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         """Schedule and launch the next step, then finish the previous one -> outputs of the
-        requests that finished."""
+        requests that finished (requests that failed included: see isolation.py).  Raises
+        EngineDeadError when the engine cannot go on, and on every call after that."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        try:
+            outs = self._step()
+            return self.isolation.after_step(outs) if self.isolation.probing else outs
+        except BaseException as e:
+            self.dead = str(e) if isinstance(e, EngineDeadError) else f"the engine failed: {e!r}"
+            raise
+
+    @property
+    def probing(self) -> bool:
+        """A probe (sent after a request failed) has not finished yet."""
+        return self.isolation.probing
+
+    def _step(self) -> list[RequestOutput]:
         idle_before = self._inflight is None
+        failed_before = self.isolation.num_failed
         outs = [r.output() for r in self._aborted]
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
@@ -194,10 +195,15 @@ class LLMEngine:
             outs += self._process(self._inflight)
             self._inflight = None
         batch = self.scheduler.schedule()
+        for req, e in self.scheduler.take_failed():
+            self.isolation.report(req, e, "admission")
         launched = None
         if batch is not None:
             self.runner.apply_moves(self.allocator.take_moves())
-            launched = self.runner.launch(batch)
+            try:
+                launched = self.runner.launch(batch)
+            except Exception as e:  # noqa: BLE001 - isolated: the parts that run are read back now
+                outs += self.isolation.relaunch(batch, e)
             self.num_steps[batch.kind] += 1
         if self._inflight is not None:
             outs += self._process(self._inflight)
@@ -208,7 +214,7 @@ class LLMEngine:
         if self._inflight is None and not self.scheduler.has_work():
             if self.config.check_at_idle:
                 self.check_idle()
-        elif batch is None and idle_before:
+        elif batch is None and idle_before and self.isolation.num_failed == failed_before:
             raise RuntimeError(f"scheduler stalled with work queued: waiting={self.scheduler.waiting} "
                                f"running={self.scheduler.running}")
         return outs
@@ -219,7 +225,10 @@ class LLMEngine:
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read back `launched`'s tokens and apply them -> outputs of the requests that finished."""
-        tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
+        try:
+            tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
+        except Exception as e:
+            raise EngineDeadError(f"a step's tokens could not be read back (a device error): {e!r}") from e
         outs = []
         now = time.time()
         for i, row in enumerate(launched.batch.rows):
@@ -231,11 +240,14 @@ class LLMEngine:
                 continue
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._append(req, tokens[i])
-            if req.finished:
-                req.metrics.finished_time = now
-                outs.append(req.output())
-                self._requests.pop(req.request_id, None)
+            try:
+                self._append(req, tokens[i])
+                if req.finished:
+                    req.metrics.finished_time = now
+                    outs.append(req.output())
+                    self._requests.pop(req.request_id, None)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+                self.isolation.fail(req, e, "applying its token")
         return outs
 
     def _append(self, req: Request, t: int) -> None:
@@ -326,7 +338,7 @@ class LLMEngine:
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
             "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
-            "num_compactions": self.runner.num_compactions,
+            "num_compactions": self.runner.num_compactions, "num_failed_requests": self.isolation.num_failed,
             **self._cache_stats(),
         }
 
@@ -342,4 +354,4 @@ class LLMEngine:
                 "num_evictions": c.get("evicted_pages", 0), "prefix_cache": detail}
 
 
-__all__ = ["BUDGET_MESSAGE", "EngineConfig", "LLMEngine"]
+__all__ = ["BUDGET_MESSAGE", "EngineConfig", "EngineDeadError", "LLMEngine"]

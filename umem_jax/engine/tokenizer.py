@@ -117,7 +117,9 @@ class HFTokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(e for e in eos if e is not None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode holds it): a long text tokenized in the server's
+        # pool must not stall the engine thread
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)

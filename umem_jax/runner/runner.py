@@ -194,9 +194,17 @@ class Runner:
             list(pool.map(lambda low: low.compile(), lowered))
         return len(lowered)
 
-    def launch(self, batch: ScheduledBatch) -> Launched:
+    @property
+    def prev_tokens(self) -> jax.Array:
+        """The last launched step's sampled tokens, on the device: where decode rows whose input
+        token is pending read it (`src`)."""
+        return self._prev
+
+    def launch(self, batch: ScheduledBatch, prev: jax.Array | None = None) -> Launched:
         """Pack `batch` (after the scheduler allocated its memory and the moves were applied),
-        launch the step without waiting, and mark the sampled tokens as pending.
+        launch the step without waiting, and mark the sampled tokens as pending.  prev: the
+        tokens pending inputs are read from (default: `prev_tokens`; the engine passes the same
+        ones to every part of a batch it relaunches in parts after a failure).
 
         Per row, Python only reads the request's counters; everything [B]- or [B, P]-shaped is
         built by numpy from the row cache, into one int32 buffer: the step's only host->device
@@ -211,7 +219,8 @@ class Runner:
         self._ready.add(lay)
         if self.model.params is not self._params_src:
             self._leaves()
-        tokens, self.arena = self._step(self._params, self.arena, meta, self._prev, counts, layout=lay)
+        tokens, self.arena = self._step(self._params, self.arena, meta, self._prev if prev is None else prev, counts,
+                                        layout=lay)
         self._prev = tokens
         if not tokens.is_fully_addressable:  # multi-host: read this host's replica
             tokens = tokens.addressable_data(0)

@@ -125,6 +125,7 @@ class Scheduler:
         self._reserved = None  # memo of _reservations(): (num_retractions, Demand)
         self.num_retractions = 0
         self.num_preemptions = 0
+        self.failed: list[tuple[Request, Exception]] = []  # admissions that raised: see _add_pass
 
     @property
     def num_checkpoints(self) -> int:
@@ -152,6 +153,23 @@ class Scheduler:
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.leave_queues(status)
+
+    def fail(self, req: Request) -> None:
+        """Drop `req` after work of its raised: out of the queues, its memory given back, and
+        nothing of it handed to the prefix cache (a failed pass may claim tokens never written)."""
+        if req.finished:
+            return
+        for queue in (self.running, self.waiting):
+            if any(r is req for r in queue):
+                queue.remove(req)
+        self.memory.free(req)
+        req.leave_queues(RequestStatus.FINISHED_ABORTED)
+        self._reserved = None
+
+    def take_failed(self) -> list[tuple[Request, Exception]]:
+        """The requests whose admission or pass raised since the last call, with the error."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def retract(self, req: Request, *, preempted: bool = False) -> None:
         """Send a running request back to the queue: free its memory, keep its tokens."""
@@ -207,26 +225,36 @@ class Scheduler:
 
     def _add_pass(self, req: Request, batch: PrefillBatch) -> bool:
         """Give `req` its next pass in `batch` (admitting it if it waits) -> False when its memory
-        does not fit even after making room, which ends the batch."""
+        does not fit even after making room, which ends the batch.  If this raises for `req`, the
+        request is dropped (`fail`, reported in `failed`) and the batch goes on without it."""
         admitted = req.status == RequestStatus.RUNNING
-        hit = self.prefix.take_hit(req) if not admitted and self.prefix is not None else None
-        end, reservation = self._price_pass(req, batch, admitted, hit)
-        if end == RETRY_AS_MISS:  # the clip vouches for the request as a miss, not for the hit's pin
-            self.prefix.drop_hit(req, hit)
-            hit = None
+        hit = None
+        try:
+            hit = self.prefix.take_hit(req) if not admitted and self.prefix is not None else None
             end, reservation = self._price_pass(req, batch, admitted, hit)
-        if not end or not self.memory.alloc(req, end):
-            if self.prefix is not None:
+            if end == RETRY_AS_MISS:  # the clip vouches for the request as a miss, not for the hit's pin
                 self.prefix.drop_hit(req, hit)
-            return False
-        if not admitted:
-            self._admit(req, hit)
-            batch.admitted_reservations = batch.admitted_reservations + reservation
-        start = req.num_computed
-        checkpoints = ()
-        if self.prefix is not None:
-            owed = lambda: self._reservations() + batch.admitted_reservations
-            checkpoints = self.prefix.plan_checkpoints(req, start, end, owed)
+                hit = None
+                end, reservation = self._price_pass(req, batch, admitted, hit)
+            if not end or not self.memory.alloc(req, end):
+                if self.prefix is not None:
+                    self.prefix.drop_hit(req, hit)
+                return False
+            if not admitted:
+                self._admit(req, hit)
+                hit = None  # restored: what the hit pinned is the request's now
+                batch.admitted_reservations = batch.admitted_reservations + reservation
+            start = req.num_computed
+            checkpoints = ()
+            if self.prefix is not None:
+                owed = lambda: self._reservations() + batch.admitted_reservations
+                checkpoints = self.prefix.plan_checkpoints(req, start, end, owed)
+        except Exception as e:  # noqa: BLE001 - one request's failure must not end the step for all
+            if hit is not None:
+                self.prefix.drop_hit(req, hit)  # unpin what the lookup pinned
+            self.fail(req)
+            self.failed.append((req, e))
+            return True
         batch.add(Row(req, start, end, end == req.num_tokens, checkpoints))
         req.compute_to(end)
         return True
