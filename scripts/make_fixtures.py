@@ -4,6 +4,7 @@
     python scripts/make_fixtures.py --real          # also the 270M expected greedy ids (slow: ~2 min)
     python scripts/make_fixtures.py --family nemotron_h   # tests/fixtures/nemotron_h_tiny (+ small-dt case)
     python scripts/make_fixtures.py --family qwen3_5      # tests/fixtures/qwen3_5_tiny
+    python scripts/make_fixtures.py --family qwen_moe     # tests/fixtures/qwen3_5_moe_tiny, qwen3_next_tiny
 
 The tiny Gemma 3 is random (fixed seeds) with every parameter re-randomised, norms included, so a
 "(1 + w)" slip or a wrong scale shows in the logits.  CI reads the files; it needs no torch.
@@ -255,7 +256,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--real", action="store_true", help="also write the 270M expected greedy ids")
     ap.add_argument("--out", type=Path, default=FIXTURES)
-    ap.add_argument("--family", choices=("gemma3", "nemotron_h", "qwen3_5", "gpt_oss", "nemotron_h_moe", "all"),
+    ap.add_argument("--family", choices=("gemma3", "nemotron_h", "qwen3_5", "gpt_oss", "nemotron_h_moe", "qwen_moe",
+                                         "all"),
                     default="gemma3", help="which tiny fixture(s) to (re)write; default gemma3")
     args = ap.parse_args()
     if args.family in ("gemma3", "all"):
@@ -273,6 +275,8 @@ def main():
         __import__("fixtures_gpt_oss").make_gpt_oss(args.out / "gpt_oss_tiny")
     if args.family in ("nemotron_h_moe", "all"):  # scripts/fixtures_nemotron_moe.py
         __import__("fixtures_nemotron_moe").make(args.out / "nemotron_h_moe_tiny")
+    if args.family in ("qwen_moe", "all"):  # scripts/fixtures_qwen_moe.py: qwen3_5_moe_tiny, qwen3_next_tiny
+        __import__("fixtures_qwen_moe").main(args.out)
     if args.real:
         real_expected(args.out / "gemma3_270m_expected.json")
         print("wrote", args.out / "gemma3_270m_expected.json")

@@ -210,7 +210,10 @@ def test_pallas_decode_step_interpret_mode(family):
     spec, model, e = RECURRENT[family], _model(family), _expected(family)
     plan = make_plan(model.decls(kv_dtype="float32"), page_size=4)
     arena = Arena.create(plan, 2048, debug_nan=True)
-    tables, slots = {"full": jnp.asarray([[40, 41, 42]], jnp.int32)}, jnp.asarray([3], jnp.int32)
+    full, slot = next(sp for sp in plan.subpools if sp.kind == "full"), 3
+    while slot * plan.state.rows_per_page < 43 * full.rows_per_page:  # the slot's rows lie above pages 40-42
+        slot += 1
+    tables, slots = {"full": jnp.asarray([[40, 41, 42]], jnp.int32)}, jnp.asarray([slot], jnp.int32)
     prompt = e["short_prompt"][:8]
     _, arena = model.jit_forward()(model.params, arena, make_batch(prompt[None], [8], [8], tables, slots))
     step = make_batch(np.array([[int(e["short_greedy"][0])]]), [1], [9], tables, slots)

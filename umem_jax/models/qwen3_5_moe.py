@@ -93,24 +93,26 @@ def stack_experts(tensors: dict, prefix: str, num_experts: int) -> None:
     """Replace one sparse block's expert tensors (under `prefix`, e.g. "layers.3.mlp.experts.") by
     our stacked `gate_up_proj` [E, d, 2I] and `down_proj` [E, I, d], in place; the block's other
     tensors stay.  Per-expert and fused checkpoints are both read (module docstring)."""
-    fused, per_expert = prefix + "gate_up_proj", prefix + "0.gate_proj.weight"
+    fused, down = prefix + "gate_up_proj", prefix + "down_proj"
     if fused in tensors:
-        gate_up, down = tensors.pop(fused), tensors.pop(prefix + "down_proj")
-        if gate_up.ndim != 3 or gate_up.shape[0] != num_experts:
-            raise ValueError(f"{fused} has shape {tuple(gate_up.shape)}; expected [{num_experts}, 2I, d]")
-        tensors[fused] = jnp.swapaxes(jnp.asarray(gate_up), 1, 2)  # [E, 2I, d] (out, in) -> [E, d, 2I]
-        tensors[prefix + "down_proj"] = jnp.swapaxes(jnp.asarray(down), 1, 2)  # [E, d, I] -> [E, I, d]
+        gate_up = jnp.asarray(tensors.pop(fused))
+        if gate_up.ndim != 3 or gate_up.shape[0] != num_experts or down not in tensors:
+            raise ValueError(f"{fused} has shape {tuple(gate_up.shape)} (expected [{num_experts}, 2I, d]) "
+                             f"and {down} is {'present' if down in tensors else 'missing'}")
+        tensors[fused] = jnp.swapaxes(gate_up, 1, 2)  # [E, 2I, d] (out, in) -> [E, d, 2I]
+        tensors[down] = jnp.swapaxes(jnp.asarray(tensors.pop(down)), 1, 2)  # [E, d, I] -> [E, I, d]
         return
-    if per_expert not in tensors:
+    names = [f"{prefix}{j}.{p}.weight" for j in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    present = [n for n in names if n in tensors]
+    if not present:
         return  # neither layout: loader.build names the missing parameters
-    missing = [f"{prefix}{j}.{p}.weight" for j in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")
-               if f"{prefix}{j}.{p}.weight" not in tensors]
-    if missing:
-        raise KeyError(f"missing {len(missing)} per-expert tensor(s): {', '.join(missing[:4])}")
+    if len(present) < len(names):
+        missing = sorted(set(names) - set(present))
+        raise KeyError(f"missing {len(missing)} tensor(s) of the per-expert layout: {', '.join(missing[:8])}")
     take = lambda j, p: jnp.asarray(tensors.pop(f"{prefix}{j}.{p}.weight")).T  # noqa: E731  (out, in) -> (in, out)
     tensors[fused] = jnp.stack([jnp.concatenate([take(j, "gate_proj"), take(j, "up_proj")], axis=1)
                                 for j in range(num_experts)])
-    tensors[prefix + "down_proj"] = jnp.stack([take(j, "down_proj") for j in range(num_experts)])
+    tensors[down] = jnp.stack([take(j, "down_proj") for j in range(num_experts)])
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

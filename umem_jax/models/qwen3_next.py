@@ -69,6 +69,9 @@ def split_gdn_projections(tensors: dict, prefix: str, cfg: Qwen3_5Config) -> Non
     hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                       cfg.linear_value_head_dim)
     r = hv // hk
+    missing = [prefix + n for n in ("in_proj_qkvz.weight", "in_proj_ba.weight") if prefix + n not in tensors]
+    if missing:
+        raise KeyError(f"missing {len(missing)} tensor(s) of Qwen3-Next's fused GDN projections: {', '.join(missing)}")
     qkvz = jnp.asarray(tensors.pop(prefix + "in_proj_qkvz.weight"))
     ba = jnp.asarray(tensors.pop(prefix + "in_proj_ba.weight"))
     d = qkvz.shape[-1]
@@ -94,7 +97,7 @@ class Qwen3NextForCausalLM(Qwen3_5MoeForCausalLM):
         tensors = super().checkpoint_to_params(cfg, tensors)
         for i in range(cfg.num_layers):
             prefix = f"layers.{i}.linear_attn."
-            if prefix + "in_proj_qkvz.weight" in tensors:
+            if prefix + "in_proj_qkvz.weight" in tensors or prefix + "in_proj_ba.weight" in tensors:
                 split_gdn_projections(tensors, prefix, cfg)
         return tensors
 
