@@ -274,6 +274,22 @@ def test_arena_greedy_matches_transformers(model, expected):
         assert max(rel_err(lg, ref[pos]) for pos, lg in run.logits[i]) <= RTOL
 
 
+@pytest.mark.slow  # ~17 s of compiles for a second (bf16) model; the fp32 paths run in CI
+def test_bf16_arena_agrees_with_bf16_dense(expected):
+    """bf16 weights and K/V (the serving default), teacher-forced through the arena, against the
+    same bf16 model's cache-free forward.  No fp32 bound: on this random tiny model bf16 rounding
+    flips expert choices (transformers' fp32 logits are 0.7 away, max rel), so the two bf16 paths
+    are held to each other, typically 1e-2 apart."""
+    m = load_safetensors(FIXTURE, dtype="bfloat16")
+    assert {x.dtype for x in jax.tree.leaves(m.params)} == {jnp.dtype(jnp.bfloat16)}
+    run = generate(m, make_plan(m.decls(), page_size=4), [expected["short_prompt"]], 8, chunk=5,
+                   teacher=[expected["short_greedy"]], num_rows=4096)
+    toks = np.concatenate([expected["short_prompt"], expected["short_greedy"]])[None]
+    dense = np.asarray(m.dense_logits(m.params, jnp.asarray(toks)))[0]
+    errs = [rel_err(lg, dense[pos]) for pos, lg in run.logits[0]]
+    assert np.isfinite([lg for _, lg in run.logits[0]]).all() and np.median(errs) <= 3e-2 and max(errs) <= 0.1
+
+
 @pytest.mark.slow  # ~40 s of interpret-mode tracing on 2 cores; the kernels' own tests cover sinks in interpret mode
 def test_pallas_kernels_interpreted_through_the_model(model, expected):
     """The model's calls into the Pallas kernels with sinks (interpret mode on CPU) agree with the references."""
