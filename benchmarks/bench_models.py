@@ -151,7 +151,8 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
         t = time_calls(lambda: run(batch), iters=iters, trials=trials, warmup=0 if a.small else 2)
         med = t.median
         finite = bool(np.isfinite(np.asarray(t.first)).all())
-        c = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=B, T=T, start=start)
+        c = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=B, T=T, start=start,
+                       expert_params=counts["expert_params"], expert_bytes=counts["expert_bytes"])
         roof = c["total_bytes"] / copy_bw
         ratio = med / roof
         verdict = ""

@@ -11,7 +11,9 @@
 
 Bytes a step must move at least (the roofline's numerator):
   weights  every parameter once (tied embeddings once, as the LM head; an untied input embedding
-           counts only the B*T rows gathered)
+           counts only the B*T rows gathered); of an MoE block's routed experts only those the
+           step's B*T tokens choose: E * (1 - (1 - k/E)^(B*T)) of E under uniform routing (random
+           weights route near-uniformly), the expected number of distinct experts touched
   KV       per attention layer: read the K/V of every position the step's queries see (full: all
            kv_len; window w: from the first query's position - w + 1; the step's own new tokens
            included: the layer writes them first, then reads them back), written: the new tokens'
@@ -107,18 +109,37 @@ class Stepper:
 
 
 def param_counts(params) -> dict:
+    """Parameters and their bytes; expert_* the routed experts' share (stacked `experts.*` leaves)."""
     import jax
 
-    leaves = jax.tree.leaves(params)
-    return dict(params=sum(x.size for x in leaves), param_bytes=sum(x.nbytes for x in leaves))
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    is_expert = lambda path: any(getattr(k, "key", getattr(k, "name", None)) == "experts" for k in path)
+    nbytes = lambda x: x.size * x.dtype.itemsize  # arrays and ShapeDtypeStructs alike
+    experts = [x for path, x in flat if is_expert(path)]
+    leaves = [x for _, x in flat]
+    return dict(params=sum(x.size for x in leaves), param_bytes=sum(map(nbytes, leaves)),
+                expert_params=sum(x.size for x in experts), expert_bytes=sum(map(nbytes, experts)))
 
 
-def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int, start: int) -> dict:
+def experts_touched(cfg, tokens: int) -> float:
+    """Expected fraction of an MoE block's experts that `tokens` tokens choose (uniform routing)."""
+    moe = getattr(cfg, "moe", None)
+    if moe is None:
+        return 1.0
+    return 1.0 - (1.0 - moe.top_k / moe.num_experts) ** tokens
+
+
+def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int, start: int,
+               expert_params: int = 0, expert_bytes: int = 0) -> dict:
     """Bytes the step must move at least (see the module doc) and its matmul + attention FLOPs."""
     end = start + T
     wbytes = jnp.dtype(cfg.dtype).itemsize
     embed = cfg.vocab_size * cfg.hidden_size
-    weights = param_bytes
+    touched = experts_touched(cfg, B * T)
+    weights = param_bytes - expert_bytes + touched * expert_bytes
+    moe = getattr(cfg, "moe", None)
+    # Each token runs k of E experts: the routed experts' FLOPs are k/E of their parameters'.
+    active = param_count - expert_params + (expert_params * moe.top_k / moe.num_experts if moe else 0)
     if not cfg.tie_word_embeddings:  # the input table is gathered, not streamed
         weights += -embed * wbytes + B * T * cfg.hidden_size * wbytes
     kv_read = kv_write = 0
@@ -139,7 +160,7 @@ def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int,
         state_write = B * per_slot
         state_read = B * per_slot if start > 0 else 0
     heads = embed * (1 if cfg.tie_word_embeddings else 2)
-    flops = 2.0 * B * T * (param_count - heads) + 2.0 * B * embed + attn_flops
+    flops = 2.0 * B * T * (active - heads) + 2.0 * B * embed + attn_flops
     return dict(weight_bytes=weights, kv_read_bytes=kv_read, kv_write_bytes=kv_write, state_read_bytes=state_read,
                 state_write_bytes=state_write, total_bytes=weights + kv_read + kv_write + state_read + state_write,
                 flops=flops)
@@ -151,4 +172,5 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-__all__ = ["ArenaFull", "Pager", "Stepper", "decode_batch", "param_counts", "rel_err", "step_costs"]
+__all__ = ["ArenaFull", "Pager", "Stepper", "decode_batch", "experts_touched", "param_counts", "rel_err",
+           "step_costs"]
