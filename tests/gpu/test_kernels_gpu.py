@@ -73,6 +73,26 @@ def test_decode_matches_reference(G, D, ps, planes, window, softcap, sinks):
     np.testing.assert_array_equal(got[np.asarray(ln) == 0], 0.0)
 
 
+# Any GQA ratio and head dim (issue 15): G = 3, 5, 6, 7 and D = 80, 96 compiled for the GPU (Triton
+# needs power-of-two tiles, which interpret mode does not check): padded q heads, 128-wide tiles
+# with the columns past the head masked off the loads.
+GQA_DECODE = [
+    # (G, D, ps, planes, window, softcap, sinks)
+    (3, 80, 16, 1, None, None, True),
+    (6, 96, 32, 1, 200, None, True),
+    (6, 128, 16, 1, None, None, False),
+    (5, 80, 16, 1, 128, 30.0, False),
+    (7, 64, 64, 1, None, None, True),
+    (3, 96, 16, 2, 300, 20.0, True),    # fp32 planes
+]
+
+
+@pytest.mark.parametrize("G,D,ps,planes,window,softcap,sinks", GQA_DECODE,
+                         ids=[f"gqa_g{c[0]}_d{c[1]}_p{c[3]}" for c in GQA_DECODE])
+def test_decode_gqa_ratios_and_head_dims(G, D, ps, planes, window, softcap, sinks):
+    test_decode_matches_reference(G, D, ps, planes, window, softcap, sinks)
+
+
 @pytest.mark.parametrize("num_splits,block_tokens", [(1, 128), (7, 64), (32, 256), (None, None)])
 def test_decode_splits_and_blocks(num_splits, block_tokens):
     view, arena, pt, ln, q = _decode_case(11, B=4, Hkv=8, G=4, D=128, ps=16, ctx_max=4000, min_len=1)

@@ -46,6 +46,13 @@ GPU_CASES = [
     # GQA 1 in bf16 with a multi-row token vector (row_words = D) and a bf16 arena.
     ("mha_bf16_mk4", 4, 1, 128, 16, False, 300, None, False, 256, 60,
      [(600, 256), (0, 256)], {"row_words": 128, "arena_dtype": jnp.bfloat16, "tombstone": True}),
+    # Any GQA ratio and head dim (issue 15): G = 3, 6 (flat (query, head) tiles in Triton, a CTA
+    # per q head in Mosaic), D = 80, 96 (masked 128-wide Triton tiles, 32/64-byte swizzles).
+    ("gqa_g3_d80_window_sinks", 4, 3, 80, 16, False, 256, None, True, 512, 80,
+     [(700, 512), (0, 300), (1000, 1)], {"tombstone": True}),
+    ("gqa_g6_d96_softcap", 2, 6, 96, 32, False, None, 30.0, False, 256, 40, [(900, 256), (5, 100)], {}),
+    ("gqa_g6_d128_sinks", 8, 6, 128, 16, False, None, None, True, 512, 100, [(1000, 512), (0, 512)], {}),
+    ("gqa_g5_d80_fp32_planes", 2, 5, 80, 16, True, 64, None, True, 128, 20, [(150, 128), (3, 60)], {}),
 ]
 
 
@@ -96,7 +103,8 @@ def test_gpu_matches_cudnn_dense():
 
 # The Mosaic GPU (plgpu) kernel on the cases it covers: bf16 one-plane K/V, one arena row per token.
 MGPU_CASES = [c for c in GPU_CASES if c[0] in ("llama_gqa4_p16", "gptoss_gqa8_window_sinks",
-                                               "gemma_d256_window_softcap")]
+                                               "gemma_d256_window_softcap", "gqa_g3_d80_window_sinks",
+                                               "gqa_g6_d96_softcap", "gqa_g6_d128_sinks")]
 
 
 @pytest.mark.parametrize("case", MGPU_CASES, ids=[c[0] for c in MGPU_CASES])

@@ -52,8 +52,31 @@ CASES = [
      [(0, 40), (100, 33)], {}),
 ]
 
+# Any GQA ratio and head dim (issue 15).  G no power of two: flat (query, head) tiles whose rows
+# split a query's heads between two tiles (bq * G not a multiple of the tile); head dims 80/96:
+# 128-wide tiles with masked columns.  A covering subset of G in {1, 3, 5, 6, 7} x D in {64, 80,
+# 96, 128, 256}, with windows, tombstones, softcap and sinks (per q head: the flat tile's rows
+# each pick their own).
+GQA_CASES = [
+    ("g3_d80_window_sinks_tomb", 2, 3, 80, 16, False, 20, None, True, None, 8, 32, 24, 6,
+     [(0, 20), (7, 1), (40, 9), (0, 0)], {"tombstone": True}),
+    ("g5_d96_softcap", 1, 5, 96, 16, False, None, 5.0, False, None, 4, 16, 16, 4,
+     [(0, 16), (33, 11)], {}),
+    ("g6_d128_sinks_p32", 2, 6, 128, 32, False, None, None, True, 0.2, 4, 32, 16, 3,
+     [(10, 16), (50, 5)], {}),
+    ("g7_d64_window", 1, 7, 64, 16, False, 13, None, True, None, 4, 16, 16, 5,
+     [(30, 16), (0, 9)], {"tombstone": True}),
+    ("g3_d256", 1, 3, 256, 16, False, None, None, False, None, 8, 16, 16, 3, [(0, 16), (20, 5)], {}),
+    ("g1_d80_mha_default_tiling", 2, 1, 80, 16, False, None, None, False, None, None, None, 24, 4,
+     [(0, 24), (30, 7)], {}),
+    ("g6_d96_default_tiling_mk2", 2, 6, 96, 16, False, 20, None, True, None, None, None, 24, 5,
+     [(10, 24), (41, 13)], {"row_words": 96, "arena_dtype": jnp.bfloat16, "tombstone": True}),
+    ("f32_g3_d80_all_features", 2, 3, 80, 16, True, 10, 3.0, True, None, 4, 16, 16, 4,
+     [(0, 7), (23, 9), (0, 0)], {"tombstone": True}),
+]
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+
+@pytest.mark.parametrize("case", CASES + GQA_CASES, ids=[c[0] for c in CASES + GQA_CASES])
 def test_kernel_matches_reference(case):
     (name, Hkv, G, D, ps, fp32, window, softcap, use_sinks, scale, bq, bk, T, P, rows, extra) = case
     q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case(name, Hkv, G, D, ps, T, P, rows, fp32=fp32, window=window,
@@ -120,11 +143,11 @@ def test_shape_checks():
     with pytest.raises(ValueError, match="power of two"):
         paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, impl="pallas", interpret=True,
                                 block_k=24)
-    with pytest.raises(NotImplementedError, match="power of two"):  # G = 3
-        v3 = kv_view(1, 64, 16, layer=0)
-        q3, a3, pt3, ql3, kl3 = make_case(np.random.default_rng(0), v3, [(3, 4)], T=4, P=2, Hq=3,
-                                          q_dtype=jnp.float32)
-        paged_prefill_attention(q3, a3, pt3, ql3, kl3, view=v3, impl="pallas", interpret=True)
+    with pytest.raises(NotImplementedError, match="straddles two arena rows"):  # D=48 over 16-word rows
+        v48 = kv_view(1, 48, 16, layer=0, row_words=16)
+        q48, a48, pt48, ql48, kl48 = make_case(np.random.default_rng(0), v48, [(3, 4)], T=4, P=2, Hq=3,
+                                               q_dtype=jnp.float32)
+        paged_prefill_attention(q48, a48, pt48, ql48, kl48, view=v48, impl="pallas", interpret=True)
 
 
 def test_prefill_config_defaults():
@@ -134,6 +157,12 @@ def test_prefill_config_defaults():
     assert c.block_q == 16
     c = prefill_config(4096, 8, 256)
     assert c.block_q * 8 == 64 and c.block_k == 32
+    # G no power of two: flat tiles of the same 128 (64 at D=256) rows, no padded q head.
+    c = prefill_config(4096, 6, 128)
+    assert (c.block_rows, c.block_k, c.num_warps) == (128, 128, 8)
+    assert prefill_config(4096, 3, 256).block_rows == 64
+    assert prefill_config(1, 3, 128).block_rows == 16  # a decode-like chunk: one 16-row tile
+    assert prefill_config(4096, 4, 80) == prefill_config(4096, 4, 128)  # D=80 is a 128-wide tile
 
 
 # --------------------------------------------------------------------------- reference vs dense
@@ -233,6 +262,11 @@ def test_kernel_lowers_for_cuda():
     assert "__gpu$xla.gpu.triton" in txt
     _lower_cuda(B=1, T=256, Hkv=2, G=8, D=256, ps=64, P=16, window=128, softcap=30.0, sinks=True)
     _lower_cuda(B=1, T=8, Hkv=4, G=1, D=64, ps=32, P=4, fp32=True, window=5)
+    # any GQA ratio / head dim (power-of-two tiles: interpret mode does not check them)
+    _lower_cuda(B=2, T=512, Hkv=4, G=6, D=80, ps=16, P=40, window=100, sinks=True)
+    _lower_cuda(B=1, T=64, Hkv=2, G=3, D=96, ps=16, P=8, softcap=30.0, sinks=True)
+    _lower_cuda(B=1, T=64, Hkv=2, G=5, D=256, ps=16, P=8)
+    _lower_cuda(B=1, T=16, Hkv=2, G=7, D=80, ps=16, P=4, fp32=True, window=5, sinks=True)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -40,6 +40,13 @@ CASES = [
     # head_dim 128, two kv heads (column offset), race detection on.
     ("d128_two_kv_heads_races", 2, 1, 128, 16, None, None, False, 128, 12,
      [(40, 128)], {}, {"interpret": "races"}),
+    # GQA ratios that are no power of two and head dims that are no multiple of 64 (issue 15):
+    # D=80 (32-byte swizzle), D=96 (64-byte swizzle); the last kv head's columns end its row's
+    # K words, so a box read past the head would meet the poisoned V/next words.
+    ("g3_d80_window_sinks", 2, 3, 80, 16, 40, None, True, 128, 13,
+     [(70, 128), (3, 50)], {}, {"tombstone": True}),
+    ("g6_d96_softcap", 2, 6, 96, 32, None, 5.0, False, 128, 6,
+     [(30, 100)], {}, {}),
 ]
 
 
@@ -57,13 +64,15 @@ def test_mgpu_interpret_matches_reference(case):
 
 
 @needs_mgpu
-def test_mgpu_lowers_for_cuda():
+@pytest.mark.parametrize("D,G", [(128, 4), (80, 6), (96, 3)])
+def test_mgpu_lowers_for_cuda(D, G):
     """The compiled form (P from registers, run_state accumulator) lowers through Mosaic GPU's
-    layout inference and dialect lowering for sm_90 at the benchmark geometry."""
-    view = kv_view(8, 128, 16)
-    B, T, Hq = 2, 512, 32
+    layout inference and dialect lowering for sm_90 at the benchmark geometry, and with head dims
+    80 / 96 (32- / 64-byte swizzled tiles) and GQA ratios 6 / 3."""
+    view = kv_view(8, D, 16)
+    B, T, Hq = 2, 512, 8 * G
     sds = jax.ShapeDtypeStruct
-    args = (sds((B, T, Hq, 128), jnp.bfloat16), sds((64 * view.rows_per_page, view.row_words), jnp.uint16),
+    args = (sds((B, T, Hq, D), jnp.bfloat16), sds((64 * view.rows_per_page, view.row_words), jnp.uint16),
             sds((B, 40), jnp.int32), sds((B,), jnp.int32), sds((B,), jnp.int32))
     f = jax.jit(functools.partial(paged_prefill_attention_mgpu, view=view, window=256))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -85,7 +94,7 @@ def test_mgpu_refuses_unsupported(what):
         ps = 4  # below the 8-row TMA / shared-memory tile
         kw = dict(block_kv=64)
     elif what == "dims":
-        D = 96
+        D = 72  # not a multiple of 16 (the wgmma K step)
     elif what == "smem":
         D, kw = 256, dict(block_kv=256, max_concurrent_steps=3)
     view = kv_view(2, D, ps, **view_kw)

@@ -47,10 +47,12 @@ def _auto(monkeypatch):
 # --------------------------------------------------------------------------- the pure decision
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
 def test_hopper_bf16_picks_mgpu(D):
     view = kv_view(2, D, 16)
     assert prefill_backend(q_of(view), view, device=H200) == ("mgpu", "")
+    for G in (3, 5, 6, 7):  # any GQA ratio: a CTA per q head
+        assert prefill_backend(q_of(view, Hq=2 * G), view, device=H200) == ("mgpu", "")
     assert prefill_backend(q_of(view), view, device=DeviceInfo("gpu", "9.0", (1, 2))) == ("mgpu", "")
     assert prefill_backend(q_of(view), view, kv_dtype=jnp.float16, device=H200) == ("mgpu", "")
     assert prefill_backend(q_of(view, dtype=jnp.float32), view, device=H200) == ("mgpu", "")  # q is cast
@@ -73,8 +75,9 @@ def test_device_or_jax_not_covered_picks_triton(device, why):
 @pytest.mark.parametrize("what,why", [
     ("fp32_planes", "fp32"),
     ("mk2", "arena rows"),  # a token's K spans two rows (row_words < Hkv * D)
-    ("head_dim_32", "multiple of 64"),
-    ("head_dim_512", "multiple of 64 and <= 256"),
+    ("head_dim_32", "multiple of 16 in [64, 256]"),
+    ("head_dim_72", "multiple of 16 in [64, 256]"),  # no whole wgmma K step
+    ("head_dim_512", "multiple of 16 in [64, 256]"),
     ("page_size_4", "page_size"),
 ])
 def test_case_not_covered_picks_triton(what, why):
@@ -83,8 +86,8 @@ def test_case_not_covered_picks_triton(what, why):
         kw = dict(fp32=True)
     elif what == "mk2":
         kw = dict(row_words=128)  # 2 kv heads x 128 words
-    elif what == "head_dim_32":
-        D = 32
+    elif what.startswith("head_dim_") and what != "head_dim_512":
+        D = int(what.rsplit("_", 1)[1])
     elif what == "head_dim_512":
         D = 512
     elif what.startswith("page_size"):
@@ -245,7 +248,7 @@ def test_triton_defaults_trimmed_to_shared_memory():
 
 @pytest.mark.skipif(paged_prefill._jax_version() < (0, 11), reason="the Mosaic GPU kernel needs jax >= 0.11")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("D,window,softcap", [(128, None, None), (256, 1024, 50.0)])
+@pytest.mark.parametrize("D,window,softcap", [(128, None, None), (256, 1024, 50.0), (80, 100, None), (96, None, 30.0)])
 def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):
     """With the device info of an H200, impl="pallas" through the public wrapper cross-lowers the
     Mosaic GPU kernel for CUDA (D=256 with its 64-token default blocks); with the Triton choice
@@ -255,7 +258,8 @@ def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):
     monkeypatch.setattr(paged_prefill, "device_info", lambda: H200)
     view = kv_view(2, D, 16, layer=0)
     sds = jax.ShapeDtypeStruct
-    args = (sds((2, 200 + D, 8, D), jnp.bfloat16), sds((64 * view.rows_per_page, view.row_words), jnp.uint16),
+    Hq = {80: 6, 96: 12}.get(D, 8)  # G = 3 and 6 with the head dims that are no multiple of 64
+    args = (sds((2, 200 + D, Hq, D), jnp.bfloat16), sds((64 * view.rows_per_page, view.row_words), jnp.uint16),
             sds((2, 40), jnp.int32), sds((2,), jnp.int32), sds((2,), jnp.int32))
 
     def lowered():

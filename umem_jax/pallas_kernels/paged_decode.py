@@ -164,13 +164,14 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         width = _tile_dim(dim)
         lanes = jnp.arange(width, dtype=jnp.int32)
         cols = col + lanes
-        full = jnp.broadcast_to(mask[:, None], (block_tokens, width))
-        if width != dim:  # padded columns past the head's words: never read, 0
-            full = full & (lanes < dim)[None, :]
         # Two broadcasting int indexers ([block_tokens,1] x [1,width]): Triton computes row*W
         # itself (int64 above 4 GiB) and sees contiguous columns per row (vector loads);
         # interpret mode also takes this form.
-        return pltr.load(arena_ref.at[rows[:, None], cols[None, :]], mask=full, other=0)
+        tile = arena_ref.at[rows[:, None], cols[None, :]]
+        full = jnp.broadcast_to(mask[:, None], (block_tokens, width))
+        if width != dim:  # padded columns past the head's words: never read, 0
+            full = full & (lanes < dim)[None, :]
+        return pltr.load(tile, mask=full, other=0)
 
     def decode_tile(rows_base, slot, which, mask):
         dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)

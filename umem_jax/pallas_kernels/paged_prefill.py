@@ -26,9 +26,15 @@ those pages, unwritten slots of the last page and rows past the table are never 
 
 Kernel layout: grid (q block, kv head, request).  One program owns BQ consecutive queries of one
 request times the G q heads of one kv head, as one [BQ*G, D] tile (GQA: each K/V tile is loaded
-once for the whole group).  It walks the KV blocks (BK tokens) its queries can see, in three
-loops: masked blocks at the window's left edge, unmasked interior blocks, masked blocks on the
-causal diagonal, so interior blocks pay neither the mask nor masked loads.  Online softmax in
+once for the whole group).  A G that is no power of two (3, 5, 6, 7, ...) uses the flat layout
+instead: q is viewed as [B, Hkv, T*G, D] (query-major rows, one transpose in XLA) and a tile is
+block_rows consecutive rows of it, a power of two, so no tile row is a padded head (a query's
+heads may straddle two tiles; each row finds its own query and sink).  Head dims that are no
+power of two (80, 96) are 128-wide tiles: q zero-padded, the K/V columns past the head masked
+off the loads (never read), the output sliced back.  A program walks the KV blocks (BK tokens)
+its queries can see, in three loops: masked blocks at the window's left edge, unmasked interior
+blocks, masked blocks on the causal diagonal, so interior blocks pay neither the mask nor masked
+loads.  Online softmax in
 fp32 (exp2 form).  KV rows are gathered through the page table with a vector of *row* indices on
 the 2-D arena ref (`arena[rows, pl.ds(col, D)]`), so the Triton lowering does the row * stride
 multiply in int64 when the arena exceeds 4 GiB.
@@ -73,12 +79,27 @@ _NEG_BIG = -1e30  # finite start for the running max: a fully masked block then 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
     """Static tiling of one pallas_call.  block_q: queries per program (x G heads = tile rows);
-    block_k: KV tokens per inner step; num_warps/num_stages: Triton compiler params."""
+    block_k: KV tokens per inner step; num_warps/num_stages: Triton compiler params.
+    block_rows: tile rows.  G a power of two: block_q * G.  Otherwise (G = 3, 5, 6, ...) a tile
+    is `block_rows` (a power of two) consecutive (query, head) rows of one kv head, so a query's
+    heads may straddle two tiles and no tile row is padding; block_q is then the requested
+    queries per tile (block_rows = pow2_ceil(block_q * G))."""
 
     block_q: int
     block_k: int
     num_warps: int
     num_stages: int
+    block_rows: int
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and not n & (n - 1)
+
+
+def tile_dim(dim: int) -> int:
+    """Tile width of a head dim: a power of two (Triton tiles) >= 16 (the smallest Triton dot); a
+    head dim of 80 or 96 is loaded as a 128-wide tile whose columns past the head are masked."""
+    return max(16, pow2_ceil(dim))
 
 
 def _stage_bytes(block_k: int, D: int, Dv: int, planes: int) -> int:
@@ -89,27 +110,37 @@ def _stage_bytes(block_k: int, D: int, Dv: int, planes: int) -> int:
 def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int = 1, block_q=None,
                    block_k=None, num_warps=None, num_stages=None) -> PrefillConfig:
     """Default tiling: ~128 tile rows (64 for D=256) so the two dots are tensor-core sized, 8 warps
-    and 3 K/V stages.  BK=128 on 128-row bf16 tiles at D <= 128: the H200 sweep (bench_prefill
-    --tune, benchmarks/RESULTS.md) measured (rows 128, BK 128, 8 warps, 3 stages) fastest, 380
-    TFLOP/s geomean vs 337 at BK=64.  Smaller tiles keep BK=64 (64 rows x 4 warps measured 349 at
-    BK=64, 292 at BK=128), fp32 planes too (IEEE FMA dots, no tensor cores), and D=256 keeps BK=32
-    (ptxas for sm_90a: no spills; not timed).  A defaulted BK, then stage count, is trimmed until
-    the K/V stages fit SMEM_BUDGET (paged_decode's budget), so an odd geometry compiles instead of
-    failing at launch; explicit values are kept as given (the tuning sweep sets them)."""
-    Dv = D if Dv is None else Dv
+    and 3 K/V stages (head dims counted at their tile width, tile_dim).  BK=128 on 128-row bf16
+    tiles at D <= 128: the H200 sweep (bench_prefill --tune, benchmarks/RESULTS.md) measured
+    (rows 128, BK 128, 8 warps, 3 stages) fastest, 380 TFLOP/s geomean vs 337 at BK=64. Smaller
+    tiles keep BK=64 (64 rows x 4 warps measured 349 at BK=64, 292 at BK=128), fp32 planes too (IEEE
+    FMA dots, no tensor cores), and D=256 keeps BK=32 (ptxas for sm_90a: no spills; not timed). A
+    defaulted BK, then stage count, is trimmed until the K/V stages fit SMEM_BUDGET (paged_decode's
+    budget), so an odd geometry compiles instead of failing at launch; explicit values are kept
+    as given (the tuning sweep sets them)."""
+    D, Dv = tile_dim(D), tile_dim(D if Dv is None else Dv)
     rows = 128 if D <= 128 else 64
-    if block_q is None:
-        block_q = 1 << max(0, (rows // G).bit_length() - 1)  # largest power of two <= rows / G
-        block_q = min(block_q, pow2_ceil(T))
-        block_q = max(block_q, -(-16 // G))  # Triton dots need >= 16 rows
+    grouped = is_pow2(G)
+    if grouped:
+        if block_q is None:
+            block_q = 1 << max(0, (rows // G).bit_length() - 1)  # largest power of two <= rows / G
+            block_q = min(block_q, pow2_ceil(T))
+            block_q = max(block_q, -(-16 // G))  # Triton dots need >= 16 rows
+        block_rows = block_q * G
+    else:  # flat (query, head) rows: any number of rows, so the power of two nearest the default
+        if block_q is None:
+            block_rows = min(rows, max(16, pow2_ceil(T * G)))
+            block_q = -(-block_rows // G)
+        else:
+            block_rows = max(16, pow2_ceil(block_q * G))
     if num_warps is None:
         # 4 warps spill heavily on 128-row tiles and on D=256 (ptxas, sm_90a).
-        num_warps = 8 if (block_q * G >= 128 or D >= 256) else 4
+        num_warps = 8 if (block_rows >= 128 or D >= 256) else 4
     trim_k, trim_stages = block_k is None, num_stages is None
     if block_k is None:
         if max(D, Dv) > 128:
             block_k = 32
-        elif planes == 1 and block_q * G >= 128 and num_warps == 8:
+        elif planes == 1 and block_rows >= 128 and num_warps == 8:
             block_k = 128
         else:
             block_k = 64
@@ -119,14 +150,14 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
         block_k //= 2
     while trim_stages and num_stages > 2 and num_stages * _stage_bytes(block_k, D, Dv, planes) > SMEM_BUDGET:
         num_stages -= 1
-    for name, val in (("block_q", block_q), ("block_k", block_k)):
-        if val <= 0 or val & (val - 1):
+    for name, val in (("block_q", block_q if grouped else 1), ("block_k", block_k)):
+        if not is_pow2(val):
             raise ValueError(f"{name} must be a power of two, got {val}")
     if block_k < 16:
         raise ValueError(f"block_k must be >= 16 (Triton dot), got {block_k}")
-    if block_q * G < 16:
+    if block_rows < 16:
         raise ValueError(f"block_q * G must be >= 16 (Triton dot), got {block_q}*{G}")
-    return PrefillConfig(block_q, block_k, num_warps, num_stages)
+    return PrefillConfig(block_q, block_k, num_warps, num_stages, block_rows)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -137,11 +168,15 @@ class _Static:
     """Everything the kernel body needs at trace time."""
 
     q_blocks: int  # q blocks per row (grid dim 0)
-    bq: int
+    bq: int  # queries per tile (grouped layout)
+    rows: int  # tile rows M: bq * G (grouped) or a power of two of (query, head) rows (flat)
+    flat: bool  # G is no power of two: the flat layout (PrefillConfig)
     bk: int
     G: int
     D: int
     Dv: int
+    Dp: int  # tile widths of the head dims (tile_dim)
+    Dvp: int
     P: int  # page-table width
     page_size: int
     rows_per_page: int
@@ -170,8 +205,9 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
     b = pl.program_id(2)
     q_len = qlen_ref[b]
     kv_len = kvlen_ref[b]
-    j0 = qi * c.bq
-    M = c.bq * c.G
+    M = c.rows
+    row0 = qi * M  # first (query, head) row of the tile on this kv head's [T * G] row axis
+    j0 = lax.div(row0, c.G) if c.flat else qi * c.bq  # its first query
 
     @pl.when(j0 >= q_len)
     def _padding():
@@ -182,11 +218,17 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
         compute_dtype = c.kv_dtype
         # fp32 planes exist for parity: keep their dots IEEE (Triton's fp32 default is TF32).
         precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
-        q = q_ref[...].reshape(M, c.D).astype(compute_dtype)  # row r: query j0 + r // G, head h*G + r % G
+        # Tile row r is (query, head) row row0 + r: query (row0 + r) // G, head h*G + (row0 + r) % G.
+        q = q_ref[...].reshape(M, c.Dp).astype(compute_dtype)
         r = lax.broadcasted_iota(jnp.int32, (M,), 0)
         q_start = kv_len - q_len
-        pos = q_start + j0 + lax.div(r, c.G)  # [M] key position of each tile row's query
-        last = jnp.minimum(j0 + c.bq, q_len) - 1
+        if c.flat:
+            query = lax.div(row0 + r, c.G)  # [M] query of each tile row
+            pos = q_start + query  # [M] key position of each tile row's query
+            last = jnp.minimum(lax.div(row0 + M - 1, c.G) + 1, q_len) - 1
+        else:
+            pos = q_start + j0 + lax.div(r, c.G)
+            last = jnp.minimum(j0 + c.bq, q_len) - 1
         p_first, p_last = q_start + j0, q_start + last
         hi = p_last + 1  # keys [lo, hi) are all this block may read
         u_hi = p_first + 1  # keys [u_lo, u_hi) every query of the block sees
@@ -234,18 +276,24 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             return page * c.rows_per_page
 
         def load(rows, slot_list, dim, mask):
-            """Gather [bk, dim] values of this kv head from the arena rows `rows`."""
+            """Gather [bk, tile_dim(dim)] values of this kv head from the arena rows `rows`; the
+            columns past a head dim that is no power of two are masked off (0, never read)."""
+            width = tile_dim(dim)
             words = []
             for r_off, col in slot_list:
-                if mask is None:
+                if mask is None and width == dim:
                     words.append(arena_ref[rows + r_off, pl.ds(col, dim)])
                 else:
                     # Masked lanes (tombstoned pages, unwritten slots, past the table) are never
                     # read.  Both indices as arrays: interpret mode has no masked load of a
                     # (vector, slice) index; Triton lowers either form to the same pointer tile.
-                    cols = col + lax.broadcasted_iota(jnp.int32, (bk, dim), 1)
-                    words.append(pltr.load(arena_ref.at[(rows + r_off)[:, None], cols],
-                                           mask=jnp.broadcast_to(mask[:, None], (bk, dim)), other=0))
+                    lanes = lax.broadcasted_iota(jnp.int32, (bk, width), 1)
+                    cols = col + lanes
+                    tile = arena_ref.at[(rows + r_off)[:, None], cols]
+                    ok = None if mask is None else jnp.broadcast_to(mask[:, None], (bk, width))
+                    if width != dim:
+                        ok = (lanes < dim) if ok is None else ok & (lanes < dim)
+                    words.append(pltr.load(tile, mask=ok, other=0))
             if c.planes == 2:
                 return join_planes(words[0], words[1], compute_dtype)
             return words[0]  # the wrapper passes 1-plane arenas already viewed as the KV dtype
@@ -267,7 +315,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             k_rows = envelope_rows + c.k_base + slot * c.mk
             v_rows = envelope_rows + c.v_base + slot * c.mv
             valid = ((k_idx >= lo) & (k_idx < hi)) if masked else None
-            kt = load(k_rows, k_slots, c.D, valid)  # [bk, D]
+            kt = load(k_rows, k_slots, c.D, valid)  # [bk, Dp]
             s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                                 precision=precision)
             if c.softcap is not None:
@@ -284,7 +332,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * exp_scale - m_new[:, None])
             l_new = l_i * alpha + p.sum(axis=1)
-            vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dv]
+            vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dvp]
             pv = lax.dot_general(p.astype(compute_dtype), vt, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32, precision=precision)
             return next_envelope_rows, m_new, l_new, acc * alpha[:, None] + pv
@@ -292,22 +340,26 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
         # Each loop ends carrying envelope_rows_of(its end), which is the next loop's start (an
         # empty loop passes it through), so one table read before the first loop primes all three.
         carry = (envelope_rows_of(kb_first), jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
-                 jnp.zeros((M, c.Dv), jnp.float32))
+                 jnp.zeros((M, c.Dvp), jnp.float32))
         carry = lax.fori_loop(kb_first, i_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(i_hi, kb_last, functools.partial(step, masked=True), carry)
         _, m_i, l_i, acc = carry
 
         if c.has_sinks:
-            sk = sinks_ref[pl.ds(h * c.G, c.G)].astype(jnp.float32) * _LOG2E  # [G]
-            sk = jnp.broadcast_to(sk[None, :], (c.bq, c.G)).reshape(M)
+            if c.flat:  # each row's own q head
+                sk = pltr.load(sinks_ref.at[h * c.G + lax.rem(row0 + r, c.G)]).astype(jnp.float32) * _LOG2E
+            else:
+                sk = sinks_ref[pl.ds(h * c.G, c.G)].astype(jnp.float32) * _LOG2E  # [G]
+                sk = jnp.broadcast_to(sk[None, :], (c.bq, c.G)).reshape(M)
             m_f = jnp.maximum(m_i, sk)
             corr = jnp.exp2(m_i - m_f)
             l_i = l_i * corr + jnp.exp2(sk - m_f)
             acc = acc * corr[:, None]
         out = acc / l_i[:, None]
-        out = jnp.where((j0 + lax.div(r, c.G) < q_len)[:, None], out, 0.0)  # rows past q_len are 0
-        pltr.store(o_ref, out.reshape(c.bq, c.G, c.Dv).astype(o_ref.dtype))
+        live = (query if c.flat else j0 + lax.div(r, c.G)) < q_len
+        out = jnp.where(live[:, None], out, 0.0)  # rows past q_len are 0
+        pltr.store(o_ref, out.reshape(o_ref.shape).astype(o_ref.dtype))
 
 
 def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view, window, softcap,
@@ -315,13 +367,30 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
     B, T, Hq, D = q.shape
     Hkv, Dv = view.num_kv_heads, view.v_head_dim
     G = Hq // Hkv
-    bq = cfg.block_q
-    T_padded = -(-T // bq) * bq
-    if T_padded != T:  # whole q blocks only (Triton blocks have no bounds checks)
-        q = jnp.pad(q, ((0, 0), (0, T_padded - T), (0, 0), (0, 0)))
-    q_blocks = T_padded // bq
+    Dp, Dvp = tile_dim(D), tile_dim(Dv)
+    bq, M, flat = cfg.block_q, cfg.block_rows, not is_pow2(G)
+    squeezed = getattr(pl, "squeezed", None)  # the batch (and kv head) dims of q/o blocks are squeezed away
+    if flat:
+        # [B, Hkv, T * G rows (query-major, then head), Dp], padded to whole tiles of M rows: one
+        # transpose of q (and of the output back), no padded q heads in any tile.
+        R = -(-T * G // M) * M
+        q = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
+        q = jnp.pad(q, ((0, 0), (0, 0), (0, R - T * G), (0, Dp - D)))
+        q_blocks = R // M
+        q_spec = pl.BlockSpec((squeezed, squeezed, M, Dp), lambda i, h, b: (b, h, q_blocks - 1 - i, 0))
+        o_spec = pl.BlockSpec((squeezed, squeezed, M, Dvp), lambda i, h, b: (b, h, q_blocks - 1 - i, 0))
+        o_shape = (B, Hkv, R, Dvp)
+    else:
+        T_padded = -(-T // bq) * bq
+        if T_padded != T or Dp != D:  # whole q blocks only (Triton blocks have no bounds checks)
+            q = jnp.pad(q, ((0, 0), (0, T_padded - T), (0, 0), (0, Dp - D)))
+        q_blocks = T_padded // bq
+        q_spec = pl.BlockSpec((squeezed, bq, G, Dp), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
+        o_spec = pl.BlockSpec((squeezed, bq, G, Dvp), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
+        o_shape = (B, T_padded, Hq, Dvp)
     c = _Static(
-        q_blocks=q_blocks, bq=bq, bk=cfg.block_k, G=G, D=D, Dv=Dv, P=page_table.shape[1],
+        q_blocks=q_blocks, bq=bq, rows=M, flat=flat, bk=cfg.block_k, G=G, D=D, Dv=Dv, Dp=Dp, Dvp=Dvp,
+        P=page_table.shape[1],
         page_size=view.page_size, rows_per_page=view.rows_per_page, k_base=view.k_row,
         v_base=view.v_row, mk=view.mk, mv=view.mv,
         Hkv=Hkv, row_words=view.row_words,
@@ -329,9 +398,6 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
         softcap=None if softcap is None else float(softcap),
         scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None)
 
-    squeezed = getattr(pl, "squeezed", None)  # the batch dim of q/o blocks is squeezed away
-    q_spec = pl.BlockSpec((squeezed, bq, G, D), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
-    o_spec = pl.BlockSpec((squeezed, bq, G, Dv), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
     args = [q_lens, kv_lens, page_table]
     in_specs = [ANY] * 3
     if sinks is not None:
@@ -346,7 +412,7 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
     in_specs += [q_spec, ANY]
     out = pl.pallas_call(
         functools.partial(_kernel, c=c),
-        out_shape=jax.ShapeDtypeStruct((B, T_padded, Hq, Dv), q.dtype),
+        out_shape=jax.ShapeDtypeStruct(o_shape, q.dtype),
         grid=(q_blocks, Hkv, B),
         in_specs=in_specs,
         out_specs=o_spec,
@@ -354,7 +420,9 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
         interpret=interpret,
         name="paged_prefill_attention",
     )(*args)
-    return out[:, :T] if T_padded != T else out
+    if flat:
+        return out[:, :, :T * G, :Dv].reshape(B, Hkv, T, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv)
+    return out[:, :T, :, :Dv] if (T_padded != T or Dvp != Dv) else out
 
 
 # --------------------------------------------------------------------------- kernel choice
@@ -362,7 +430,7 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
 PREFILL_ENV = "UMEM_JAX_PREFILL"
 _BACKENDS = ("auto", "triton", "mgpu")
 # With $UMEM_JAX_PREFILL unset, impl="pallas" runs the Triton kernel: it covers every case of the
-# contract (fp32 planes, any power-of-two head dim, interpret mode) on any CUDA GPU.  The Mosaic GPU
+# contract (fp32 planes, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The Mosaic GPU
 # kernel is faster on Hopper but covers a subset and needs jax >= 0.11, so it is opt-in: "auto"
 # takes it where it covers the case, "mgpu" insists on it.
 DEFAULT_BACKEND = "triton"
@@ -437,7 +505,7 @@ def prefill_backend(q, view, *, kv_dtype=None, backend: str | None = None,
     backend: "auto" | "triton" | "mgpu"; None reads $UMEM_JAX_PREFILL (default DEFAULT_BACKEND).  auto
     takes the Mosaic GPU kernel (0.98x cuDNN on an H200 vs 0.69x for Triton) when the device is a
     CUDA GPU of compute capability 9.x, jax >= 0.11 and check_mgpu_supported accepts the case
-    (bf16/fp16 one-plane K/V, one row per token, D == Dv a multiple of 64 <= 256, ...); mgpu
+    (bf16/fp16 one-plane K/V, one row per token, D == Dv a multiple of 16 in [64, 256], ...); mgpu
     raises NotImplementedError naming the reason where it cannot run.  device: the DeviceInfo to
     decide for (default: this process's, device_info()).
     """
@@ -456,11 +524,8 @@ def prefill_backend(q, view, *, kv_dtype=None, backend: str | None = None,
 
 
 def _check_pallas(q, view):
-    _, _, Hq, D = q.shape
-    G = Hq // view.num_kv_heads
-    for name, n in (("G = Hq / Hkv", G), ("head_dim", D), ("v_head_dim", view.v_head_dim)):
-        if n & (n - 1):
-            raise NotImplementedError(f"the Pallas kernel needs {name} a power of two, got {n}; use impl='reference'")
+    """Any G and head dims: only a head that straddles two arena rows is refused."""
+    D = q.shape[3]
     for which, dim in (("k", D), ("v", view.v_head_dim)):
         for plane in range(view.planes):
             for h in range(view.num_kv_heads):

@@ -13,8 +13,10 @@ of one tile with the MMAs of another: on an H200 the Triton kernel reaches 0.69x
 
 Supported (anything else raises NotImplementedError naming the reason; use the Triton kernel):
 bf16 (or fp16) K/V stored one plane per token row (`view.planes == 1`, `mk == mv == 1`), head_dim
-== v_head_dim, a multiple of 64 and <= 256, row_words a multiple of 8 (16-byte TMA strides), page
-size a multiple of 8 that divides the KV block or is a multiple of it.  Causal with an optional
+== v_head_dim, a multiple of 16 in [64, 256] (80 and 96 too: their shared-memory tiles use a 32-
+or 64-byte swizzle, head_swizzle), any GQA ratio (each CTA is one q head), row_words a multiple
+of 8 (16-byte TMA strides), page size a multiple of 8 that divides the KV block or is a multiple
+of it.  Causal with an optional
 window, softcap and sinks.  Needs jax >= 0.11 (the `plgpu.kernel` API used here) and an sm_90
 GPU; there is no interpret mode for wgmma on CPU, so CPU tests only cross-lower it for CUDA.
 
@@ -136,8 +138,8 @@ def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
         no(f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed")
     if D != Dv:
         no(f"head_dim {D} != v_head_dim {Dv}")
-    if D % 64 or D > 256:
-        no(f"head_dim must be a multiple of 64 and <= 256, got {D}")
+    if D % 16 or not 64 <= D <= 256:
+        no(f"head_dim must be a multiple of 16 in [64, 256], got {D}")
     if view.row_words % 8:
         no(f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)")
     if view.num_kv_heads * D > view.row_words:
@@ -154,6 +156,12 @@ def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
     if smem_bytes(D, cfg) > _SMEM_LIMIT:
         no(f"{smem_bytes(D, cfg)} bytes of shared memory needed (limit {_SMEM_LIMIT}); lower block_kv or "
            "max_concurrent_steps")
+
+
+def head_swizzle(D: int) -> int:
+    """Shared-memory swizzle (bytes) of a [rows, D] bf16 tile: the widest of 128/64/32 bytes whose
+    span divides a row of D elements (D a multiple of 16)."""
+    return next(sw for sw in (128, 64, 32) if (2 * D) % sw == 0)
 
 
 def smem_bytes(D: int, cfg: MgpuConfig) -> int:
@@ -192,14 +200,17 @@ def _kernel(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, *refs):
     else:
         sinks_ref, (q_ref, arena_ref, o_ref) = None, refs
     bq, bkv, ring_slots, D = c.bq, c.bkv, c.ring_slots, c.D
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
-    qo_scratch = plgpu.SMEM((2, bq, D), c.dtype, transforms=(tiling, swizzle))
-    k_scratch = plgpu.SMEM((ring_slots, bkv, D), c.dtype, transforms=(tiling, swizzle))
-    v_scratch = plgpu.SMEM((ring_slots, bkv, D), c.dtype, transforms=(tiling, swizzle))
+    # Q/K/V tiles: the widest swizzle whose span divides a head row (128 B for D = 64, 128, 192,
+    # 256; 64 B for D = 96; 32 B for D = 80), tiled (8, swizzle / 2 bytes) as wgmma reads them.
+    sw = head_swizzle(D)
+    tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    qo_scratch = plgpu.SMEM((2, bq, D), c.dtype, transforms=tiled)
+    k_scratch = plgpu.SMEM((ring_slots, bkv, D), c.dtype, transforms=tiled)
+    v_scratch = plgpu.SMEM((ring_slots, bkv, D), c.dtype, transforms=tiled)
     # Interpret form only: P goes through shared memory (the GPU interpreter's wgmma takes no
     # register operand).
-    p_scratch = plgpu.SMEM((2, bq, bkv), c.dtype, transforms=(tiling, swizzle)) if c.pv_in_scoped_acc else None
+    p_tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    p_scratch = plgpu.SMEM((2, bq, bkv), c.dtype, transforms=p_tiled) if c.pv_in_scoped_acc else None
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
     pl.run_scoped(
         functools.partial(_body, plgpu, c, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, arena_ref, o_ref),
