@@ -90,7 +90,12 @@ def test_missing_or_misshaped_experts_are_named(tmp_path):
     fused = fuse_experts(t)
     fused["model.layers.1.mlp.experts.gate_up_proj"] = fused["model.layers.1.mlp.experts.gate_up_proj"][:6]
     save_file(fused, d / "model.safetensors")
-    with pytest.raises(ValueError, match=r"layers.1.mlp.experts.gate_up_proj has shape \(6, 8, 32\)"):
+    with pytest.raises(ValueError, match=r"layers.1.mlp.experts.gate_up_proj \(6, 8, 32\).*\(8, 8, 32\)"):
+        load_safetensors(d)
+    fused = fuse_experts(t)  # the (in, out) orientation some exporters write is not transformers'
+    fused["model.layers.0.mlp.experts.down_proj"] = np.swapaxes(fused["model.layers.0.mlp.experts.down_proj"], 1, 2)
+    save_file(fused, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"layers.0.mlp.experts.down_proj \(8, 4, 32\).*\(8, 32, 4\)"):
         load_safetensors(d)
 
 

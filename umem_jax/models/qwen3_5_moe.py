@@ -15,7 +15,9 @@ the MoE block's stacked (in, out) leaves (`mlp.experts.gate_up_proj` [E, d, 2I],
     own fusion on save), and Qwen3-Next's hub layout;
   * fused, `mlp.experts.gate_up_proj` [E, 2I, d] and `mlp.experts.down_proj` [E, d, I]:
     transformers' in-memory Qwen3_5MoeExperts layout, in which the Qwen3.5-35B-A3B hub
-    checkpoint stores them too (its tensors carry no per-expert index).
+    checkpoint stores them too (its tensors carry no per-expert index).  Both shapes are checked
+    against the config: a pair stored the other way round ((in, out)) is refused, not misread
+    (d == 2I and d == I cannot both hold, so one of the two shapes always tells).
 The router (`mlp.gate.weight` [E, d]), the shared expert (`mlp.shared_expert.*`) and its gate
 (`mlp.shared_expert_gate.weight` [1, d]) load by name; the multimodal checkpoints'
 `model.language_model.*` prefix, `model.visual.*` and `mtp.*` are handled by the loader.
@@ -89,17 +91,18 @@ def qwen3_5_35b_a3b_like(dtype: str = "bfloat16") -> Qwen3_5Config:
 # ------------------------------------------------------------------------------- checkpoint layouts
 
 
-def stack_experts(tensors: dict, prefix: str, num_experts: int) -> None:
+def stack_experts(tensors: dict, prefix: str, num_experts: int, intermediate: int, hidden: int) -> None:
     """Replace one sparse block's expert tensors (under `prefix`, e.g. "layers.3.mlp.experts.") by
     our stacked `gate_up_proj` [E, d, 2I] and `down_proj` [E, I, d], in place; the block's other
     tensors stay.  Per-expert and fused checkpoints are both read (module docstring)."""
     fused, down = prefix + "gate_up_proj", prefix + "down_proj"
-    if fused in tensors:
-        gate_up = jnp.asarray(tensors.pop(fused))
-        if gate_up.ndim != 3 or gate_up.shape[0] != num_experts or down not in tensors:
-            raise ValueError(f"{fused} has shape {tuple(gate_up.shape)} (expected [{num_experts}, 2I, d]) "
-                             f"and {down} is {'present' if down in tensors else 'missing'}")
-        tensors[fused] = jnp.swapaxes(gate_up, 1, 2)  # [E, 2I, d] (out, in) -> [E, d, 2I]
+    if fused in tensors or down in tensors:
+        want = {fused: (num_experts, 2 * intermediate, hidden), down: (num_experts, hidden, intermediate)}
+        got = {n: tuple(tensors[n].shape) if n in tensors else "missing" for n in want}
+        if got != want:
+            raise ValueError(f"fused experts {', '.join(f'{n} {got[n]}' for n in want)}; transformers' layout is "
+                             f"{want[fused]} (gate rows, then up rows) and {want[down]}")
+        tensors[fused] = jnp.swapaxes(jnp.asarray(tensors.pop(fused)), 1, 2)  # [E, 2I, d] (out, in) -> [E, d, 2I]
         tensors[down] = jnp.swapaxes(jnp.asarray(tensors.pop(down)), 1, 2)  # [E, d, I] -> [E, I, d]
         return
     names = [f"{prefix}{j}.{p}.weight" for j in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
@@ -124,7 +127,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         tensors = dict(tensors)
         for i in range(cfg.num_layers):
             if cfg.is_sparse(i):
-                stack_experts(tensors, f"layers.{i}.mlp.experts.", cfg.moe.num_experts)
+                stack_experts(tensors, f"layers.{i}.mlp.experts.", cfg.moe.num_experts, cfg.moe.intermediate_size,
+                              cfg.hidden_size)
         return tensors
 
 
