@@ -18,7 +18,7 @@ from _server_utils import MODEL, LiveServer, client_aborts, drained, engine_call
 
 from umem_jax import SamplingParams
 from umem_jax.api.guards import DEFAULT_MAX_REQUEST_BYTES
-from umem_jax.api.server import build_app
+from umem_jax.api.server import build_app, serve
 from umem_jax.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 KEY = "sekrit-key"
@@ -122,6 +122,31 @@ def test_stop_caps_offline():
         with pytest.raises(ValueError, match=f"^{field}=") as e:
             SamplingParams(**kw)
         assert len(str(e.value)) < 300  # a million stop strings are not echoed back
+
+
+def test_serve_stops_and_exits_1_when_the_engine_fails():
+    """serve() ends the HTTP server (gracefully) once the engine reports its failure."""
+
+    class DyingEngine:  # what serve() and build_app touch of an AsyncLLMEngine
+        error, on_dead, metrics = None, None, None
+
+        def start(self):
+            def die():
+                time.sleep(0.5)
+                self.error = RuntimeError("boom")
+                self.on_dead(self.dead_message())
+
+            threading.Thread(target=die, daemon=True).start()
+
+        def shutdown(self):
+            pass
+
+        def dead_message(self):
+            return f"engine is not running: {self.error!r}"
+
+    t0 = time.monotonic()
+    assert serve(DyingEngine(), [MODEL], port=0, log_level="warning") == 1
+    assert time.monotonic() - t0 < 30
 
 
 # ------------------------------------------------------------------------------ a client gone while it is added

@@ -171,6 +171,8 @@ class AsyncLLMEngine:
         q: post deltas into this queue (several requests may share one; deltas carry their
         request_id)."""
         arrival = time.time()
+        if self.error is not None or self._thread is None:
+            raise EngineDead(self.dead_message())
         prompt = await self.tokenize(prompt, field)
         q = asyncio.Queue() if q is None else q
         rid = str(request_id)

@@ -10,11 +10,13 @@ A step can raise where a request's own data is at work:
                 halves that fail, until the rows that fail alone are found.  Those requests fail;
                 every other row ran, once.
   read-back     a row's token is applied (stop checks, detokenizing, the output): that request
-                fails.
+                fails.  So does one whose text fails while AsyncLLMEngine streams it
+                (LLMEngine.fail_request, between steps).
 
 A failed request ends with finish_reason "abort" and `error` saying where and what raised; its
-pages and slots go back to the arena, and nothing of it is handed to the prefix cache (a failed
-pass claims tokens it never wrote).  The idle checks count it like any other request.
+pages and slots go back to the arena, and nothing more of it is handed to the prefix cache (a
+failed pass claims tokens it never wrote; what earlier passes computed was handed over when
+they ran).  The idle checks count it like any other request.
 
 Whose fault was it?  After a failure the engine sends a probe: a known-good request (8 token
 ids, 2 greedy tokens, most preferred) through the same scheduler, runner and read-back.  If
@@ -129,8 +131,10 @@ class FailureIsolation:
         eng = self.engine
         self._num_probes += 1
         params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        req = eng.prepare(PROBE_PROMPT, params, request_id=f"umem-probe-{self._num_probes}",
-                          priority=eng.config.priority_range[0])
+        rid = f"umem-probe-{self._num_probes}"
+        while rid in eng._requests:  # a caller's id
+            rid += "+"
+        req = eng.prepare(PROBE_PROMPT, params, request_id=rid, priority=eng.config.priority_range[0])
         eng.enqueue(req)
         if req.finished:  # refused by the memory clip (a tiny arena): no verdict, nothing in flight
             eng._aborted.remove(req)
