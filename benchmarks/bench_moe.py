@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import re
 import sys
 import traceback
 
@@ -26,6 +28,8 @@ import numpy as np
 from flax import nnx
 
 from umem_jax.models.moe import Experts, MoEConfig, expert_activation
+from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+from umem_jax.pallas_kernels.grouped_matmul import grouped_matmul
 
 from .report import RowLog, fmt, format_table, json_path
 from .timing import copy_rate, time_calls
@@ -37,7 +41,7 @@ class Shape:
     E: int
     k: int
     d: int
-    I: int  # noqa: E741 - the intermediate size, as in the papers
+    I: int
 
 
 GPT_OSS = Shape("gpt-oss-20b", 32, 4, 2880, 2880)
@@ -75,22 +79,59 @@ def row(a, **r) -> dict:
 # ----------------------------------------------------------------------------- prefill
 
 
+def lowering(compiled) -> str:
+    """What XLA made of a compiled function: its custom-call targets."""
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
+    return ",".join(targets) if targets else "no custom call"
+
+
+def sample_reference(xs, w, group_sizes, n: int = 32):
+    """(row ids, their products) for n rows spread over the sorted rows: x[r] @ w[group(r)], fp32."""
+    rows = np.linspace(0, int(group_sizes.sum()) - 1, n).astype(np.int32)
+    group = np.searchsorted(np.cumsum(np.asarray(group_sizes)), rows, side="right")
+    wr = jnp.take(w, jnp.asarray(group), axis=0)
+    return rows, jnp.einsum("rk,rkn->rn", xs[rows], wr, preferred_element_type=jnp.float32)
+
+
+PALLAS_TUNINGS = ({}, {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3})
+
+
 def bench_matmul_pair(a, shape: Shape, tokens: int, which: str, xs, w, group_sizes):
-    """One grouped matmul (ragged_dot, bf16 out) vs the dense matmul of the same FLOPs."""
+    """One grouped matmul (ragged_dot and the Pallas kernel, bf16 out) vs the dense matmul of
+    the same FLOPs ([R, K] @ [K, F] with one group's matrix)."""
     rows, kdim = xs.shape
     f = w.shape[-1]
     flops = 2 * rows * kdim * f
     ragged = jax.jit(lambda x, w, g: jax.lax.ragged_dot(x, w, g))
     dense = jax.jit(lambda x, w: jnp.dot(x, w))
-    w0 = w[0]
-    # Check on a slice: every row of group 0 against its dense product.
-    n0 = int(group_sizes[0])
-    err = rel_err(ragged(xs, w, group_sizes)[:n0], jnp.dot(xs[:n0].astype(jnp.float32), w0.astype(jnp.float32)))
-    t_ragged = timed(a, lambda: ragged(xs, w, group_sizes))
-    t_dense = timed(a, lambda: dense(xs, w0))
-    return row(a, case="prefill_" + which, shape=f"{shape.name} T={tokens} R={rows} K={kdim} F={f}",
-               ragged_us=t_ragged * 1e6, dense_us=t_dense * 1e6, ragged_tflops=flops / t_ragged / 1e12,
-               dense_tflops=flops / t_dense / 1e12, ratio=t_dense / t_ragged, goal=">=0.6", err=err)
+    rows_checked, want = sample_reference(xs, w, group_sizes)
+    t_dense = timed(a, lambda: dense(xs, w[0]))
+    out = {"shape": f"{shape.name} T={tokens} R={rows} K={kdim} F={f}", "dense_us": t_dense * 1e6,
+               "dense_tflops": flops / t_dense / 1e12, "goal": ">=0.6"}
+    try:
+        compiled = ragged.lower(xs, w, group_sizes).compile()
+        err = rel_err(compiled(xs, w, group_sizes)[rows_checked], want)
+        t = timed(a, lambda: compiled(xs, w, group_sizes))
+        row(a, case=f"prefill_{which}_ragged_dot", us=t * 1e6, tflops=flops / t / 1e12, ratio=t_dense / t, err=err,
+            note=lowering(compiled), **out)
+    except Exception as e:  # noqa: BLE001 - one failing variant must not end a one-shot GPU run
+        traceback.print_exc()
+        row(a, case=f"prefill_{which}_ragged_dot", note=f"FAILED {type(e).__name__}: {e}"[:200], **out)
+    best = None
+    for tune in PALLAS_TUNINGS if not a.small else ({},):
+        try:
+            fn = jax.jit(functools.partial(grouped_matmul, interpret=a.interpret, **tune))
+            err = rel_err(fn(xs, w, group_sizes)[rows_checked], want)
+            t = timed(a, lambda fn=fn: fn(xs, w, group_sizes))
+            print(f"    pallas {tune}: {t * 1e6:.1f} us {flops / t / 1e12:.1f} TFLOP/s err={err:.2e}", flush=True)
+            if err < 2e-2 and (best is None or t < best[0]):
+                best = (t, tune, err)
+        except Exception as e:  # noqa: BLE001
+            print(f"    pallas {tune}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if best:
+        t, tune, err = best
+        row(a, case=f"prefill_{which}_pallas", us=t * 1e6, tflops=flops / t / 1e12, ratio=t_dense / t, err=err,
+            note=str(tune), **out)
 
 
 def bench_prefill(a, shape: Shape, tokens: int):
@@ -107,10 +148,15 @@ def bench_prefill(a, shape: Shape, tokens: int):
     bench_matmul_pair(a, shape, tokens, "down", hs, ex.down_proj[...], group_sizes)
     # The whole routed block as the model runs it.
     g, st = nnx.split(ex)
-    block = jax.jit(lambda st, x, w, e: nnx.merge(g, st)(x, w, e, path="ragged"))
-    t = timed(a, lambda: block(st, x, weights, ids))
     flops = 2 * tokens * shape.k * shape.d * 3 * shape.I
-    row(a, case="prefill_block", shape=f"{shape.name} T={tokens}", us=t * 1e6, tflops=flops / t / 1e12)
+    for path in ("ragged", "pallas"):
+        block = jax.jit(lambda st, x, w, e, path=path: nnx.merge(g, st)(x, w, e, path=path))
+        try:
+            t = timed(a, lambda block=block: block(st, x, weights, ids))
+            row(a, case=f"prefill_block_{path}", shape=f"{shape.name} T={tokens}", us=t * 1e6, tflops=flops / t / 1e12)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            row(a, case=f"prefill_block_{path}", shape=f"{shape.name} T={tokens}", note=f"FAILED {e}"[:200])
 
 
 # ----------------------------------------------------------------------------- decode
@@ -119,15 +165,15 @@ def bench_prefill(a, shape: Shape, tokens: int):
 def touched_bytes(ex: Experts, ids) -> int:
     """Weight bytes of the distinct experts `ids` names (gate_up + down, biases aside)."""
     per_expert = (ex.first[0].size + ex.down_proj[0].size) * ex.first.dtype.itemsize
-    return int(len(np.unique(np.asarray(ids)))) * per_expert
+    return len(np.unique(np.asarray(ids))) * per_expert
 
 
 def decode_reference(ex: Experts, x, weights, ids):
     """Per token, per chosen expert, in fp32 on the device: the definition the paths must match."""
-    w1 = jnp.take(ex.first, ids, axis=0).astype(jnp.float32)
-    h = jnp.einsum("nd,nkdf->nkf", x.astype(jnp.float32), w1)
-    a_ = expert_activation(h, ex.cfg)
-    y = jnp.einsum("nki,nkid->nkd", a_, jnp.take(ex.down_proj[...], ids, axis=0).astype(jnp.float32))
+    w1 = jnp.take(ex.first, ids, axis=0)
+    h = jnp.einsum("nd,nkdf->nkf", x, w1, preferred_element_type=jnp.float32)
+    a_ = expert_activation(h, ex.cfg).astype(x.dtype)
+    y = jnp.einsum("nki,nkid->nkd", a_, jnp.take(ex.down_proj[...], ids, axis=0), preferred_element_type=jnp.float32)
     return jnp.einsum("nk,nkd->nd", weights, y)
 
 
@@ -139,11 +185,11 @@ def bench_decode(a, shape: Shape, n: int, rate):
     bound = nbytes / rate.bytes_per_s
     want = jax.jit(decode_reference)(ex, x, weights, ids)
     g, st = nnx.split(ex)
-    for path in ("ragged", "gather"):
+    for path in ("ragged", "pallas", "gather"):
         fn = jax.jit(lambda st, x, w, e, path=path: nnx.merge(g, st)(x, w, e, path=path))
         try:
             err = rel_err(fn(st, x, weights, ids), want)
-            t = timed(a, lambda: fn(st, x, weights, ids))
+            t = timed(a, lambda fn=fn: fn(st, x, weights, ids))
             row(a, case=f"decode_{path}", shape=f"{shape.name} N={n}", us=t * 1e6, touched_mib=nbytes / 2**20,
                 bound_us=bound * 1e6, of_bound=bound / t, all_experts_mib=(ex.first.nbytes + ex.down_proj.nbytes) / 2**20,
                 err=err)
@@ -163,13 +209,15 @@ def parse(argv):
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--json", default=None, help="write the rows here (default $OUT/bench_moe.json when $OUT is set)")
     a = p.parse_args(argv)
-    a.iters = a.iters or (2 if a.small else 10)
-    a.trials = a.trials or (2 if a.small else 5)
+    a.interpret = jax.default_backend() != "gpu"
+    a.iters = a.iters or (2 if a.small else 5)
+    a.trials = a.trials or (2 if a.small else 3)
     return a
 
 
 def main(argv=None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
+    silence_triton_deprecation()
     dev = jax.devices()[0]
     a.log = RowLog(json_path(a.json, "bench_moe"), jax=jax.__version__, device=str(dev.device_kind))
     print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
@@ -178,16 +226,18 @@ def main(argv=None) -> int:
     row(a, case="copy", shape=f"{rate.nbytes >> 20} MiB", tbps=rate.tbps, exact=rate.exact)
     shapes = SMALL if a.small else (GPT_OSS, QWEN)
     token_counts = (64, 256) if a.small else (4096, 16384)
-    for shape in shapes:
-        for tokens in token_counts if "prefill" in only else ():
-            try:
-                bench_prefill(a, shape, tokens)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
-        for n in (1, 64) if "decode" in only else ():
-            bench_decode(a, shape, n, rate)
-    keys = ["case", "shape", "ragged_tflops", "dense_tflops", "ratio", "us", "bound_us", "of_bound", "err"]
+    for shape in shapes:  # per shape: the largest prefill, decode, the other prefills (a cut run keeps the first)
+        counts = sorted(token_counts, reverse=True) if "prefill" in only else []
+        for i, tokens in enumerate(counts or [None]):
+            if tokens is not None:
+                try:
+                    bench_prefill(a, shape, tokens)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
+            for n in (1, 64) if i == 0 and "decode" in only else ():
+                bench_decode(a, shape, n, rate)
+    keys = ["case", "shape", "us", "tflops", "dense_tflops", "ratio", "bound_us", "of_bound", "err"]
     print(format_table(keys, [[r.get("case"), r.get("shape")] + [fmt(r.get(k), ".3g") for k in keys[2:]]
                               for r in a.log.rows], left=2))
     return 0

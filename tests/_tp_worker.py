@@ -149,20 +149,65 @@ def engine_fixtures() -> dict:
     return out
 
 
-def moe() -> dict:
-    """A tiny MoE layer (routed experts with biases, shared expert with its gate) split over
-    TP=2 and 4 by sharding.py's rules == the unsplit layer, both dispatch paths."""
+def _moe_layer(cfg, d: int, seed: int = 0):
+    """A MoE layer of `cfg` with every weight random (biases too), built abstractly."""
+    from flax import nnx
+
+    from umem_jax.models.moe import MoE
+
+    rng = np.random.default_rng(seed)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(d, cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
+    leaves = [jnp.asarray(rng.standard_normal(s.shape, np.float32) / np.sqrt(s.shape[-2] if s.ndim > 1 else 4))
+              for s in jax.tree.leaves(state)]
+    return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
+
+
+def _moe_sharded(full, tp: int):
+    """full's TP split by sharding.py: a jitted (x, valid) -> output under shard_map over tp devices."""
     import dataclasses
 
     from flax import nnx
-
-    from umem_jax.models import moe as moe_lib
-    from umem_jax.models.sharding import mark_local, split_indices
     from jax.sharding import PartitionSpec as P
 
+    from umem_jax.models.moe import MoE
+    from umem_jax.models.sharding import mark_local, split_indices
     from umem_jax.parallel.mesh import shard_map, tp_mesh
 
-    d = 32
+    cfg = full.cfg
+    local_cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size // tp,
+                                    shared_intermediate_size=cfg.shared_intermediate_size // tp)
+    d = full.gate.weight.shape[1]
+    local = nnx.eval_shape(lambda: MoE(d, local_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    mark_local(local, full, tp)
+    assert local.experts.reduce_axis == "tp"
+    local_def, local_state = nnx.split(local)
+    rules = split_indices(full, tp)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.split(full)[1])
+    parts, stacked = [], []
+    for (path, leaf), want in zip(flat, jax.tree.leaves(local_state)):
+        key = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+        key = key[:-1] if key[-1] == "value" else key
+        rule = rules.get(key)
+        host = np.asarray(leaf)
+        got = host if rule is None else np.stack([np.take(host, i, axis=rule[0]) for i in rule[1]])
+        assert (got.shape if rule is None else got.shape[1:]) == want.shape, (key, got.shape, want.shape)
+        parts.append(jnp.asarray(got))
+        stacked.append(rule is not None)
+
+    def body(leaves, x, valid):
+        own = [a[0] if s else a for a, s in zip(leaves, stacked)]
+        return nnx.merge(local_def, jax.tree.unflatten(treedef, own))(x, valid)
+
+    specs = [P("tp") if s else P() for s in stacked]
+    run = jax.jit(shard_map(body, tp_mesh(tp), (specs, P(), P()), P()))
+    return lambda x, valid: run(parts, x, valid)
+
+
+def moe() -> dict:
+    """A tiny MoE layer (routed experts with biases, shared expert with its gate) split over
+    TP=2 and 4 by sharding.py's rules == the unsplit layer, both dispatch paths."""
+    from umem_jax.models import moe as moe_lib
+
     configs = {
         "gpt_oss": moe_lib.MoEConfig(num_experts=6, top_k=2, intermediate_size=16, scoring="topk_softmax",
                                      router_bias=True, expert_kind="gpt_oss", expert_bias=True, swiglu_limit=1.5),
@@ -173,47 +218,21 @@ def moe() -> dict:
                                       activation="relu2", shared_intermediate_size=8, shared_expert_kind="ungated"),
     }
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((2, 9, d), np.float32))
+    x = jnp.asarray(rng.standard_normal((2, 9, 32), np.float32))
     valid = jnp.asarray(rng.random((2, 9)) < 0.7)
-    out = {}
+    keep = np.asarray(valid)
+    out, default_rows = {}, moe_lib.GATHER_ROWS
     for name, cfg in configs.items():
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: moe_lib.MoE(d, cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))))
-        leaves = [jnp.asarray(rng.standard_normal(s.shape, np.float32) / np.sqrt(s.shape[-2] if s.ndim > 1 else 4))
-                  for s in jax.tree.leaves(state)]
-        full = nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
+        full = _moe_layer(cfg, 32)
         for tp in (2, 4):
-            local_cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size // tp,
-                                            shared_intermediate_size=cfg.shared_intermediate_size // tp)
-            local = nnx.eval_shape(lambda: moe_lib.MoE(d, local_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-            mark_local(local, full, tp)
-            assert local.experts.reduce_axis == "tp"
-            local_def, local_state = nnx.split(local)
-            rules = split_indices(full, tp)
-            flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.split(full)[1])
-            parts, stacked = [], []
-            for (path, leaf), want in zip(flat, jax.tree.leaves(local_state)):
-                key = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-                key = key[:-1] if key[-1] == "value" else key
-                rule = rules.get(key)
-                host = np.asarray(leaf)
-                got = host if rule is None else np.stack([np.take(host, i, axis=rule[0]) for i in rule[1]])
-                assert (got.shape if rule is None else got.shape[1:]) == want.shape, (name, key, got.shape)
-                parts.append(jnp.asarray(got))
-                stacked.append(rule is not None)
-            for rows in (0, 10**9):  # ragged, then gather
+            for rows in (0, 10**9):  # ragged, then gather (read when the layer is traced)
                 moe_lib.GATHER_ROWS = rows
                 want = np.asarray(full(x, valid))
-
-                def body(leaves, x, valid):
-                    own = [a[0] if s else a for a, s in zip(leaves, stacked)]
-                    return nnx.merge(local_def, jax.tree.unflatten(treedef, own))(x, valid)
-
-                specs = [P("tp") if s else P() for s in stacked]
-                got = np.asarray(jax.jit(shard_map(body, tp_mesh(tp), (specs, P(), P()), P()))(parts, x, valid))
-                err = float(np.abs(got - want)[np.asarray(valid)].max() / np.abs(want).max())
+                got = np.asarray(_moe_sharded(full, tp)(x, valid))
+                err = float(np.abs(got - want)[keep].max() / np.abs(want).max())
                 assert err < 1e-5, f"MoE {name} TP={tp} gather_rows={rows}: rel {err}"
                 out[f"{name}_tp{tp}_{'gather' if rows else 'ragged'}"] = err
-            moe_lib.GATHER_ROWS = 0
+    moe_lib.GATHER_ROWS = default_rows
     return out
 
 

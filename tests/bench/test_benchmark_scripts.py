@@ -9,7 +9,7 @@ import importlib
 import pytest
 
 SCRIPTS = ["bench_kernels", "bench_prefill", "bench_state", "bench_arena", "bench_models", "bench_engine",
-           "bench_serving", "simulate_admission", "bench_allocator", "bench_tp"]
+           "bench_serving", "simulate_admission", "bench_allocator", "bench_tp", "bench_moe"]
 MODES = [("bench_models", "--breakdown"), ("bench_models", "--memory-probe"), ("bench_engine", "--host"),
          ("bench_engine", "--parity")]
 

@@ -48,6 +48,12 @@ def block(m, x, valid=None):
     return m(x, valid)
 
 
+def use_path(monkeypatch, path: str) -> None:
+    """Make the block's default dispatch take `path` ("ragged", "pallas" interpreted, "gather")."""
+    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None if path == "gather" else path)
+
+
 def rel(got, want) -> float:
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(got - want).max() / np.abs(want).max())
@@ -55,7 +61,7 @@ def rel(got, want) -> float:
 
 # ----------------------------------------------------------------------------- configs
 
-BASE = dict(num_experts=8, top_k=2, intermediate_size=16)
+BASE = {"num_experts": 8, "top_k": 2, "intermediate_size": 16}
 CONFIGS = {
     "qwen_softmax": MoEConfig(**BASE),
     "softmax_unnormed_scaled": MoEConfig(**BASE, norm_topk_prob=False, routed_scaling_factor=2.5),
@@ -147,14 +153,16 @@ def test_correction_bias_changes_selection_not_weights():
 
 
 GATHER_CASES = ["gpt_oss", "nemotron_sigmoid_grouped", "qwen_next_shared_gate", "k_equals_E"]  # every kind
+PALLAS_CASES = ["gpt_oss", "many_empty_experts"]  # the Triton kernel, interpreted (slow on CPU)
 
 
-@pytest.mark.parametrize("name,path", [(n, "ragged") for n in sorted(CONFIGS)] + [(n, "gather") for n in GATHER_CASES])
+@pytest.mark.parametrize("name,path", [(n, "ragged") for n in sorted(CONFIGS)] + [(n, "gather") for n in GATHER_CASES]
+                         + [(n, "pallas") for n in PALLAS_CASES])
 def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
     cfg = CONFIGS[name]
-    m = build(cfg, seed=hash(name) % 1000)
+    m = build(cfg, seed=sum(map(ord, name)))
     x = inputs(5, (3, 11, HIDDEN))
-    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    use_path(monkeypatch, path)
     got, want = jitted(block, m, x), jitted(moe_reference, m, x)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert rel(got, want) < 1e-5
@@ -192,11 +200,11 @@ def test_every_token_on_one_expert(k):
     assert rel(jitted(block, m, x), jitted(moe_reference, m, x)) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["ragged", "gather"])
+@pytest.mark.parametrize("path", ["ragged", "gather", "pallas"])
 def test_padding_rows_do_not_touch_valid_rows(path, monkeypatch):
     """Padding rows filled with NaN and huge values: valid rows are exactly what they are without
     the padding; padding rows come back finite or not, but are never read."""
-    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    use_path(monkeypatch, path)
     cfg = CONFIGS["gpt_oss"]
     m = build(cfg, seed=31)
     x = inputs(9, (2, 12, HIDDEN))
@@ -225,9 +233,13 @@ def test_gpt_oss_activation_formula():
 
 
 def _primitives(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr and its sub-jaxprs (not inside a Pallas kernel: its loops run
+    on the device as the kernel's own)."""
     out = set()
     for eqn in jaxpr.eqns:
         out.add(eqn.primitive.name)
+        if eqn.primitive.name == "pallas_call":
+            continue
         for v in eqn.params.values():
             for sub in v if isinstance(v, (list, tuple)) else [v]:
                 inner = getattr(sub, "jaxpr", sub)
@@ -238,16 +250,21 @@ def _primitives(jaxpr) -> set[str]:
 
 @pytest.mark.parametrize("name", ["nemotron_sigmoid_grouped", "gpt_oss", "qwen_next_shared_gate"])
 def test_jitted_block_has_no_host_round_trip(name, monkeypatch):
+    """No callbacks, and no while loop either: an XLA while loop on the GPU copies its predicate
+    to the host every iteration (a binary-search searchsorted did, before compare_all)."""
     m = build(CONFIGS[name], seed=41)
     graphdef, state = nnx.split(m)
-    fn = lambda state, x, valid: nnx.merge(graphdef, state)(x, valid)  # noqa: E731
     x, valid = inputs(13, (2, 8, HIDDEN)), jnp.ones((2, 8), bool).at[1, 5:].set(False)
-    for rows in (0, 10**9):  # both dispatch paths
-        monkeypatch.setattr(moe_lib, "GATHER_ROWS", rows)
+    want = jitted(moe_reference, m, x)
+    for path in ("ragged", "gather", "pallas"):
+        use_path(monkeypatch, path)
+        fn = lambda state, x, valid: nnx.merge(graphdef, state)(x, valid)
         prims = _primitives(jax.make_jaxpr(fn)(state, x, valid).jaxpr)
-        assert not {p for p in prims if "callback" in p or p in ("outfeed", "infeed")}, prims
+        assert not {p for p in prims if "callback" in p or p in ("outfeed", "infeed", "while")}, (path, prims)
+        assert ("pallas_call" in prims) == (path == "pallas")
+        if path == "pallas":
+            continue  # interpreted on CPU: checked against the reference above
         got = jax.jit(fn)(state, x, valid)
-        want = jitted(moe_reference, m, x)
         np.testing.assert_allclose(np.asarray(got)[np.asarray(valid)], np.asarray(want)[np.asarray(valid)],
                                    rtol=1e-5, atol=1e-5)
 
@@ -256,16 +273,19 @@ def test_auto_path_picks_gather_for_few_rows(monkeypatch):
     """The default dispatch: N*k <= GATHER_ROWS gathers (no ragged_dot in the program)."""
     m = build(CONFIGS["qwen_softmax"], seed=51)
     graphdef, state = nnx.split(m)
-    fn = lambda state, x: nnx.merge(graphdef, state)(x)  # noqa: E731
+    fn = lambda state, x: nnx.merge(graphdef, state)(x)
     monkeypatch.setattr(moe_lib, "GATHER_ROWS", 4)
-    assert "ragged_dot_general" not in _primitives(jax.make_jaxpr(fn)(state, inputs(1, (2, HIDDEN))).jaxpr)
-    assert "ragged_dot_general" in _primitives(jax.make_jaxpr(fn)(state, inputs(1, (3, HIDDEN))).jaxpr)
+    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None)
+    few = _primitives(jax.make_jaxpr(fn)(state, inputs(1, (2, HIDDEN))).jaxpr)
+    more = _primitives(jax.make_jaxpr(fn)(state, inputs(1, (3, HIDDEN))).jaxpr)
+    assert "ragged_dot_general" not in few and "sort" not in few
+    assert "ragged_dot_general" in more and "sort" in more  # off the GPU the default grouped path is ragged_dot
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(scoring="relu"), "scoring"), (dict(expert_kind="geglu"), "expert_kind"), (dict(top_k=9), "top_k"),
-    (dict(n_group=3), "n_group"), (dict(n_group=4, topk_group=5), "topk_group"),
-    (dict(n_group=4, topk_group=1, top_k=3), "exceeds"), (dict(shared_expert_kind="moe"), "shared_expert_kind"),
+    ({"scoring": "relu"}, "scoring"), ({"expert_kind": "geglu"}, "expert_kind"), ({"top_k": 9}, "top_k"),
+    ({"n_group": 3}, "n_group"), ({"n_group": 4, "topk_group": 5}, "topk_group"),
+    ({"n_group": 4, "topk_group": 1, "top_k": 3}, "exceeds"), ({"shared_expert_kind": "moe"}, "shared_expert_kind"),
 ])
 def test_unsupported_configs_say_what(kw, match):
     with pytest.raises((ValueError, NotImplementedError), match=match):

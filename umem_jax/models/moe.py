@@ -23,20 +23,30 @@ intermediate dimension: gate_up column-parallel ([gate_r | up_r] per device), do
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, activation, normal_init
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
 # Up to this many (token, expert) rows the dispatch gathers each row's expert weights instead of
-# sorting and running the grouped matmul (a decode step at small batch reads only the chosen
-# experts); measured by benchmarks/bench_moe.py.
-GATHER_ROWS = 0
+# sorting and running the grouped matmul.  Measured on the H200 (benchmarks/bench_moe.py,
+# 2026-12-03): at one decode token the gather was fastest (gpt-oss-20b 211 us vs 378 us Pallas;
+# Qwen3.5-35B-A3B-like 104 us vs 561 us), at 64 tokens the slowest (8.2 ms / 0.93 ms vs 0.54 /
+# 0.61 ms): it copies every row's expert matrices, so it only pays for a handful of rows.
+GATHER_ROWS = 8
+# The grouped matmul of the sorted path: "pallas" (the Triton grouped GEMM of
+# pallas_kernels/grouped_matmul.py) or "ragged" (jax.lax.ragged_dot); None: pallas on a GPU,
+# ragged elsewhere.  On the H200 with jax 0.11.2, ragged_dot lowers to a dense matmul over all
+# experts (24 TFLOP/s at gpt-oss-20b prefill shapes, 3 at Qwen3.5-35B-A3B-like, out of memory at
+# 16384 tokens) where the Pallas kernel ran 390-555 and 157-445 TFLOP/s.
+GROUPED_PATH = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +157,20 @@ class Router(nnx.Module):
 # ----------------------------------------------------------------------------- experts
 
 
+def grouped_path() -> str:
+    """GROUPED_PATH, or its default for this backend."""
+    if GROUPED_PATH is not None:
+        return GROUPED_PATH
+    return "pallas" if jax.default_backend() == "gpu" else "ragged"
+
+
+def _grouped_matmul(x, w, *, group_sizes, impl):
+    """x [R, K] sorted by group, w [G, K, N] -> [R, N] in x.dtype (fp32 accumulation)."""
+    if impl == "ragged":
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    return grouped_matmul(x, w, group_sizes, interpret=jax.default_backend() != "gpu")
+
+
 def expert_activation(h: jax.Array, cfg: MoEConfig) -> jax.Array:
     """The expert's hidden activation: h [..., 2I] (gate | up) or [..., I] (ungated) -> [..., I]."""
     if cfg.expert_kind == "ungated":
@@ -190,15 +214,17 @@ class Experts(nnx.Module):
         """x [N, d], weights/experts [N, k], valid [N] bool or None -> [N, d] fp32 (the weighted
         sum of each token's k experts; zeros for invalid rows).
 
-        path: "ragged" (sort + grouped matmul), "gather" (each row's expert weights gathered:
-        touches only the chosen experts, for a few rows), None: "gather" when N*k <= GATHER_ROWS."""
+        path: "ragged" (sort, then jax.lax.ragged_dot), "pallas" (sort, then the Pallas grouped
+        matmul; interpreted off the GPU), "gather" (each row's expert weights gathered: touches
+        only the chosen experts, for a few rows); None: "gather" when N*k <= GATHER_ROWS, else
+        GROUPED_PATH."""
         n, k = experts.shape
         if path is None:
-            path = "gather" if n * k <= GATHER_ROWS else "ragged"
+            path = "gather" if n * k <= GATHER_ROWS else grouped_path()
         if path == "gather":
             return self._gathered(x, weights, experts, valid)
-        if path != "ragged":
-            raise ValueError(f"MoE dispatch path {path!r}; known: ragged, gather")
+        if path not in ("ragged", "pallas"):
+            raise ValueError(f"MoE dispatch path {path!r}; known: ragged, pallas, gather")
         e = self.cfg.num_experts
         key = experts.reshape(-1)
         if valid is not None:
@@ -206,9 +232,14 @@ class Experts(nnx.Module):
         order = jnp.argsort(key, stable=True)  # [R]: sorted row -> flat assignment
         sorted_experts = key[order]
         group_sizes = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]
+        matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, impl=path)
         xs = jnp.take(x, order // k, axis=0)  # [R, d]
-        h = jax.lax.ragged_dot(xs, self.first, group_sizes, preferred_element_type=jnp.float32)
-        y = self._down(h, sorted_experts, group_sizes)  # [R, d] fp32
+        h = matmul(xs, self.first).astype(jnp.float32)
+        bias = self.first_bias()
+        if bias is not None:
+            h = h + jnp.take(bias, jnp.minimum(sorted_experts, e - 1), axis=0).astype(jnp.float32)
+        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
+        y = matmul(a, self.down_proj[...]).astype(jnp.float32)  # [R, d]
         y = y * jnp.take(weights.reshape(-1), order)[:, None]
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         out = jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
@@ -227,14 +258,6 @@ class Experts(nnx.Module):
         y = jnp.einsum("ri,rid->rd", a, jnp.take(self.down_proj[...], ids, axis=0), preferred_element_type=jnp.float32)
         out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
         return self._finish(out, weights, experts, valid)
-
-    def _down(self, h, sorted_experts, group_sizes):
-        """First projection's fp32 output h [R, 2I] of sorted rows -> down projection [R, d] fp32."""
-        bias = self.first_bias()
-        if bias is not None:
-            h = h + jnp.take(bias, jnp.minimum(sorted_experts, self.cfg.num_experts - 1), axis=0).astype(jnp.float32)
-        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
-        return jax.lax.ragged_dot(a, self.down_proj[...], group_sizes, preferred_element_type=jnp.float32)
 
     def _finish(self, out, weights, experts, valid):
         """psum the partial sums over the tp axis, then add the down bias once: sum_j w_j b_{e_j}."""
