@@ -57,7 +57,7 @@ def check_text_len(text: str, max_model_len: int, per_token: int | None, field: 
     """Refuse text that cannot fit max_model_len whatever it tokenizes to, before tokenizing."""
     if per_token and len(text) > max_model_len * per_token:
         raise ValueError(f"{field}: {len(text):,} characters cannot fit max_model_len={max_model_len} tokens "
-                         f"(a token covers at most {per_token} characters)")
+                         f"(a token covers at most {per_token} character{'s' if per_token > 1 else ''})")
 
 
 def check_prompt_len(num_tokens: int, max_model_len: int, field: str = "prompt") -> None:
