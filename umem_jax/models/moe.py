@@ -4,13 +4,15 @@
     y_n  = sum_j w[n, j] * expert_{e[n, j]}(x_n)  (+ shared_expert(x_n), optionally gated)
 
 Expert weights are stacked leaves ([E, d, 2I] gate|up, [E, I, d] down; (in, out) layout, the
-layout `jax.lax.ragged_dot` takes), never one module per expert, so a step has no per-expert
+layout a grouped matmul takes), never one module per expert, so a step has no per-expert
 Python loop and no shape that depends on the routing.  Dispatch (`Experts.__call__`) flattens
 the N*k (token, expert) assignments, sorts them by expert, runs the two grouped matmuls over the
-sorted rows with the experts' row counts as group sizes, weights each row, un-sorts with the
-inverse permutation (a gather: deterministic, no scatter-add) and sums over k.  Padding rows
-(valid False) get the sort key E: they sort to the end, fall outside every group, and come back
-as zeros, so they cost no expert work and cannot touch other rows.
+sorted rows with the experts' row counts as group sizes (the Pallas Triton kernel of
+pallas_kernels/grouped_matmul.py on a GPU, jax.lax.ragged_dot elsewhere), weights each row,
+un-sorts with the inverse permutation (a gather: deterministic, no scatter-add) and sums over k.
+Padding rows (valid False) get the sort key E: they sort to the end, fall outside every group,
+and come back as zeros, so they cost no expert work and cannot touch other rows.  For a handful
+of rows (a decode step at batch 1) the gather path reads each row's expert matrices directly.
 
 `moe_reference` is the dense per-token definition (each token's k experts' weights gathered
 explicitly, einsum, no ragged_dot) that the dispatch is tested against.
