@@ -222,7 +222,10 @@ def test_triton_defaults_follow_the_sweep():
     c = prefill_config(4096, 4, 128)
     assert (c.block_q * 4, c.block_k, c.num_warps, c.num_stages) == (128, 128, 8, 3)
     assert prefill_config(4096, 4, 64).block_k == 128
-    assert prefill_config(4096, 4, 128, planes=2).block_k == 64
+    assert prefill_config(4096, 4, 64, planes=2).block_k == 64
+    # fp32 planes at D=128 on 128 rows: BK=64 would need 3 x 64 KiB K/V stages + a 64 KiB q tile
+    # = 262656 B, over the H200's 232448 (RESOURCE_EXHAUSTED there, seen with G=5, D=80): BK=32.
+    assert prefill_config(4096, 4, 128, planes=2).block_k == 32
     small = prefill_config(16, 4, 128)  # a 64-row tile on 4 warps: 64 measured faster
     assert (small.block_q * 4, small.num_warps, small.block_k) == (64, 4, 64)
     assert prefill_config(4096, 2, 256).block_k == 32
@@ -241,6 +244,15 @@ def test_triton_defaults_trimmed_to_shared_memory():
     assert (c.block_k, c.num_stages) == (128, 2)
     c = prefill_config(4096, 4, 128, block_k=128, num_stages=4)
     assert (c.block_k, c.num_stages) == (128, 4)
+    # The K/V stages and the q tile together stay under the CTA's 227 KiB (less 1 KiB), for any G
+    # and head dim (80 and 96 count as 128-wide tiles).
+    for G in (1, 3, 4, 5, 6, 7, 8):
+        for D in (64, 80, 96, 128, 256):
+            for planes in (1, 2):
+                c = prefill_config(4096, G, D, planes=planes)
+                Dt = 256 if D > 128 else 128 if D > 64 else 64
+                need = c.num_stages * c.block_k * 2 * Dt * 2 * planes + c.block_rows * Dt * 2 * planes
+                assert need <= 227 * 1024 - 1024, (G, D, planes, c)
 
 
 # --------------------------------------------------------------------------- the dispatch, lowered

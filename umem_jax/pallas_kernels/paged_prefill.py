@@ -102,6 +102,11 @@ def tile_dim(dim: int) -> int:
     return max(16, pow2_ceil(dim))
 
 
+# Shared memory an H100/H200 CTA may have (227 KiB), less 1 KiB for the softmax reductions: the
+# K/V stages plus the q tile (the first dot's other operand) must fit.
+_SMEM_LIMIT = 227 * 1024 - 1024
+
+
 def _stage_bytes(block_k: int, D: int, Dv: int, planes: int) -> int:
     """Shared memory of one pipeline stage: a [block_k, D] K and a [block_k, Dv] V tile."""
     return block_k * (D + Dv) * 2 * planes
@@ -116,7 +121,8 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
     tiles keep BK=64 (64 rows x 4 warps measured 349 at BK=64, 292 at BK=128), fp32 planes too (IEEE
     FMA dots, no tensor cores), and D=256 keeps BK=32 (ptxas for sm_90a: no spills; not timed). A
     defaulted BK, then stage count, is trimmed until the K/V stages fit SMEM_BUDGET (paged_decode's
-    budget), so an odd geometry compiles instead of failing at launch; explicit values are kept
+    budget) and, with the q tile, the CTA's shared memory, so an odd geometry (fp32 planes at a
+    128-wide head) compiles instead of failing at launch; explicit values are kept
     as given (the tuning sweep sets them)."""
     D, Dv = tile_dim(D), tile_dim(D if Dv is None else Dv)
     rows = 128 if D <= 128 else 64
@@ -150,6 +156,16 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
         block_k //= 2
     while trim_stages and num_stages > 2 and num_stages * _stage_bytes(block_k, D, Dv, planes) > SMEM_BUDGET:
         num_stages -= 1
+    # With the q tile: fp32 planes at 128-wide heads (D=80 or 96 padded, or 128) on 128-row tiles
+    # would ask for 256 KiB (seen on the H200: RESOURCE_EXHAUSTED); the bf16 defaults fit as they are.
+    q_bytes = block_rows * D * 2 * planes
+    while num_stages * _stage_bytes(block_k, D, Dv, planes) + q_bytes > _SMEM_LIMIT:
+        if trim_k and block_k > 16:
+            block_k //= 2
+        elif trim_stages and num_stages > 2:
+            num_stages -= 1
+        else:
+            break
     for name, val in (("block_q", block_q if grouped else 1), ("block_k", block_k)):
         if not is_pow2(val):
             raise ValueError(f"{name} must be a power of two, got {val}")
