@@ -102,6 +102,19 @@ def test_per_expert_hub_tensors_are_stacked(model):
                                   t["backbone.layers.5.mixer.shared_experts.up_proj.weight"])
 
 
+def test_bf16_load_keeps_the_correction_bias_fp32():
+    """Served in bf16, the router's e_score_correction_bias stays the checkpoint's fp32 values
+    (bf16 would round the small differences that pick experts); the weights become bf16."""
+    from safetensors.numpy import load_file
+
+    t = load_file(FIXTURE / "model.safetensors")
+    m = load_safetensors(FIXTURE, dtype="bfloat16")
+    gate = m.params["layers"][5]["mixer"]["gate"]
+    bias = gate["e_score_correction_bias"][...]
+    assert bias.dtype == jnp.float32 and gate["weight"][...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bias), t["backbone.layers.5.mixer.gate.e_score_correction_bias"])
+
+
 def test_fused_in_memory_names_load_too(tmp_path, model):
     """transformers' in-memory model: `model.*`, experts fused to up_proj [E, I, d] / down_proj [E, d, I]."""
     from safetensors.numpy import load_file, save_file

@@ -118,7 +118,9 @@ def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: 
         if tuple(arr.shape) != tuple(var.shape):
             raise ValueError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, "
                              f"the model expects {tuple(var.shape)}")
-        var.set_value(jnp.asarray(arr, dtype=dtype))
+        # The module's own dtype per parameter: the model dtype, except where a layer keeps fp32
+        # (an MoE router's score-correction bias, which picks experts by small differences).
+        var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
     params = nnx.from_flat_state(flat)
     return Model(cfg, graphdef, params, cls)
 

@@ -142,7 +142,9 @@ class Router(nnx.Module):
         e = cfg.num_experts
         self.weight = nnx.Param(normal_init(rngs, (e, hidden), dtype))
         self.bias = nnx.Param(jnp.zeros((e,), dtype)) if cfg.router_bias else nnx.data(None)
-        self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), dtype)) if cfg.score_correction_bias
+        # fp32 whatever the model dtype (checkpoints keep it so): it picks experts by differences
+        # that bf16 would round away.
+        self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), jnp.float32)) if cfg.score_correction_bias
                                         else nnx.data(None))
         self.cfg = cfg
 
