@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _options import long_tests_enabled
 
 # CLI commands run in-process keep compiled steps on disk for later starts; tests should not
 # leave files in the user's cache, nor read stale ones.
@@ -19,10 +20,6 @@ os.environ.setdefault("UMEM_JAX_COMPILATION_CACHE", "0")
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
                      help="run tests marked slow (same as UMEM_LONG_TESTS=1)")
-
-
-def long_tests_enabled(config) -> bool:
-    return bool(config.getoption("--long")) or os.environ.get("UMEM_LONG_TESTS", "") not in ("", "0")
 
 
 def pytest_collection_modifyitems(config, items):

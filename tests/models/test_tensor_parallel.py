@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import long_tests_enabled
+from _options import long_tests_enabled
 
 from umem_jax.models.config import FULL, RECURRENT, SLIDING, MambaConfig
 from umem_jax.models.sharding import check_tp, local_config, split_indices
