@@ -1,4 +1,5 @@
-"""Workload benchmark: synthetic traces through the engine, unified arena vs the static split.
+"""Workload benchmark: synthetic traces through the engine, unified arena vs the static split;
+and `bench serve`, the serving benchmark of vLLM's conventions against any OpenAI-compatible server.
 
     workload.py     request traces (state-heavy, kv-heavy, mixed, shifting)
     driver.py       one trace through one offline engine, timed (warm-up first)
@@ -8,4 +9,8 @@
     plots.py        band bytes and throughput over time (matplotlib)
     progress.py     the progress bar (rich)
     command.py      `umem-jax bench`
+    datasets.py     bench serve's datasets: random, random-ids, generated-shared-prefix, sharegpt; arrivals
+    serve_client.py bench serve's streamed OpenAI requests on an arrival schedule (httpx, asyncio)
+    serve_metrics.py  bench serve's figures, vLLM's result block and JSON
+    serve_command.py  `umem-jax bench serve` (any OpenAI-compatible server)
 """

@@ -10,6 +10,9 @@ static split at every --static-ratios setting run side by side with the same are
 engine flags; a table and the unified / static ratios with their goals are printed last,
 results.json and PNGs go to --out.  With --server: the workloads are sent to that server over
 HTTP (one configuration: whatever the server runs), prompts are random ids below --vocab-size.
+--dataset-name (random | random-ids | generated-shared-prefix | sharegpt, with bench serve's
+dataset flags) replaces the --workload traces by that dataset as one workload, prompts as token
+ids (sharegpt: tokenized by --tokenizer or the model's tokenizer.json), arrivals Poisson at --rate.
 
 --small is a fixed-seed CPU smoke preset: the tiny model on a shortened shifting trace with an
 arena small enough that memory binds (SMALL below); any flag given explicitly overrides it.
@@ -72,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=None, help="URL of a running umem-jax server: drive it over HTTP")
     p.add_argument("--vocab-size", type=int, default=256, help="with --server: prompt ids are drawn below this")
     p.add_argument("--no-progress", dest="progress", action="store_false")
+    from .datasets import add_arguments as dataset_flags
+
+    dataset_flags(p, default=None)
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
@@ -98,15 +104,32 @@ def bucket_kwargs(kind: str, max_num_seqs: int, max_num_batched_tokens: int, max
             "page_buckets": (1 << (pages - 1).bit_length(),)}
 
 
-def _workloads(args, max_len: int | None):
+def _workloads(args, max_len: int | None, vocab_size: int, tokenizer_path=None):
     from .workload import make_all
 
+    if args.dataset_name:
+        return [_dataset_workload(args, max_len, vocab_size, tokenizer_path)]
     names = [n.strip() for n in args.workload.split(",") if n.strip()]
     return make_all(names, scale=args.scale, count_scale=args.count_scale, max_len=max_len, rate=args.rate,
                     phase_s=args.phase_s, spread=args.spread, jitter=args.jitter, seed=args.seed)
 
 
+def _dataset_workload(args, max_len: int | None, vocab_size: int, tokenizer_path=None):
+    """--dataset-name: bench serve's dataset as one workload (token-id prompts; arrivals Poisson
+    at --rate, else all at once; --scale and the trace flags do not apply)."""
+    from .datasets import ClientTokenizer, arrivals, sample
+    from .workload import from_samples
+
+    name = args.tokenizer or (str(tokenizer_path) if tokenizer_path else None)
+    tok = ClientTokenizer(name) if name and args.dataset_name == "sharegpt" else None  # the others draw ids
+    samples = sample(args, tok, vocab_size, ids_only=True)
+    offsets = arrivals(len(samples), args.rate or float("inf"), 1.0, args.seed)
+    return from_samples(args.dataset_name, samples, offsets, args.seed, max_len)
+
+
 def main(args) -> int:
+    if args.dataset_name and args.workload is not None:
+        raise ValueError("give --workload (a synthetic trace) or --dataset-name, not both")
     resolve(args)
     deadline = time.monotonic() + args.time_budget_s if args.time_budget_s else None
     arena = int(args.arena_gib * 2**30) if args.arena_gib is not None else args.arena_bytes
@@ -118,7 +141,8 @@ def main(args) -> int:
     if args.compile_cache:
         enable_compile_cache(args.compile_cache)
     model = load_bench_model(args.model or "tiny", args.dtype, args.seed)
-    workloads = _workloads(args, args.max_model_len or model.config.max_position_embeddings)
+    workloads = _workloads(args, args.max_model_len or model.config.max_position_embeddings, model.config.vocab_size,
+                           getattr(model, "tokenizer_path", None))
     ps = args.page_size
     mml = args.max_model_len or -(-(max(w.max_len for w in workloads) + ps) // ps) * ps
     engine_kwargs = dict(arena_bytes=arena, max_num_seqs=args.max_num_seqs,
@@ -139,7 +163,7 @@ def _server(args) -> int:
     model = args.model  # the served model name; None: the server's first
     report = {"meta": {"server": args.server, "model": model or "", "scale": args.scale, "seed": args.seed},
               "workloads": [], "rows": [], "comparisons": [], "runs": []}
-    for wl in _workloads(args, args.max_model_len):
+    for wl in _workloads(args, args.max_model_len, args.vocab_size):
         print(wl.describe())
         r = run_http(args.server, wl, wl.prompts(args.vocab_size), model=model, progress=args.progress)
         report["workloads"].append(wl.to_dict())

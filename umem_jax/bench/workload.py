@@ -16,6 +16,8 @@ Arrivals: all of a phase at its start (rate=None), or Poisson at `rate` requests
 shifting trace can also spread each phase's requests over the phase (Poisson at n / phase_s),
 so load is sustained through every phase instead of arriving as one burst per phase.
 Requests run with ignore_eos and max_tokens = output_len, so every output length is exact.
+A dataset of `bench serve` (datasets.py) becomes a workload too (`from_samples`): its requests
+and its own token-id prompts, which `prompts()` then returns.
 `make(name, scale=...)` shrinks lengths and counts from the defaults (scale 0.02 gives a CPU
 smoke trace of a few dozen tokens per request).
 """
@@ -69,6 +71,7 @@ class Workload:
     requests: tuple[TraceRequest, ...]
     phases: tuple[tuple[str, float], ...] = ()
     seed: int = 0
+    token_prompts: tuple[tuple[int, ...], ...] | None = None  # a dataset's own prompts (from_samples)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -90,6 +93,11 @@ class Workload:
         """Random prompt token ids in [low, vocab_size), one list per request, from a numpy RNG
         seeded by the workload's seed (the same trace always gets the same prompts).  Ids below
         `low` are skipped: they are the special tokens (pad, bos, eos) of most vocabularies."""
+        if self.token_prompts is not None:  # a dataset's prompts: ids as drawn, checked against the vocabulary
+            top = max((max(p) for p in self.token_prompts if p), default=0)
+            if top >= vocab_size:
+                raise ValueError(f"{self.name}: prompt token id {top} is outside the vocabulary ({vocab_size})")
+            return [list(p) for p in self.token_prompts]
         if vocab_size <= low:
             raise ValueError(f"vocab_size {vocab_size} leaves no ids above {low}")
         rng = np.random.default_rng([self.seed, 1])
@@ -225,6 +233,20 @@ def make(name: str, *, scale: float = 1.0, count_scale: float | None = None, max
                **extra)
 
 
+def from_samples(name: str, samples, offsets: list[float], seed: int = 0, max_len: int | None = None) -> Workload:
+    """A workload of a dataset's requests (datasets.sample, token-id prompts) sent at `offsets`
+    (datasets.arrivals); max_len: refuse a request longer than that, prompt + output."""
+    if max_len is not None:
+        long = [s for s in samples if len(s.prompt) + s.output_len > max_len]
+        if long:
+            raise ValueError(f"{name}: {len(long)} requests are longer than max_model_len={max_len} (prompt + "
+                             f"output, e.g. {len(long[0].prompt)} + {long[0].output_len}): shorten them")
+    order = sorted(range(len(samples)), key=lambda i: offsets[i])
+    reqs = tuple(TraceRequest(float(offsets[i]), len(samples[i].prompt), samples[i].output_len, samples[i].kind)
+                 for i in order)
+    return Workload(name, reqs, ((name, 0.0),), seed, tuple(tuple(samples[i].prompt) for i in order))
+
+
 def _params(fn) -> dict:
     import inspect
 
@@ -240,5 +262,5 @@ def make_all(names=WORKLOADS, **kw) -> list[Workload]:
     return [make(n, **kw, **({"spread": spread} if n.replace("_", "-") == "shifting" else {})) for n in names]
 
 
-__all__ = ["LONG", "SHORT", "Shape", "TraceRequest", "WORKLOADS", "Workload", "kv_heavy", "make", "make_all",
-           "mixed", "shifting", "state_heavy"]
+__all__ = ["LONG", "SHORT", "WORKLOADS", "Shape", "TraceRequest", "Workload", "from_samples", "kv_heavy", "make",
+           "make_all", "mixed", "shifting", "state_heavy"]
