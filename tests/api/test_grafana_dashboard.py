@@ -144,5 +144,5 @@ def test_every_queried_metric_and_label_is_served(srv):
 
 @pytest.mark.parametrize("metric", sorted(REQUIRED))
 def test_required_metrics_have_samples(srv, metric):
-    served, labels = _served(srv)
+    _, labels = _served(srv)
     assert metric in labels, f"{metric} has no sample in /metrics"

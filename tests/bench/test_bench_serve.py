@@ -86,6 +86,27 @@ def test_sharegpt_reads_a_local_file_and_filters(tmp_path):
         D.sample(_args(dataset_name="sharegpt", dataset_path=str(path)), None, VOCAB, ids_only=True)
 
 
+def test_client_tokenizer_decodes_random_prompts_and_counts_sharegpt(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = ["[UNK]", "[PAD]", "[BOS]", "[EOS]"] + [f"w{i}" for i in range(60)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ct = D.ClientTokenizer(str(tmp_path))  # a directory holding tokenizer.json
+    assert ct.vocab_size == 64 and ct.encode("w0 w5 w59") == [4, 9, 63] and ct.decode([4, 9]) == "w0 w5"
+    reqs = D.sample(_args(num_prompts=5, random_range_ratio=0.5), ct, VOCAB)
+    assert all(isinstance(r.prompt, str) and r.prompt_len == len(r.prompt.split()) for r in reqs)
+    assert all(10 <= r.prompt_len <= 30 and set(r.prompt.split()) <= set(words[4:]) for r in reqs)
+    ids = D.sample(_args(dataset_name="random-ids", num_prompts=2), ct, VOCAB)  # random-ids stay ids
+    assert all(isinstance(r.prompt, list) and len(r.prompt) == 20 for r in ids)
+    data = [{"conversations": [{"from": "human", "value": "w1 w2 w3 w4 w5"}, {"from": "gpt", "value": "w6 " * 7}]}]
+    (tmp_path / "sg.json").write_text(json.dumps(data))
+    (sg,) = D.sample(_args(dataset_name="sharegpt", dataset_path=str(tmp_path / "sg.json")), ct, VOCAB,
+                     ids_only=True)
+    assert (sg.prompt, sg.prompt_len, sg.output_len) == ([5, 6, 7, 8, 9], 5, 7)
+
+
 def test_arrivals_poisson_gamma_and_burst():
     assert D.arrivals(5, math.inf) == [0.0] * 5
     for burstiness in (0.25, 1.0, 4.0):
