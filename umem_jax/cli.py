@@ -210,6 +210,21 @@ def _bench_serve(args) -> int:
     return serve_command.main(args)
 
 
+def _bench_parsers(sub) -> None:
+    """`bench` (the unified-vs-static sweep) and its sub-command `bench serve`."""
+    from .bench.command import add_arguments as bench_flags
+    from .bench.serve_command import add_arguments as serve_flags
+
+    b = sub.add_parser("bench", help="workload benchmark: unified arena vs static split side by side")
+    bench_flags(b)
+    b.set_defaults(fn=_bench)
+    bs = b.add_subparsers(dest="bench_cmd", metavar="serve", required=False).add_parser(
+        "serve", help="serving benchmark of vllm bench serve's flags and result block, over HTTP against any "
+        "OpenAI-compatible server")
+    serve_flags(bs)
+    bs.set_defaults(fn=_bench_serve)
+
+
 def _engine_flags(p) -> None:
     p.add_argument("model", nargs="?", help="checkpoint directory, .gguf file, or built-in name (tiny)")
     p.add_argument("--model-path", dest="model_path", help="alias of the positional MODEL")
@@ -298,18 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default here) is greedy")
     g.set_defaults(fn=_generate)
 
-    from .bench.command import add_arguments as bench_flags
-
-    b = sub.add_parser("bench", help="workload benchmark: unified arena vs static split side by side")
-    bench_flags(b)
-    b.set_defaults(fn=_bench)
-    from .bench.serve_command import add_arguments as bench_serve_flags
-
-    bs = b.add_subparsers(dest="bench_cmd", metavar="serve", required=False).add_parser(
-        "serve", help="serving benchmark of vllm bench serve's flags and result block, over HTTP against any "
-        "OpenAI-compatible server")
-    bench_serve_flags(bs)
-    bs.set_defaults(fn=_bench_serve)
+    _bench_parsers(sub)
 
     args = ap.parse_args(argv)
     if args.cmd in ("demo", "serve", "generate", "bench") and args.fn is not _bench_serve:  # a client: no JAX
