@@ -14,7 +14,8 @@ Lifetimes
   State(checkpoint_interval)               one live state per request, overwritten each token
 
 Sizes are counted in 16-bit *words*, the arena's element: a bf16 value is one word, an fp32
-value two (stored as a hi plane and a lo plane).
+value two (stored as a hi plane and a lo plane), a float8 e4m3 K/V value half of one (two values
+per word; K/V rows only: MHA/MLA geometries, never state).
 """
 
 from __future__ import annotations
@@ -29,12 +30,57 @@ WORD_BYTES = 2  # the arena's element is one 16-bit word
 _DTYPE_PLANES = {"bfloat16": 1, "float16": 1, "uint16": 1, "int16": 1, "float32": 2, "int32": 2, "uint32": 2}
 
 
+FP8_E4M3 = "float8_e4m3fn"  # K/V stored as float8 e4m3, two values per 16-bit word
+# The names engines give it (vLLM / SGLang --kv-cache-dtype): all mean e4m3 with per-layer scales.
+_FP8_NAMES = ("fp8", "fp8_e4m3", "float8_e4m3fn", "float8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
+
+
+def _dtype_name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` (a name or a dtype) is the fp8 K/V format (float8 e4m3)."""
+    try:
+        return _dtype_name(dtype) in _FP8_NAMES
+    except TypeError:
+        return False
+
+
 def dtype_planes(dtype) -> int:
-    """16-bit planes one element of `dtype` takes (bf16: 1, fp32: 2)."""
-    name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    """16-bit planes one element of `dtype` takes (bf16: 1, fp32: 2).  fp8 takes half a word and
+    has no planes of its own: K/V rows count it with `dtype_words`."""
+    name = _dtype_name(dtype)
+    if name in _FP8_NAMES:
+        raise ValueError(f"dtype {name} packs two values per 16-bit word: only K/V rows may be fp8 "
+                         "(count them with dtype_words); recurrent state is bf16/fp16/fp32")
     if name not in _DTYPE_PLANES:
-        raise ValueError(f"dtype {name} cannot be stored in the 16-bit arena (use bf16, fp16 or fp32)")
+        raise ValueError(f"dtype {name} cannot be stored in the 16-bit arena (use bf16, fp16, fp32, or fp8 for K/V)")
     return _DTYPE_PLANES[name]
+
+
+def dtype_words(dtype, n: int) -> int:
+    """16-bit words `n` values of `dtype` take: n * planes, or n / 2 for fp8 (n must be even)."""
+    if is_fp8(dtype):
+        if n % 2:
+            raise ValueError(f"fp8 packs two values per word: a row of {n} values is odd")
+        return n // 2
+    return n * dtype_planes(dtype)
+
+
+def kv_cache_dtype(name: str, model_dtype: str | None = None) -> str:
+    """The K/V storage dtype an engine option names: "auto" -> the model's dtype when it is bf16
+    or fp32 (else bf16); "fp8" / "fp8_e4m3" -> FP8_E4M3 (scales from the checkpoint, else 1.0);
+    "bfloat16" / "float32" as given."""
+    if name == "auto":
+        return model_dtype if model_dtype in ("float32", "bfloat16") else "bfloat16"
+    if is_fp8(name):
+        return FP8_E4M3
+    if name in ("bfloat16", "float32"):
+        return name
+    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}"
+                     + (" (fp8 e5m2 K/V is not supported: use fp8_e4m3)" if "e5m2" in str(name) else ""))
 
 
 # --------------------------------------------------------------------------- lifetimes
@@ -87,11 +133,11 @@ class MHA:
 
     @property
     def k_words(self) -> int:
-        return self.num_kv_heads * self.head_dim * dtype_planes(self.dtype)
+        return dtype_words(self.dtype, self.num_kv_heads * self.head_dim)
 
     @property
     def v_words(self) -> int:
-        return self.num_kv_heads * (self.v_head_dim or self.head_dim) * dtype_planes(self.dtype)
+        return dtype_words(self.dtype, self.num_kv_heads * (self.v_head_dim or self.head_dim))
 
     @property
     def row_words(self) -> tuple[int, ...]:
@@ -100,7 +146,7 @@ class MHA:
 
     def describe(self) -> str:
         v = f"/{self.v_head_dim}" if self.v_head_dim and self.v_head_dim != self.head_dim else ""
-        return f"MHA {self.num_kv_heads}x{self.head_dim}{v}"
+        return f"MHA {self.num_kv_heads}x{self.head_dim}{v}" + (" fp8" if is_fp8(self.dtype) else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +161,7 @@ class MLA:
 
     @property
     def row_words(self) -> tuple[int, ...]:
-        return ((self.kv_lora_rank + self.rope_dim) * dtype_planes(self.dtype),)
+        return (dtype_words(self.dtype, self.kv_lora_rank + self.rope_dim),)
 
     def describe(self) -> str:
         return f"MLA {self.kv_lora_rank}+{self.rope_dim}"

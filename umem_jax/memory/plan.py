@@ -22,7 +22,18 @@ import dataclasses
 import math
 from functools import reduce
 
-from .declarations import MHA, WORD_BYTES, Full, LayerDecl, State, StateGeometry, StateTensor, Window, dtype_planes
+from .declarations import (
+    MHA,
+    WORD_BYTES,
+    Full,
+    LayerDecl,
+    State,
+    StateGeometry,
+    StateTensor,
+    Window,
+    dtype_planes,
+    is_fp8,
+)
 
 ROW_ALIGN_BYTES = 16
 
@@ -69,16 +80,30 @@ class KVView:
     v_head_dim: int
     row_words: int
     planes: int = 1  # 1: bf16/fp16 rows; 2: fp32 rows stored as [hi plane | lo plane]
+    fp8: bool = False  # float8 e4m3 rows (planes == 1): two values per word, half a plane (words.py)
+
+    def head_words(self, dim: int) -> int:
+        """Words one kv head of `dim` values takes in one plane: dim, or dim / 2 for fp8."""
+        return dim // 2 if self.fp8 else dim
+
+    @property
+    def k_words(self) -> int:
+        """Words of one token's K row, every head and plane."""
+        return self.planes * self.num_kv_heads * self.head_words(self.head_dim)
+
+    @property
+    def v_words(self) -> int:
+        return self.planes * self.num_kv_heads * self.head_words(self.v_head_dim)
 
     @property
     def mk(self) -> int:
         """Arena rows of one token's K row (the kernels' stride per token)."""
-        return self.planes * self.num_kv_heads * self.head_dim // self.row_words
+        return self.k_words // self.row_words
 
     @property
     def mv(self) -> int:
         """Arena rows of one token's V row."""
-        return self.planes * self.num_kv_heads * self.v_head_dim // self.row_words
+        return self.v_words // self.row_words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,9 +174,10 @@ class SubPool:
         rows, geometry = self.kv_rows(layer, model), self.geometry
         if not isinstance(geometry, MHA):
             raise NotImplementedError(f"kv_view of {geometry.describe()}")
+        fp8 = is_fp8(geometry.dtype)
         return KVView(self.rows_per_page, self.page_size, rows.k_row, rows.v_row, geometry.num_kv_heads,
                       geometry.head_dim, geometry.v_head_dim or geometry.head_dim, self.row_words,
-                      dtype_planes(geometry.dtype))
+                      1 if fp8 else dtype_planes(geometry.dtype), fp8)
 
     def state_view(self, layer: int, model: str = "target") -> StateView:
         if not self.state:
@@ -217,6 +243,10 @@ class Plan:
         out = [line(head), line(tuple("-" * w for w in widths)), *map(line, rows)]
         out.append(f"arena rows of {self.row_words} x 16-bit words ({self.row_words * WORD_BYTES} B); "
                    f"page size {self.page_size} tokens; sink {self.sink_rows} rows")
+        kv_dtypes = sorted({sp.geometry.dtype for sp in self.subpools if isinstance(sp.geometry, MHA)})
+        if any(is_fp8(d) for d in kv_dtypes):
+            out.append("K/V stored as float8 e4m3 (two values per 16-bit word, per-layer scales): half the "
+                       "entry bytes of bf16")
         return "\n".join(out)
 
 

@@ -16,6 +16,7 @@ Contract (docs/kernel_contracts.md):
   sinks [Hq]: per-q-head logit that joins the softmax denominator only (GPT-OSS).
   scale: default 1 / sqrt(D).
   kv_dtype (extra, optional): stored K/V dtype; default bf16 for 1-plane views, f32 for 2.
+  k_scale, v_scale (fp8 views only): f32 [Hkv] or scalars, default 1.0: K = fp8 * k_scale.
 
 Where a head's rows are (KVView, plan.py): the K row of token t of page p is arena rows
 `p*rows_per_page + k_row + t*mk ... + mk`, holding [planes, Hkv, D] words; so the K tile of one
@@ -31,6 +32,14 @@ each (page ids from the page table, row ids computed per token; masked lanes: po
 [start, len) are not loaded at all, so tombstoned and poisoned sink pages are never read) and
 runs an fp32 online softmax.  Each split writes (acc, m, l); a small XLA step combines the
 splits, adds the sinks to the denominator and normalises.
+
+fp8 K/V (`view.fp8`, half a plane): a head's D values are D/2 words, element 2j in the low byte
+of word j, 2j+1 in the high byte.  The kernel loads the [block_tokens, D/2] word tile once and
+unpacks it in registers into its even and odd elements (words.unpack_fp8: masks, a u8 -> e4m3
+bitcast, an e4m3 -> bf16 convert); the wrapper splits q the same way, so the scores are
+q_even . k_even + q_odd . k_odd and the output comes out as two halves (p . v_even, p . v_odd),
+interleaved back in XLA.  The per-head scales never enter the kernel: k_scale multiplies q (the
+scores are linear in K, before the softcap) and v_scale the combined output.
 """
 
 from __future__ import annotations
@@ -44,9 +53,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .kv_write import check_view, read_kv_reference
+from .kv_write import check_view, kv_scales, read_kv_reference
 from .launch import ANY, pow2_ceil, pow2_divisor, resolve_impl
-from .words import from_u16, join_planes, kernel_view, kv_value_dtype, to_u16
+from .words import fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16, unpack_fp8
 
 __all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -78,15 +87,16 @@ def _check(q, arena, page_table, lengths, view, sinks, window=None, softcap=None
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype"))
 def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, window=None, softcap=None,
-                                     sinks=None, scale=None, kv_dtype=None):
-    """Plain-JAX decode attention: gather every mapped token, mask, softmax in fp32."""
+                                     sinks=None, scale=None, kv_dtype=None, k_scale=None, v_scale=None):
+    """Plain-JAX decode attention: gather every mapped token (fp8: dequantised), mask, softmax in fp32."""
     _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, G = view.num_kv_heads, Hq // view.num_kv_heads
     P = page_table.shape[1]
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     lengths = jnp.minimum(lengths, P * view.page_size)
-    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype)  # [B, S, Hkv, D]
+    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype, k_scale=k_scale,
+                             v_scale=v_scale)  # [B, S, Hkv, D]
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     pos = jnp.arange(P * view.page_size, dtype=jnp.int32)[None, :]
     start = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
@@ -120,14 +130,19 @@ def _tile_dim(dim: int) -> int:
     return max(16, pow2_ceil(dim))
 
 
-def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *, view, block_tokens,
-                   window, softcap, scale, num_splits, kv_dtype):
+def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softcap, scale, num_splits,
+                   kv_dtype):
+    # One q tile and one output tile per half: two (even, odd elements) for fp8, else one.
+    halves = 2 if view.fp8 else 1
+    q_refs, arena_ref, o_refs = refs[:halves], refs[halves], refs[halves + 1:2 * halves + 1]
+    m_ref, l_ref = refs[2 * halves + 1:]
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size, rows_per_page, W = view.page_size, view.rows_per_page, view.row_words
-    D, Dv, Hkv = view.head_dim, view.v_head_dim, view.num_kv_heads
-    # Triton tiles are powers of two: a head dim of 80 or 96 is loaded as a 128-wide tile whose
-    # columns past the head are masked off (never read; they load as 0), q is zero-padded likewise.
-    Dp, Dvp = _tile_dim(D), _tile_dim(Dv)
+    # Words of one head in one plane (D / 2 for fp8).  Triton tiles are powers of two: a head of
+    # 80 or 96 words is loaded as a 128-wide tile whose columns past the head are masked off
+    # (never read; they load as 0), q is zero-padded likewise.
+    D, Dv, Hkv = view.head_words(view.head_dim), view.head_words(view.v_head_dim), view.num_kv_heads
+    Dvp = _tile_dim(Dv)
     log2_page_size = page_size.bit_length() - 1
     length = lengths_ref[b]
     # All quantities below are >= 0, so C division (lax.div) equals floor division and keeps
@@ -142,8 +157,9 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
     hi = jnp.minimum(lo + blocks_per_split, end_block)
 
     two_planes = view.planes == 2
-    q = q_ref[...]  # [group_rows, Dp]
-    q = q.astype(jnp.float32 if two_planes else kv_dtype)
+    compute_dtype = jnp.float32 if two_planes else kv_dtype
+    exact = two_planes or jnp.dtype(compute_dtype) == jnp.float32  # IEEE dots (no TF32) for fp32 values
+    qs = [r[...].astype(compute_dtype) for r in q_refs]  # [group_rows, Dp] each
     token_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
 
     def head_cols(plane, dim):
@@ -174,14 +190,18 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         return pltr.load(tile, mask=full, other=0)
 
     def decode_tile(rows_base, slot, which, mask):
+        """The head's [block_tokens, tile] values of K or V: a list of one tile, or for fp8 two
+        (the even and the odd elements, unpacked from one load of the words)."""
         dim, m, base = (D, view.mk, view.k_row) if which == "k" else (Dv, view.mv, view.v_row)
         r0, c0 = head_cols(0, dim)
         hi_words = load_tile(rows_base + base, slot, r0, c0, m, dim, mask)
+        if view.fp8:
+            return list(unpack_fp8(hi_words, compute_dtype))
         if not two_planes:
-            return hi_words if hi_words.dtype == kv_dtype else from_u16(to_u16(hi_words), kv_dtype)
+            return [hi_words if hi_words.dtype == kv_dtype else from_u16(to_u16(hi_words), kv_dtype)]
         r1, c1 = head_cols(1, dim)
         lo_words = load_tile(rows_base + base, slot, r1, c1, m, dim, mask)
-        return join_planes(hi_words, lo_words, jnp.float32)
+        return [join_planes(hi_words, lo_words, jnp.float32)]
 
     table_width = pt_ref.shape[1]
 
@@ -199,29 +219,32 @@ def _decode_kernel(lengths_ref, pt_ref, q_ref, arena_ref, o_ref, m_ref, l_ref, *
         # the K/V gathers depend on a loop-carried value rather than on a load in this iteration:
         # Triton's pipeliner can then issue them a stage earlier (an in-iteration table load
         # costs a pipeline stage and leaves the gather latency exposed).
-        envelope_rows, acc, m_i, l_i = carry
+        envelope_rows, accs, m_i, l_i = carry
         next_envelope_rows = envelopes(block + 1)
         pos = block * block_tokens + token_offsets
         slot = jnp.bitwise_and(pos, page_size - 1)
         visible = (pos < length) & (pos >= start)
-        k = decode_tile(envelope_rows, slot, "k", visible)                # [block_tokens, Dp]
-        scores = pltr.dot(q, k, trans_b=True, allow_tf32=False if two_planes else None) * scale
+        ks = decode_tile(envelope_rows, slot, "k", visible)               # [block_tokens, Dp] each
+        dots = [pltr.dot(q, k, trans_b=True, allow_tf32=False if exact else None) for q, k in zip(qs, ks)]
+        scores = (dots[0] if halves == 1 else dots[0] + dots[1]) * scale
         if softcap is not None:
             scores = softcap * jnp.tanh(scores / softcap)
         scores = jnp.where(visible[None, :], scores, -jnp.inf)            # [group_rows, block_tokens]
         m_new = jnp.maximum(m_i, jnp.max(scores, axis=1))
         p = jnp.exp(scores - m_new[:, None])
         alpha = jnp.exp(m_i - m_new)
-        v = decode_tile(envelope_rows, slot, "v", visible)                # [block_tokens, Dvp]; masked 0
-        pv = pltr.dot(p.astype(v.dtype), v, allow_tf32=False if two_planes else None)
-        acc = acc * alpha[:, None] + pv
-        return next_envelope_rows, acc, m_new, l_i * alpha + jnp.sum(p, axis=1)
+        vs = decode_tile(envelope_rows, slot, "v", visible)               # [block_tokens, Dvp] each; masked 0
+        pc = p.astype(vs[0].dtype)
+        accs = tuple(acc * alpha[:, None] + pltr.dot(pc, v, allow_tf32=False if exact else None)
+                     for acc, v in zip(accs, vs))
+        return next_envelope_rows, accs, m_new, l_i * alpha + jnp.sum(p, axis=1)
 
-    group_rows = q.shape[0]
-    init = (envelopes(lo), jnp.zeros((group_rows, Dvp), jnp.float32), jnp.full((group_rows,), _NEG, jnp.float32),
-            jnp.zeros((group_rows,), jnp.float32))
-    _, acc, m_i, l_i = lax.fori_loop(lo, hi, body, init)
-    o_ref[...] = acc
+    group_rows = qs[0].shape[0]
+    init = (envelopes(lo), tuple(jnp.zeros((group_rows, Dvp), jnp.float32) for _ in range(halves)),
+            jnp.full((group_rows,), _NEG, jnp.float32), jnp.zeros((group_rows,), jnp.float32))
+    _, accs, m_i, l_i = lax.fori_loop(lo, hi, body, init)
+    for o_ref, acc in zip(o_refs, accs):
+        o_ref[...] = acc
     m_ref[...] = m_i
     l_ref[...] = l_i
 
@@ -246,30 +269,38 @@ def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: i
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "interpret",
                                               "block_tokens", "num_splits", "num_warps", "num_stages"))
-def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, window=None, softcap=None,
-                         scale=None, kv_dtype=None, interpret=False, block_tokens=None, num_splits=None,
-                         num_warps=4, num_stages=3):
+def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None, v_scale=None, *, view,
+                         window=None, softcap=None, scale=None, kv_dtype=None, interpret=False, block_tokens=None,
+                         num_splits=None, num_warps=4, num_stages=3):
     _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
     G = Hq // Hkv
     # Any G (q heads padded to a power-of-two tile of >= 16 rows) and any head dim (tiles padded
-    # to a power of two, the padding masked).
-    Dp, Dvp = _tile_dim(D), _tile_dim(Dv)
-    for dim in (D, Dv):
-        if view.row_words % dim:
+    # to a power of two, the padding masked).  Dw/Dvw: a head's words per plane (D / 2 for fp8).
+    Dw, Dvw = view.head_words(D), view.head_words(Dv)
+    Dp, Dvp = _tile_dim(Dw), _tile_dim(Dvw)
+    for dim, words in ((D, Dw), (Dv, Dvw)):
+        if view.row_words % words:
             raise NotImplementedError(f"pallas decode needs each head inside one arena row "
-                                      f"(row_words={view.row_words} a multiple of head dim {dim})")
+                                      f"(row_words={view.row_words} a multiple of head dim {dim}"
+                                      + (f": {words} words in fp8)" if view.fp8 else ")"))
     if page_size & (page_size - 1):
         raise NotImplementedError(f"page_size must be a power of two, got {page_size}")
-    value_dtype = kv_value_dtype(view.planes, kv_dtype)
+    ks, vs = kv_scales(view, k_scale, v_scale)
+    if view.fp8:
+        _check_kv_dtype_fp8(kv_dtype)
+        value_dtype = fp8_compute_dtype(q.dtype)
+    else:
+        value_dtype = kv_value_dtype(view.planes, kv_dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if block_tokens is None:
         # bf16: 8K words per K (and V) tile (64 tokens at D=128).  With num_stages=3 the
         # pipeliner double-buffers K and V (the page ids come one block ahead), ~70 KiB of
         # shared memory, so three programs share an SM and keep ~200 KiB of loads in flight
         # (ptxas sm_90: ~128-190 registers, no spills).  fp32 planes have no tensor-core dot
-        # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
+        # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.  fp8 keeps 8K
+        # words per tile (128 tokens at D=128: the same bytes in flight, twice the tokens).
         block_tokens = max(16, 8192 // max(Dp, Dvp)) if view.planes == 1 else 32
     block = pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
     # Each pipeline stage buffers one K and one V tile in shared memory; an H100/H200 SM has
@@ -289,26 +320,43 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, *, view, win
         num_splits = choose_num_splits(B, Hkv, visible_blocks)
     group_rows = max(16, pow2_ceil(G))
     qg = q.reshape(B, Hkv, G, D)
-    if group_rows != G or Dp != D:  # zero rows/columns: padded heads are sliced off, padded dims add 0
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_rows - G), (0, Dp - D)))
+    if view.fp8:  # k_scale folds into q (the scores are linear in K); then the even and odd elements
+        qg = qg.astype(jnp.float32) * ks[None, :, None, None]
+        q_halves = [qg[..., 0::2], qg[..., 1::2]]
+    else:
+        q_halves = [qg]
+    # zero rows/columns: padded heads are sliced off, padded dims add 0
+    q_halves = [jnp.pad(x, ((0, 0), (0, 0), (0, group_rows - G), (0, Dp - Dw))) if (group_rows != G or Dp != Dw)
+                else x for x in q_halves]
+    halves = len(q_halves)
     kernel = functools.partial(_decode_kernel, view=view, block_tokens=block, window=window,
                                softcap=softcap, scale=scale, num_splits=num_splits, kv_dtype=value_dtype)
-    acc, m, l = pl.pallas_call(
+    q_spec = pl.BlockSpec((None, None, group_rows, Dp), lambda b, h, s: (b, h, 0, 0))
+    acc_spec = pl.BlockSpec((None, None, None, group_rows, Dvp), lambda b, h, s: (b, h, s, 0, 0))
+    ml_spec = pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0))
+    acc_shape = jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows, Dvp), jnp.float32)
+    ml_shape = jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32)
+    *accs, m, l = pl.pallas_call(
         kernel,
         grid=(B, Hkv, num_splits),
-        in_specs=[ANY, ANY, pl.BlockSpec((None, None, group_rows, Dp), lambda b, h, s: (b, h, 0, 0)), ANY],
-        out_specs=[pl.BlockSpec((None, None, None, group_rows, Dvp), lambda b, h, s: (b, h, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0)),
-                   pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows, Dvp), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32),
-                   jax.ShapeDtypeStruct((B, Hkv, num_splits, group_rows), jnp.float32)],
+        in_specs=[ANY, ANY, *[q_spec] * halves, ANY],
+        out_specs=[*[acc_spec] * halves, ml_spec, ml_spec],
+        out_shape=[*[acc_shape] * halves, ml_shape, ml_shape],
         compiler_params=triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="umem_paged_decode",
-    )(lengths, page_table, qg, kernel_view(arena, interpret))  # tiles are bitcast to bf16/f16/f32 in-kernel
-    acc, m, l = acc[:, :, :, :G, :Dv], m[:, :, :, :G], l[:, :, :, :G]
+    )(lengths, page_table, *q_halves, kernel_view(arena, interpret))  # tiles are bitcast/unpacked in-kernel
+    accs, m, l = [a[:, :, :, :G, :Dvw] for a in accs], m[:, :, :, :G], l[:, :, :, :G]
+    if view.fp8:  # interleave the halves back into [.., Dv]; v_scale is linear in the output
+        acc = jnp.stack(accs, axis=-1).reshape(*accs[0].shape[:-1], Dv) * vs[None, :, None, None, None]
+    else:
+        acc = accs[0]
     return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
+
+
+def _check_kv_dtype_fp8(kv_dtype) -> None:
+    if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ValueError(f"an fp8 view stores float8_e4m3fn, kv_dtype says {jnp.dtype(kv_dtype)}")
 
 
 def _combine(acc, m, l, lengths, sinks, dtype):
@@ -332,18 +380,20 @@ def _combine(acc, m, l, lengths, sinks, dtype):
 
 
 def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
-                           scale=None, kv_dtype=None, impl: str | None = None, interpret: bool = False,
-                           **tuning):
+                           scale=None, kv_dtype=None, k_scale=None, v_scale=None, impl: str | None = None,
+                           interpret: bool = False, **tuning):
     """Decode attention over the arena for one layer -> [B, Hq, Dv] in q.dtype (see module doc).
 
+    k_scale, v_scale: fp8 views' dequantisation scales (f32 [Hkv] or scalars; default 1.0).
     impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
-    tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, 32 for fp32
-    planes), num_splits (default: choose_num_splits), num_warps, num_stages.
+    tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, 8192 // (head_dim
+    / 2) for fp8, 32 for fp32 planes), num_splits (default: choose_num_splits), num_warps, num_stages.
     """
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
         return paged_decode_attention_reference(q, arena, page_table, lengths, view=view, window=window,
-                                                softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
-    return _paged_decode_pallas(q, arena, page_table, lengths, sinks, view=view, window=window, softcap=softcap,
-                                scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
+                                                softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype,
+                                                k_scale=k_scale, v_scale=v_scale)
+    return _paged_decode_pallas(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
+                                softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
                                 interpret=interpret, **tuning)

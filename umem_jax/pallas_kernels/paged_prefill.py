@@ -39,6 +39,13 @@ fp32 (exp2 form).  KV rows are gathered through the page table with a vector of 
 the 2-D arena ref (`arena[rows, pl.ds(col, D)]`), so the Triton lowering does the row * stride
 multiply in int64 when the arena exceeds 4 GiB.
 
+fp8 K/V (`view.fp8`: two e4m3 values per word, words.py): a head's D values are D/2 words.  The
+kernel loads the [BK, D/2] word tile and unpacks it in registers into its even and odd elements
+(words.unpack_fp8), against q split the same way in the wrapper: the scores are
+q_even . k_even + q_odd . k_odd, the output two halves p . v_even, p . v_odd (f32, interleaved
+back in XLA).  k_scale multiplies q (scores are linear in K), v_scale the output; neither
+enters the kernel.  The Mosaic GPU kernel refuses fp8, so backend "auto" runs this one.
+
 Module layout: `prefill_config` (the Triton tiling), the kernel body, `_paged_prefill_pallas` (the
 pallas_call), `prefill_backend` (which kernel impl="pallas" runs: this Triton kernel, or the Mosaic
 GPU kernel of paged_prefill_mgpu.py on Hopper where it covers the case; env
@@ -60,11 +67,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .kv_write import head_slot
+from .kv_write import head_slot, kv_scales
 from .launch import ANY, pow2_ceil, resolve_impl
 from .paged_decode import SMEM_BUDGET
 from .prefill_reference import check_prefill_args, check_prefill_options, paged_prefill_attention_reference
-from .words import from_u16, join_planes, kv_value_dtype, to_u16
+from .words import fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16, unpack_fp8
 
 __all__ = ["PREFILL_ENV", "DeviceInfo", "PrefillConfig", "device_info", "paged_prefill_attention",
            "paged_prefill_attention_reference", "prefill_backend", "prefill_config"]
@@ -107,13 +114,14 @@ def tile_dim(dim: int) -> int:
 _SMEM_LIMIT = 227 * 1024 - 1024
 
 
-def _stage_bytes(block_k: int, D: int, Dv: int, planes: int) -> int:
-    """Shared memory of one pipeline stage: a [block_k, D] K and a [block_k, Dv] V tile."""
-    return block_k * (D + Dv) * 2 * planes
+def _stage_bytes(block_k: int, D: int, Dv: int, planes: int, fp8: bool = False) -> int:
+    """Shared memory of one pipeline stage: a [block_k, D] K and a [block_k, Dv] V tile (fp8:
+    half the bytes, two values per word)."""
+    return block_k * (D + Dv) * 2 * planes // (2 if fp8 else 1)
 
 
-def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int = 1, block_q=None,
-                   block_k=None, num_warps=None, num_stages=None) -> PrefillConfig:
+def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int = 1, fp8: bool = False,
+                   block_q=None, block_k=None, num_warps=None, num_stages=None) -> PrefillConfig:
     """Default tiling: ~128 tile rows (64 for D=256) so the two dots are tensor-core sized, 8 warps
     and 3 K/V stages (head dims counted at their tile width, tile_dim).  BK=128 on 128-row bf16
     tiles at D <= 128: the H200 sweep (bench_prefill --tune, benchmarks/RESULTS.md) measured
@@ -123,7 +131,9 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
     defaulted BK, then stage count, is trimmed until the K/V stages fit SMEM_BUDGET (paged_decode's
     budget) and, with the q tile, the CTA's shared memory, so an odd geometry (fp32 planes at a
     128-wide head) compiles instead of failing at launch; explicit values are kept
-    as given (the tuning sweep sets them)."""
+    as given (the tuning sweep sets them).  fp8 K/V (D, Dv in values) tiles as bf16 does: the
+    dequantised tiles are bf16 of the same shape in registers; only the shared-memory stages
+    are half as big."""
     D, Dv = tile_dim(D), tile_dim(D if Dv is None else Dv)
     rows = 128 if D <= 128 else 64
     grouped = is_pow2(G)
@@ -152,14 +162,14 @@ def prefill_config(T: int, G: int, D: int, *, Dv: int | None = None, planes: int
             block_k = 64
     if num_stages is None:
         num_stages = 3  # K/V prefetched two blocks ahead (2 stages leaves the gather latency exposed)
-    while trim_k and block_k > 16 and num_stages * _stage_bytes(block_k, D, Dv, planes) > SMEM_BUDGET:
+    while trim_k and block_k > 16 and num_stages * _stage_bytes(block_k, D, Dv, planes, fp8) > SMEM_BUDGET:
         block_k //= 2
-    while trim_stages and num_stages > 2 and num_stages * _stage_bytes(block_k, D, Dv, planes) > SMEM_BUDGET:
+    while trim_stages and num_stages > 2 and num_stages * _stage_bytes(block_k, D, Dv, planes, fp8) > SMEM_BUDGET:
         num_stages -= 1
     # With the q tile: fp32 planes at 128-wide heads (D=80 or 96 padded, or 128) on 128-row tiles
     # would ask for 256 KiB (seen on the H200: RESOURCE_EXHAUSTED); the bf16 defaults fit as they are.
     q_bytes = block_rows * D * 2 * planes
-    while num_stages * _stage_bytes(block_k, D, Dv, planes) + q_bytes > _SMEM_LIMIT:
+    while num_stages * _stage_bytes(block_k, D, Dv, planes, fp8) + q_bytes > _SMEM_LIMIT:
         if trim_k and block_k > 16:
             block_k //= 2
         elif trim_stages and num_stages > 2:
@@ -203,7 +213,8 @@ class _Static:
     Hkv: int
     row_words: int
     planes: int
-    kv_dtype: object
+    kv_dtype: object  # the dtype K/V tiles are computed in (fp8: what they are dequantised to)
+    fp8: bool  # D/Dv/Dp/Dvp count words: half the head dims; two q and two output tiles
     window: int | None
     softcap: float | None
     scale: float
@@ -211,10 +222,9 @@ class _Static:
 
 
 def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
-    if c.has_sinks:
-        sinks_ref, q_ref, arena_ref, o_ref = refs
-    else:
-        sinks_ref, (q_ref, arena_ref, o_ref) = None, refs
+    sinks_ref, refs = (refs[0], refs[1:]) if c.has_sinks else (None, refs)
+    halves = 2 if c.fp8 else 1  # fp8: the even and the odd elements of every head, as two tiles
+    q_refs, arena_ref, o_refs = refs[:halves], refs[halves], refs[halves + 1:]
     # Heaviest q blocks (most KV under the causal mask) first: better tail balance.
     qi = c.q_blocks - 1 - pl.program_id(0)
     h = pl.program_id(1)
@@ -227,7 +237,8 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
 
     @pl.when(j0 >= q_len)
     def _padding():
-        pltr.store(o_ref, jnp.zeros(o_ref.shape, o_ref.dtype))
+        for o_ref in o_refs:
+            pltr.store(o_ref, jnp.zeros(o_ref.shape, o_ref.dtype))
 
     @pl.when(j0 < q_len)
     def _attend():
@@ -235,7 +246,7 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
         # fp32 planes exist for parity: keep their dots IEEE (Triton's fp32 default is TF32).
         precision = lax.Precision.HIGHEST if jnp.dtype(compute_dtype) == jnp.float32 else None
         # Tile row r is (query, head) row row0 + r: query (row0 + r) // G, head h*G + (row0 + r) % G.
-        q = q_ref[...].reshape(M, c.Dp).astype(compute_dtype)
+        qs = [q_ref[...].reshape(M, c.Dp).astype(compute_dtype) for q_ref in q_refs]
         r = lax.broadcasted_iota(jnp.int32, (M,), 0)
         q_start = kv_len - q_len
         if c.flat:
@@ -310,9 +321,11 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
                     if width != dim:
                         ok = (lanes < dim) if ok is None else ok & (lanes < dim)
                     words.append(pltr.load(tile, mask=ok, other=0))
+            if c.fp8:  # dequantised in registers: the even and the odd elements
+                return list(unpack_fp8(words[0], compute_dtype))
             if c.planes == 2:
-                return join_planes(words[0], words[1], compute_dtype)
-            return words[0]  # the wrapper passes 1-plane arenas already viewed as the KV dtype
+                return [join_planes(words[0], words[1], compute_dtype)]
+            return words  # the wrapper passes 1-plane arenas already viewed as the KV dtype
 
         # Scores stay unscaled; the running max m is kept in log2 units, so the scale folds into
         # the exp2 argument `s * c - m` (one FMA per score) instead of a separate multiply pass
@@ -324,16 +337,17 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             # earlier: the K/V gathers then depend on a loop-carried value, not on a load in the
             # same iteration, which lets Triton's software pipeliner prefetch K/V tiles ahead (an
             # in-iteration table load costs a pipeline stage and serialises its latency).
-            envelope_rows, m_i, l_i, acc = carry
+            envelope_rows, m_i, l_i, accs = carry
             next_envelope_rows = envelope_rows_of(kb + 1)
             k_idx = kb * bk + lax.broadcasted_iota(jnp.int32, (bk,), 0)
             slot = lax.rem(k_idx, c.page_size)
             k_rows = envelope_rows + c.k_base + slot * c.mk
             v_rows = envelope_rows + c.v_base + slot * c.mv
             valid = ((k_idx >= lo) & (k_idx < hi)) if masked else None
-            kt = load(k_rows, k_slots, c.D, valid)  # [bk, Dp]
-            s = lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                                precision=precision)
+            kts = load(k_rows, k_slots, c.D, valid)  # [bk, Dp] each
+            dots = [lax.dot_general(q, kt, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                                    precision=precision) for q, kt in zip(qs, kts)]
+            s = dots[0] if halves == 1 else dots[0] + dots[1]
             if c.softcap is not None:
                 s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
             if masked:
@@ -348,19 +362,22 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * exp_scale - m_new[:, None])
             l_new = l_i * alpha + p.sum(axis=1)
-            vt = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dvp]
-            pv = lax.dot_general(p.astype(compute_dtype), vt, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=precision)
-            return next_envelope_rows, m_new, l_new, acc * alpha[:, None] + pv
+            vts = load(v_rows, v_slots, c.Dv, valid)  # [bk, Dvp] each
+            pc = p.astype(compute_dtype)
+            accs = tuple(acc * alpha[:, None] + lax.dot_general(pc, vt, (((1,), (0,)), ((), ())),
+                                                                preferred_element_type=jnp.float32,
+                                                                precision=precision)
+                         for acc, vt in zip(accs, vts))
+            return next_envelope_rows, m_new, l_new, accs
 
         # Each loop ends carrying envelope_rows_of(its end), which is the next loop's start (an
         # empty loop passes it through), so one table read before the first loop primes all three.
         carry = (envelope_rows_of(kb_first), jnp.full((M,), _NEG_BIG, jnp.float32), jnp.zeros((M,), jnp.float32),
-                 jnp.zeros((M, c.Dvp), jnp.float32))
+                 tuple(jnp.zeros((M, c.Dvp), jnp.float32) for _ in range(halves)))
         carry = lax.fori_loop(kb_first, i_lo, functools.partial(step, masked=True), carry)
         carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(i_hi, kb_last, functools.partial(step, masked=True), carry)
-        _, m_i, l_i, acc = carry
+        _, m_i, l_i, accs = carry
 
         if c.has_sinks:
             if c.flat:  # each row's own q head
@@ -371,27 +388,38 @@ def _kernel(qlen_ref, kvlen_ref, pt_ref, *refs, c: _Static):
             m_f = jnp.maximum(m_i, sk)
             corr = jnp.exp2(m_i - m_f)
             l_i = l_i * corr + jnp.exp2(sk - m_f)
-            acc = acc * corr[:, None]
-        out = acc / l_i[:, None]
+            accs = tuple(acc * corr[:, None] for acc in accs)
         live = (query if c.flat else j0 + lax.div(r, c.G)) < q_len
-        out = jnp.where(live[:, None], out, 0.0)  # rows past q_len are 0
-        pltr.store(o_ref, out.reshape(o_ref.shape).astype(o_ref.dtype))
+        for o_ref, acc in zip(o_refs, accs):
+            out = jnp.where(live[:, None], acc / l_i[:, None], 0.0)  # rows past q_len are 0
+            pltr.store(o_ref, out.reshape(o_ref.shape).astype(o_ref.dtype))
 
 
-def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view, window, softcap,
-                          scale, kv_dtype, cfg: PrefillConfig, interpret: bool):
-    B, T, Hq, D = q.shape
-    Hkv, Dv = view.num_kv_heads, view.v_head_dim
+def _fp8_halves(q, ks, G: int) -> list:
+    """q [B, T, Hq, D] -> [q_even, q_odd] (f32 [B, T, Hq, D/2]) times k_scale of each q head's kv head."""
+    qf = q.astype(jnp.float32) * jnp.repeat(ks, G)[None, None, :, None]
+    return [qf[..., 0::2], qf[..., 1::2]]
+
+
+def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, k_scale=None, v_scale=None, *, view,
+                          window, softcap, scale, kv_dtype, cfg: PrefillConfig, interpret: bool):
+    B, T, Hq, D_values = q.shape
+    Hkv, Dv_values = view.num_kv_heads, view.v_head_dim
     G = Hq // Hkv
+    # D, Dv: a head's words per plane (half the head dims for fp8), the kernel's tile columns.
+    D, Dv = view.head_words(D_values), view.head_words(Dv_values)
     Dp, Dvp = tile_dim(D), tile_dim(Dv)
     bq, M, flat = cfg.block_q, cfg.block_rows, not is_pow2(G)
+    ks, vs = kv_scales(view, k_scale, v_scale)
+    q_halves = _fp8_halves(q, ks, G) if view.fp8 else [q]
+    out_dtype = jnp.float32 if view.fp8 else q.dtype  # fp8: scaled by v_scale and cast after the interleave
     squeezed = getattr(pl, "squeezed", None)  # the batch (and kv head) dims of q/o blocks are squeezed away
     if flat:
         # [B, Hkv, T * G rows (query-major, then head), Dp], padded to whole tiles of M rows: one
         # transpose of q (and of the output back), no padded q heads in any tile.
         R = -(-T * G // M) * M
-        q = q.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D)
-        q = jnp.pad(q, ((0, 0), (0, 0), (0, R - T * G), (0, Dp - D)))
+        q_halves = [jnp.pad(x.reshape(B, T, Hkv, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, D),
+                            ((0, 0), (0, 0), (0, R - T * G), (0, Dp - D))) for x in q_halves]
         q_blocks = R // M
         q_spec = pl.BlockSpec((squeezed, squeezed, M, Dp), lambda i, h, b: (b, h, q_blocks - 1 - i, 0))
         o_spec = pl.BlockSpec((squeezed, squeezed, M, Dvp), lambda i, h, b: (b, h, q_blocks - 1 - i, 0))
@@ -399,7 +427,7 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
     else:
         T_padded = -(-T // bq) * bq
         if T_padded != T or Dp != D:  # whole q blocks only (Triton blocks have no bounds checks)
-            q = jnp.pad(q, ((0, 0), (0, T_padded - T), (0, 0), (0, Dp - D)))
+            q_halves = [jnp.pad(x, ((0, 0), (0, T_padded - T), (0, 0), (0, Dp - D))) for x in q_halves]
         q_blocks = T_padded // bq
         q_spec = pl.BlockSpec((squeezed, bq, G, Dp), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
         o_spec = pl.BlockSpec((squeezed, bq, G, Dvp), lambda i, h, b: (b, q_blocks - 1 - i, h, 0))
@@ -409,36 +437,45 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, *, view,
         P=page_table.shape[1],
         page_size=view.page_size, rows_per_page=view.rows_per_page, k_base=view.k_row,
         v_base=view.v_row, mk=view.mk, mv=view.mv,
-        Hkv=Hkv, row_words=view.row_words,
-        planes=view.planes, kv_dtype=kv_value_dtype(view.planes, kv_dtype), window=window,
-        softcap=None if softcap is None else float(softcap),
-        scale=1.0 / math.sqrt(D) if scale is None else float(scale), has_sinks=sinks is not None)
+        Hkv=Hkv, row_words=view.row_words, planes=view.planes,
+        kv_dtype=fp8_compute_dtype(q.dtype) if view.fp8 else kv_value_dtype(view.planes, kv_dtype), fp8=view.fp8,
+        window=window, softcap=None if softcap is None else float(softcap),
+        scale=1.0 / math.sqrt(D_values) if scale is None else float(scale), has_sinks=sinks is not None)
 
     args = [q_lens, kv_lens, page_table]
     in_specs = [ANY] * 3
     if sinks is not None:
         args.append(sinks.astype(jnp.float32))
         in_specs.append(ANY)
-    if view.planes == 1 and arena.dtype != c.kv_dtype:
+    if view.fp8:
+        arena = kernel_view(arena, interpret)  # words: unpacked in registers (uint16 when interpreting)
+    elif view.planes == 1 and arena.dtype != c.kv_dtype:
         # A same-width view (free in XLA: a bitcast, no copy) so the kernel loads bf16 tiles
         # straight into the MMA's shared-memory operands; a bitcast inside the kernel makes Triton
         # bounce every K/V tile through registers (shared -> regs -> shared) before the dot.
         arena = from_u16(to_u16(arena), c.kv_dtype)
-    args += [q, arena]
-    in_specs += [q_spec, ANY]
-    out = pl.pallas_call(
+    halves = len(q_halves)
+    args += [*q_halves, arena]
+    in_specs += [*[q_spec] * halves, ANY]
+    outs = pl.pallas_call(
         functools.partial(_kernel, c=c),
-        out_shape=jax.ShapeDtypeStruct(o_shape, q.dtype),
+        out_shape=[jax.ShapeDtypeStruct(o_shape, out_dtype)] * halves,
         grid=(q_blocks, Hkv, B),
         in_specs=in_specs,
-        out_specs=o_spec,
+        out_specs=[o_spec] * halves,
         compiler_params=triton_params(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="paged_prefill_attention",
     )(*args)
     if flat:
-        return out[:, :, :T * G, :Dv].reshape(B, Hkv, T, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv)
-    return out[:, :T, :, :Dv] if (T_padded != T or Dvp != Dv) else out
+        outs = [o[:, :, :T * G, :Dv].reshape(B, Hkv, T, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, T, Hq, Dv)
+                for o in outs]
+    elif T_padded != T or Dvp != Dv:
+        outs = [o[:, :T, :, :Dv] for o in outs]
+    if not view.fp8:
+        return outs[0]
+    out = jnp.stack(outs, axis=-1).reshape(B, T, Hq, Dv_values)  # interleave the even and odd elements
+    return (out * jnp.repeat(vs, G)[None, None, :, None]).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- kernel choice
@@ -546,20 +583,21 @@ def _check_pallas(q, view):
         for plane in range(view.planes):
             for h in range(view.num_kv_heads):
                 _, col = head_slot(view, which, h, plane)
-                if col + dim > view.row_words:
+                if col + view.head_words(dim) > view.row_words:
                     raise NotImplementedError(
                         f"a {which.upper()} head straddles two arena rows (row_words={view.row_words}, "
                         f"dim={dim}); the Pallas kernel needs row_words to be a multiple of the head dim")
 
 
 def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, window=None, softcap=None,
-                            sinks=None, scale=None, kv_dtype=None, impl: str | None = None,
-                            interpret: bool = False, backend: str | None = None, block_q=None, block_k=None,
-                            num_warps=None, num_stages=None):
+                            sinks=None, scale=None, kv_dtype=None, k_scale=None, v_scale=None,
+                            impl: str | None = None, interpret: bool = False, backend: str | None = None,
+                            block_q=None, block_k=None, num_warps=None, num_stages=None):
     """Causal (optionally windowed) attention of a padded chunk of queries over the paged arena.
 
     q [B, T, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; q_lens, kv_lens
     int32 [B]; sinks f32 [Hq] or None -> [B, T, Hq, Dv] in q.dtype.  See the module docstring.
+    k_scale, v_scale: fp8 views' dequantisation scales, f32 [Hkv] or scalars (default 1.0).
     impl: "pallas" | "reference" (default: pallas on GPU or with interpret=True, else reference).
     backend: which Pallas kernel, "auto" | "triton" | "mgpu" (prefill_backend); None reads
     $UMEM_JAX_PREFILL when this is called, i.e. when a caller's jitted step is traced (unset:
@@ -571,22 +609,24 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
     # The environment is read here, outside this function's own jit, so the choice is part of that
     # jit's cache key: a new trace after the variable changed does not reuse the other kernel.
     return _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, view=view, window=window,
-                                    softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype, impl=impl,
-                                    interpret=interpret, backend=_requested(backend), block_q=block_q,
-                                    block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+                                    softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype, k_scale=k_scale,
+                                    v_scale=v_scale, impl=impl, interpret=interpret, backend=_requested(backend),
+                                    block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "impl",
                                              "interpret", "backend", "block_q", "block_k", "num_warps",
                                              "num_stages"))
 def _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, window, softcap, sinks, scale,
-                             kv_dtype, impl, interpret, backend, block_q, block_k, num_warps, num_stages):
+                             kv_dtype, k_scale, v_scale, impl, interpret, backend, block_q, block_k, num_warps,
+                             num_stages):
     check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
     check_prefill_options(window, softcap)
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
         return paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, view=view, window=window,
-                                                 softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
+                                                 softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype,
+                                                 k_scale=k_scale, v_scale=v_scale)
     # interpret=True (CPU tests) and an explicit Triton tiling (the tuning sweep) mean the Triton
     # kernel whatever the backend choice; the Mosaic kernel's own knobs are on paged_prefill_mgpu.
     triton_only = interpret or any(t is not None for t in (block_q, block_k, num_warps, num_stages))
@@ -597,7 +637,8 @@ def _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, win
                                             softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
     _check_pallas(q, view)
     G = q.shape[2] // view.num_kv_heads
-    cfg = prefill_config(q.shape[1], G, q.shape[3], Dv=view.v_head_dim, planes=view.planes, block_q=block_q,
-                         block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-    return _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, view=view, window=window,
-                                 softcap=softcap, scale=scale, kv_dtype=kv_dtype, cfg=cfg, interpret=interpret)
+    cfg = prefill_config(q.shape[1], G, q.shape[3], Dv=view.v_head_dim, planes=view.planes, fp8=view.fp8,
+                         block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    return _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, k_scale, v_scale, view=view,
+                                 window=window, softcap=softcap, scale=scale, kv_dtype=kv_dtype, cfg=cfg,
+                                 interpret=interpret)

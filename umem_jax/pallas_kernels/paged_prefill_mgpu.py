@@ -129,6 +129,9 @@ def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
         raise NotImplementedError(f"paged_prefill_attention_mgpu: {why}; use the Triton kernel "
                                   "(paged_prefill_attention)")
 
+    if view.fp8:
+        no("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
+           "only bf16/fp16")
     if view.planes != 1:
         no("fp32 (two-plane) K/V is not supported, only bf16/fp16")
     vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))

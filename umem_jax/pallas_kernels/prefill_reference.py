@@ -51,19 +51,22 @@ def check_prefill_options(window, softcap) -> None:
 
 
 def paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, *, view, window=None,
-                                      softcap=None, sinks=None, scale=None, kv_dtype=None):
+                                      softcap=None, sinks=None, scale=None, kv_dtype=None, k_scale=None,
+                                      v_scale=None):
     """Plain-JAX paged prefill attention: gather every mapped token, mask, softmax in fp32.
 
     Shapes as in paged_prefill's docstring; returns [B, T, Hq, Dv] in q.dtype.  Key positions no
     query may see (tombstoned pages, unwritten slots, sink entries) are zeroed before use, so NaN
-    garbage there cannot leak through `0 * NaN`.
+    garbage there cannot leak through `0 * NaN`.  fp8 views: K/V dequantised (fp8 * k_scale /
+    v_scale, f32 [Hkv] or scalars, default 1.0) by read_kv_reference.
     """
     check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
     B, T, Hq, D = q.shape
     Hkv, Dv = view.num_kv_heads, view.v_head_dim
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype)  # [B, S, Hkv, D|Dv]
+    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype, k_scale=k_scale,
+                             v_scale=v_scale)  # [B, S, Hkv, D|Dv]
     S = k.shape[1]
 
     j = jnp.arange(T, dtype=jnp.int32)

@@ -10,6 +10,15 @@ stored as words:
   a kernel loads the hi and lo tiles with two plain vector loads and rebuilds the value with one
   shift and one or.
 
+* float8 e4m3 K/V (``kv_cache_dtype="fp8_e4m3"``) is *half a plane*: two values per word, element
+  ``2j`` in the low byte of word ``j`` and ``2j + 1`` in the high byte, i.e. the words' bytes in
+  memory (little-endian) are exactly a ``float8_e4m3fn`` array ``[..., 2n]``.  Values are stored
+  as ``x / scale``, saturated to +-448 (e4m3fn has no inf; a plain cast would give NaN), and read
+  back as ``fp8 * scale``; a kernel unpacks a word tile into its even and odd elements with
+  integer masks, a same-width u8 -> float8 bitcast and a float8 -> bf16/f32 convert (Triton:
+  ``tt.fp_to_fp``, hardware on sm_89+), so a head's q . k is ``q_even . k_even + q_odd . k_odd``
+  and no value is ever interleaved in registers.
+
 Only same-width ``lax.bitcast_convert_type`` is used (u16 <-> bf16/f16/i16, u32 <-> f32/i32):
 neither Pallas GPU backend lowers width-changing bitcasts, and on XLA a width-changing bitcast of
 the arena costs a full pass.  Every function here is plain jnp/lax on values, so it works the
@@ -25,11 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["WORD_DTYPES", "check_arena", "decode", "encode", "encode_np", "from_u16", "join_planes", "kernel_dtype",
-           "kernel_view", "kv_value_dtype", "planes_of", "split_planes", "to_u16"]
+__all__ = ["FP8", "FP8_MAX", "WORD_DTYPES", "check_arena", "decode", "decode_fp8", "encode", "encode_fp8", "encode_np",
+           "fp8_compute_dtype", "from_u16", "join_planes", "kernel_dtype", "kernel_view", "kv_value_dtype", "planes_of",
+           "split_planes", "to_u16", "unpack_fp8"]
 
 # Dtypes an arena may have: one 16-bit word per element.
 WORD_DTYPES = (jnp.dtype(jnp.uint16), jnp.dtype(jnp.bfloat16))
+
+FP8 = jnp.dtype(jnp.float8_e4m3fn)  # the fp8 K/V format (vLLM's / SGLang's "fp8_e4m3")
+FP8_MAX = 448.0  # largest finite e4m3fn value: quantised K/V saturate here
 
 _16 = {jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.uint16, jnp.int16)}
 _32 = {jnp.dtype(d) for d in (jnp.float32, jnp.int32, jnp.uint32)}
@@ -152,6 +165,47 @@ def kernel_view(arena, interpret: bool):
     if jnp.dtype(arena.dtype) != kernel_dtype(arena, interpret):
         return to_u16(arena)
     return arena
+
+
+# ------------------------------------------------------------------------- fp8 (half a plane)
+
+
+def encode_fp8(x, scale=1.0):
+    """x[..., 2n] (any float) -> uint16 words[..., n]: x / scale in f32, saturated to +-FP8_MAX,
+    rounded to e4m3fn (nearest even), element 2j in the low byte of word j, 2j + 1 in the high.
+
+    `scale` broadcasts against x (a scalar, or e.g. [Hkv, 1] per kv head).  NaN stays NaN.
+    """
+    n2 = x.shape[-1]
+    if n2 % 2:
+        raise ValueError(f"fp8 packs two values per word: the last axis must be even, got {n2}")
+    y = jnp.clip(x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32), -FP8_MAX, FP8_MAX)
+    b = lax.bitcast_convert_type(y.astype(FP8), jnp.uint8).astype(jnp.uint16)
+    b = b.reshape(*x.shape[:-1], n2 // 2, 2)
+    return b[..., 0] | (b[..., 1] << 8)
+
+
+def unpack_fp8(words, dtype=jnp.float32):
+    """words[..., n] (uint16 or bfloat16) -> (even, odd), each [..., n] of `dtype`: the e4m3fn
+    values in the low and the high byte of every word (unscaled).  Plain jnp on values (masks, a
+    same-width uint8 -> float8 bitcast, one convert), so it runs in Triton kernel bodies too."""
+    w = to_u16(words)
+    as_value = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint8), FP8).astype(dtype)
+    return as_value(w & 0xFF), as_value(w >> 8)
+
+
+def decode_fp8(words, scale=1.0, dtype=jnp.float32):
+    """words[..., n] -> x[..., 2n] of `dtype`: fp8 value * scale; inverse of encode_fp8 up to the
+    e4m3 rounding.  `scale` broadcasts against the result."""
+    even, odd = unpack_fp8(words, jnp.float32)
+    x = jnp.stack([even, odd], axis=-1).reshape(*even.shape[:-1], 2 * even.shape[-1])
+    return (x * jnp.asarray(scale, jnp.float32)).astype(dtype)
+
+
+def fp8_compute_dtype(q_dtype):
+    """The dtype fp8 K/V tiles are dequantised to for the dots: f32 for an f32 query (parity
+    runs), else bf16 (every e4m3 value is exact in bf16; the tensor-core dot of the bf16 path)."""
+    return jnp.dtype(jnp.float32) if jnp.dtype(q_dtype) == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
 def encode_np(x: np.ndarray, word_dtype=np.uint16) -> np.ndarray:
