@@ -1,0 +1,161 @@
+"""Speculative decoding in the engine: the draft model, what is refused, and applying a verify.
+
+    LLM("tiny-attention", speculative_config={"method": "draft", "model": "tiny-attention",
+                                              "num_speculative_tokens": 3})
+
+The draft's layers are declared as model "draft" beside the target's (`plan_decls`), so the
+plan fuses them into the target's page envelopes where lifetime and geometry match and gives a
+window length the target lacks its own window sub-pool; the demand model prices a decode step
+as a pass of k+1 tokens.  Every step is read back before the next is scheduled (the next
+step's tokens depend on how many drafts were accepted), so speculation runs without the
+launch/read-back overlap.  The runner's side: runner/speculative.py; the scheduler's:
+scheduler/speculation.py.
+
+Refused at startup, with the reason: method "mtp" (engine/config.py), a target or draft with
+recurrent layers (a rejected draft token has already advanced the Mamba2 / gated-DeltaNet state
+in place; keeping the state after every verified position is not built), a draft whose
+vocabulary differs from the target's, a draft layer whose geometry differs from the target's
+sub-pool of the same lifetime, tensor parallelism, max_num_batched_tokens < k+1.  Per request:
+penalties (they count every output token, verified positions included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from ..core.request import Request
+from ..memory.declarations import LayerDecl
+from ..models.config import RECURRENT
+
+
+class SpeculationError(ValueError):
+    """A speculative_config this engine cannot serve; the message says why."""
+
+
+def load_draft(cfg, target):
+    """The draft Model of cfg.speculative_config, checked against the target -> Model."""
+    from ..models import loader
+    from ..models.model import Model
+
+    spec = cfg.speculative_config
+    if cfg.tensor_parallel_size > 1:
+        raise SpeculationError("speculative decoding with tensor_parallel_size > 1 is not supported yet (the "
+                               "draft is not split over the devices)")
+    if cfg.max_num_batched_tokens < spec.num_speculative_tokens + 1:
+        raise SpeculationError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is below num_speculative_tokens"
+                               f"+1={spec.num_speculative_tokens + 1}: a verify is a pass of k+1 tokens")
+    _refuse_recurrent(target.config, "target")
+    m = spec.model
+    draft = m if isinstance(m, Model) else loader.load_model(loader.HF_NAMES.get(str(m), str(m)), dtype=cfg.dtype)
+    _refuse_recurrent(draft.config, "draft")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SpeculationError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the "
+                               f"target's ({target.config.vocab_size}): a draft must share the target's tokenizer")
+    if cfg.fuse_projections:
+        draft = draft.fuse_projections(donate=draft is not m)
+    return draft
+
+
+def _refuse_recurrent(mc, who: str) -> None:
+    if any(t == RECURRENT for t in mc.layer_types):
+        raise SpeculationError(
+            f"speculative decoding with a {who} that has recurrent layers ({mc.architecture}: Mamba2 / gated "
+            "DeltaNet state) is not supported yet: a rejected draft token has already advanced the state in "
+            "place, and keeping the state after every verified position (to commit the accepted one) is not built")
+
+
+def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]:
+    """The target's declarations and the draft's, tagged "draft", planned as one model."""
+    return list(target_decls) + [dataclasses.replace(d, model="draft") for d in draft.decls(kv)]
+
+
+def check_request(req_params, spec) -> None:
+    """Per-request refusals under speculation (ValueError, nothing queued)."""
+    if spec is not None and getattr(req_params, "logprobs", None) is not None:
+        raise ValueError("logprobs with speculative decoding are not supported yet")
+    if spec is not None and getattr(req_params, "n", 1) > 1:
+        raise ValueError("n > 1 with speculative decoding is not supported yet")
+    if spec is not None and req_params.has_penalties:
+        raise ValueError("repetition / presence / frequency penalties with speculative decoding are not supported "
+                         "yet (they count every output token, so each verified position would need its own counts)")
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """Speculation counters: verify rows, drafts proposed / accepted, per position, times."""
+
+    k: int
+    rows: int = 0  # decode rows verified
+    proposed: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens appended (accepted drafts + corrected / bonus tokens)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    proposed_at: np.ndarray = None
+    accepted_at: np.ndarray = None
+
+    def __post_init__(self):
+        self.proposed_at = np.zeros(self.k, np.int64)
+        self.accepted_at = np.zeros(self.k, np.int64)
+
+    def as_dict(self) -> dict:
+        per = np.divide(self.accepted_at, np.maximum(self.proposed_at, 1))
+        return {"num_speculative_tokens": self.k, "num_verify_rows": self.rows, "num_draft_tokens": self.proposed,
+                "num_accepted_tokens": self.accepted,
+                "mean_accepted_length": self.accepted / self.rows if self.rows else 0.0,
+                "mean_tokens_per_step": self.emitted / self.rows if self.rows else 0.0,
+                "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
+                "acceptance_per_position": [round(float(x), 4) for x in per],
+                "draft_time_s": self.draft_s, "verify_time_s": self.verify_s}
+
+
+def apply_verify(engine, launched) -> list:
+    """Read back a speculative decode step and apply it: per row, the accepted drafts and the
+    corrected / bonus token through the stop rules, then the rollback of the rest -> outputs of
+    the requests that finished."""
+    from .engine import EngineDeadError
+
+    try:
+        out = np.asarray(launched.tokens)
+    except Exception as e:
+        raise EngineDeadError(f"a step's tokens could not be read back (a device error): {e!r}") from e
+    st = engine.spec_stats
+    st.draft_s += launched.draft_s
+    st.verify_s += launched.verify_s
+    lens = launched.batch.spec_lens or [0] * len(launched.batch.rows)
+    outs, now = [], time.time()
+    for i, (row, s) in enumerate(zip(launched.batch.rows, lens)):
+        req: Request = row.req
+        req.read_pending()
+        if req.finished:
+            continue
+        n = int(out[i, 0])
+        st.rows += 1
+        st.proposed += s
+        st.accepted += n
+        st.proposed_at[:s] += 1
+        st.accepted_at[:n] += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+        start = row.start
+        try:
+            for t in out[i, 1:n + 2].tolist():
+                engine._append(req, t)
+                st.emitted += 1
+                if req.finished:
+                    break
+            if req.finished:
+                req.metrics.finished_time = now
+                outs.append(req.output())
+                engine._requests.pop(req.request_id, None)
+            else:
+                engine.scheduler.rollback_speculation(req, start + n + 1)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
+            engine.isolation.fail(req, e, "applying its tokens")
+    return outs
+
+
+__all__ = ["SpecStats", "SpeculationError", "apply_verify", "check_request", "load_draft", "plan_decls"]

@@ -1,0 +1,214 @@
+"""Speculator: the runner's steps when a draft model proposes tokens (speculative decoding).
+
+The draft's layers are planned beside the target's (memory/plan.py, model tag "draft"): they
+share the target's page envelopes where lifetime and geometry match and have a window sub-pool
+of their own where the target has no such window, so the page tables of a batch address both
+models and one allocation, free and relocation covers both.
+
+    prefill   the target's step (runner.step), then the draft over the same batch: the draft's
+              K/V for every prompt token (no draft logits are used)
+    decode    draft: k+1 decode passes (jitted together).  Pass j (0..k) feeds the token at
+              position n+j (t0 = the pending token, then the draft's own d_j) and writes its
+              draft K/V; passes 0..k-1 propose d_1..d_k.  The last pass only writes d_k's K/V,
+              so the draft holds K/V for every token the target computed (no catch-up pass
+              after an all-accepted step, no hole in pages handed to the prefix cache).
+              verify: the target over [t0, d_1..d_k] at positions n..n+k in ONE forward (a
+              T=k+1 chunk: the prefill / extend kernels), logits of every position, then the
+              acceptance rule (acceptance.py).
+
+A row speculates `spec_len` <= k tokens (the scheduler's choice: never past max_tokens, none
+before min_tokens); passes and positions past it are padding (q_len 0: writes go to the sink).
+The output of a decode step is one int32 array [max_batch, k+2]: accepted count, then the k+1
+tokens (accepted drafts, the corrected / bonus token, -1 after).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..core.batch import Batch
+from ..core.scheduled_batch import ScheduledBatch
+from .acceptance import accept, draw, row_probs
+from .runner import Launched, Runner, StepModel, step
+
+_DRAFT_TAG, _ACCEPT_TAG, _RESIDUAL_TAG = 0x5EED01, 0x5EED02, 0x5EED03
+
+
+@dataclasses.dataclass
+class SpecLaunched(Launched):
+    """A speculative decode step, read back at once: tokens [max_batch, k+2] (see module doc)."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def _batch(f: dict, layout, prev) -> Batch:
+    tokens, src = f["tokens"], f["src"]
+    fed = jnp.take(prev, jnp.clip(src, 0, prev.shape[0] - 1))
+    tokens = tokens.at[:, 0].set(jnp.where(src >= 0, fed, tokens[:, 0]))
+    return Batch(tokens, f["q_lens"], f["kv_lens"], {p: f[f"table:{p}"] for p in layout.pools}, f["slots"],
+                 f.get("checkpoint_positions"), f.get("checkpoint_slots"))
+
+
+def prefill_step(params, draft_params, arena, meta, prev, counts, *, layout, model: StepModel, draft: StepModel):
+    """The target's step, then the draft over the same rows (its K/V only)."""
+    out, arena = step(params, arena, meta, prev, counts, layout=layout, model=model)
+    batch = _batch(layout.unpack(meta), layout, prev)
+    _, arena = draft.forward(jax.tree.unflatten(draft.treedef, draft_params), arena, batch)
+    return out, arena
+
+
+def _keys(seed, step_, tag, j=0):
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+        jax.random.PRNGKey(s), i), tag), j))(seed, step_)
+
+
+def draft_step(draft_params, arena, meta, prev, spec_lens, *, layout, draft: StepModel, k: int):
+    """k+1 draft decode passes -> (drafts [B, k], q [B, k, V] or None (greedy layout), arena)."""
+    f = layout.unpack(meta)
+    base = _batch(f, layout, prev)
+    params = jax.tree.unflatten(draft.treedef, draft_params)
+    n = base.kv_lens - 1  # position of the pending token t0; -1 in padding rows
+    live = base.q_lens > 0
+    cur = base.tokens[:, 0]
+    drafts, qs = [], []
+    for j in range(k + 1):
+        active = live & (j <= spec_lens)
+        b = dataclasses.replace(base, tokens=cur[:, None], q_lens=active.astype(jnp.int32),
+                                kv_lens=jnp.where(active, n + j + 1, jnp.maximum(base.kv_lens, 0)))
+        logits, arena = draft.forward(params, arena, b)
+        if j == k:
+            break
+        if layout.sampling == "greedy":
+            d = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        else:
+            q = row_probs(logits, f["temperature"], f["top_k"], f["top_p"], f["min_p"], cuts=layout.sampling == "cuts")
+            d = draw(_keys(f["seed"], f["step"], _DRAFT_TAG, j), q, f["temperature"] <= 0)
+            qs.append(q)
+        drafts.append(d)
+        cur = d
+    return jnp.stack(drafts, 1), (jnp.stack(qs, 1) if qs else None), arena
+
+
+def verify_step(params, arena, meta, prev, spec_lens, drafts, q, *, layout, model: StepModel):
+    """The target over [t0, d_1..d_k] in one forward, then acceptance -> (out [max_batch, k+2], arena).
+    model: the target's StepModel with logits at every position (Speculator._verify_model)."""
+    f = layout.unpack(meta)
+    base = _batch(f, layout, prev)
+    k = drafts.shape[1]
+    live = base.q_lens > 0
+    q_lens = jnp.where(live, spec_lens + 1, 0)
+    b = dataclasses.replace(base, tokens=jnp.concatenate([base.tokens[:, :1], drafts], axis=1), q_lens=q_lens,
+                            kv_lens=jnp.where(live, base.kv_lens + spec_lens, 0))
+    logits, arena = model.forward(jax.tree.unflatten(model.treedef, params), arena, b)  # [B, k+1, V]
+    ban = f["ban"]  # rows that ban tokens speculate nothing (spec_len 0): only position 0 counts
+    rows = jnp.arange(layout.B)[:, None, None]
+    logits = logits.at[rows, jnp.arange(k + 1)[None, :, None], jnp.maximum(ban, 0)[:, None, :]].min(
+        jnp.where(ban >= 0, -jnp.inf, jnp.inf)[:, None, :])
+    greedy = f["temperature"] <= 0
+    if layout.sampling == "greedy":
+        n, toks = accept(drafts, None, logits, None, None, spec_lens, greedy)
+    else:
+        B, T, V = logits.shape
+        cuts = layout.sampling == "cuts"
+        rep = lambda x: jnp.repeat(x, T)
+        p = row_probs(logits.reshape(B * T, V), rep(f["temperature"]), rep(f["top_k"]), rep(f["top_p"]),
+                      rep(f["min_p"]), cuts=cuts).reshape(B, T, V)
+        u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(_keys(f["seed"], f["step"], _ACCEPT_TAG))
+        n, toks = accept(drafts, q, p, u, _keys(f["seed"], f["step"], _RESIDUAL_TAG), spec_lens, greedy)
+    out = jnp.concatenate([n[:, None], toks], axis=1)
+    return jnp.zeros((layout.max_batch, k + 2), jnp.int32).at[: layout.B].set(out), arena
+
+
+jit_prefill = jax.jit(prefill_step, donate_argnums=(2,), static_argnames=("layout", "model", "draft"))
+jit_draft = jax.jit(draft_step, donate_argnums=(1,), static_argnames=("layout", "draft", "k"))
+jit_verify = jax.jit(verify_step, donate_argnums=(1,), static_argnames=("layout", "model"))
+
+
+_STEP_MODELS: dict = {}
+
+
+def _step_model(model, runner: Runner, treedef, **model_kw) -> StepModel:
+    """One StepModel per (graph, params structure, plan, kernels, forward options), shared by
+    engines on one model as runner.step_model does, so each compiles once."""
+    key = (model.graphdef, treedef, runner.plan, runner.impl, runner.interpret, tuple(sorted(model_kw.items())))
+    got = _STEP_MODELS.get(key)
+    if got is None:
+        fwd = model.forward_fn(runner.plan, impl=runner.impl, interpret=runner.interpret, **model_kw)
+        got = _STEP_MODELS[key] = StepModel(fwd, treedef)
+    return got
+
+
+class Speculator:
+    """Launches a runner's steps with the draft model: `Runner.launch` hands every batch here
+    when the runner has one.  draft: the draft Model (its layers in the runner's plan as "draft")."""
+
+    def __init__(self, runner: Runner, draft, k: int):
+        self.runner, self.draft, self.k = runner, draft, int(k)
+        self._draft_src = self._target_src = None
+        self.draft_s = self.verify_s = 0.0  # seconds in draft / verify calls (to their results)
+
+    def _draft_leaves(self):
+        if self.draft.params is not self._draft_src:
+            self._draft_src = self.draft.params
+            leaves, treedef = jax.tree.flatten(self._draft_src)
+            self._draft_leaves_ = leaves
+            self._draft_model = _step_model(self.draft, self.runner, treedef, memory_model="draft")
+        return self._draft_leaves_
+
+    def _verify(self) -> StepModel:
+        """The target's forward with logits at every position, over the runner's plan."""
+        r = self.runner
+        if r.model.params is not self._target_src:
+            self._target_src = r.model.params
+            self._verify_model = _step_model(r.model, r, jax.tree.structure(self._target_src), all_positions=True)
+        return self._verify_model
+
+    def launch(self, batch: ScheduledBatch, prev) -> Launched:
+        r = self.runner
+        rows = batch.rows
+        entries = r._rows.gather([row.req for row in rows], rows)
+        cache_rows = np.array([e.row for e in entries], np.intp)
+        lay = r._pick_layout(batch, entries, cache_rows)
+        meta = r._pack(batch, lay, cache_rows)
+        counts = r._counts(rows, lay.B) if lay.penalties else None
+        r.shapes.add(lay)
+        r._ready.add(lay)
+        params, dparams = r._leaves(), self._draft_leaves()
+        prev = r._prev if prev is None else prev
+        if batch.kind != "decode":
+            tokens, r.arena = jit_prefill(params, dparams, r.arena, meta, prev, counts, layout=lay,
+                                          model=r._step_model, draft=self._draft_model)
+            r._prev = tokens
+            for i, row in enumerate(rows):
+                if row.sample:
+                    row.req.mark_pending(i)
+            return Launched(batch, tokens)
+        return self._decode(batch, lay, meta, prev, params, dparams)
+
+    def _decode(self, batch, lay, meta, prev, params, dparams) -> SpecLaunched:
+        r = self.runner
+        spec = np.zeros(lay.B, np.int32)
+        spec[: len(batch.rows)] = batch.spec_lens or 0
+        t0 = time.perf_counter()
+        drafts, q, r.arena = jit_draft(dparams, r.arena, meta, prev, spec, layout=lay, draft=self._draft_model,
+                                       k=self.k)
+        drafts.block_until_ready()
+        t1 = time.perf_counter()
+        out, r.arena = jit_verify(params, r.arena, meta, prev, spec, drafts, q, layout=lay, model=self._verify())
+        out.block_until_ready()
+        t2 = time.perf_counter()
+        self.draft_s += t1 - t0
+        self.verify_s += t2 - t1
+        for i, row in enumerate(batch.rows):
+            row.req.mark_pending(i)
+        return SpecLaunched(batch, out, t1 - t0, t2 - t1)
+
+
+__all__ = ["SpecLaunched", "Speculator", "accept", "draft_step", "prefill_step", "verify_step"]
