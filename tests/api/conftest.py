@@ -16,7 +16,8 @@ from umem_jax.engine.engine import EngineConfig, LLMEngine
 
 @pytest.fixture(scope="package")
 def srv():
-    engine = LLMEngine(EngineConfig(model="tiny", arena_bytes=1 << 20, max_num_seqs=MAX_SEQS,
+    # max_model_len given: 4096 (the model's) does not fit 1 MiB, so prompts under it can be over the budget
+    engine = LLMEngine(EngineConfig(model="tiny", arena_bytes=1 << 20, max_model_len=4096, max_num_seqs=MAX_SEQS,
                                     max_num_batched_tokens=2048, batch_buckets=(MAX_SEQS,), token_buckets=(32,),
                                     page_buckets=(8, 256)))
     aeng = AsyncLLMEngine(engine, max_waiting_requests=256, metrics=EngineMetrics(MODEL))

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from umem_jax.api.metrics import EngineMetrics
+from umem_jax.engine.bands import band_usage
 from umem_jax.memory.chain import ChainAllocator
 from umem_jax.memory.plan import plan as make_plan
 from umem_jax.memory.sizing import size_arena
@@ -22,10 +23,11 @@ class FakeEngine:
         self.allocator = ChainAllocator(self.plan, size_arena(self.plan, 4 << 20).num_rows)
         self.counts = {"num_retractions": 0, "num_preemptions": 0, "num_compilations": 0}
         self.running = self.waiting = self.evictable = 0
+        self.evictable_pages: dict[str, int] = {}
 
     def stats(self) -> dict:
         return {"num_running": self.running, "num_waiting": self.waiting, "evictable_bytes": self.evictable,
-                **self.counts}
+                "bands": band_usage(self.allocator, self.evictable_pages), **self.counts}
 
 
 def scrape(m: EngineMetrics) -> dict:
@@ -51,16 +53,25 @@ def test_band_gauges_are_the_allocators_exact_numbers():
     slots = eng.allocator.alloc_state_slots(3)
     eng.running = 2
     eng.evictable = eng.plan["full"].page_bytes  # say the prefix cache alone holds one of the full pages
+    eng.evictable_pages = {"full": 1}
     m.snapshot(eng)
     s, u = scrape(m), eng.allocator.usage()
-    for name, kind, window, unit, held in (("full", "full", "", "pages", 5), ("window64", "window", "64", "pages", 2),
-                                           ("state", "state", "", "slots", 3)):
+    for name, kind, window, unit, held, cache in (("full", "full", "", "pages", 5, 1),
+                                                  ("window64", "window", "64", "pages", 2, 0),
+                                                  ("state", "state", "", "slots", 3, 0)):
         key = band(name, kind, window, unit)
-        sp = u.subpools[name]
+        sp, size = u.subpools[name], eng.plan[name].page_bytes
         assert s[("umem:arena_band_held", key)] == held == sp.held
-        assert s[("umem:arena_band_held_bytes", key)] == sp.held_bytes == held * eng.plan[name].page_bytes
-        assert s[("umem:arena_band_available", key)] == sp.available
+        assert s[("umem:arena_band_held_bytes", key)] == sp.held_bytes == held * size
+        assert s[("umem:arena_band_held_cache", key)] == cache
+        assert s[("umem:arena_band_held_requests", key)] == held - cache
+        assert s[("umem:arena_band_held_requests_bytes", key)] == (held - cache) * size
+        assert s[("umem:arena_band_held_cache_bytes", key)] == cache * size
+        # available: what this band alone could get, in its own pages (tests/engine/test_defaults.py)
+        free = s[("umem:arena_band_available", key)]
+        assert free > 0 and s[("umem:arena_band_available_bytes", key)] == free * size
         assert 0 < s[("umem:arena_band_usage_perc", key)] < 1
+    assert s[("umem:arena_token_pages_available", ())] == u.token_pages_available
     assert s[("umem:num_requests_running", ())] == 2
     assert s[("umem:arena_evictable_bytes", ())] == eng.evictable
     # what requests hold: evictable pages count as free, as in vLLM's and SGLang's usage

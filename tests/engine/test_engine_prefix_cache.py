@@ -46,7 +46,7 @@ def test_hits_resume_at_checkpoints_and_match_dense(cached):
     assert run(cached, c, 10) == (want[2], 48)
     st = e.stats()
     pc = st["prefix_cache"]
-    assert pc["hits"] == 3 and pc["hit_tokens"] == 68 + 32 + 48 == st["prefix_cache_hits"]
+    assert pc["hits"] == 3 and pc["hit_tokens"] == 68 + 32 + 48 == st["prefix_cache_hit_tokens"]
     assert pc["shortened_tokens"] == 48 - 32  # b found 48 tokens but only 32 had a checkpoint
     assert pc["adopted_pages"] > 0  # b's own pages before its fork replaced tombstoned ones
     assert pc["copied_slots"] == 3 and pc["checkpoints_taken"] > 0
@@ -121,7 +121,7 @@ def test_disabled():
     want = dense_greedy([p], 6)[0]
     assert run(off, p, 6) == (want, 0) and run(off, p, 6) == (want, 0)
     st = off.llm_engine.stats()
-    assert not st["prefix_cache"]["enabled"] and st["prefix_cache_hits"] == 0
+    assert not st["prefix_cache"]["enabled"] and st["prefix_cache_hit_tokens"] == 0
     assert all(v == 0 for v in st["held"].values()) and st["evictable_bytes"] == 0
     assert off.reset_prefix_cache()
     assert_idle_clean(off)
@@ -186,9 +186,9 @@ def test_prompt_at_the_clip_limit_runs_twice(tiny_attention):
     small = _tight(model)
     n = _clip_limit(small)
     p = np.random.default_rng(11).integers(3, 300, n).tolist()
-    clip = small.llm_engine.demand.clip(n, 10_000)
+    clip = small.llm_engine.demand.clip(n, 1024 - n)  # max_tokens unset: up to the room left, then the memory clip
     want = big.generate(p, G(clip))[0].outputs[0].token_ids
-    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     first, second = (small.generate(p, sp)[0].outputs[0].token_ids for _ in range(2))
     assert first == want and second == want and len(want) == clip
     assert_idle_clean(small)

@@ -22,14 +22,18 @@ Arena (all bands)
   umem:num_evictions_total                  counter    pages evicted from the prefix cache
   umem:num_compactions_total                counter    steps that applied page relocations first
 Prefix cache (vLLM's names; 0 without a prefix cache)
-  umem:prefix_cache_queries_total           counter    prompt tokens looked up
-  umem:prefix_cache_hits_total              counter    ...of which found cached
-Per band (labels band = sub-pool name, kind = full | window | state, window = its length in
-tokens or "", unit = "pages" | "slots": a state slot is a page of size 1)
-  umem:arena_band_held_bytes                gauge      exact
-  umem:arena_band_held                      gauge      exact, in `unit`
-  umem:arena_band_available                 gauge      ESTIMATE of what a new allocation could get
-                                                       now (joint over the token bands), in `unit`
+  umem:prefix_cache_queries_total           counter    prompt tokens looked up (stats: prefix_cache_query_tokens)
+  umem:prefix_cache_hits_total              counter    ...of which found cached (prefix_cache_hit_tokens)
+  umem:arena_token_pages_available          gauge      ESTIMATE: token pages one allocation could get now,
+                                                       each with its page in every window band
+Per band, each in its own pages (labels band = sub-pool name, kind = full | window | state,
+window = its length in tokens or "", unit = "pages" | "slots": a state slot is a page of size 1;
+bands' pages differ in size, so compare bands in bytes)
+  umem:arena_band_held / _held_bytes        gauge      exact, in `unit` / bytes: requests + cache
+  umem:arena_band_held_requests (_bytes)    gauge      ...held by requests (prefixes shared with the cache too)
+  umem:arena_band_held_cache (_bytes)       gauge      ...held only by the prefix cache: evictable, freed on demand
+  umem:arena_band_available (_bytes)        gauge      ESTIMATE of what an allocation of this band alone could
+                                                       get now; the bands share the free bytes (no sum)
   umem:arena_band_usage_perc                gauge      held / (held + available)
 Latency and tokens
   umem:time_to_first_token_seconds          histogram  HTTP arrival -> first token on the host
@@ -57,8 +61,22 @@ _BAND = ("model_name", "band", "kind", "window", "unit")
 _ENGINE_COUNTERS = {"num_retractions": "umem:num_retractions", "num_preemptions": "umem:num_preemptions",
                     "num_compilations": "umem:num_compilations", "num_moved_pages": "umem:num_moved_pages",
                     "relocated_bytes": "umem:relocated_bytes", "num_evictions": "umem:num_evictions",
-                    "num_compactions": "umem:num_compactions", "prefix_cache_queries": "umem:prefix_cache_queries",
-                    "prefix_cache_hits": "umem:prefix_cache_hits"}
+                    "num_compactions": "umem:num_compactions",
+                    "prefix_cache_query_tokens": "umem:prefix_cache_queries",
+                    "prefix_cache_hit_tokens": "umem:prefix_cache_hits"}
+# engine.stats()["bands"] key -> (gauge name, help): each band in its own unit, and in bytes
+_BAND_GAUGES = {
+    "held": ("umem:arena_band_held", "Pages (state: slots) held by a band (exact): requests + cache."),
+    "held_bytes": ("umem:arena_band_held_bytes", "Bytes held by a band (exact)."),
+    "requests": ("umem:arena_band_held_requests", "Pages (slots) of a band requests hold."),
+    "requests_bytes": ("umem:arena_band_held_requests_bytes", "Bytes of a band requests hold."),
+    "cache": ("umem:arena_band_held_cache", "Pages (slots) of a band only the prefix cache holds (evictable)."),
+    "cache_bytes": ("umem:arena_band_held_cache_bytes", "Bytes of a band only the prefix cache holds (evictable)."),
+    "available": ("umem:arena_band_available", "Pages (slots) an allocation of this band alone could get now "
+                  "(estimate; the bands share the free bytes)."),
+    "available_bytes": ("umem:arena_band_available_bytes", "Bytes an allocation of this band alone could get now "
+                        "(estimate)."),
+}
 
 
 class EngineMetrics:
@@ -78,11 +96,10 @@ class EngineMetrics:
         self.arena_total = Gauge("umem:arena_total_bytes", "Arena size in bytes.", L, registry=r).labels(m)
         self.arena_bytes = Gauge("umem:arena_bytes", "Arena bytes by part (live, holes, free, sink).",
                                  L + ("part",), registry=r)
-        self.band_bytes = Gauge("umem:arena_band_held_bytes", "Bytes held by a band (exact).", _BAND, registry=r)
-        self.band_held = Gauge("umem:arena_band_held", "Pages (state: slots) held by a band (exact).", _BAND,
-                               registry=r)
-        self.band_avail = Gauge("umem:arena_band_available", "Pages (state: slots) a new allocation could get now "
-                                "(estimate; joint over the token bands).", _BAND, registry=r)
+        self.token_pages_avail = Gauge("umem:arena_token_pages_available", "Token pages one allocation could get "
+                                       "now, each with its page in every window band (estimate).", L,
+                                       registry=r).labels(m)
+        self.band_gauges = {k: Gauge(name, doc, _BAND, registry=r) for k, (name, doc) in _BAND_GAUGES.items()}
         self.band_usage = Gauge("umem:arena_band_usage_perc", "Band held / (held + available).", _BAND, registry=r)
         self.engine_counters = {k: Counter(name, f"Engine {k.replace('_', ' ')}.", L, registry=r).labels(m)
                                 for k, name in _ENGINE_COUNTERS.items()}
@@ -125,14 +142,14 @@ class EngineMetrics:
         for part, v in (("live", u.live_bytes), ("holes", u.hole_bytes), ("free", u.free_bytes),
                         ("sink", u.sink_bytes)):
             self.arena_bytes.labels(m, part).set(v)
-        for name, s in u.subpools.items():
+        self.token_pages_avail.set(u.token_pages_available)
+        for name, b in stats["bands"].items():
             labels = self._bands.get(name)
             if labels is None:
                 continue
-            self.band_bytes.labels(*labels).set(s.held_bytes)
-            self.band_held.labels(*labels).set(s.held)
-            self.band_avail.labels(*labels).set(s.available)
-            self.band_usage.labels(*labels).set(s.held / max(1, s.held + s.available))
+            for k, gauge in self.band_gauges.items():
+                gauge.labels(*labels).set(b[k])
+            self.band_usage.labels(*labels).set(b["held"] / max(1, b["held"] + b["available"]))
         for k, counter in self.engine_counters.items():
             v = int(stats.get(k, self._seen[k]))
             if v > self._seen[k]:

@@ -1,32 +1,30 @@
-"""The build chain of an engine: model -> plan -> size -> allocator -> demand -> scheduler -> runner.
+"""The build chain of an engine: model -> plan -> fit (arena size, demand, max_model_len: fit.py)
+-> allocator -> scheduler -> runner.
 
     parts = build(EngineConfig(model="tiny", arena_bytes=8 << 20))
 
 Order matters: the model is split over the devices and its projections fused before the plan
 is made (the plan and the arena bytes are per device), and the weights are on the device before
-the arena is sized from what memory is left.
+the arena is sized from what memory is left; max_model_len is settled with the arena, so one
+request of it always fits (fit.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-
-import jax
 
 from ..core.scheduled_batch import Buckets
-from ..memory import ChainAllocator, size_arena, static_regions
+from ..memory import ChainAllocator
 from ..memory import plan as make_plan
 from ..memory.demand import DemandModel
-from ..memory.sizing import ArenaSize, ArenaSizeError, budget_bytes, check_bs1_floor
+from ..memory.sizing import ArenaSize
 from ..runner.runner import Runner
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from .config import EngineConfig
+from .fit import CPU_ARENA_BYTES, fit_context
 from .tokenizer import get_tokenizer
 
-log = logging.getLogger("umem_jax")
-
-DEFAULT_CPU_ARENA_BYTES = 64 << 20  # no memory_stats() on CPU: a fixed budget unless arena_bytes is given
+DEFAULT_CPU_ARENA_BYTES = CPU_ARENA_BYTES  # the least default CPU arena; fit.py sizes it up to hold the context
 
 
 @dataclasses.dataclass
@@ -55,20 +53,16 @@ def build(cfg: EngineConfig) -> EngineParts:
     kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
         mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
     plan = make_plan(model.decls(kv), page_size=cfg.page_size)
-    max_model_len = int(cfg.max_model_len or mc.max_position_embeddings)
-    if max_model_len > mc.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                         f"{mc.max_position_embeddings}")
-    size = size_arena(plan, arena_budget(cfg, plan))
-    regions = None
-    if cfg.memory_mode == "static":
-        regions = static_regions(plan, size.num_rows, swa_full_tokens_ratio=cfg.swa_full_tokens_ratio,
-                                 mamba_full_memory_ratio=cfg.mamba_full_memory_ratio)
+    context = mc.max_position_embeddings
+    if cfg.max_model_len is not None and cfg.max_model_len > context:
+        raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={context}")
+    if cfg.max_model_len is None and cfg.page_buckets:  # the longest request the given page buckets can run
+        context = min(context, max(cfg.page_buckets) * cfg.page_size)
+    tokens = cfg.token_buckets or Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, 1).tokens
+    fitted = fit_context(cfg, plan, context, chunk=min(cfg.max_num_batched_tokens, max(tokens)))
+    size, regions, demand, max_model_len = fitted.size, fitted.regions, fitted.demand, fitted.max_model_len
     allocator = ChainAllocator(plan, size.num_rows, static_regions=regions)
     buckets = step_buckets(cfg, max_model_len)
-    chunk = min(cfg.max_num_batched_tokens, buckets.tokens[-1])
-    empty = ChainAllocator(plan, size.num_rows, static_regions=regions)  # the demand model's picture of an idle arena
-    demand = DemandModel(plan, chunk=chunk, empty=empty, extra_state_slots=cfg.extra_state_slots)
     scheduler = Scheduler(scheduler_config(cfg, plan, buckets), allocator, demand)
     tokenizer = get_tokenizer(model, cfg.tokenizer)
     eos = mc.eos_token_id
@@ -77,7 +71,6 @@ def build(cfg: EngineConfig) -> EngineParts:
         eos_ids |= set(tokenizer.eos_token_ids)
     runner = Runner(model, plan, size.num_rows, allocator, buckets, impl=cfg.kernel_impl, interpret=cfg.interpret,
                     debug_nan=cfg.debug_nan, checkpoints=cfg.enable_prefix_caching)
-    _warn_floor(cfg, plan, size, max_model_len, regions)
     return EngineParts(model, plan, max_model_len, size, regions, allocator, buckets, demand, scheduler, tokenizer,
                        eos_ids, runner)
 
@@ -93,17 +86,6 @@ def prepared_model(cfg: EngineConfig):
     if cfg.fuse_projections:  # a model this engine made is donated: its unfused weights are not kept
         model = model.fuse_projections(donate=model is not cfg.model)
     return model
-
-
-def arena_budget(cfg: EngineConfig, plan) -> int:
-    """Bytes the arena may take: cfg.arena_bytes, else a fixed CPU budget, else what the device
-    has left after the weights (which are loaded by now: bytes_in_use counts them)."""
-    if cfg.arena_bytes is not None:
-        return budget_bytes(fixed_bytes=int(cfg.arena_bytes), plan=plan)
-    if jax.devices()[0].memory_stats() is None:
-        return budget_bytes(fixed_bytes=DEFAULT_CPU_ARENA_BYTES, plan=plan)
-    return budget_bytes(fraction=cfg.gpu_memory_utilization, plan=plan,
-                        reserve_bytes=_reserve(cfg.gpu_memory_utilization))
 
 
 def step_buckets(cfg: EngineConfig, max_model_len: int) -> Buckets:
@@ -127,23 +109,6 @@ def scheduler_config(cfg: EngineConfig, plan, buckets: Buckets) -> SchedulerConf
                            enable_prefix_caching=cfg.enable_prefix_caching,
                            max_checkpoints_per_path=cfg.max_checkpoints_per_path,
                            checkpoint_interval=int(interval))
-
-
-def _warn_floor(cfg: EngineConfig, plan, size: ArenaSize, max_model_len: int, regions) -> None:
-    try:
-        check_bs1_floor(plan, size.num_rows, max_model_len=max_model_len, checkpoint_slots=cfg.extra_state_slots,
-                        static_regions=regions)
-    except ArenaSizeError as e:  # not fatal: the memory clip refuses or shortens what does not fit
-        log.warning("%s", e)
-
-
-def _reserve(fraction: float) -> int:
-    """Bytes kept out of the arena for the step's temporaries (activations, logits, sampler
-    sort): 1/16 of what is left after the weights, at most 4 GiB.  A heuristic: measuring the
-    compiled steps (sizing.compiled_temp_bytes) would need them compiled before the arena exists."""
-    stats = jax.devices()[0].memory_stats() or {}
-    left = int(stats.get("bytes_limit", 0)) * fraction - int(stats.get("bytes_in_use", 0))
-    return int(min(max(left, 0) // 16, 4 << 30))
 
 
 def _load(cfg: EngineConfig):

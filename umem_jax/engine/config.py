@@ -15,11 +15,11 @@ class EngineConfig:
     swa_full_tokens_ratio: float = 0.8
     mamba_full_memory_ratio: float = 0.9
     gpu_memory_utilization: float = 0.9
-    arena_bytes: int | None = None  # the arena budget in bytes (required in spirit on CPU)
+    arena_bytes: int | None = None  # arena budget in bytes; None: free GPU memory, on CPU sized to fit (engine/fit.py)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # prefill tokens per step, and the longest chunk
     page_size: int = 16
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None: the model's context, or the longest one request can hold in the arena
     dtype: str | None = None  # weights; default: the checkpoint's
     kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if 16/32-bit float), "bfloat16", "float32"
     load_format: str = "auto"  # "auto" | "dummy" (random weights of the checkpoint's shape)
@@ -41,10 +41,13 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
     fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
     priority_range: tuple[int, int] = (-(2**31), 2**31 - 1)  # a request's priority must lie in it (ValueError)
+    interface: str = "python"  # what advice in messages names: "python" keywords (arena_bytes=) | "cli" flags
 
     def __post_init__(self):
         if self.memory_mode not in ("unified", "static"):
             raise ValueError(f"memory_mode must be 'unified' or 'static', got {self.memory_mode!r}")
+        if self.interface not in ("python", "cli"):
+            raise ValueError(f"interface must be 'python' or 'cli', got {self.interface!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):

@@ -43,6 +43,7 @@ import numpy as np
 from ..core.request import Request, RequestOutput, RequestStatus
 from ..core.sampling_params import SamplingParams
 from ..runner.runner import Launched
+from .bands import band_usage
 from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
@@ -52,6 +53,9 @@ from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_to
 log = logging.getLogger("umem_jax")
 
 BUDGET_MESSAGE = "Request prompt exceeds the KV memory budget: input_len={}."
+# max_tokens that cannot fit beside the prompt (vLLM's 400): max_tokens, max_model_len, prompt tokens
+MAX_TOKENS_MESSAGE = ("max_tokens={0} is too large: the prompt ({2} tokens) and max_tokens must fit max_model_len={1}, "
+                      "so at most {3} here (or leave max_tokens unset: up to the room left)")
 
 
 class LLMEngine:
@@ -104,7 +108,9 @@ class LLMEngine:
         while rid in self._requests:
             rid += "+"
         room = self.max_model_len - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(MAX_TOKENS_MESSAGE.format(params.max_tokens, self.max_model_len, len(ids), room))
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + arrival)
         req = Request(rid, text, ids, params, arrival=arrival, seed=int(seed) & 0x7FFFFFFF, max_tokens=max_tokens,
                       priority=priority, windows=tuple(n for n, _ in self.demand.windows))
@@ -334,6 +340,7 @@ class LLMEngine:
             "memory_mode": self.config.memory_mode, "arena_bytes": u.total_bytes, "live_bytes": u.live_bytes,
             "evictable_bytes": self.evictable_bytes(), "hole_bytes": u.hole_bytes, "free_bytes": u.free_bytes,
             "held": {k: v.held for k, v in u.subpools.items()},
+            "bands": self.bands(),
             "num_running": self.num_running, "num_waiting": self.num_waiting,
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
@@ -341,6 +348,12 @@ class LLMEngine:
             "num_compactions": self.runner.num_compactions, "num_failed_requests": self.isolation.num_failed,
             **self._cache_stats(),
         }
+
+    def bands(self) -> dict[str, dict]:
+        """Each band in its own pages and bytes: held by requests, by the cache (evictable),
+        available to it alone (bands.py)."""
+        cache = self.scheduler.cache
+        return band_usage(self.allocator, cache.evictable_by_subpool() if cache is not None else {})
 
     def _cache_stats(self) -> dict:
         """Prefix-cache counters, flat (what metrics export) and in detail under "prefix_cache"."""
@@ -350,8 +363,9 @@ class LLMEngine:
                   "checkpoints_skipped": sch.num_checkpoints_skipped,
                   "copied_slots": self.runner.num_copied_slots,
                   "held": cache.held_by_subpool() if cache is not None else {}}
-        return {"prefix_cache_queries": c.get("query_tokens", 0), "prefix_cache_hits": c.get("hit_tokens", 0),
-                "num_evictions": c.get("evicted_pages", 0), "prefix_cache": detail}
+        return {"prefix_cache_query_tokens": c.get("query_tokens", 0),
+                "prefix_cache_hit_tokens": c.get("hit_tokens", 0), "num_evictions": c.get("evicted_pages", 0),
+                "prefix_cache": detail}
 
 
-__all__ = ["BUDGET_MESSAGE", "EngineConfig", "EngineDeadError", "LLMEngine"]
+__all__ = ["BUDGET_MESSAGE", "MAX_TOKENS_MESSAGE", "EngineConfig", "EngineDeadError", "LLMEngine"]
