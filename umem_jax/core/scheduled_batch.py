@@ -95,6 +95,7 @@ class Row:
 class ScheduledBatch:
     kind: str  # "prefill" | "decode"
     rows: list[Row]
+    spec_lens: list[int] | None = None  # speculative decode: tokens each row's draft proposes (None: off)
 
     @property
     def num_tokens(self) -> int:

@@ -82,10 +82,17 @@ class DemandModel:
     pages, slots and window_start).
     """
 
-    def __init__(self, plan: Plan, *, chunk: int, empty: ChainAllocator, extra_state_slots: int = 0):
+    def __init__(self, plan: Plan, *, chunk: int, empty: ChainAllocator, extra_state_slots: int = 0,
+                 decode_pass: int = 1):
         self.plan = plan
         self.page_size = plan.page_size
         self.chunk = int(chunk)
+        # tokens one decode step computes: 1, or k+1 under speculation (a verify of k drafts),
+        # which binds w - 1 + k + 1 keys of each window at once
+        self.decode_pass = int(decode_pass)
+        if self.decode_pass > self.chunk:
+            raise ValueError(f"a decode pass of {self.decode_pass} tokens is longer than the chunk {self.chunk}: "
+                             "the memory clip prices passes of at most the chunk")
         self.windows = tuple((sp.name, sp.window) for sp in plan.windows)
         self.slots_per_request = (1 + int(extra_state_slots)) if plan.state is not None else 0
         self._empty = empty
@@ -131,14 +138,14 @@ class DemandModel:
             return Demand()
         if after is None:
             return self.span(start, start + tokens, held_pages=len(req.pages), held_window=self.held_window(req),
-                             held_slots=len(req.slots), pass_len=1)
+                             held_slots=len(req.slots), pass_len=self.decode_pass)
         # after a pass that ends at `after`, the request holds ceil(after / page_size) pages, the
         # window pages touching [after - w + 1, after) and its slots
         page_size = self.page_size
         held = -(-start // page_size)
         held_window = {n: held - max(0, start - w + 1) // page_size for n, w in self.windows}
         return self.span(start, start + tokens, held_pages=held, held_window=held_window,
-                         held_slots=self.slots_per_request, pass_len=1)
+                         held_slots=self.slots_per_request, pass_len=self.decode_pass)
 
     def checkpoint(self, n: int = 1) -> Demand:
         """n prefix-cache checkpoints: state slots (optional demand, see the module docstring)."""

@@ -134,16 +134,22 @@ class CausalLM(nnx.Module):
             h = layer.dense(h, positions, valid)
         return self.logits(h)
 
-    def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, **kernel_kw):
+    def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, *, memory_model: str = "target",
+                 all_positions: bool = False, **kernel_kw):
         """Serving forward -> (logits [B, V] fp32 at each row's last valid token, arena).
 
         kernel_kw: impl ("pallas" | "reference") and interpret, passed to every kernel.
+        memory_model: whose layers of the plan this model reads and writes ("draft" for a
+        speculative draft planned beside the target).  all_positions: logits [B, T, V] of every
+        token (a speculative verify reads them all).
         """
         h = self.embed(batch.tokens)
         for i, layer in enumerate(self.layers):
             keeps_memory = self.config.layer_types[i] in LAYER_TYPES
-            slot = arena_slot(plan, i, **kernel_kw) if keeps_memory else None
+            slot = arena_slot(plan, i, memory_model, **kernel_kw) if keeps_memory else None
             h, arena = layer(h, arena, batch, slot)
+        if all_positions:
+            return self.logits(h), arena
         last = jnp.take_along_axis(h, batch.last_index()[:, None, None], axis=1)[:, 0]
         return self.logits(last), arena
 

@@ -69,7 +69,8 @@ class Model:
         """What every layer keeps in the arena; kv_dtype "float32" stores K/V as two planes."""
         return self.module_cls.decls(self.config, kv_dtype)
 
-    def forward_fn(self, plan: Plan | None = None, *, impl: str | None = None, interpret: bool = False) -> Callable:
+    def forward_fn(self, plan: Plan | None = None, *, impl: str | None = None, interpret: bool = False,
+                   **model_kw) -> Callable:
         """Pure `forward(params, arena, batch) -> (logits [B, V] fp32, arena)`.
 
         `arena` is an `umem_jax.arena.Arena` (its static plan says where every layer's rows
@@ -81,11 +82,11 @@ class Model:
         def forward(params, arena, batch: Batch):
             module = nnx.merge(graphdef, params)
             if isinstance(arena, Arena):
-                logits, data = module(arena.data, batch, arena.plan, impl=impl, interpret=interpret)
+                logits, data = module(arena.data, batch, arena.plan, impl=impl, interpret=interpret, **model_kw)
                 return logits, arena.replace(data)
             if plan is None:
                 raise ValueError("a raw arena array needs the plan: forward_fn(plan)")
-            return module(arena, batch, plan, impl=impl, interpret=interpret)
+            return module(arena, batch, plan, impl=impl, interpret=interpret, **model_kw)
 
         return forward
 

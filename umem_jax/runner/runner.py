@@ -129,6 +129,7 @@ class Runner:
         self.num_compactions = 0  # batches of relocations applied (one per step at most)
         self.relocated_bytes = 0
         self.num_copied_slots = 0  # state slots copied (prefix-cache checkpoints saved / restored)
+        self.speculator = None  # a speculative.Speculator: it launches every step (a draft model proposes)
 
     @property
     def num_compilations(self) -> int:
@@ -209,6 +210,8 @@ class Runner:
         Per row, Python only reads the request's counters; everything [B]- or [B, P]-shaped is
         built by numpy from the row cache, into one int32 buffer: the step's only host->device
         copy (handed to the jitted call as numpy, so the copy happens in its C++ dispatch)."""
+        if self.speculator is not None:
+            return self.speculator.launch(batch, prev)
         rows = batch.rows
         entries = self._rows.gather([row.req for row in rows], rows)
         cache_rows = np.array([e.row for e in entries], np.intp)

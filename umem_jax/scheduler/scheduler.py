@@ -40,6 +40,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
+from . import speculation
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
@@ -99,6 +100,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
     checkpoint_interval: int = 0  # decode tokens between state checkpoints (0: only at prefill passes)
+    num_speculative_tokens: int = 0  # draft tokens a decode row verifies per step (0: no speculation)
 
 
 # Returned by `_price_pass` for a cache hit that fits only as a miss.
@@ -288,6 +290,8 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
         rows = rows[: self.cfg.buckets.batch[-1]]
+        if self.cfg.num_speculative_tokens:
+            return self._schedule_spec_decode(rows)
         while rows:
             need = rows_needing_memory(rows, self.demand.page_size, self.demand.slots_per_request)
             total = next_token_demand(need, self.demand)  # every other row's one-token demand is empty
@@ -302,6 +306,28 @@ class Scheduler:
         batch = decode_batch(rows)
         self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
         return batch
+
+    def _schedule_spec_decode(self, rows: list[Request]) -> ScheduledBatch | None:
+        """As _schedule_decode, each row with the memory of its verify (speculation.py)."""
+        k, d = self.cfg.num_speculative_tokens, self.demand
+        while rows:
+            lens = [speculation.spec_len(r, k) for r in rows]
+            need = speculation.spec_rows_needing_memory(rows, lens, d.page_size, d.slots_per_request)
+            total = speculation.spec_demand(rows, lens, need, d)
+            if self._fits(lambda: total) and speculation.alloc_spec(self.memory, rows, lens, need):
+                break
+            victim = least_preferred(self.running)
+            self.retract(victim)
+            if victim in rows:
+                rows.remove(victim)
+        if not rows:
+            return None
+        self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
+        return speculation.spec_decode_batch(rows, lens)
+
+    def rollback_speculation(self, req: Request, computed: int) -> None:
+        """A verify kept `computed` tokens of `req`: the rest of its rows go back (speculation.py)."""
+        speculation.rollback(self.memory, req, computed)
 
     # ------------------------------------------------------------------ pressure
     def _fits(self, need) -> bool:
