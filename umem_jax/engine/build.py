@@ -18,10 +18,13 @@ from ..memory import ChainAllocator
 from ..memory import plan as make_plan
 from ..memory.demand import DemandModel
 from ..memory.sizing import ArenaSize
+from ..memory.plan import PlanError
 from ..runner.runner import Runner
+from ..runner.speculative import Speculator
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from .config import EngineConfig
 from .fit import CPU_ARENA_BYTES, fit_context
+from .speculative import SpeculationError, load_draft, plan_decls
 from .tokenizer import get_tokenizer
 
 DEFAULT_CPU_ARENA_BYTES = CPU_ARENA_BYTES  # the least default CPU arena; fit.py sizes it up to hold the context
@@ -43,6 +46,7 @@ class EngineParts:
     tokenizer: object | None
     eos_ids: set[int]
     runner: Runner
+    draft: object = None  # the speculative draft Model (None: speculation off)
 
 
 def build(cfg: EngineConfig) -> EngineParts:
@@ -52,14 +56,18 @@ def build(cfg: EngineConfig) -> EngineParts:
     mc = model.config
     kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
         mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
-    plan = make_plan(model.decls(kv), page_size=cfg.page_size)
-    context = mc.max_position_embeddings
+    spec = cfg.speculative_config
+    draft = load_draft(cfg, model) if spec is not None else None
+    plan = _plan(model, draft, kv, cfg.page_size)
+    context = mc.max_position_embeddings if draft is None else min(mc.max_position_embeddings,
+                                                                   draft.config.max_position_embeddings)
     if cfg.max_model_len is not None and cfg.max_model_len > context:
         raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's max_position_embeddings={context}")
     if cfg.max_model_len is None and cfg.page_buckets:  # the longest request the given page buckets can run
         context = min(context, max(cfg.page_buckets) * cfg.page_size)
     tokens = cfg.token_buckets or Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, 1).tokens
-    fitted = fit_context(cfg, plan, context, chunk=min(cfg.max_num_batched_tokens, max(tokens)))
+    demand_kw = {"decode_pass": spec.num_speculative_tokens + 1} if spec is not None else None  # a verify's pass
+    fitted = fit_context(cfg, plan, context, chunk=min(cfg.max_num_batched_tokens, max(tokens)), demand_kw=demand_kw)
     size, regions, demand, max_model_len = fitted.size, fitted.regions, fitted.demand, fitted.max_model_len
     allocator = ChainAllocator(plan, size.num_rows, static_regions=regions)
     buckets = step_buckets(cfg, max_model_len)
@@ -71,8 +79,20 @@ def build(cfg: EngineConfig) -> EngineParts:
         eos_ids |= set(tokenizer.eos_token_ids)
     runner = Runner(model, plan, size.num_rows, allocator, buckets, impl=cfg.kernel_impl, interpret=cfg.interpret,
                     debug_nan=cfg.debug_nan, checkpoints=cfg.enable_prefix_caching)
+    if draft is not None:
+        runner.speculator = Speculator(runner, draft, spec.num_speculative_tokens)
     return EngineParts(model, plan, max_model_len, size, regions, allocator, buckets, demand, scheduler, tokenizer,
-                       eos_ids, runner)
+                       eos_ids, runner, draft)
+
+
+def _plan(model, draft, kv: str, page_size: int):
+    """The target's plan, or the target's and the draft's layers planned as one model."""
+    if draft is None:
+        return make_plan(model.decls(kv), page_size=page_size)
+    try:
+        return make_plan(plan_decls(model.decls(kv), draft, kv), page_size=page_size)
+    except PlanError as e:
+        raise SpeculationError(f"the draft's layers cannot be placed beside the target's: {e}") from None
 
 
 def prepared_model(cfg: EngineConfig):
@@ -101,14 +121,15 @@ def step_buckets(cfg: EngineConfig, max_model_len: int) -> Buckets:
 
 
 def scheduler_config(cfg: EngineConfig, plan, buckets: Buckets) -> SchedulerConfig:
-    interval = cfg.checkpoint_interval
+    interval, spec = cfg.checkpoint_interval, cfg.speculative_config
     if interval is None:
         interval = plan.state.lifetime.checkpoint_interval if plan.state is not None else 0
     return SchedulerConfig(min(cfg.max_num_seqs, buckets.batch[-1]), cfg.max_num_batched_tokens, buckets,
                            new_token_ratio=cfg.new_token_ratio, max_prefill_streak=cfg.max_prefill_streak,
                            enable_prefix_caching=cfg.enable_prefix_caching,
                            max_checkpoints_per_path=cfg.max_checkpoints_per_path,
-                           checkpoint_interval=int(interval))
+                           checkpoint_interval=int(interval),
+                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
 
 
 def _load(cfg: EngineConfig):

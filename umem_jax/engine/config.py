@@ -41,6 +41,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
     fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
     priority_range: tuple[int, int] = (-(2**31), 2**31 - 1)  # a request's priority must lie in it (ValueError)
+    speculative_config: object = None  # None (off) | SpeculativeConfig | its fields as a dict (vLLM's)
     interface: str = "python"  # what advice in messages names: "python" keywords (arena_bytes=) | "cli" flags
 
     def __post_init__(self):
@@ -59,6 +60,41 @@ class EngineConfig:
                              f"a request that gives none), got {self.priority_range}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config = SpeculativeConfig(**self.speculative_config)
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict of its fields, got "
+                             f"{type(self.speculative_config).__name__}")
 
 
-__all__ = ["EngineConfig"]
+SPECULATIVE_METHODS = ("draft", "mtp")
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM / SGLang names): `method` "draft" runs a separate small model
+    `model` (a path, a built-in name or a loaded Model) that proposes `num_speculative_tokens`
+    tokens the target verifies in one forward.  "mtp" (the target's own MTP heads) is not built
+    yet and is refused."""
+
+    method: str = "draft"
+    num_speculative_tokens: int = 3
+    model: object = None  # the draft: a path, a built-in name or a loaded Model
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method == "mtp":
+            raise ValueError("speculative method 'mtp' is not supported yet: the target's MTP layers (Qwen3.5 / "
+                             "Qwen3-Next mtp_*, NemotronH mtp_layers_block_type) are not loaded; use method "
+                             "'draft' with a separate draft model")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if self.model is None:
+            raise ValueError("speculative method 'draft' needs the draft model (speculative_config model= / "
+                             "--speculative-draft-model PATH)")
+
+
+__all__ = ["EngineConfig", "SpeculativeConfig"]

@@ -43,11 +43,13 @@ import numpy as np
 from ..core.request import Request, RequestOutput, RequestStatus
 from ..core.sampling_params import SamplingParams
 from ..runner.runner import Launched
+from ..runner.speculative import SpecLaunched
 from .bands import band_usage
 from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .isolation import EngineDeadError, FailureIsolation
+from .speculative import SpecStats, apply_verify, check_request
 from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
 
 log = logging.getLogger("umem_jax")
@@ -75,6 +77,9 @@ class LLMEngine:
         self.num_idle_checks = 0
         self.isolation = FailureIsolation(self)
         self.dead: str | None = None  # why the engine stopped (every later call raises EngineDeadError)
+        spec = cfg.speculative_config
+        self.draft = parts.draft
+        self.spec_stats = SpecStats(spec.num_speculative_tokens) if spec is not None else None
         log.info("umem_jax engine: %s mode\n%s\n%s", cfg.memory_mode, self.plan.table(),
                  self.size.summary(self.regions))
 
@@ -101,6 +106,7 @@ class LLMEngine:
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
             raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids is not supported")
         check_priority(priority, self.config.priority_range)
+        check_request(params, self.config.speculative_config)
         if request_id is not None and str(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)
@@ -214,7 +220,7 @@ class LLMEngine:
         if self._inflight is not None:
             outs += self._process(self._inflight)
         self._inflight = launched
-        if launched is not None and not self.config.async_scheduling:
+        if launched is not None and (not self.config.async_scheduling or self.spec_stats is not None):
             outs += self._process(launched)
             self._inflight = None
         if self._inflight is None and not self.scheduler.has_work():
@@ -231,6 +237,8 @@ class LLMEngine:
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read back `launched`'s tokens and apply them -> outputs of the requests that finished."""
+        if isinstance(launched, SpecLaunched):
+            return apply_verify(self, launched)
         try:
             tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
         except Exception as e:
@@ -347,6 +355,7 @@ class LLMEngine:
             "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
             "num_compactions": self.runner.num_compactions, "num_failed_requests": self.isolation.num_failed,
             **self._cache_stats(),
+            **({"speculative": self.spec_stats.as_dict()} if self.spec_stats is not None else {}),
         }
 
     def bands(self) -> dict[str, dict]:
