@@ -29,6 +29,7 @@ import numpy as np
 from ..core.request import Request
 from ..memory.declarations import LayerDecl
 from ..models.config import RECURRENT
+from .isolation import EngineDeadError
 
 
 class SpeculationError(ValueError):
@@ -116,8 +117,6 @@ def apply_verify(engine, launched) -> list:
     """Read back a speculative decode step and apply it: per row, the accepted drafts and the
     corrected / bonus token through the stop rules, then the rollback of the rest -> outputs of
     the requests that finished."""
-    from .engine import EngineDeadError
-
     try:
         out = np.asarray(launched.tokens)
     except Exception as e:

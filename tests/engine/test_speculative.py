@@ -1,0 +1,189 @@
+"""Speculative decoding with a draft model (issue 16): greedy output identical to greedy without,
+through chunked prefill, retraction and prefix-cache hits; the acceptance rule keeps the target's
+distribution (chi-square); refusals; invariants and the idle leak check after each run."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _engine_utils import assert_idle_clean, prompts  # noqa: E402
+
+from umem_jax import LLM, SamplingParams  # noqa: E402
+from umem_jax.runner.acceptance import accept, row_probs  # noqa: E402
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "gemma3_tiny"
+# One shape per dimension (one compile per step kind); an arena small enough that four long
+# requests with a draft's K/V beside the target's retract.
+SPEC = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=256, batch_buckets=(4,),
+            token_buckets=(32,), page_buckets=(64,))
+K = 3
+MAX_TOKENS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str):
+    from umem_jax.models.loader import load_model
+
+    return load_model(str(FIXTURE) if name == "gemma" else name)
+
+
+@functools.lru_cache(maxsize=None)
+def _perturbed(name: str, scale: float = 0.5):
+    """The target with noise on every weight: a draft that agrees with it on some tokens only."""
+    m = _model(name)
+    leaves, treedef = jax.tree.flatten(m.params)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim > 1 else x
+             for x, k in zip(leaves, keys)]
+    return dataclasses.replace(m, params=jax.tree.unflatten(treedef, noisy))
+
+
+def _workload(vocab: int):
+    """Long prompts (chunked: > 32 tokens), two sharing a 40-token prefix (a cache hit)."""
+    shared = [t % vocab for t in prompts(40, seed=3)[0]]
+    ps = [[t % vocab for t in p] for p in prompts(70, 9, 45, seed=5)]
+    return [shared + ps[1], ps[0], shared + [7, 8, 9, 10], ps[2], ps[1]]
+
+
+def _run(target, arena, draft=None, params=None, **kw):
+    spec = None if draft is None else {"method": "draft", "model": draft, "num_speculative_tokens": K}
+    llm = LLM(target, arena_bytes=arena, speculative_config=spec, **SPEC, **kw)
+    work = _workload(target.config.vocab_size)
+    params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outs = llm.generate(work, params)
+    outs += llm.generate(work[:1], params[:1] if isinstance(params, list) else params)  # its whole prompt is cached by now: a prefix-cache hit
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert_idle_clean(llm)
+    return [o.outputs[0].token_ids for o in outs], llm.llm_engine.stats()
+
+
+# The tiny attention model's run retracts and hits the prefix cache; the Gemma 3 fixture's run
+# (short windows) does neither at an arena that admits the 70-token prompt: chunked prefill only.
+@pytest.mark.parametrize("name,arena,retracts", [("tiny-attention", 250 << 10, True), ("gemma", 175 << 10, False)])
+def test_greedy_with_speculation_is_greedy_without(name, arena, retracts):
+    target = _model(name)
+    want, base = _run(target, arena)
+    assert all(len(t) == MAX_TOKENS for t in want)
+    got, st = _run(target, arena, draft=target)  # its own draft: every draft is the target's token
+    assert got == want
+    s = st["speculative"]
+    assert s["acceptance_rate"] == 1.0 and s["mean_accepted_length"] > 2.5, s
+    assert (st["num_retractions"] > 0 and st["prefix_cache"]["hit_tokens"] > 0) or not retracts, st
+    got, st = _run(target, arena, draft=_perturbed(name))
+    assert got == want
+    s = st["speculative"]
+    assert 0.0 < s["acceptance_rate"] < 1.0, s
+    assert len(s["acceptance_per_position"]) == K and s["draft_time_s"] > 0 and s["verify_time_s"] > 0
+
+
+def test_sampling_with_speculation_runs_clean():
+    target = _model("tiny-attention")
+    params = [SamplingParams(temperature=0.8, top_k=20 if i % 2 else 0, max_tokens=16, seed=i) for i in range(5)]
+    got, st = _run(target, 250 << 10, draft=_perturbed("tiny-attention"), params=params)
+    assert all(len(t) == 16 and all(0 <= x < target.config.vocab_size for x in t) for t in got)
+    assert st["speculative"]["num_verify_rows"] > 0
+
+
+# ---------------------------------------------------------------------- the acceptance rule
+
+
+def _chi2_pvalue(samples: np.ndarray, probs: np.ndarray) -> float:
+    counts = np.bincount(samples, minlength=probs.size)
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    expected = probs[keep].astype(np.float64) / probs[keep].astype(np.float64).sum() * counts[keep].sum()
+    return sps.chisquare(counts[keep].astype(np.float64), expected).pvalue
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rejection_sampling_keeps_the_target_distribution(seed):
+    """Over many rows with the same p and q: the first emitted token is distributed as p_0, the
+    token after an accepted first draft as p_1 (each position's p fixed here), the bonus as p_k."""
+    rng = np.random.default_rng(seed)
+    V, k, N = 6, 2, 40000
+    p = rng.dirichlet(np.ones(V) * 0.7, size=k + 1).astype(np.float32)
+    q = rng.dirichlet(np.ones(V) * 0.7, size=k).astype(np.float32)
+    key = jax.random.PRNGKey(seed)
+    kd, ku, kr = jax.random.split(key, 3)
+    drafts = jax.random.categorical(kd, jnp.log(jnp.asarray(q))[None].repeat(N, 0), axis=-1).astype(jnp.int32)
+    P = jnp.broadcast_to(jnp.asarray(p), (N, k + 1, V))
+    Q = jnp.broadcast_to(jnp.asarray(q), (N, k, V))
+    u = jax.random.uniform(ku, (N, k))
+    n, toks = jax.jit(accept)(drafts, Q, P, u, jax.random.split(kr, N), jnp.full((N,), k, jnp.int32),
+                              jnp.zeros((N,), bool))
+    n, toks = np.asarray(n), np.asarray(toks)
+    assert _chi2_pvalue(toks[:, 0], p[0]) > 1e-3
+    assert _chi2_pvalue(toks[n >= 1, 1], p[1]) > 1e-3
+    assert _chi2_pvalue(toks[n == k, k], p[k]) > 1e-3
+    # acceptance of the first draft happens with probability sum_x min(p0, q0)
+    assert abs((n >= 1).mean() - np.minimum(p[0], q[0]).sum()) < 0.015
+    assert ((toks >= 0).sum(1) == n + 1).all()
+
+
+def test_acceptance_greedy_is_exact_and_respects_spec_lens():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 10)), jnp.float32)
+    top = np.asarray(jnp.argmax(logits, -1))
+    drafts = jnp.asarray([[top[0, 0], top[0, 1], top[0, 2]], [top[1, 0], (top[1, 1] + 1) % 10, top[1, 2]],
+                          [top[2, 0], top[2, 1], top[2, 2]]], jnp.int32)
+    n, toks = accept(drafts, None, logits, None, None, jnp.asarray([3, 3, 1]), jnp.ones(3, bool))
+    assert np.asarray(n).tolist() == [3, 1, 1]
+    assert np.asarray(toks).tolist() == [top[0].tolist(), [top[1, 0], top[1, 1], -1, -1],
+                                         [top[2, 0], top[2, 1], -1, -1]]
+    t = jnp.zeros(3)
+    p = row_probs(logits[:, 0], t, jnp.zeros(3, jnp.int32), jnp.ones(3), jnp.zeros(3))
+    assert (np.asarray(p).argmax(-1) == top[:, 0]).all() and np.allclose(np.asarray(p).sum(-1), 1)
+
+
+def test_row_probs_cuts_match_the_sampler_rule():
+    logits = jnp.asarray(np.random.default_rng(1).normal(size=(2, 12)) * 2, jnp.float32)
+    p = np.asarray(row_probs(logits, jnp.asarray([1.0, 0.7]), jnp.asarray([3, 0]), jnp.asarray([1.0, 0.8]),
+                             jnp.zeros(2)))
+    assert (p[0] > 0).sum() == 3 and np.isclose(p[0].sum(), 1)
+    full = np.asarray(jax.nn.softmax(logits[1] / 0.7))
+    order = np.argsort(-full)
+    kept = order[: int(np.searchsorted(np.cumsum(full[order]), 0.8) + 1)]
+    assert set(np.flatnonzero(p[1])) == set(kept.tolist())
+
+
+# ---------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"method": "mtp", "model": "x"}, "'mtp' is not supported yet"),
+    ({"method": "eagle", "model": "x"}, "method must be one of"),
+    ({"model": "tiny-attention", "num_speculative_tokens": 9}, "1..8"),
+    ({"model": "tiny-attention", "num_speculative_tokens": 0}, "1..8"),
+    ({"num_speculative_tokens": 2}, "needs the draft model"),
+])
+def test_bad_speculative_configs_are_refused(spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM("tiny-attention", arena_bytes=1 << 20, speculative_config=spec)
+
+
+def test_unsupported_pairs_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="recurrent layers .* not supported yet"):
+        LLM("tiny", arena_bytes=1 << 20, speculative_config={"model": "tiny-attention"})
+    with pytest.raises(ValueError, match="draft that has recurrent layers"):
+        LLM("tiny-attention", arena_bytes=1 << 20, speculative_config={"model": "tiny"})
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(_model("gemma"), arena_bytes=1 << 20, speculative_config={"model": "tiny-attention"})
+    with pytest.raises(ValueError, match="max_num_batched_tokens=2 is below"):
+        LLM("tiny-attention", arena_bytes=1 << 20, max_num_batched_tokens=2, token_buckets=(2,),
+            speculative_config={"model": "tiny-attention"})
+
+
+def test_penalties_are_refused_per_request():
+    llm = LLM(_model("tiny-attention"), arena_bytes=160 << 10, **SPEC,
+              speculative_config={"model": _model("tiny-attention"), "num_speculative_tokens": K})
+    with pytest.raises(ValueError, match="penalties with speculative decoding"):
+        llm.generate([[5, 6, 7]], SamplingParams(repetition_penalty=1.2, max_tokens=4))
