@@ -25,8 +25,8 @@ FAMILIES = ["tiny", "tiny-attention", str(ROOT / "tests/fixtures/gemma3_tiny"),
             str(ROOT / "tests/fixtures/nemotron_h_tiny"), str(ROOT / "tests/fixtures/qwen3_5_tiny")]
 SETTINGS = dict(arena_bytes=150 << 10, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=256,
                 batch_buckets=(4,), token_buckets=(32,), page_buckets=(64,))
-COUNTERS = ("num_retractions", "num_preemptions", "prefix_cache_hits", "prefix_cache_queries", "num_compactions",
-            "num_moved_pages", "num_steps")
+COUNTERS = ("num_retractions", "num_preemptions", "prefix_cache_hit_tokens", "prefix_cache_query_tokens",
+            "num_compactions", "num_moved_pages", "num_steps")
 
 
 def _generate(source: str, memory_mode: str) -> dict:
