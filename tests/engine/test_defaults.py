@@ -19,6 +19,7 @@ from umem_jax.engine import fit
 from umem_jax.engine.config import EngineConfig
 from umem_jax.engine.fit import CPU_ARENA_BYTES, MAX_CPU_ARENA_BYTES, capacity, fit_context, fits
 from umem_jax.memory.plan import plan as make_plan
+from umem_jax.memory.sizing import ArenaSizeError
 from umem_jax.models.registry import load_hf_config, model_class
 
 # google/gemma-3-270m's text config, as the packaged GGUF converts to (loader.convert_gguf)
@@ -103,6 +104,14 @@ def test_given_max_model_len_that_does_not_fit_is_kept_with_the_advice(gemma_dir
     assert "capacity 0" in msg and "max_model_len=" in msg and "arena_bytes=" in msg and "gpu" not in msg.lower()
     at_most = int(msg.split("at most ")[1].split(" fits")[0].replace(",", ""))
     assert longest <= at_most < longest + 16 and fits(f.demand, at_most) and not fits(f.demand, at_most + 1)
+
+
+def test_arena_bytes_below_one_block_is_refused_by_its_own_name(gemma_dir):
+    plan = gemma_plan(gemma_dir)
+    for interface, named in (("python", "arena_bytes=100 "), ("cli", "--arena-bytes 100 ")):
+        with pytest.raises(ArenaSizeError, match=f"^{named}is less than one") as e:
+            fit_context(EngineConfig(arena_bytes=100, interface=interface), plan, 32768, chunk=2048)
+        assert "gpu" not in str(e.value).lower()
 
 
 def test_gpu_advice_names_gpu_memory_utilization():

@@ -58,6 +58,10 @@ def fit_context(cfg: EngineConfig, plan, context: int, chunk: int, demand_kw: di
     on_cpu = jax.devices()[0].memory_stats() is None
     want = int(cfg.max_model_len or context)
     if cfg.arena_bytes is not None:
+        unit = math.lcm(4096, plan.row_words * WORD_BYTES)
+        if cfg.arena_bytes < unit:  # (budget_bytes would advise gpu_memory_utilization)
+            raise ArenaSizeError(f"{setting(cfg, 'arena_bytes', cfg.arena_bytes)} is less than one {unit:,}-byte "
+                                 "block of arena rows: raise it")
         budget = budget_bytes(fixed_bytes=int(cfg.arena_bytes), plan=plan)
     elif on_cpu:
         budget = _cpu_budget(cfg, plan, want, chunk, demand_kw)
@@ -73,8 +77,8 @@ def fit_context(cfg: EngineConfig, plan, context: int, chunk: int, demand_kw: di
                              f"{_more_memory(cfg, on_cpu, fitted.size)}")
     if cfg.max_model_len is not None:
         log.warning("max_model_len=%s does not fit the arena: %s, so no request of max_model_len can run (capacity "
-                    "0; longer prompts are refused at arrival). %s.", f"{want:,}", _need(fitted, want, chunk),
-                    _advice(cfg, on_cpu, fitted.size, longest, plan))
+                    "0; a prompt over what fits is refused at arrival). To fit it: %s.", f"{want:,}",
+                    _need(fitted, want, chunk), _advice(cfg, on_cpu, fitted.size, longest, plan))
         return fitted
     served = longest // plan.page_size * plan.page_size if longest >= plan.page_size else longest
     log.warning("max_model_len: the model's context of %s tokens does not fit the arena (%s); serving "
@@ -168,6 +172,11 @@ def flag(cfg: EngineConfig, name: str) -> str:
     return "--" + name.replace("_", "-") if cfg.interface == "cli" else name + "="
 
 
+def setting(cfg: EngineConfig, name: str, value) -> str:
+    """`name=value` (Python) or `--name value` (CLI)."""
+    return f"{flag(cfg, name)}{value}" if cfg.interface == "python" else f"{flag(cfg, name)} {value}"
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -190,11 +199,11 @@ def _advice(cfg: EngineConfig, on_cpu: bool, size: ArenaSize, longest: int | Non
     if longest is not None:
         tips.append(f"lower {flag(cfg, 'max_model_len')} (at most {longest:,} fits now)")
     if plan.windows:
-        tips.append(f"lower {flag(cfg, 'max_num_batched_tokens')} (now {cfg.max_num_batched_tokens:,}: every "
-                    "window holds one prefill chunk's pages)")
+        tips.append(f"lower {flag(cfg, 'max_num_batched_tokens')} (now {cfg.max_num_batched_tokens:,}: a prefill "
+                    "chunk keeps its tokens' pages in every window band)")
     if cfg.memory_mode == "static":
         tips.append(f"change {flag(cfg, 'swa_full_tokens_ratio')} / {flag(cfg, 'mamba_full_memory_ratio')}")
     return "; ".join(tips)
 
 
-__all__ = ["CPU_ARENA_BYTES", "MAX_CPU_ARENA_BYTES", "Fitted", "capacity", "fit_context", "fits", "flag"]
+__all__ = ["CPU_ARENA_BYTES", "MAX_CPU_ARENA_BYTES", "Fitted", "capacity", "fit_context", "fits", "flag", "setting"]
