@@ -66,19 +66,25 @@ def _gpu_args():
     return a
 
 
-@pytest.mark.parametrize("fam", list(FAMILIES))
-def test_real_shapes_plan_allocate_and_bytes(fam):
-    """What the GPU run builds, without weights: the family's module at the real shape (abstract),
-    its plan in a 32 GiB arena, every measurement's pages through the ChainAllocator, the bytes."""
+def _abstract(fam):
+    """The family's config at the real shape and its module's abstract params."""
     cfg = FAMILIES[fam]["full"]("bfloat16")
     cls = model_class(cfg.architecture)
     _, params = nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))))
-    leaves = jax.tree.leaves(params)
-    count = sum(int(np.prod(x.shape)) for x in leaves)
-    assert {str(x.dtype) for x in leaves} == {"bfloat16"}
-    expected = {"gemma3": 3.88e9, "nemotronh": 8.1e9, "qwen35": 4.2e9}[fam]  # text decoders' sizes
-    assert abs(count / expected - 1) < 0.05, count
-    plan = make_plan(cls.decls(cfg), page_size=16)
+    return cfg, cls, params
+
+
+def _assert_bf16_weights(params):
+    """Every weight bf16; fp32 only for small per-layer vectors (KV scales, a router's correction
+    bias), never a matrix."""
+    flat = jax.tree_util.tree_leaves_with_path(params)
+    assert {str(x.dtype) for _, x in flat} - {"float32"} == {"bfloat16"}
+    big32 = [jax.tree_util.keystr(p) for p, x in flat if str(x.dtype) == "float32" and x.size > 4096]
+    assert not big32, big32
+
+
+def _pages_for_every_measurement(plan):
+    """Every GPU measurement's pages through a fresh ChainAllocator in a 32 GiB arena."""
     size = size_arena(plan, 32 * GIB)
     for m in bm.measurements(_gpu_args()):
         for ctx in m["ctxs"]:
@@ -94,6 +100,20 @@ def test_real_shapes_plan_allocate_and_bytes(fam):
                 t = np.asarray(batch.page_tables[sp.name])
                 assert (t[:, :first] == 0).all() and (t[:, first:-(-ctx // 16)] > 0).all()
             assert (np.asarray(batch.page_tables["full"])[:, :-(-ctx // 16)] > 0).all()
+
+
+@pytest.mark.parametrize("fam", ["gemma3", "nemotronh", "qwen35"])
+def test_real_shapes_plan_allocate_and_bytes(fam):
+    """What the GPU run builds, without weights: the family's module at the real shape (abstract),
+    its plan in a 32 GiB arena, every measurement's pages through the ChainAllocator, the bytes."""
+    cfg, cls, params = _abstract(fam)
+    leaves = jax.tree.leaves(params)
+    count = sum(int(np.prod(x.shape)) for x in leaves)
+    _assert_bf16_weights(params)
+    expected = {"gemma3": 3.88e9, "nemotronh": 8.1e9, "qwen35": 4.2e9}[fam]  # text decoders' sizes
+    assert abs(count / expected - 1) < 0.05, count
+    plan = make_plan(cls.decls(cfg), page_size=16)
+    _pages_for_every_measurement(plan)
     # Bytes of the goal row (decode, B=64, ctx 2048), by hand
     pbytes = 2 * count
     c = step_costs(cfg, plan, count, pbytes, B=64, T=1, start=2047)
@@ -114,3 +134,30 @@ def test_real_shapes_plan_allocate_and_bytes(fam):
     assert c["kv_write_bytes"] == 64 * kv_tok * sum(len(sp.layers) for sp in plan.token_pools)
     # a prefill from zero reads no state
     assert step_costs(cfg, plan, count, pbytes, B=1, T=2048, start=0)["state_read_bytes"] == 0
+
+
+@pytest.mark.parametrize("fam,expected", [("gptoss", 20.9e9), ("qwen35moe", 34.7e9), ("nemo3nano", 31.6e9)])
+def test_moe_real_shapes_plan_allocate_and_touched_expert_bytes(fam, expected):
+    """The MoE families: real sizes, bf16 weights (fp32 only for small vectors), every
+    measurement's pages, and the roofline's expert bytes: one token touches exactly top_k of E
+    experts per MoE layer, B tokens at most all of them (uniform-routing estimate)."""
+    from benchmarks.model_steps import experts_touched, param_counts
+
+    cfg, cls, params = _abstract(fam)
+    counts = param_counts(params)
+    assert abs(counts["params"] / expected - 1) < 0.02, counts
+    _assert_bf16_weights(params)
+    moe = cfg.moe
+    assert 0.8 < counts["expert_params"] / counts["params"] < 1  # almost all weights are routed experts
+    _pages_for_every_measurement(make_plan(cls.decls(cfg), page_size=16))
+    plan = make_plan(cls.decls(cfg), page_size=16)
+    kw = dict(expert_params=counts["expert_params"], expert_bytes=counts["expert_bytes"])
+    one = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=1, T=1, start=2047, **kw)
+    assert experts_touched(cfg, 1) == pytest.approx(moe.top_k / moe.num_experts)
+    dense_part = counts["param_bytes"] - counts["expert_bytes"]
+    if not cfg.tie_word_embeddings:  # the input table is gathered: one row
+        dense_part += -cfg.vocab_size * cfg.hidden_size * 2 + cfg.hidden_size * 2
+    assert one["weight_bytes"] == pytest.approx(dense_part + counts["expert_bytes"] * moe.top_k / moe.num_experts)
+    big = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=64, T=1, start=2047, **kw)
+    assert one["weight_bytes"] < big["weight_bytes"] < counts["param_bytes"]
+    assert one["flops"] == pytest.approx(big["flops"] / 64, rel=0.01)  # FLOPs per token do not depend on B
