@@ -29,6 +29,11 @@ class ArenaSlot:
     def kernel_kw(self) -> dict:
         return {"impl": self.impl, "interpret": self.interpret}
 
+    @property
+    def fp8(self) -> bool:
+        """Whether this layer's K/V rows are fp8 (then its kernels take the layer's k/v scales)."""
+        return isinstance(self.view, KVView) and self.view.fp8
+
 
 def arena_slot(plan: Plan, layer: int, model: str = "target", **kernel_kw) -> ArenaSlot:
     """Find the sub-pool holding `layer`'s memory (K/V rows or state tensors) and its view there."""

@@ -12,6 +12,12 @@ Two paths share the projections (`project`) and the output (`output`):
 
 A family changes how q, k, v (and a gate) come out of the projections by overriding `project`
 (Qwen3.5's gated attention does); the cache writes and kernel calls stay these.
+
+fp8 K/V (kv_cache_dtype "fp8_e4m3"): `k_scale`, `v_scale` [Hkv] are the layer's
+dequantisation scales (vLLM's names: K is stored as k / k_scale, read as fp8 * k_scale), from
+the checkpoint when it ships them (loader.py maps vLLM's names), else 1.0.  They ride with the
+weights (split over kv heads under TP), are handed to the kernels only when the layer's view is
+fp8, and are unused otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class Attention(nnx.Module):
         self.v_proj = Linear(d, hkv * hd, dtype=dtype, rngs=rngs, bias=bias)
         self.o_proj = Linear(hq * hd, d, dtype=dtype, rngs=rngs, bias=bias)
         self.sinks = nnx.Param(jnp.zeros((hq,), dtype)) if sinks else nnx.data(None)
+        # fp8 K/V only (module docstring).  In the weights' dtype like every parameter: a bf16 scale
+        # is exact for the kernels, which quantise and dequantise with the same stored value.
+        self.k_scale = nnx.Param(jnp.ones((hkv,), dtype))
+        self.v_scale = nnx.Param(jnp.ones((hkv,), dtype))
         if qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(hd, eps=cfg.rms_norm_eps, dtype=dtype)
@@ -98,6 +108,13 @@ class Attention(nnx.Module):
         """The per-head sink logits, f32 [Hq] (None: no sinks), as the kernels take them."""
         return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
+    def kv_scales(self, slot: ArenaSlot) -> dict:
+        """The fp8 dequantisation scales as kernel keywords (k_scale, v_scale f32 [Hkv]) when the
+        layer's K/V view is fp8; {} otherwise (the kernels refuse scales for other dtypes)."""
+        if not slot.fp8:
+            return {}
+        return {"k_scale": self.k_scale[...].astype(jnp.float32), "v_scale": self.v_scale[...].astype(jnp.float32)}
+
     def output(self, o: jax.Array, gate: jax.Array | None, dtype) -> jax.Array:
         """Attention output o [B, T, Hq, D] -> o_proj(o * sigmoid(gate)) [B, T, d] (no gate: o_proj(o))."""
         b, t = o.shape[:2]
@@ -135,15 +152,16 @@ class Attention(nnx.Module):
         view = slot.view
         q, k, v, gate = self.project(x, batch.positions())
         pages, offsets = batch.write_targets(slot.pool, view.page_size)
-        # write_kv casts to what the view stores (bf16, or fp32 as two planes).
+        scales = self.kv_scales(slot)
+        # write_kv casts to what the view stores (bf16, fp32 as two planes, or fp8 / scale).
         arena = write_kv(arena, k.reshape(b * t, self.num_kv_heads, self.head_dim),
                          v.reshape(b * t, self.num_kv_heads, self.head_dim), pages, offsets, view=view,
-                         **slot.kernel_kw)
+                         **scales, **slot.kernel_kw)
         # Read only the arena just written: attending over an older version would make XLA
         # keep both alive, i.e. copy the whole arena.
         table = batch.page_tables[slot.pool]
         kw = dict(view=view, window=self.window, softcap=self.softcap, scale=self.scale, sinks=self.sink_logits(),
-                  **slot.kernel_kw)
+                  **scales, **slot.kernel_kw)
         if t == 1:
             o = paged_decode_attention(q[:, 0], arena, table, batch.kv_lens, **kw)[:, None]
         else:

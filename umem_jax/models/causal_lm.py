@@ -18,7 +18,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..core.batch import Batch
-from ..memory.declarations import MHA, Full, LayerDecl, Part, State, StateGeometry, StateTensor, Window
+from ..memory.declarations import (
+    FP8_E4M3,
+    MHA,
+    Full,
+    LayerDecl,
+    Part,
+    State,
+    StateGeometry,
+    StateTensor,
+    Window,
+    is_fp8,
+    kv_cache_dtype,
+)
 from ..memory.plan import Plan
 from .arena_slot import arena_slot
 from .config import FULL, LAYER_TYPES, RECURRENT, SLIDING, ModelConfig
@@ -93,8 +105,11 @@ class CausalLM(nnx.Module):
 
     @classmethod
     def decls(cls, cfg: ModelConfig, kv_dtype: str = "bfloat16") -> list[LayerDecl]:
-        """One LayerDecl per layer that keeps memory; K/V (and conv windows) stored as kv_dtype."""
-        kv = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=kv_dtype)
+        """One LayerDecl per layer that keeps memory; K/V (and conv windows) stored as kv_dtype.
+        fp8 K/V keeps the conv windows in the model's dtype ("auto"): fp8 is for K/V rows only."""
+        fp8 = is_fp8(kv_dtype)
+        kv = MHA(cfg.num_kv_heads, cfg.head_dim, dtype=FP8_E4M3 if fp8 else kv_dtype)
+        conv_dtype = kv_cache_dtype("auto", cfg.dtype) if fp8 else kv_dtype
         out = []
         for i, kind in enumerate(cfg.layer_types):
             if kind == FULL:
@@ -102,7 +117,7 @@ class CausalLM(nnx.Module):
             elif kind == SLIDING:
                 part = Part(kv, Window(cfg.sliding_window))
             elif kind == RECURRENT:
-                part = Part(StateGeometry(cls.state_tensors(cfg, kv_dtype)), State(cls.checkpoint_interval))
+                part = Part(StateGeometry(cls.state_tensors(cfg, conv_dtype)), State(cls.checkpoint_interval))
             else:
                 continue
             out.append(LayerDecl(i, (part,)))

@@ -9,12 +9,15 @@
 
 The module is built abstractly (`nnx.eval_shape`, no random init of big weights), every
 parameter is filled from the checkpoint by name, and any missing, unexpected or mis-shaped
-tensor is an error that names it.
+tensor is an error that names it -- except the attention layers' fp8 K/V scales (k_scale,
+v_scale): read under vLLM's names when the checkpoint ships them (`kv_scales`), 1.0 when it does
+not, as vLLM does.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -43,6 +46,12 @@ _IGNORED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_to
                      "model.visual.", "mtp.", "model.mtp.")  # Qwen3.5 vision tower, multi-token prediction
 # Text-decoder prefixes, most specific first: 5.x multimodal, hub multimodal, plain causal LM.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "backbone.")  # NemotronH: backbone.
+# fp8 K/V scales: our parameters are <attention>.k_scale / .v_scale; the checkpoint names vLLM
+# reads for them (weight_utils.maybe_remap_kv_scale_name): <attention>.{k,v}_scale, ModelOpt's
+# <attention>.{k,v}_proj.{k,v}_scale, vLLM's own <attention>.attn.{k,v}_scale, and the
+# deprecated <attention>.kv_scale (one scale for both).
+_KV_SCALE_NAME = re.compile(r"(?P<attn>.+?)\.(?:(?:attn|k_proj|v_proj)\.)?(?P<which>k|v|kv)_scale")
+log = logging.getLogger("umem_jax")
 
 
 def cache_dir() -> Path:
@@ -106,6 +115,7 @@ def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: 
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
     wanted = {".".join(map(str, path)): var for path, var in flat}
+    tensors = kv_scales(tensors, {name: tuple(var.shape) for name, var in wanted.items()}, source)
     missing = sorted(set(wanted) - set(tensors))
     unexpected = sorted(set(tensors) - set(wanted))
     if missing:
@@ -123,6 +133,42 @@ def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: 
         var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
     params = nnx.from_flat_state(flat)
     return Model(cfg, graphdef, params, cls)
+
+
+def kv_scales(tensors: dict, wanted: dict[str, tuple], source: str = "checkpoint") -> dict:
+    """`tensors` with every wanted fp8 K/V scale ({our path: shape} of the params ending in
+    .k_scale / .v_scale) filled: from the checkpoint under any of vLLM's names (a scalar scale
+    serves every kv head; a [Hkv] one is per head), else 1.0.  Scale tensors that no attention
+    layer takes are dropped with a warning, as vLLM drops them; a scale of another shape is an
+    error naming it."""
+    out = dict(tensors)
+    found: dict[str, tuple[str, np.ndarray]] = {}
+    for name in list(out):
+        m = _KV_SCALE_NAME.fullmatch(name)
+        if m is None or name in wanted:
+            continue
+        arr = out.pop(name)
+        targets = [f"{m['attn']}.{w}_scale" for w in (("k", "v") if m["which"] == "kv" else (m["which"],))]
+        if not all(t in wanted for t in targets):
+            log.warning("%s: %s is not the scale of any attention layer's K/V; not loaded", source, name)
+            continue
+        for t in targets:
+            found.setdefault(t, (name, arr))
+    for path, shape in wanted.items():
+        if not path.endswith((".k_scale", ".v_scale")):
+            continue
+        name, arr = (path, out[path]) if path in out else found.get(path, (None, None))
+        if arr is None:
+            out[path] = np.ones(shape, np.float32)  # absent: 1.0, vLLM's default
+            continue
+        arr = np.asarray(arr, np.float32)
+        if arr.size == 1:
+            arr = np.full(shape, float(arr.reshape(())), np.float32)
+        if tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"{source}: K/V scale {name} has shape {tuple(arr.shape)}; the layer takes one scale "
+                             f"or one per kv head {tuple(shape)}")
+        out[path] = arr
+    return out
 
 
 def _first_names(names: list[str], n: int = 8) -> str:
@@ -328,6 +374,8 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
     tensors = {}
     for p, var in nnx.to_flat_state(model.params):
         name = ".".join(map(str, p))
+        if name.endswith((".k_scale", ".v_scale")) and np.all(np.asarray(var.get_value()) == 1):
+            continue  # the default fp8 K/V scales: left out, so the checkpoint is what transformers wrote
         # bf16 has no numpy dtype of its own; ml_dtypes' (what jax uses) is what safetensors writes.
         tensors[name if name.startswith("lm_head.") else f"model.{name}"] = np.asarray(var.get_value())
     save_file(tensors, str(path / "model.safetensors"))
@@ -335,4 +383,4 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
 
 
 __all__ = ["DEFAULT_MODEL", "HF_NAMES", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config",
-           "load_gguf", "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]
+           "kv_scales", "load_gguf", "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]

@@ -13,7 +13,7 @@ are the same on every device.  `split_params` gives each weight as a stacked [tp
                                           MoE experts' gate_up_proj / up_proj (and their biases)
     row-parallel (input dim split, psum)  o_proj, down_proj, out_proj, MoE experts' down_proj
     per head                              Mamba2 conv1d/A_log/D/dt_bias/norm, GDN conv1d/A_log/dt_bias,
-                                          attention sinks
+                                          attention sinks, fp8 K/V scales (k_scale, v_scale)
     replicated                            embeddings, lm_head, every norm over the hidden size,
                                           q/k norms, GDN's per-head-dim norm, the MoE router (weight,
                                           bias, e_score_correction_bias), the shared expert's gate
@@ -167,6 +167,7 @@ def _layer_rules(module, tp: int, r: int) -> tuple[dict, list, list]:
                ("o_proj", "weight"): (1, _channels(q_heads, hd))}
         if getattr(module, "sinks", None) is not None:
             out[("sinks",)] = (0, q_heads)
+        out[("k_scale",)] = out[("v_scale",)] = (0, kv_heads)  # fp8 K/V scales, one per kv head
         return out, ["o_proj"], []
     if isinstance(module, (MLP, UngatedMLP)):
         n = module.up_proj.weight.shape[0]
