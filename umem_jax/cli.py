@@ -110,7 +110,7 @@ def _engine(args):
                        enable_prefix_caching=args.enable_prefix_caching,
                        max_checkpoints_per_path=args.max_checkpoints_per_path,
                        tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range),
-                       interface="cli")
+                       interface="cli", kv_cache_dtype=args.kv_cache_dtype)
     try:
         engine = LLMEngine(cfg)
     except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
@@ -259,6 +259,9 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
     p.add_argument("--swa-full-tokens-ratio", type=float, default=0.8)
     p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "fp8", "fp8_e4m3"),
+                   help="K/V storage: auto (the weights' dtype), or fp8 (e4m3, half the bytes; k/v scales from the "
+                        "checkpoint, else 1.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share cached prompt prefixes between requests (default: on)")

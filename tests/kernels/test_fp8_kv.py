@@ -282,3 +282,34 @@ def test_fp8_attention_tracks_bf16_attention():
         outs.append((paged_decode_attention(q, arena, table, jnp.asarray(lens), view=view, impl="reference", **kw), q))
     a, b = (np.asarray(o, np.float32) for o, _ in outs)
     np.testing.assert_allclose(b, a, atol=0.1 * np.abs(a).max())
+
+
+# --------------------------------------------------------------------------- GPU (compiled kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("Hkv,G,D,ps", [(8, 4, 128, 16), (1, 4, 256, 16), (4, 6, 80, 32)])
+def test_gpu_fp8_kernels_match_reference(Hkv, G, D, ps):
+    """The compiled Triton kernels (no interpret) on fp8 arenas: decode (split-K, window,
+    softcap) and prefill (default tiling, backend auto: Mosaic GPU refuses fp8, Triton runs)."""
+    view = fp8_view(Hkv, D, ps)
+    rng = np.random.default_rng(Hkv * D)
+    ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    lens = np.array([1000, 1, 513, 0, 64, 777, 300, 999], np.int32)
+    P = -(-int(lens.max()) // ps)
+    arena, table, _, _ = fill(rng, view, lens, P, scales=(ks, vs))
+    arena = jax.lax.bitcast_convert_type(arena, jnp.bfloat16)  # as the engine allocates it
+    q = jnp.asarray(rng.standard_normal((len(lens), Hkv * G, D)), jnp.bfloat16)
+    kw = {"view": view, "window": 200, "softcap": 30.0, "k_scale": ks, "v_scale": vs}
+    ref = paged_decode_attention(q, arena, table, jnp.asarray(lens), impl="reference", **kw)
+    out = jax.jit(lambda q, a: paged_decode_attention(q, a, table, jnp.asarray(lens), impl="pallas", **kw))(q, arena)
+    close(out, ref, tol=1.5e-2)
+    rows = [(0, 512), (488, 24), (1, 0)]
+    qp, arena_p, table_p, q_lens, kv_lens, ks, vs = prefill_inputs(rng, view, rows, 512, -(-512 // ps), jnp.bfloat16,
+                                                                    G)
+    kw = {"view": view, "k_scale": ks, "v_scale": vs}
+    ref = paged_prefill_attention(qp, arena_p, table_p, q_lens, kv_lens, impl="reference", **kw)
+    out = paged_prefill_attention(qp, arena_p, table_p, q_lens, kv_lens, impl="pallas", backend="auto", **kw)
+    close(out, ref, tol=1.5e-2)

@@ -16,6 +16,7 @@ import dataclasses
 from ..core.scheduled_batch import Buckets
 from ..memory import ChainAllocator
 from ..memory import plan as make_plan
+from ..memory.declarations import kv_cache_dtype
 from ..memory.demand import DemandModel
 from ..memory.sizing import ArenaSize
 from ..memory.plan import PlanError
@@ -54,8 +55,7 @@ def build(cfg: EngineConfig) -> EngineParts:
     the model or the buckets cannot serve."""
     model = prepared_model(cfg)
     mc = model.config
-    kv = cfg.kv_cache_dtype if cfg.kv_cache_dtype != "auto" else (
-        mc.dtype if mc.dtype in ("float32", "bfloat16") else "bfloat16")
+    kv = kv_cache_dtype(cfg.kv_cache_dtype, mc.dtype)  # "auto": the weights' dtype; "fp8": float8 e4m3
     spec = cfg.speculative_config
     draft = load_draft(cfg, model) if spec is not None else None
     plan = _plan(model, draft, kv, cfg.page_size)

@@ -21,7 +21,8 @@ class EngineConfig:
     page_size: int = 16
     max_model_len: int | None = None  # None: the model's context, or the longest one request can hold in the arena
     dtype: str | None = None  # weights; default: the checkpoint's
-    kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if 16/32-bit float), "bfloat16", "float32"
+    kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if bf16/fp32, else bf16), "bfloat16", "float32",
+    #   "fp8" / "fp8_e4m3" (float8 e4m3 K/V, two per 16-bit word; scales from the checkpoint, else 1.0)
     load_format: str = "auto"  # "auto" | "dummy" (random weights of the checkpoint's shape)
     seed: int = 0
     kernel_impl: str | None = None  # "pallas" | "reference"; default: pallas on GPU, reference elsewhere
@@ -60,6 +61,9 @@ class EngineConfig:
                              f"a request that gives none), got {self.priority_range}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        from ..memory.declarations import kv_cache_dtype
+
+        kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the accepted values
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
