@@ -106,6 +106,8 @@ def test_geometry_halves_and_state_refuses_fp8():
     for a, b in zip(pb.subpools, pf.subpools):
         assert b.entry_bytes * 2 == a.entry_bytes and b.page_bytes * 2 == a.page_bytes
     assert "float8 e4m3" in pf.table() and "float8" not in pb.table()
+    with pytest.raises(ValueError, match="Store its K/V as bf16"):  # 1 x 8 fp8 values: an 8-byte row
+        plan([LayerDecl(i, (Part(MHA(1, 8, dtype=FP8_E4M3), Full() if i else Window(32)),)) for i in range(2)])
     view = pf.full.kv_view(1)
     assert view.fp8 and view.planes == 1 and view.k_words == 64 and (view.mk * view.row_words) == 64
     assert [kv_cache_dtype(n, "float32") for n in ("auto", "fp8", "fp8_e4m3", "bfloat16")] == \

@@ -339,10 +339,12 @@ def _refuse_unsupported(groups: dict[tuple, list]) -> None:
         geometry = members[0][1].geometry
         for words in geometry.row_words:
             if (words * WORD_BYTES) % ROW_ALIGN_BYTES:
+                fix = ("Store its K/V as bf16 (kv_cache_dtype 'auto' or 'bfloat16': twice the bytes per row)."
+                       if is_fp8(getattr(geometry, "dtype", "")) else "Serve this model without unified memory "
+                       "(--memory-mode static does not lift this either).")
                 raise PlanError(
                     f"row size of {geometry.describe()} is {words * WORD_BYTES} bytes, not a multiple of "
-                    f"{ROW_ALIGN_BYTES}: the arena lays rows out in 16-byte units. Serve this model "
-                    "without unified memory (--memory-mode static does not lift this either)."
+                    f"{ROW_ALIGN_BYTES}: the arena lays rows out in 16-byte units. {fix}"
                 )
 
 
