@@ -161,8 +161,8 @@ def _serve(args) -> int:
     from .api.metrics import EngineMetrics
     from .api.server import serve
 
+    names = args.served_model_name or _default_names(args)
     engine = _engine(args)
-    names = args.served_model_name or [str(args.model or args.model_path)]
     aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
                           warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes,
                           warmup_sampling=_sampling_modes(args.warmup_sampling))
@@ -172,6 +172,19 @@ def _serve(args) -> int:
     if code:
         print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
     return code or 0
+
+
+def _default_names(args) -> list[str]:
+    """The served names: the model as given; with no model, the demo's default (gemma3-270m if
+    installed, else tiny, which `args.model` becomes), the built-in one under its Hugging Face
+    name too (a client may ask for either)."""
+    from .demo import pick_model
+    from .models.loader import HF_NAMES
+
+    if args.model or args.model_path:
+        return [str(args.model or args.model_path)]
+    args.model = pick_model(None, out=lambda s: print(s, file=sys.stderr))
+    return [*(hf for hf, name in HF_NAMES.items() if name == args.model), args.model]
 
 
 def _serving_line(engine, names: list[str], args) -> str:
@@ -326,7 +339,8 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_plan)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
-    _engine_flags(s)
+    _engine_flags(s, MODEL_HELP + " (default: gemma3-270m if its package is installed, served as google/gemma-3-270m "
+                  "and gemma3-270m, else tiny)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None)

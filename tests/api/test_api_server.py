@@ -84,7 +84,8 @@ def test_token_id_prompts_batches_and_vllm_extras(srv):
         "model": MODEL, "prompt": [1, 72, 105], "max_tokens": 3, "repetition_penalty": 1.0, "logprobs": None,
         "ignore_eos": True, "temperature": 0, "some_unknown_extra": {"x": 1}}, timeout=120)
     assert r.status_code == 200, r.text
-    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6,
+                                 "prompt_tokens_details": {"cached_tokens": 0}}
     two = srv.client.completions.create(model=MODEL, prompt=["one", "two"], max_tokens=2, temperature=0,
                                         extra_body={"ignore_eos": True, "max_new_tokens": 7})
     assert [c.index for c in two.choices] == [0, 1] and two.usage.completion_tokens == 4
@@ -141,7 +142,7 @@ def _post(srv, path, body, raw=None):
     ("/v1/completions", {"prompt": "x", "temperature": -1}, None, 400, "temperature", "temperature=-1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, None, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p", "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, None, 400, "n", "only n=1"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "n", "n=0: must be in [1, 128]"),
     ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": []}, None, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": [1, 99999]}, None, 400, None, "vocabulary"),

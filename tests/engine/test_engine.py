@@ -116,8 +116,10 @@ def test_bad_inputs_raise_and_lose_nothing(engine_llm):
         e.step()
     bad_params = SamplingParams(temperature=0)
     bad_params.top_p = 0.0  # mutated after construction: validated again on arrival
+    bad_logprobs = SamplingParams(logprobs=2)
+    bad_logprobs.logprobs = 21  # above the 20 alternatives the sampler computes
     bad = [("", GREEDY), ([], GREEDY), ([5, 320], GREEDY), ([-1, 4], GREEDY), ([5, 6], bad_params),
-           ([7] * 1024, GREEDY), (3.5, GREEDY), ([True, 5], GREEDY), ([5], SamplingParams(logprobs=2))]
+           ([7] * 1024, GREEDY), (3.5, GREEDY), ([True, 5], GREEDY), ([5], bad_logprobs)]
     for prompt, params in bad:
         with pytest.raises(ValueError):
             e.add_request(prompt, params)

@@ -103,7 +103,7 @@ def test_penalties_follow_vllm():
 
 
 @pytest.mark.parametrize("field, value", [("temperature", -1.0), ("top_p", 0.0), ("min_p", 2.0), ("max_tokens", 0),
-                                          ("top_k", -3), ("n", 2), ("presence_penalty", 3.0), ("seed", 2**64),
+                                          ("top_k", -3), ("n", 0), ("presence_penalty", 3.0), ("seed", 2**64),
                                           ("seed", -(2**63) - 1), ("stop", ""), ("stop", [""]), ("stop", ["a", ""])])
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):

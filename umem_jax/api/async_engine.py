@@ -45,6 +45,7 @@ from ..core.sampling_params import SamplingParams
 from ..engine.engine import LLMEngine
 from ..engine.prompt import check_prompt_len, check_text_len
 from .metrics import EngineMetrics
+from .stream import RequestStream, StreamDelta
 
 log = logging.getLogger("umem_jax")
 
@@ -57,38 +58,6 @@ class EngineOverloaded(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine thread stopped (an error, or shutdown)."""
-
-
-@dataclasses.dataclass
-class StreamDelta:
-    """What one request produced since its previous delta."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # set on the last delta: "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0  # so far, this delta included
-    error: str | None = None  # the engine failed: the request ends with this message
-
-
-class RequestStream:
-    """The deltas of one request, in order, ending with the one that has finish_reason."""
-
-    def __init__(self, request_id: str, prompt_tokens: int, q: asyncio.Queue):
-        self.request_id, self.prompt_tokens, self.queue = request_id, prompt_tokens, q
-        self.finished = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        d = await self.queue.get()
-        self.finished = d.finish_reason is not None
-        return d
 
 
 @dataclasses.dataclass
@@ -166,10 +135,16 @@ class AsyncLLMEngine:
     # ------------------------------------------------------------------ requests (any thread / event loop)
     async def add_request(self, prompt, params: SamplingParams, *, request_id: str, priority: int = 0,
                           q: asyncio.Queue | None = None, field: str = "prompt") -> RequestStream:
-        """Queue one request -> its stream.  Raises ValueError (bad input, or the prompt is over
-        max_model_len -- naming `field` -- or the memory budget), EngineOverloaded or EngineDead.
-        q: post deltas into this queue (several requests may share one; deltas carry their
-        request_id)."""
+        """Queue one request -> the stream of its first sample (`add_samples` gives every one)."""
+        return (await self.add_samples(prompt, params, request_id=request_id, priority=priority, q=q,
+                                       field=field))[0]
+
+    async def add_samples(self, prompt, params: SamplingParams, *, request_id: str, priority: int = 0,
+                          q: asyncio.Queue | None = None, field: str = "prompt") -> list[RequestStream]:
+        """Queue one request -> a stream per sample (params.best_of or n; engine/samples.py), in
+        sample order.  Raises ValueError (bad input, or the prompt is over max_model_len --
+        naming `field` -- or the memory budget), EngineOverloaded or EngineDead.  q: post deltas
+        into this queue (several requests may share one; deltas carry their request_id)."""
         arrival = time.time()
         if self.error is not None or self._thread is None:
             raise EngineDead(self.dead_message())
@@ -178,11 +153,11 @@ class AsyncLLMEngine:
         rid = str(request_id)
         fut = self._submit("add", (prompt, params, rid, priority, asyncio.get_running_loop(), q, arrival))
         try:
-            prompt_tokens = await asyncio.wrap_future(fut)
+            ids, prompt_tokens = await asyncio.wrap_future(fut)
         except asyncio.CancelledError:  # the caller went away: the add may have run already
-            self.abort(rid)  # after the add in the inbox, so it finds the request (or nothing)
+            self.abort(rid)  # after the add in the inbox, so it finds the request (or nothing; samples go with it)
             raise
-        return RequestStream(rid, prompt_tokens, q)
+        return [RequestStream(i, prompt_tokens, q) for i in ids]
 
     async def tokenize(self, prompt, field: str = "prompt"):
         """A text prompt -> {"prompt": text, "prompt_token_ids": ids}, tokenized in the pool;
@@ -199,16 +174,24 @@ class AsyncLLMEngine:
             check_prompt_len(len(ids), eng.max_model_len, field)
         return prompt
 
-    async def tokenize_chat(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text -> token ids in the pool, unchecked (/tokenize)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.engine.tokenizer.encode, text, add_special_tokens)
+
+    async def tokenize_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            check_len: bool = True) -> list[int]:
         """Chat messages through the tokenizer's template, in the pool, checked against
-        max_model_len (ValueError naming "messages")."""
+        max_model_len (ValueError naming "messages") unless check_len is False (/tokenize)."""
         eng = self.engine
-        check_text_len("".join(str(m.get("content", "")) for m in conversation), eng.max_model_len,
-                       eng.max_token_chars, "messages")
+        if check_len:
+            check_text_len("".join(str(m.get("content", "")) for m in conversation), eng.max_model_len,
+                           eng.max_token_chars, "messages")
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_pool, eng.tokenizer.encode_chat, conversation,
                                          add_generation_prompt)
-        check_prompt_len(len(ids), eng.max_model_len, "messages")
+        if check_len:
+            check_prompt_len(len(ids), eng.max_model_len, "messages")
         return ids
 
     def abort(self, request_id: str) -> None:
@@ -289,7 +272,7 @@ class AsyncLLMEngine:
                 raise
             fut.set_exception(e)
 
-    def _add(self, prompt, params, request_id, priority, loop, q, arrival) -> int:
+    def _add(self, prompt, params, request_id, priority, loop, q, arrival) -> tuple[list[str], int]:
         eng = self.engine
         limit = self.max_waiting_requests
         if limit is not None and eng.num_waiting >= limit:
@@ -301,10 +284,11 @@ class AsyncLLMEngine:
             if self.metrics is not None:
                 self.metrics.on_abort("budget")
             raise ValueError(req.error)
-        self._tracked[req.request_id] = _Track(req, loop, q, arrival)
+        for r in (req, *req.siblings):  # every sample streams on its own (siblings start once queued)
+            self._tracked[r.request_id] = _Track(r, loop, q, arrival)
         if self.metrics is not None:
             self.metrics.on_admit(req.prompt_len)
-        return req.prompt_len
+        return [r.request_id for r in (req, *req.siblings)], req.prompt_len
 
     def _abort(self, request_id: str) -> None:
         t = self._tracked.pop(request_id, None)
@@ -363,7 +347,9 @@ class AsyncLLMEngine:
         failed = finished and req.finish_reason == "abort" and req.error is not None
         return StreamDelta(t.req.request_id, req.text[t.sent_chars:end], req.output_token_ids[t.sent_tokens:n],
                            req.finish_reason if finished else None, req.stop_reason if finished else None,
-                           req.prompt_len, n, error=req.error if failed else None)
+                           req.prompt_len, n, error=req.error if failed else None,
+                           logprobs=None if req.logprobs is None else req.logprobs[t.sent_tokens:n],
+                           cached_tokens=req.num_cached_tokens)
 
     def _post(self, t: _Track, delta: StreamDelta) -> None:
         try:

@@ -5,13 +5,14 @@ Shapes follow the OpenAI API as vLLM serves it, because that is what `vllm bench
 
   POST /v1/completions       CompletionRequest      -> CompletionResponse | CompletionChunk stream
   POST /v1/chat/completions  ChatCompletionRequest  -> ChatCompletionResponse | ChatCompletionChunk stream
-  GET  /v1/models            -> ModelList
+  GET  /v1/models            -> ModelList (max_model_len included)
+  POST /tokenize, /detokenize  (tokenize.py)
   errors                     -> ErrorResponse {"error": {"message", "type", "param", "code"}}
 
 Requests accept unknown fields (extra="allow") so vLLM / SGLang extras that this engine does not
-use (`repetition_penalty: 1.0` is used; `logprobs: null`, `user`, ...) are not a 4xx.  Fields
-whose meaning the engine cannot honour (echo, best_of, logprobs, tools, ...) are refused with a
-400 naming the field: silently ignoring them would return something else than was asked for.
+use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour (echo, suffix,
+logit_bias, tools, response_format other than text, ...) are refused with a 400 naming the
+field: silently ignoring them would return something else than was asked for.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 def random_id(prefix: str) -> str:
@@ -73,6 +74,7 @@ class _SamplingRequest(_Request):
     max_new_tokens: int | None = None  # SGLang
     min_tokens: int = 0
     n: int = 1
+    best_of: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -88,6 +90,7 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
+    response_format: dict[str, Any] | str | None = None
 
     def _max_tokens(self) -> tuple[str, int | None]:
         """(the field the output limit comes from, its value)."""
@@ -100,17 +103,33 @@ class _SamplingRequest(_Request):
             return "logit_bias"
         return None
 
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: alternatives per token (None: no logprobs)."""
+        return None
+
+    def refused_format(self) -> str | None:
+        """Why response_format cannot be honoured (None: plain text, which it can)."""
+        rf = self.response_format
+        kind = rf.get("type", "text") if isinstance(rf, dict) else rf
+        if rf is None or kind == "text":
+            return None
+        return (f"response_format: type {kind!r} is not supported yet (no structured output: the output would not "
+                "be held to the format); leave it out or use type 'text'")
+
     def sampling_params(self) -> SamplingParams:
         """-> SamplingParams; raises ValueError ("field=value: why", the request's field) for
         out-of-range values."""
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError(f"best_of={self.best_of}: best_of > n cannot be streamed (the best are known at the end)")
         kw = {k: v for k, v in dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                       min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                       presence_penalty=self.presence_penalty,
                                       frequency_penalty=self.frequency_penalty).items() if v is not None}
         field, max_tokens = self._max_tokens()
         try:
-            return SamplingParams(n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed,
-                                  stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, **kw)
+            return SamplingParams(n=self.n, best_of=self.best_of, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                                  seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                                  ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(), **kw)
         except ValueError as e:  # SamplingParams names its max_tokens; the request may have used an alias
             if field != "max_tokens" and str(e).startswith("max_tokens="):
                 raise ValueError(field + str(e)[len("max_tokens"):]) from None
@@ -129,8 +148,7 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16  # the legacy OpenAI default
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = None  # the chosen token's logprob plus this many top alternatives per token
 
     def _max_tokens(self) -> tuple[str, int | None]:
         # an explicit max_new_tokens (SGLang) wins over the OpenAI default of 16
@@ -145,9 +163,11 @@ class CompletionRequest(_SamplingRequest):
             return [p]
         return list(p)
 
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
     def unsupported(self) -> str | None:
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix), ("best_of", (self.best_of or 1) > 1),
-                          ("logprobs", self.logprobs is not None)):
+        for name, bad in (("echo", self.echo), ("suffix", self.suffix)):
             if bad:
                 return name
         return super().unsupported()
@@ -184,7 +204,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
     def _max_tokens(self) -> tuple[str, int | None]:
@@ -195,26 +214,64 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def num_logprobs(self) -> int | None:
+        """logprobs=true: the chosen token's logprob and `top_logprobs` alternatives (default 0)."""
+        k = self.top_logprobs
+        if k is not None and not self.logprobs:
+            raise ValueError(f"top_logprobs={k}: needs logprobs=true")
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs={k}: must be in [0, {MAX_LOGPROBS}]")
+        return (k or 0) if self.logprobs else None
+
     def unsupported(self) -> str | None:
-        rf = (self.response_format or {}).get("type", "text")
-        for name, bad in (("logprobs", bool(self.logprobs)), ("top_logprobs", self.top_logprobs is not None),
-                          ("tools", bool(self.tools)), ("response_format", rf != "text")):
-            if bad:
-                return name
+        if self.tools:
+            return "tools"
         return super().unsupported()
 
 
+
 # ------------------------------------------------------------------------------ responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt: int, completion: int) -> "UsageInfo":
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    def of(cls, prompt: int, completion: int, cached: int = 0) -> "UsageInfo":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class CompletionLogProbs(BaseModel):
+    """Legacy completions' logprobs: per token its text, offset in the choice's text, logprob,
+    and {text: logprob} of the top alternatives plus the chosen token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogProbs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
 
 
 class _Response(BaseModel):
@@ -226,7 +283,7 @@ class _Response(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -253,7 +310,7 @@ class ChatResponseMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -272,7 +329,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -299,7 +356,8 @@ class ModelList(BaseModel):
 
 __all__ = [
     "ChatChoice", "ChatChunkChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse",
-    "ChatMessage", "ChatResponseMessage", "CompletionChoice", "CompletionChunk", "CompletionRequest",
-    "CompletionResponse", "DeltaMessage", "ErrorInfo", "ErrorResponse", "ModelCard", "ModelList", "StreamOptions",
-    "UsageInfo", "error_body", "random_id",
+    "ChatLogProbs", "ChatMessage", "ChatResponseMessage", "ChatTokenLogprob", "CompletionChoice", "CompletionChunk",
+    "CompletionLogProbs", "CompletionRequest", "CompletionResponse", "DeltaMessage", "ErrorInfo", "ErrorResponse",
+    "ModelCard", "ModelList", "PromptTokensDetails", "StreamOptions", "TopLogprob", "UsageInfo", "error_body",
+    "random_id",
 ]

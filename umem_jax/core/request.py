@@ -44,8 +44,24 @@ class RequestMetrics:
 
 
 @dataclasses.dataclass
+class Logprob:
+    """One token's log probability at one position (vLLM's Logprob).  rank: 1 = the most likely
+    token; decoded_token: its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# What the engine records per output token of a request that asks for logprobs: the chosen
+# token's logprob and rank, then the top alternatives' ids and logprobs (most likely first).
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
+
+@dataclasses.dataclass
 class CompletionOutput:
-    """One generated sequence (vLLM's CompletionOutput)."""
+    """One generated sequence (vLLM's CompletionOutput).  logprobs: per output token, {token id:
+    Logprob} of the chosen token and the top alternatives (None: not asked for)."""
 
     index: int
     text: str
@@ -112,6 +128,10 @@ class Request:
         self.text_tokens = 0  # output tokens the text covers (the engine leaves a stop token out)
         self.detok = None  # an IncrementalDetokenizer, set by the engine when it has a tokenizer
         self.metrics = RequestMetrics(time.time())
+        self.sample_index = 0  # which of its prompt's samples (n / best_of) it is
+        self.num_logprobs: int | None = None  # top alternatives recorded per token (None: no logprobs)
+        self.logprobs: list[TokenLogprobs] | None = None  # one entry per output token, when recorded
+        self.siblings: list[Request] = []  # the other samples of its prompt (n / best_of: engine/samples.py)
 
     # ------------------------------------------------------------------ token counts
     @property
@@ -290,9 +310,40 @@ class Request:
         return self.status.finished
 
     # ------------------------------------------------------------------ outputs
+    def record_logprobs(self, num_logprobs: int | None) -> None:
+        """Record the logprobs of every output token from now on, with `num_logprobs` alternatives."""
+        self.num_logprobs = num_logprobs
+        self.logprobs = None if num_logprobs is None else []
+
+    def add_logprobs(self, arrays, row: int) -> None:
+        """Record the logprobs of the token just sampled, from a step's read-back arrays (numpy:
+        chosen logprob [B], rank [B], top ids [B, k], top logprobs [B, k]; row `row`)."""
+        chosen, rank, ids, vals = arrays
+        k = self.num_logprobs
+        self.logprobs.append((float(chosen[row]), int(rank[row]), ids[row, :k].tolist(), vals[row, :k].tolist()))
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(e[0] for e in self.logprobs))
+
+    def logprobs_output(self) -> list[dict[int, Logprob]] | None:
+        """vLLM's shape: per output token, {id: Logprob} of the chosen token, then the top ones."""
+        if self.logprobs is None:
+            return None
+        tok = self.detok.tok if self.detok is not None else None
+        text = (lambda t: tok.decode([t], False)) if tok is not None else (lambda t: None)
+        out = []
+        for (t, (lp, rank, ids, vals)) in zip(self.output_token_ids, self.logprobs):
+            d = {t: Logprob(lp, rank, text(t))}
+            for r, (i, v) in enumerate(zip(ids, vals), 1):
+                d.setdefault(i, Logprob(v, r, text(i)))
+            out.append(d)
+        return out
+
     def output(self) -> RequestOutput:
-        comp = CompletionOutput(0, self.text, list(self.output_token_ids), finish_reason=self.finish_reason,
-                                stop_reason=self.stop_reason)
+        comp = CompletionOutput(self.sample_index, self.text, list(self.output_token_ids),
+                                cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs_output(),
+                                finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp], self.finished,
                              self.metrics, self.error, self.num_cached_tokens)
 
@@ -301,4 +352,4 @@ class Request:
                 f"/{self.max_tokens}, computed={self.num_computed}, pages={len(self.pages)}, prio={self.priority})")
 
 
-__all__ = ["CompletionOutput", "Request", "RequestMetrics", "RequestOutput", "RequestStatus"]
+__all__ = ["CompletionOutput", "Logprob", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "TokenLogprobs"]

@@ -10,6 +10,8 @@ SEED_RANGE = (-(2**63), 2**64)  # a seed fits 64 bits, signed or unsigned
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 256  # looked up on every sampled token
+MAX_SAMPLES = 128  # n and best_of: samples of one prompt (OpenAI's limit on n)
+MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; the sampler's largest bucket)
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -35,8 +37,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logprobs: int | None = None
+    logprobs: int | None = None  # the chosen token's logprob and this many top alternatives (None: none)
     priority: int = 0
+    best_of: int | None = None  # samples drawn, the n of highest mean token logprob returned (None: n)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -48,7 +51,9 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError with the offending field for out-of-range values (an HTTP 400)."""
         checks = [
-            (self.n == 1, "n", "only n=1 is supported"),
+            (1 <= self.n <= MAX_SAMPLES, "n", f"must be in [1, {MAX_SAMPLES}]"),
+            (self.best_of is None or self.n <= self.best_of <= MAX_SAMPLES, "best_of",
+             f"must be >= n ({self.n}) and at most {MAX_SAMPLES}"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
@@ -59,7 +64,7 @@ class SamplingParams:
             (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
             (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", "must be in [-2**63, 2**64)"),
             # an empty stop string matches everywhere, and a stream's hold-back would go negative
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),
@@ -72,6 +77,11 @@ class SamplingParams:
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name}={_short(getattr(self, name))}: {why}")
+
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn for the prompt: best_of, else n."""
+        return self.best_of or self.n
 
     @property
     def has_penalties(self) -> bool:

@@ -49,6 +49,7 @@ from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .isolation import EngineDeadError, FailureIsolation
+from .samples import Samples
 from .speculative import SpecStats, apply_verify, check_request
 from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
 
@@ -76,6 +77,7 @@ class LLMEngine:
         self.num_steps = {"prefill": 0, "decode": 0}
         self.num_idle_checks = 0
         self.isolation = FailureIsolation(self)
+        self.samples = Samples(self)  # n / best_of: a prompt's samples forked from its prefill
         self.dead: str | None = None  # why the engine stopped (every later call raises EngineDeadError)
         spec = cfg.speculative_config
         self.draft = parts.draft
@@ -92,8 +94,6 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        if params.logprobs is not None:
-            raise ValueError("logprobs is not supported by this engine yet")
         text, ids = prompt_ids(prompt, self.tokenizer, self.max_model_len, self.max_token_chars)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
@@ -121,6 +121,7 @@ class LLMEngine:
         req = Request(rid, text, ids, params, arrival=arrival, seed=int(seed) & 0x7FFFFFFF, max_tokens=max_tokens,
                       priority=priority, windows=tuple(n for n, _ in self.demand.windows))
         req.stop_ids = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
+        self.samples.fork(req)  # the logprobs it records, and its siblings of n / best_of (samples.py)
         return req
 
     def add_request(self, prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -144,6 +145,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         self.scheduler.add(req)
+        self.samples.hold(req)
         return req.request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -153,6 +155,8 @@ class LLMEngine:
         self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
         req.mark_finished(RequestStatus.FINISHED_ABORTED, error="aborted by the user")
         self._aborted.append(req)
+        for s in req.siblings:  # a primary's samples go with it
+            self.abort_request(s.request_id)
 
     def fail_request(self, req: Request, error: BaseException, where: str) -> None:
         """End a request whose own work raised outside step() (e.g. streaming its text): its
@@ -160,7 +164,7 @@ class LLMEngine:
         self.isolation.fail(req, error, where)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._aborted) or self.scheduler.has_work() or self._inflight is not None
+        return bool(self._aborted) or self.scheduler.has_work() or self._inflight is not None or bool(self.samples.held)
 
     @property
     def has_inflight(self) -> bool:
@@ -203,6 +207,7 @@ class LLMEngine:
         for r in self._aborted:
             self._requests.pop(r.request_id, None)
         self._aborted = []
+        self.samples.release()
         if self._inflight is not None and self._needs_sync():
             outs += self._process(self._inflight)
             self._inflight = None
@@ -229,7 +234,7 @@ class LLMEngine:
         elif batch is None and idle_before and self.isolation.num_failed == failed_before:
             raise RuntimeError(f"scheduler stalled with work queued: waiting={self.scheduler.waiting} "
                                f"running={self.scheduler.running}")
-        return outs
+        return self.samples.merge(outs)
 
     def _needs_sync(self) -> bool:
         """Penalties count every output token, so read back pending tokens before packing."""
@@ -241,6 +246,7 @@ class LLMEngine:
             return apply_verify(self, launched)
         try:
             tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
+            lp = None if launched.logprobs is None else [np.asarray(x) for x in launched.logprobs]
         except Exception as e:
             raise EngineDeadError(f"a step's tokens could not be read back (a device error): {e!r}") from e
         outs = []
@@ -255,6 +261,8 @@ class LLMEngine:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             try:
+                if req.logprobs is not None:
+                    req.add_logprobs(lp, i)
                 self._append(req, tokens[i])
                 if req.finished:
                     req.metrics.finished_time = now

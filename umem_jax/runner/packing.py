@@ -50,6 +50,7 @@ class Layout:
     penalties: bool = False
     checkpoints_per_row: int = 0  # state checkpoint columns (prefill with a prefix cache; 0: none)
     sampling: str = "greedy"  # the sampler's static mode (sampler.MODES): what the rows need at most
+    logprobs: int | None = None  # top alternatives of a logprobs step (sampler.LOGPROB_BUCKETS); None: no logprobs
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         B, K = self.B, self.checkpoints_per_row
@@ -154,6 +155,7 @@ class RowCache:
         self.sampling_words = np.zeros((capacity, len(SAMPLING_FIELDS)), np.int32)
         self.penalties = np.zeros(capacity, bool)  # the request's params use penalties
         self.sampling_mode = np.zeros(capacity, np.int8)  # index in sampler.MODES of what the params need
+        self.logprobs = np.full(capacity, -1, np.int8)  # alternatives the request records per token (-1: none)
         self.entries: dict[int, RowEntry] = {}  # by id(req)
         self.free = list(range(capacity - 1, -1, -1))
 
@@ -191,6 +193,7 @@ class RowCache:
                                               p.presence_penalty, p.frequency_penalty], np.float32)
         self.penalties[row] = p.has_penalties
         self.sampling_mode[row] = MODES.index(sampling_mode(p.temperature, max(p.top_k, 0), p.top_p, p.min_p))
+        self.logprobs[row] = -1 if req.num_logprobs is None else req.num_logprobs
         self.page_ids[row] = -1
         e = RowEntry(row, req, [], p, req.seed)
         self.entries[id(req)] = e
@@ -221,6 +224,7 @@ class RowCache:
             self.sampling_words = np.concatenate([self.sampling_words, np.zeros_like(self.sampling_words)])
             self.penalties = np.concatenate([self.penalties, np.zeros_like(self.penalties)])
             self.sampling_mode = np.concatenate([self.sampling_mode, np.zeros_like(self.sampling_mode)])
+            self.logprobs = np.concatenate([self.logprobs, np.full_like(self.logprobs, -1)])
             self.free += range(2 * cap - 1, cap - 1, -1)
 
 

@@ -35,7 +35,7 @@ from ..core.batch import Batch
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
-from .sampler import MODES, sample, sample_with_penalties
+from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
 
 _SAMPLER_ARGS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
@@ -66,7 +66,8 @@ def step_model(model, plan, impl: str | None, interpret: bool, treedef) -> StepM
 
 def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layout: Layout,
          model: StepModel) -> tuple[jax.Array, Any]:
-    """One step -> (tokens [max_batch] int32, rows past B zero; the arena).
+    """One step -> (tokens [max_batch] int32, rows past B zero; the arena), and for a layout with
+    logprobs a third item: sampler.token_logprobs of the B rows (the step is otherwise the same).
 
     params: the flat list of leaves (flattening the NNX State on every call is Python work per
     leaf; a flat list is flattened by the C++ dispatch path).  counts: (prompt, output) token
@@ -79,6 +80,7 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
     batch = Batch(tokens, f["q_lens"], f["kv_lens"], {p: f[f"table:{p}"] for p in layout.pools}, f["slots"],
                   f.get("checkpoint_positions"), f.get("checkpoint_slots"))
     logits, arena = model.forward(params, arena, batch)
+    raw = logits  # logprobs report the model's distribution, before bans and penalties
     ban = f["ban"]  # [B, banned_per_row], -1 = none: min_tokens keeps stop tokens out
     rows = jnp.arange(layout.B)[:, None]
     logits = logits.at[rows, jnp.maximum(ban, 0)].min(jnp.where(ban >= 0, -jnp.inf, jnp.inf))
@@ -88,6 +90,8 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
     else:
         toks = sample(logits, *sampling, mode=layout.sampling)
     out = jnp.zeros((layout.max_batch,), jnp.int32).at[: layout.B].set(toks.astype(jnp.int32))
+    if layout.logprobs is not None:
+        return out, arena, token_logprobs(raw, toks, layout.logprobs)
     return out, arena
 
 
@@ -100,6 +104,7 @@ class Launched:
 
     batch: ScheduledBatch
     tokens: jax.Array
+    logprobs: tuple | None = dataclasses.field(default=None, kw_only=True)  # sampler.token_logprobs, if asked
 
 
 class Runner:
@@ -157,13 +162,13 @@ class Runner:
             self.num_copied_slots += sum(len(m) for m in moves if m.copy)
 
     def layout(self, B: int, T: int, P: int, penalties: bool = False, checkpoints_per_row: int = 0,
-               sampling: str = "greedy") -> Layout:
+               sampling: str = "greedy", logprobs: int | None = None) -> Layout:
         """The layout of one step shape, made once (it caches its padding template)."""
-        key = (B, T, P, penalties, checkpoints_per_row, sampling)
+        key = (B, T, P, penalties, checkpoints_per_row, sampling, logprobs)
         got = self._layouts.get(key)
         if got is None:
             got = self._layouts[key] = Layout(B, T, P, self.pools, self.max_batch, self.banned_per_row, penalties,
-                                              checkpoints_per_row, sampling)
+                                              checkpoints_per_row, sampling, logprobs)
             got.template  # noqa: B018 - built (and its sampling block checked) on first use
         return got
 
@@ -222,15 +227,15 @@ class Runner:
         self._ready.add(lay)
         if self.model.params is not self._params_src:
             self._leaves()
-        tokens, self.arena = self._step(self._params, self.arena, meta, self._prev if prev is None else prev, counts,
-                                        layout=lay)
+        tokens, self.arena, *lp = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
+                                             counts, layout=lay)
         self._prev = tokens
-        if not tokens.is_fully_addressable:  # multi-host: read this host's replica
-            tokens = tokens.addressable_data(0)
+        local = lambda x: x if x.is_fully_addressable else x.addressable_data(0)  # multi-host: this host's replica
+        tokens = local(tokens)
         for i, row in enumerate(rows):
             if row.sample:
                 row.req.mark_pending(i)
-        return Launched(batch, tokens)
+        return Launched(batch, tokens, logprobs=tuple(map(local, lp[0])) if lp else None)
 
     def _pick_layout(self, batch: ScheduledBatch, entries: list[RowEntry], cache_rows: np.ndarray) -> Layout:
         """The bucketed shape and the least sampler mode (and penalties) the sampled rows need;
@@ -240,16 +245,20 @@ class Runner:
         sampled = np.array([row.sample for row in rows], bool)
         penalties = bool((cache.penalties[cache_rows] & sampled).any())
         need = MODES[int(cache.sampling_mode[cache_rows][sampled].max(initial=0))]  # rows that sample need none
+        asks = int(cache.logprobs[cache_rows][sampled].max(initial=-1))
+        logprobs = None if asks < 0 else logprob_bucket(asks)
         B = Buckets.pick(bk.batch, len(rows))
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(len(e.pages) for e in entries))
         checkpoints_per_row = 0 if decode else self.checkpoints_per_row
-        lay = self.layout(B, T, P, penalties, checkpoints_per_row, need)
-        if lay not in self._ready:
-            for mode in MODES[MODES.index(need) + 1:]:
-                cover = self.layout(B, T, P, penalties, checkpoints_per_row, mode)
-                if cover in self._ready:
-                    return cover
+        lay = self.layout(B, T, P, penalties, checkpoints_per_row, need, logprobs)
+        if lay not in self._ready:  # a larger logprobs bucket covers a smaller one (never no logprobs)
+            buckets = [logprobs] if logprobs is None else [b for b in LOGPROB_BUCKETS if b >= logprobs]
+            for mode in MODES[MODES.index(need):]:
+                for lp in buckets:
+                    cover = self.layout(B, T, P, penalties, checkpoints_per_row, mode, lp)
+                    if cover in self._ready:
+                        return cover
         return lay
 
     def _pack(self, batch: ScheduledBatch, lay: Layout, cache_rows: np.ndarray) -> np.ndarray:

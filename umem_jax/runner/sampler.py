@@ -7,7 +7,8 @@ top-p / min-p cut: the [B, V] vocabulary sort).  It is static rather than a lax.
 on the GPU decides a conditional on the host: it copies the predicate back and waits for the
 stream, so the next step could not be launched while this one runs.  A row's token is the same
 in every mode that covers it.  Penalties need token counts; they are a separate static variant
-because building counts costs a [B, V] scatter.
+because building counts costs a [B, V] scatter.  Logprobs (`token_logprobs`) are one more static
+variant of the step, traced only for batches where a row asks for them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,36 @@ def apply_penalties(logits, prompt_counts, output_counts, rep, presence, frequen
 
 
 MODES = ("greedy", "random", "cuts")  # each covers the ones before it
+# Top alternatives a logprobs step computes per row: the chosen token alone, or the top 20 (the
+# most a request may ask for: SamplingParams.logprobs); each bucket is one more compiled step.
+LOGPROB_BUCKETS = (0, 20)
+
+
+def logprob_bucket(k: int) -> int:
+    """The least bucket that holds k alternatives."""
+    for b in LOGPROB_BUCKETS:
+        if k <= b:
+            return b
+    raise ValueError(f"logprobs={k}: at most {LOGPROB_BUCKETS[-1]} alternatives")
+
+
+def token_logprobs(logits, tokens, k: int):
+    """Log probabilities of the model's distribution (the raw logits: before penalties, banned
+    tokens, temperature and cuts, as vLLM reports by default).
+
+    logits [B, V], tokens [B] (the chosen ones) -> (logprob [B] f32 of the chosen token, its
+    rank [B] i32 (1 = the most likely), top ids [B, k] i32 and logprobs [B, k] f32, most likely
+    first).  One log-sum-exp and (k > 0) one top-k over V; nothing [B, V] is kept."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    rank = 1 + jnp.sum(logits > picked[:, None], axis=-1).astype(jnp.int32)
+    if k:
+        vals, ids = jax.lax.top_k(logits, k)
+        vals = vals - lse[:, None]
+    else:
+        vals, ids = jnp.zeros((logits.shape[0], 0), jnp.float32), jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return picked - lse, rank, ids.astype(jnp.int32), vals
 
 
 def sampling_mode(temperature, top_k, top_p, min_p) -> str:
