@@ -44,6 +44,17 @@ def band(name, kind, window, unit):
     return (("band", name), ("kind", kind), ("unit", unit), ("window", window))
 
 
+def _fits_alone(allocator, name, n) -> bool:
+    """Would n pages (slots) of band `name` alone fit now?  The allocator asked directly."""
+    layout = allocator.layout
+    i = next(j for j, b in enumerate(allocator.bands) if b.name == name)
+    if i == layout.state:
+        return n <= allocator.available_state_slots()
+    if i == layout.full:
+        return allocator.can_fit(token_pages=n, window_pages={allocator.bands[j].name: 0 for j in layout.windows})
+    return layout.fits({i: n})
+
+
 def test_band_gauges_are_the_allocators_exact_numbers():
     eng, m = FakeEngine(), EngineMetrics("fake")
     m.bind(eng)
@@ -69,7 +80,8 @@ def test_band_gauges_are_the_allocators_exact_numbers():
         assert s[("umem:arena_band_held_cache_bytes", key)] == cache * size
         # available: what this band alone could get, in its own pages (tests/engine/test_defaults.py)
         free = s[("umem:arena_band_available", key)]
-        assert free > 0 and s[("umem:arena_band_available_bytes", key)] == free * size
+        assert free > 0 and _fits_alone(eng.allocator, name, free) and not _fits_alone(eng.allocator, name, free + 1)
+        assert s[("umem:arena_band_available_bytes", key)] == free * size
         assert 0 < s[("umem:arena_band_usage_perc", key)] < 1
     assert s[("umem:arena_token_pages_available", ())] == u.token_pages_available
     assert s[("umem:num_requests_running", ())] == 2
