@@ -218,13 +218,7 @@ class Runner:
         if self.speculator is not None:
             return self.speculator.launch(batch, prev)
         rows = batch.rows
-        entries = self._rows.gather([row.req for row in rows], rows)
-        cache_rows = np.array([e.row for e in entries], np.intp)
-        lay = self._pick_layout(batch, entries, cache_rows)
-        meta = self._pack(batch, lay, cache_rows)
-        counts = self._counts(rows, lay.B) if lay.penalties else None
-        self.shapes.add(lay)
-        self._ready.add(lay)
+        lay, meta, counts = self.prepare(batch)
         if self.model.params is not self._params_src:
             self._leaves()
         tokens, self.arena, *lp = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
@@ -236,6 +230,19 @@ class Runner:
             if row.sample:
                 row.req.mark_pending(i)
         return Launched(batch, tokens, logprobs=tuple(map(local, lp[0])) if lp else None)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[Layout, np.ndarray, np.ndarray | None]:
+        """The host half of a launch, shared with the speculator: the rows' cache entries, the
+        layout (marked compiled), the packed int32 buffer and the penalty counts (or None)."""
+        rows = batch.rows
+        entries = self._rows.gather([row.req for row in rows], rows)
+        cache_rows = np.array([e.row for e in entries], np.intp)
+        lay = self._pick_layout(batch, entries, cache_rows)
+        meta = self._pack(batch, lay, cache_rows)
+        counts = self._counts(rows, lay.B) if lay.penalties else None
+        self.shapes.add(lay)
+        self._ready.add(lay)
+        return lay, meta, counts
 
     def _pick_layout(self, batch: ScheduledBatch, entries: list[RowEntry], cache_rows: np.ndarray) -> Layout:
         """The bucketed shape and the least sampler mode (and penalties) the sampled rows need;

@@ -173,13 +173,7 @@ class Speculator:
     def launch(self, batch: ScheduledBatch, prev) -> Launched:
         r = self.runner
         rows = batch.rows
-        entries = r._rows.gather([row.req for row in rows], rows)
-        cache_rows = np.array([e.row for e in entries], np.intp)
-        lay = r._pick_layout(batch, entries, cache_rows)
-        meta = r._pack(batch, lay, cache_rows)
-        counts = r._counts(rows, lay.B) if lay.penalties else None
-        r.shapes.add(lay)
-        r._ready.add(lay)
+        lay, meta, counts = r.prepare(batch)
         params, dparams = r._leaves(), self._draft_leaves()
         prev = r._prev if prev is None else prev
         if batch.kind != "decode":

@@ -292,16 +292,13 @@ class Scheduler:
         rows = rows[: self.cfg.buckets.batch[-1]]
         if self.cfg.num_speculative_tokens:
             return self._schedule_spec_decode(rows)
-        while rows:
+
+        def place(rows):
             need = rows_needing_memory(rows, self.demand.page_size, self.demand.slots_per_request)
             total = next_token_demand(need, self.demand)  # every other row's one-token demand is empty
-            if self._fits(lambda: total) and alloc_next_tokens(self.memory, need):
-                break
-            victim = least_preferred(self.running)
-            self.retract(victim)
-            if victim in rows:
-                rows.remove(victim)
-        if not rows:
+            return self._fits(lambda: total) and alloc_next_tokens(self.memory, need)
+
+        if not self._retract_until(rows, place):
             return None
         batch = decode_batch(rows)
         self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
@@ -310,20 +307,31 @@ class Scheduler:
     def _schedule_spec_decode(self, rows: list[Request]) -> ScheduledBatch | None:
         """As _schedule_decode, each row with the memory of its verify (speculation.py)."""
         k, d = self.cfg.num_speculative_tokens, self.demand
-        while rows:
-            lens = [speculation.spec_len(r, k) for r in rows]
+        lens: list[int] = []
+
+        def place(rows):
+            lens[:] = [speculation.spec_len(r, k) for r in rows]  # the lengths the memory was placed for
             need = speculation.spec_rows_needing_memory(rows, lens, d.page_size, d.slots_per_request)
             total = speculation.spec_demand(rows, lens, need, d)
-            if self._fits(lambda: total) and speculation.alloc_spec(self.memory, rows, lens, need):
-                break
+            return self._fits(lambda: total) and speculation.alloc_spec(self.memory, rows, lens, need)
+
+        if not self._retract_until(rows, place):
+            return None
+        self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
+        return speculation.spec_decode_batch(rows, lens)
+
+    def _retract_until(self, rows: list[Request], place) -> bool:
+        """Retract the least preferred running request until `place(rows)` (price and allocate
+        the rows' memory) succeeds; a retracted row leaves `rows` (changed in place).  False: no
+        row is left."""
+        while rows:
+            if place(rows):
+                return True
             victim = least_preferred(self.running)
             self.retract(victim)
             if victim in rows:
                 rows.remove(victim)
-        if not rows:
-            return None
-        self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
-        return speculation.spec_decode_batch(rows, lens)
+        return False
 
     def rollback_speculation(self, req: Request, computed: int) -> None:
         """A verify kept `computed` tokens of `req`: the rest of its rows go back (speculation.py)."""
