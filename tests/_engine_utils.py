@@ -128,3 +128,21 @@ class SamplingBatch:
         from umem_jax.runner.sampler import sampling_mode
 
         return sampling_mode(self.temperature, self.top_k, self.top_p, self.min_p)
+
+
+def fail_step_when(monkeypatch, runner, fails, exc: Exception) -> None:
+    """Make the runner's jitted step raise `exc` for every batch `fails(batch)` picks, after the
+    batch was packed (where a tracing or dispatch error would strike); other batches run."""
+    seen, pack, step = {}, runner._pack, runner._step
+
+    def spy(batch, *a):
+        seen["batch"] = batch
+        return pack(batch, *a)
+
+    def failing(*a, **kw):
+        if fails(seen["batch"]):
+            raise exc
+        return step(*a, **kw)
+
+    monkeypatch.setattr(runner, "_pack", spy)
+    monkeypatch.setattr(runner, "_step", failing)

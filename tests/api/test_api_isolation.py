@@ -13,6 +13,7 @@ import json
 
 import httpx
 import pytest
+from _engine_utils import fail_step_when
 from _server_utils import MODEL, drained, engine_call
 
 from umem_jax.engine.detokenizer import IncrementalDetokenizer
@@ -27,21 +28,8 @@ class Injected(RuntimeError):
 
 
 def _in_decode_step(monkeypatch, eng) -> None:
-    runner, seen = eng.runner, {}
-    pack, step = runner._pack, runner._step
-
-    def spy(batch, *a):
-        seen["batch"] = batch
-        return pack(batch, *a)
-
-    def failing(*a, **kw):
-        b = seen["batch"]
-        if b.kind == "decode" and any(r.req.prompt == MARKED and r.req.num_output >= 2 for r in b.rows):
-            raise Injected("decode step")
-        return step(*a, **kw)
-
-    monkeypatch.setattr(runner, "_pack", spy)
-    monkeypatch.setattr(runner, "_step", failing)
+    marked = lambda b: b.kind == "decode" and any(r.req.prompt == MARKED and r.req.num_output >= 2 for r in b.rows)
+    fail_step_when(monkeypatch, eng.runner, marked, Injected("decode step"))
 
 
 def _in_streamed_text(monkeypatch, eng) -> None:

@@ -14,7 +14,7 @@ the engine with EngineDeadError.
 from __future__ import annotations
 
 import pytest
-from _engine_utils import assert_idle_clean, llm, prompts
+from _engine_utils import assert_idle_clean, fail_step_when, llm, prompts
 
 from umem_jax import SamplingParams
 from umem_jax.engine.detokenizer import IncrementalDetokenizer
@@ -45,22 +45,14 @@ def _marked(req) -> bool:
 def _in_step(monkeypatch, eng, kind: str) -> None:
     """The runner's jitted step raises for a `kind` batch holding the marked request (after its
     packing, where a tracing or dispatch error would); decode only once it has 3 tokens."""
-    runner, seen = eng.runner, {}
-    pack, step = runner._pack, runner._step
 
-    def spy(batch, *a):
-        seen["batch"] = batch
-        return pack(batch, *a)
-
-    def failing(*a, **kw):
-        b = seen["batch"]
+    def marked(b) -> bool:
         if b.kind == kind and any(_marked(r.req) and (kind == "prefill" or r.req.num_output >= 3) for r in b.rows):
             RAISED.append(len(b.rows))
-            raise Injected(f"{kind} step")
-        return step(*a, **kw)
+            return True
+        return False
 
-    monkeypatch.setattr(runner, "_pack", spy)
-    monkeypatch.setattr(runner, "_step", failing)
+    fail_step_when(monkeypatch, eng.runner, marked, Injected(f"{kind} step"))
 
 
 def _in_admission(monkeypatch, eng) -> None:
