@@ -107,7 +107,8 @@ def _opaque_pallas_call(kernel, *, out_shape, input_output_aliases=None, **_):
 _STANDIN_TARGET = "lapack_sgetrf_ffi"
 
 
-def _opaque_prefill_attention(q, arena, page_table, q_lens, kv_lens, sinks, *, view, **_):
+def _opaque_prefill_attention(q, arena, page_table, q_lens, kv_lens, sinks, k_scale=None, v_scale=None, *, view,
+                              **_):
     """The attention prefill kernel's call without its bf16 view of the arena (see the module doc)."""
     out = jax.ShapeDtypeStruct((*q.shape[:3], view.v_head_dim), q.dtype)
     return jax.ffi.ffi_call(_STANDIN_TARGET, out)(q, arena, page_table, q_lens, kv_lens)
