@@ -259,9 +259,9 @@ def main(argv=None) -> int:
         enable_compile_cache(str(COMPILE_CACHE))
     args.copy_bw = None
     if args.roofline:
-        from .timing import copy_rate
+        from .copy_limit import copy_limit
 
-        args.copy_bw = copy_rate((4 << 20) if args.small else (4 << 30), iters=10, trials=5, best=True).bytes_per_s
+        args.copy_bw = copy_limit((4 << 20) if args.small else (4 << 30), iters=10, trials=5).bytes_per_s
     log = RowLog(json_path(args.json, "bench_engine"), jax=jax.__version__, device=str(jax.devices()[0]))
     models = args.models.split(",")
     for name in models:

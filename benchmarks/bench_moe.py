@@ -32,7 +32,8 @@ from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.grouped_matmul import grouped_matmul
 
 from .report import RowLog, fmt, format_table, json_path
-from .timing import copy_rate, time_calls
+from .copy_limit import copy_limit
+from .timing import time_calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +223,7 @@ def main(argv=None) -> int:
     a.log = RowLog(json_path(a.json, "bench_moe"), jax=jax.__version__, device=str(dev.device_kind))
     print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
     only = set(a.only.split(","))
-    rate = copy_rate((4 << 20) if a.small else (4 << 30), iters=a.iters, trials=a.trials)
+    rate = copy_limit((4 << 20) if a.small else (4 << 30), iters=a.iters, trials=a.trials)
     row(a, case="copy", shape=f"{rate.nbytes >> 20} MiB", tbps=rate.tbps, exact=rate.exact)
     shapes = SMALL if a.small else (GPT_OSS, QWEN)
     token_counts = (64, 256) if a.small else (4096, 16384)

@@ -43,7 +43,8 @@ from umem_jax.pallas_kernels.paged_decode import paged_decode_attention
 from .families import build_model, family_config
 from .model_steps import Pager, decode_batch, param_counts, rel_err, step_costs
 from .report import RowLog, json_path
-from .timing import Chain, copy_rate, time_calls
+from .copy_limit import copy_limit
+from .timing import Chain, time_calls
 
 GIB = 2**30
 VARIANTS = ("full", "no_gdn", "no_attn", "no_head", "no_kernels", "fused_proj")
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     deadline = t0 + a.budget
     s = Setup(a)
-    copy = copy_rate((4 << 20) if a.small else (4 << 30), iters=10, trials=3, best=True)
+    copy = copy_limit((4 << 20) if a.small else (4 << 30), iters=10, trials=3)
     roof = s.costs["total_bytes"] / copy.bytes_per_s
     log = RowLog(json_path(a.json, "model_breakdown"), jax=jax.__version__, device=jax.devices()[0].device_kind)
     print(f"qwen3.5-4b-like decode B={s.B} ctx={s.ctx}: {s.counts['params'] / 1e9:.2f} B params; roofline "

@@ -9,7 +9,8 @@ import importlib
 import pytest
 
 SCRIPTS = ["bench_kernels", "bench_prefill", "bench_state", "bench_arena", "bench_models", "bench_engine",
-           "bench_serving", "simulate_admission", "bench_allocator", "bench_tp", "bench_moe"]
+           "bench_serving", "simulate_admission", "bench_allocator", "bench_tp", "bench_moe", "bench_fp8_kv",
+           "copy_limit"]
 MODES = [("bench_models", "--breakdown"), ("bench_models", "--memory-probe"), ("bench_engine", "--host"),
          ("bench_engine", "--parity")]
 
@@ -24,3 +25,14 @@ def test_help(argv, capsys):
     assert out.startswith("usage:") and "--help" in out
     if len(argv) > 1:  # the mode's own parser, named after the command that reaches it
         assert f"benchmarks.{argv[0]} {argv[1]}" in out
+
+
+def test_copy_limit_is_the_fastest_exact_variant():
+    """The roofline is the fastest variant that wrote the right bytes, and every variant is reported."""
+    from benchmarks.copy_limit import copy_limit
+
+    lim = copy_limit(1 << 20, iters=2, trials=2)
+    rates = {k: v for k, v in lim.variants.items() if isinstance(v, float)}
+    assert {"xla_xor", "xla_copy", "device_put"} <= set(lim.variants)
+    assert lim.fastest in rates and lim.tbps == max(rates.values())
+    assert lim.nbytes == 2 * (1 << 20) and abs(lim.seconds * lim.bytes_per_s - lim.nbytes) < 1e-6 * lim.nbytes
