@@ -36,8 +36,10 @@ def test_chat_max_tokens_over_max_model_len_is_400(srv):
         r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, field: 10**9},
                        timeout=60)
         err = r.json()["error"]
-        assert r.status_code == 400 and err["param"] == "max_tokens", r.text
-        assert err["message"].startswith("max_tokens=1000000000 is too large") and f"max_model_len={n}" in err["message"]
+        assert r.status_code == 400 and err["param"] == field, r.text  # the name the request used
+        msg = err["message"]
+        assert msg.startswith(f"{field}=1000000000 is too large") and f"max_model_len={n}" in msg
+        assert f"leave {field} unset" in msg and (field == "max_tokens" or "max_tokens" not in msg)
 
 
 def test_models_advertise_the_served_max_model_len(srv):

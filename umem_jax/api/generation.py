@@ -4,7 +4,8 @@ Every prompt is drawn as best_of (else n) samples that share its prefill (engine
 sample j of prompt i is choice i * n + j (vLLM's numbering).  With best_of > n (not streamed)
 the n samples of highest mean token logprob are returned, indexed by that rank.  Streams are
 SSE events of each choice's new text (and its tokens' logprobs when asked), by index, ending
-with `data: [DONE]`; with stream_options.include_usage a usage chunk (choices=[]) comes last.
+with `data: [DONE]`; with stream_options.include_usage a usage chunk (choices=[]) comes last, and with
+continuous_usage_stats as well every chunk carries the usage so far (vLLM's option).
 Usage counts a prompt once (its samples share it), the completion tokens of every sample drawn,
 and in prompt_tokens_details.cached_tokens the prompt tokens the prefix cache served (for the
 prompt's first sample: the one that computed it).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
@@ -133,7 +135,7 @@ async def completions(body: CompletionRequest, raw: Request):
                 if d.text or lp is not None or d.finish_reason is not None:
                     yield CompletionChunk(id=rid, model=model, choices=[CompletionChoice(
                         index=run.index(s), text=d.text, logprobs=lp, finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason)])
+                        stop_reason=d.stop_reason)], usage=run.usage() if body.continuous_usage else None)
             if body.include_usage:
                 yield CompletionChunk(id=rid, model=model, choices=[], usage=run.usage())
 
@@ -171,13 +173,15 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
         async def chunks():
             for i in range(body.n):
                 yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=""))])
+                    index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    usage=run.usage() if body.continuous_usage else None)
             async for s, d in run.deltas(None):
                 lp = chat_logprobs(tok, d.token_ids, d.logprobs) if want and d.token_ids else None
                 if d.text or lp is not None or d.finish_reason is not None:
                     yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
                         index=run.index(s), delta=DeltaMessage(content=d.text or None), logprobs=lp,
-                        finish_reason=d.finish_reason, stop_reason=d.stop_reason)])
+                        finish_reason=d.finish_reason, stop_reason=d.stop_reason)],
+                        usage=run.usage() if body.continuous_usage else None)
             if body.include_usage:
                 yield ChatCompletionChunk(id=rid, model=model, choices=[], usage=run.usage())
 
@@ -221,11 +225,21 @@ async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str, field: s
         for s in streams:  # (a cancelled add aborts its own request: AsyncLLMEngine.add_samples)
             engine.abort(s.request_id)
         if isinstance(e, ValueError):
-            raise bad_request(e) from None
+            raise bad_request(_in_request_terms(e, body)) from None
         if isinstance(e, (EngineOverloaded, EngineDead)):
             raise APIError(503, str(e)) from None
         raise
     return _Run(streams, params.num_samples, params.n, q)
+
+
+def _in_request_terms(e: ValueError, body) -> ValueError:
+    """The engine names the output limit max_tokens; a request that set it as max_completion_tokens
+    (chat) or max_new_tokens gets the error under that name (its 400's param)."""
+    field = body._max_tokens()[0]
+    msg = str(e)
+    if field == "max_tokens" or not msg.startswith("max_tokens="):
+        return e
+    return ValueError(re.sub(r"\bmax_tokens\b", field, msg))
 
 
 async def _deltas(streams: list[RequestStream], q: asyncio.Queue, raw: Request | None):
