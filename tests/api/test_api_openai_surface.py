@@ -210,3 +210,19 @@ def test_bad_values_are_openai_400s_naming_the_field(srv, path, body, param):
 def test_the_engine_is_clean_after_the_surface_tests(srv):
     assert drained(srv) == (0, 0, 0)
     engine_call(srv, lambda e: e.check_idle())
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(srv):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts the tokens streamed so far."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for stream in (srv.client.completions.create(prompt=_unique(20), temperature=0, stream=True,
+                                                 stream_options=opts, **KW),
+                   srv.client.chat.completions.create(messages=[{"role": "user", "content": _unique(20)}],
+                                                      temperature=0, stream=True, stream_options=opts, **KW)):
+        chunks = [c for c in stream if c.choices]
+        counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+        assert len(counts) == len(chunks) and counts == sorted(counts) and counts[-1] >= 1
+        assert all(c.usage.prompt_tokens > 0 for c in chunks)
+    plain = list(srv.client.completions.create(prompt=_unique(20), temperature=0, stream=True,
+                                               stream_options={"include_usage": True}, **KW))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage is not None

@@ -139,6 +139,11 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk: vLLM's stream_options.continuous_usage_stats (with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 Prompt = Union[str, list[int], list[str], list[list[int]]]
 
