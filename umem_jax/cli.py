@@ -93,6 +93,7 @@ def _check_platform() -> None:
 
 def _engine(args):
     """Platform check, EngineConfig from the flags, the engine, and the startup report."""
+    from .engine import speculative_flags
     from .engine.engine import EngineConfig, LLMEngine
 
     model = args.model or args.model_path
@@ -110,7 +111,8 @@ def _engine(args):
                        enable_prefix_caching=args.enable_prefix_caching,
                        max_checkpoints_per_path=args.max_checkpoints_per_path,
                        tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range),
-                       interface="cli", kv_cache_dtype=args.kv_cache_dtype)
+                       interface="cli", kv_cache_dtype=args.kv_cache_dtype,
+                       speculative_config=speculative_flags.from_flags(args))
     try:
         engine = LLMEngine(cfg)
     except (FileNotFoundError, NotImplementedError, KeyError) as e:  # unknown or unsupported model
@@ -222,6 +224,8 @@ def _generate(args) -> int:
         raise ValueError(out.error)
     print(out.outputs[0].text)
     print(f"[{len(out.outputs[0].token_ids)} tokens, finish_reason={out.outputs[0].finish_reason}]")
+    if engine.spec_stats is not None:
+        print(engine.spec_stats.summary())
     print(watch.report("arena memory per band after the request (peak: while it ran)"))
     return 0
 
@@ -288,6 +292,9 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
     p.add_argument("--priority-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=[-(2**31), 2**31 - 1],
                    help="priorities a request may ask for (lower is served first; MIN <= 0 <= MAX, 0 is the "
                    "default); others get 400")
+    from .engine.speculative_flags import add_flags
+
+    add_flags(p)
 
 
 def main(argv: list[str] | None = None) -> int:

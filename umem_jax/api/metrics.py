@@ -42,6 +42,11 @@ Latency and tokens
   umem:request_queue_time_seconds           histogram  HTTP arrival -> first scheduled
   umem:prompt_tokens_total                  counter    prompts admitted
   umem:generation_tokens_total              counter    tokens streamed
+Speculative decoding (vLLM's spec_decode names; only with speculative_config)
+  umem:spec_decode_num_drafts_total         counter    decode rows verified
+  umem:spec_decode_num_draft_tokens_total   counter    draft tokens proposed
+  umem:spec_decode_num_accepted_tokens_total  counter  ...of which accepted
+  umem:spec_decode_num_accepted_tokens_per_pos_total{position}  counter  accepted at draft position 0..k-1
 
 Gauges and engine counters are refreshed by the engine thread (`snapshot`, called between
 steps), so a scrape never waits for a step and always sees exact allocator numbers of a moment
@@ -119,6 +124,12 @@ class EngineMetrics:
         self.queue_time = Histogram("umem:request_queue_time_seconds", "Time from arrival to first scheduled.", L,
                                     buckets=_LATENCY, registry=r).labels(m)
         self._bands: dict[str, tuple[str, ...]] = {}
+        self.spec = {k: Counter(f"umem:spec_decode_{k}", doc, L, registry=r).labels(m) for k, doc in (
+            ("num_drafts", "Decode rows verified."), ("num_draft_tokens", "Draft tokens proposed."),
+            ("num_accepted_tokens", "Draft tokens accepted."))}
+        self.spec_per_pos = Counter("umem:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                    "position.", L + ("position",), registry=r)
+        self._spec_seen: dict = {}
 
     # ------------------------------------------------------------------ engine thread
     def bind(self, engine) -> None:
@@ -155,6 +166,18 @@ class EngineMetrics:
             if v > self._seen[k]:
                 counter.inc(v - self._seen[k])
                 self._seen[k] = v
+        if "speculative" in stats:
+            self._snapshot_spec(engine.spec_stats)
+
+    def _snapshot_spec(self, st) -> None:
+        now = {"num_drafts": st.rows, "num_draft_tokens": st.proposed, "num_accepted_tokens": st.accepted,
+               **{j: int(v) for j, v in enumerate(st.accepted_at)}}
+        for key, v in now.items():
+            got = v - self._spec_seen.get(key, 0)
+            if got > 0:
+                counter = self.spec[key] if isinstance(key, str) else self.spec_per_pos.labels(self.model_name, str(key))
+                counter.inc(got)
+                self._spec_seen[key] = v
 
     # ------------------------------------------------------------------ per request
     def on_admit(self, prompt_tokens: int) -> None:

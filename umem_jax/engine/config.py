@@ -87,6 +87,9 @@ class SpeculativeConfig:
     model: object = None  # the draft: a path, a built-in name or a loaded Model
 
     def __post_init__(self):
+        from .speculative_flags import method_name
+
+        self.method = method_name(self.method)  # vLLM's "draft_model", SGLang's "NEXTN" ... -> ours
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if self.method == "mtp":

@@ -112,6 +112,14 @@ class SpecStats:
                 "acceptance_per_position": [round(float(x), 4) for x in per],
                 "draft_time_s": self.draft_s, "verify_time_s": self.verify_s}
 
+    def summary(self) -> str:
+        """One line for people: mean accepted length and the acceptance of each draft position."""
+        d = self.as_dict()
+        per = ", ".join(f"{x:.2f}" for x in d["acceptance_per_position"])
+        return (f"speculative: k={self.k}, {d['mean_accepted_length']:.2f} drafts accepted per step "
+                f"({d['mean_tokens_per_step']:.2f} tokens), acceptance {d['acceptance_rate']:.2f}, per position "
+                f"[{per}], draft {self.draft_s:.3f} s, verify {self.verify_s:.3f} s")
+
 
 def apply_verify(engine, launched) -> list:
     """Read back a speculative decode step and apply it: per row, the accepted drafts and the
