@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+import jax
 import pytest
 from _engine_utils import SETTINGS, tiny
 
@@ -210,6 +211,9 @@ def test_json_png_table_and_ratios_written(report):
     assert set(c["goals"]) == {"unified_vs_default", "retractions_default_vs_unified", "unified_vs_best_static"}
     text = "\n".join(report["lines"])
     assert "unified / static defaults" in text and "TTFT med" in text
+    if jax.default_backend() == "cpu":  # a CPU run judges no goal
+        assert "MISSED" not in text and "no verdict (CPU run" in text
+        assert report["meta"]["no_verdict"] == "CPU run, not a measurement"
 
 
 # ------------------------------------------------------------------------------ the command

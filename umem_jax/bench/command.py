@@ -7,7 +7,10 @@
 
 Offline (default): the model is built once, then for each workload the unified arena and the
 static split at every --static-ratios setting run side by side with the same arena bytes and
-engine flags; a table and the unified / static ratios with their goals are printed last,
+engine flags, each configuration warmed (every step shape compiled, then an untimed rehearsal)
+before its clock starts; a table and the unified / static ratios are printed last, with goal
+verdicts only for a real measurement (not --small, not a CPU backend), and runs that aborted,
+clipped or compiled inside their timed window are marked in the table and the plot titles;
 results.json and PNGs go to --out.  With --server: the workloads are sent to that server over
 HTTP (one configuration: whatever the server runs), prompts are random ids below --vocab-size.
 --dataset-name (random | random-ids | generated-shared-prefix | sharegpt, with bench serve's
@@ -152,7 +155,7 @@ def main(args) -> int:
                          **bucket_kwargs(args.buckets, args.max_num_seqs, args.max_num_batched_tokens, mml, ps))
     run_benchmark(model, workloads, engine_kwargs=engine_kwargs, statics=args.static_ratios, out_dir=args.out,
                   deadline=deadline, max_run_s=args.max_run_s, progress=args.progress,
-                  meta={"model": args.model or "tiny", "scale": args.scale, "seed": args.seed})
+                  meta={"model": args.model or "tiny", "scale": args.scale, "seed": args.seed, "small": args.small})
     return 0
 
 

@@ -22,6 +22,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import numpy as np  # noqa: E402
 
+from .results import shortfall
+
 DPI = 100
 _SINK = ("sink", "sink", "#636363")  # drawn first: it is the arena's lowest bytes
 _EXTRA = (("holes", "holes", "#bdbdbd"), ("free", "free gap", "#fff3b0"))
@@ -66,8 +68,7 @@ def memory_figure(runs: list[dict], path: str, *, title: str, phases=()) -> str:
                      colors=[c for _, _, c in parts], step="post", edgecolor="none")
         for _, start in phases:
             ax.axvline(start, color="k", ls="--", lw=0.6)
-        tok = s.get("out_tok_per_s")
-        ax.set_title(f"{s['config']}: {tok:.0f} tok/s" if tok is not None else s["config"], fontsize=9)
+        ax.set_title(run_title(s), fontsize=9)
         ax.set_xlim(0, end)
         ax.set_ylim(0, total / scale)
         ax.tick_params(labelsize=7)
@@ -82,6 +83,14 @@ def memory_figure(runs: list[dict], path: str, *, title: str, phases=()) -> str:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def run_title(summary: dict) -> str:
+    """A panel's title: the configuration and its tok/s, marked where the run served less than
+    its trace (aborted, clipped, truncated): that tok/s counts less work."""
+    tok, short = summary.get("out_tok_per_s"), shortfall(summary)
+    title = f"{summary['config']}: {tok:.0f} tok/s" if tok is not None else summary["config"]
+    return title + (f"\n({short})" if short else "")
 
 
 def _rate(t: np.ndarray, tokens: np.ndarray, window: float) -> np.ndarray:
@@ -101,7 +110,8 @@ def throughput_figure(runs: list[dict], path: str, *, title: str, phases=()) -> 
         tl = r["timeline"]
         t, tok = np.asarray(tl["t"], float), np.asarray(tl["out_tokens"], float)
         style = {"lw": 2.0, "color": "k"} if r["summary"]["mode"] == "unified" else {"lw": 1.0, "alpha": 0.8}
-        ax.plot(t, _rate(t, tok, window), label=r["summary"]["config"], **style)
+        short = shortfall(r["summary"])
+        ax.plot(t, _rate(t, tok, window), label=r["summary"]["config"] + (f" ({short})" if short else ""), **style)
     for _, start in phases:
         ax.axvline(start, color="k", ls="--", lw=0.6)
     ax.set_xlabel("s", fontsize=8)
@@ -146,4 +156,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["memory_figure", "plot_report", "throughput_figure"]
+__all__ = ["memory_figure", "plot_report", "run_title", "throughput_figure"]

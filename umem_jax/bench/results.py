@@ -165,6 +165,22 @@ class RunResult:
                 "timeline": self.timeline.to_dict() if self.timeline is not None else None}
 
 
+def shortfall(summary: dict) -> str:
+    """What a run did not serve of its trace, for titles and tables: "" when it served every
+    request in full, else e.g. "2/22 aborted, 1 clipped" (clipped: finished short of max_tokens),
+    "truncated" (hit its time cap), "3 compiles in run" (compile time inside the timed window)."""
+    if summary.get("status") in ("skipped", "failed"):
+        return summary["status"]
+    parts = ["truncated"] if summary.get("status") == "truncated" else []
+    if summary.get("aborted"):
+        parts.append(f"{summary['aborted']}/{summary['requests']} aborted")
+    if summary.get("clipped"):
+        parts.append(f"{summary['clipped']} clipped")
+    if summary.get("compiles_after_warmup"):
+        parts.append(f"{summary['compiles_after_warmup']} compiles in run")
+    return ", ".join(parts)
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     """a / b, None when either is missing; inf when only b is 0."""
     if a is None or b is None:
@@ -174,4 +190,4 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-__all__ = ["MAX_TIMELINE_POINTS", "RequestRecord", "RunResult", "Timeline", "ratio"]
+__all__ = ["MAX_TIMELINE_POINTS", "RequestRecord", "RunResult", "Timeline", "ratio", "shortfall"]
