@@ -48,6 +48,7 @@ from .bands import band_usage
 from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
+from .handoff import Handoff
 from .isolation import EngineDeadError, FailureIsolation
 from .samples import Samples
 from .speculative import SpecStats, apply_verify, check_request
@@ -82,6 +83,7 @@ class LLMEngine:
         spec = cfg.speculative_config
         self.draft = parts.draft
         self.spec_stats = SpecStats(spec.num_speculative_tokens) if spec is not None else None
+        self.handoff = Handoff(self)  # export / import of a request's pages (disaggregation)
         log.info("umem_jax engine: %s mode\n%s\n%s", cfg.memory_mode, self.plan.table(),
                  self.size.summary(self.regions))
 
@@ -231,7 +233,7 @@ class LLMEngine:
         if self._inflight is None and not self.scheduler.has_work():
             if self.config.check_at_idle:
                 self.check_idle()
-        elif batch is None and idle_before and self.isolation.num_failed == failed_before:
+        elif batch is None and idle_before and self.isolation.num_failed == failed_before and not self.scheduler.held:
             raise RuntimeError(f"scheduler stalled with work queued: waiting={self.scheduler.waiting} "
                                f"running={self.scheduler.running}")
         return self.samples.merge(outs)
@@ -293,7 +295,8 @@ class LLMEngine:
             self._finish(req, RequestStatus.FINISHED_LENGTH, None)
 
     def _finish(self, req: Request, status: RequestStatus, stop_reason) -> None:
-        self.scheduler.finish(req, status)
+        if not self.handoff.finish(req, status):  # a prefill kept for its page transfer: held
+            self.scheduler.finish(req, status)
         req.mark_finished(status, stop_reason)
 
     # ------------------------------------------------------------------ compilation
@@ -332,7 +335,7 @@ class LLMEngine:
         cache = self.scheduler.cache
         held = {k: v.held for k, v in self.allocator.usage().subpools.items()}
         want = cache.held_by_subpool() if cache is not None else {}
-        if any(held[k] != want.get(k, 0) for k in held):
+        if not self.scheduler.held and any(held[k] != want.get(k, 0) for k in held):  # held: not the cache's
             raise AssertionError(f"arena holds {held} at idle, the prefix cache {want}")
         self.allocator.flush()  # compact while idle (moves apply before the next step)
         self.num_idle_checks += 1

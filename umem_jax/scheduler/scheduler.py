@@ -40,7 +40,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
-from . import speculation
+from . import held, speculation
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
@@ -122,6 +122,7 @@ class Scheduler:
             self.prefix = PrefixSharing(self.cache, self.memory, demand, config.checkpoint_interval)
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
+        self.held: dict[str, Request] = {}  # memory a page transfer owns: never scheduled (held.py)
         self.ratio = config.new_token_ratio
         self._prefill_streak = 0
         self._reserved = None  # memo of _reservations(): (num_retractions, Demand)
@@ -154,6 +155,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
+        elif self.held.get(req.request_id) is req:  # a reserved or held transfer's memory
+            held.release(self, req)
         req.leave_queues(status)
 
     def fail(self, req: Request) -> None:
@@ -380,11 +383,11 @@ class Scheduler:
     def held_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """(token page ids, state slot ids) the requests and the prefix cache hold: for the
         allocator's leak check."""
-        return self.memory.held_ids(self.running + self.waiting, self.cache)
+        return self.memory.held_ids(self.running + self.waiting + list(self.held.values()), self.cache)
 
     def check_refs(self) -> list[str]:
         """Page and window refcounts against what every holder says it holds -> problems."""
-        return self.memory.check_refs(self.running + self.waiting, self.cache)
+        return self.memory.check_refs(self.running + self.waiting + list(self.held.values()), self.cache)
 
 
 __all__ = ["Scheduler", "SchedulerConfig"]

@@ -1,0 +1,228 @@
+"""Handoff: a request's memory out of one engine and into another (prefill/decode disaggregation).
+
+The unit of transfer is the page envelope (DESIGN.md): after its prefill, a request's memory
+is its full-attention pages, the window pages its future queries still attend, and its state
+slot -- whole envelopes, read from the arena by physical page id (rows [p * rows_per_page,
+(p + 1) * rows_per_page)) and written into the receiver's arena at the pages ITS allocator
+reserved.  Both sides derive the same `TransferPlan` from the token count and the memory plan,
+so the sender never says where to write, and an arena of another size works.
+
+    prefill engine                              decode engine
+    hold_after_prefill(rid); add_request(rid)   reserve(prompt ids, params, rid, computed)
+    ... steps until rid finishes (1 token) ...
+    env = export(rid)          -- bytes -->     install(rid, env)   (now decoding)
+    release(rid)  (on the receiver's ack)       release(rid)        (only a cancelled reservation)
+
+Every method runs on the engine's thread, between steps.  Pending page moves are applied first,
+so the virtual -> physical translation and the bytes agree.  Not supported yet (refused by
+name): tensor parallelism, speculative decoding, logprobs, n / best_of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+
+import jax
+import numpy as np
+
+from ..arena import Arena, move_bucket
+from ..core.request import Request, RequestStatus
+from ..core.sampling_params import SamplingParams
+from ..memory.plan import Plan
+from ..scheduler import held
+from .detokenizer import IncrementalDetokenizer
+
+
+def plan_fingerprint(plan: Plan, dtype) -> str:
+    """A short hash of everything that fixes the bytes of a page envelope: the plan (every
+    sub-pool's layers, geometry, rows per entry, row words, page size) and the arena dtype."""
+    return hashlib.sha256(f"{plan!r}|{np.dtype(dtype).name}".encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferPlan:
+    """Which logical pages of a request with `computed` tokens move: page indices per token
+    sub-pool (full: all; window w: those from its first attended page) and the state slots."""
+
+    computed: int
+    pages: dict[str, tuple[int, int]]  # sub-pool -> [first, end) page indices of the request
+    state_slots: int
+
+    @classmethod
+    def of(cls, plan: Plan, computed: int) -> TransferPlan:
+        n = -(-computed // plan.page_size)
+        windows = tuple((sp.name, sp.window) for sp in plan.windows)
+        pages = {plan.full.name: (0, n)}
+        pages.update({w: (f, n) for w, f in held.window_firsts(computed, plan.page_size, windows).items()})
+        return cls(computed, pages, 1 if plan.state is not None else 0)
+
+
+@dataclasses.dataclass
+class Envelopes:
+    """A request's memory on the host: pages[sub-pool] uint16 [n, rows_per_page, row_words] in
+    the order of `plan.pages`, state uint16 [slots, rows_per_entry, row_words] (or None)."""
+
+    fingerprint: str
+    plan: TransferPlan
+    first_token: int
+    pages: dict[str, np.ndarray]
+    state: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.pages.values()) + (0 if self.state is None else self.state.nbytes)
+
+
+# ------------------------------------------------------------------------------ device side
+# One gather / one scatter per sub-pool and padded page count (move_bucket): few shapes.
+
+@functools.partial(jax.jit, static_argnames=("rows_per_page",))
+def _read(data, pages, *, rows_per_page: int):
+    rows = pages[:, None] * rows_per_page + jax.numpy.arange(rows_per_page, dtype=pages.dtype)[None]
+    return data[rows]  # [N, rows_per_page, row_words]
+
+
+@functools.partial(jax.jit, static_argnames=("rows_per_page",), donate_argnames=("data",))
+def _write(data, pages, values, *, rows_per_page: int):
+    rows = pages[:, None] * rows_per_page + jax.numpy.arange(rows_per_page, dtype=pages.dtype)[None]
+    return data.at[rows].set(values.astype(data.dtype))
+
+
+def read_envelopes(arena: Arena, physical: np.ndarray, rows_per_page: int) -> np.ndarray:
+    """Physical pages (or slots) -> their envelopes on the host, uint16 [n, rows_per_page, row_words]."""
+    n = len(physical)
+    ids = np.zeros(move_bucket(n, 4), np.int32)  # padding reads the sink page 0
+    ids[:n] = physical
+    out = np.asarray(_read(arena.data, ids, rows_per_page=rows_per_page))[:n]
+    return out.view(np.uint16) if out.dtype != np.uint16 else out
+
+
+def write_envelopes(arena: Arena, physical: np.ndarray, values: np.ndarray, rows_per_page: int) -> Arena:
+    """Write envelopes uint16 [n, rows_per_page, row_words] into physical pages; donates `arena`."""
+    n = len(physical)
+    b = move_bucket(n, 4)
+    ids = np.zeros(b, np.int32)  # padding writes zeros into the sink page 0 (never read as data)
+    ids[:n] = physical
+    vals = np.zeros((b, rows_per_page, arena.row_words), np.uint16)
+    vals[:n] = values
+    vals = vals.view(jax.numpy.bfloat16) if arena.dtype == jax.numpy.bfloat16 else vals
+    return arena.replace(_write(arena.data, ids, vals, rows_per_page=rows_per_page))
+
+
+# ------------------------------------------------------------------------------ the engine's side
+class Handoff:
+    """The engine's export / import hooks (engine.handoff)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.fingerprint = plan_fingerprint(engine.plan, engine.runner.arena.dtype)
+        self._hold: set[str] = set()  # requests to hold when their one prefill token is out
+
+    @property
+    def held(self) -> dict[str, Request]:
+        return self.engine.scheduler.held
+
+    def check_supported(self, params: SamplingParams) -> None:
+        """Refuse what a handoff cannot carry yet, by name."""
+        eng = self.engine
+        if eng.runner.arena.mesh is not None:
+            raise NotImplementedError("disaggregation with tensor parallelism is not supported yet")
+        if eng.config.speculative_config is not None:
+            raise NotImplementedError("disaggregation with speculative decoding is not supported yet")
+        if params.logprobs is not None or params.n != 1 or (params.best_of or 1) != 1:
+            raise ValueError("disaggregation supports n=1 without logprobs for now")
+
+    # -------------------------------------------------------------- prefill side
+    def hold_after_prefill(self, request_id: str) -> None:
+        """When `request_id` finishes by length (its max_tokens), keep its memory for `export`."""
+        self._hold.add(str(request_id))
+
+    def finish(self, req: Request, status: RequestStatus) -> bool:
+        """Engine._finish's hook -> True when the request was held instead of freed."""
+        if req.request_id not in self._hold:
+            return False
+        self._hold.discard(req.request_id)
+        if status != RequestStatus.FINISHED_LENGTH:
+            return False
+        held.hold(self.engine.scheduler, req)
+        return True
+
+    def export(self, request_id: str) -> Envelopes:
+        """A held request's memory as envelopes (it stays held: `release` frees it)."""
+        eng = self.engine
+        req = self.held[request_id]
+        plan = TransferPlan.of(eng.plan, req.num_computed)
+        self._apply_moves()
+        pages = {}
+        for name, (first, end) in plan.pages.items():
+            if name != eng.plan.full.name and req.window_start[name] > first:
+                raise AssertionError(f"{request_id}: {name} pages from {first} are needed but only "
+                                     f"{req.window_start[name]}.. are bound")
+            phys = eng.allocator.translate_pages(np.asarray(req.pages[first:end], np.int32), name)
+            pages[name] = read_envelopes(eng.runner.arena, phys, eng.plan[name].rows_per_page)
+        state = None
+        if plan.state_slots:
+            phys = eng.allocator.translate_slots(np.asarray(req.slots[:plan.state_slots], np.int32))
+            state = read_envelopes(eng.runner.arena, phys, eng.plan.state.rows_per_page)
+        return Envelopes(self.fingerprint, plan, int(req.output_token_ids[-1]), pages, state)
+
+    # -------------------------------------------------------------- decode side
+    def reserve(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Request | None:
+        """Take the memory of the prompt's tokens for an incoming request -> the held request, or
+        None when it does not fit now (retry later).  Bad input raises ValueError."""
+        eng = self.engine
+        self.check_supported(params)
+        req = eng.prepare(list(prompt_token_ids), params, request_id=request_id)
+        clipped = eng.demand.clip(req.prompt_len, req.max_tokens)
+        if clipped is None:
+            raise ValueError(f"the prompt ({req.prompt_len} tokens) does not fit this decode engine's arena")
+        req.clip_max_tokens(min(clipped, req.max_tokens))
+        if not held.reserve(eng.scheduler, req, req.prompt_len):
+            return None
+        if eng.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(eng.tokenizer, req.prompt_token_ids)
+        eng._requests[req.request_id] = req
+        return req
+
+    def install(self, request_id: str, env: Envelopes) -> Request:
+        """Write `env` into the reserved request's pages and start decoding it (its first
+        output token is the sender's).  A plan that differs raises ValueError saying how."""
+        eng = self.engine
+        req = self.held[request_id]
+        if env.fingerprint != self.fingerprint:
+            raise ValueError(f"page envelopes of another memory plan ({env.fingerprint}, this engine's is "
+                             f"{self.fingerprint}): both engines must run the same model, page size and K/V dtype")
+        plan = TransferPlan.of(eng.plan, req.prompt_len)
+        if env.plan != plan:
+            raise ValueError(f"transfer plans differ: sender {env.plan}, receiver {plan}")
+        self._apply_moves()
+        arena = eng.runner.arena
+        for name, (first, end) in plan.pages.items():
+            phys = eng.allocator.translate_pages(np.asarray(req.pages[first:end], np.int32), name)
+            arena = write_envelopes(arena, phys, env.pages[name], eng.plan[name].rows_per_page)
+        if plan.state_slots:
+            phys = eng.allocator.translate_slots(np.asarray(req.slots[:plan.state_slots], np.int32))
+            arena = write_envelopes(arena, phys, env.state, eng.plan.state.rows_per_page)
+        eng.runner.arena = arena
+        held.activate(eng.scheduler, req, plan.computed)
+        eng._append(req, env.first_token)
+        if req.finished:
+            eng._requests.pop(req.request_id, None)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Free a held request's memory (prefill: after the ack; decode: a cancelled reservation).
+        A reservation never installed ends aborted."""
+        req = self.held.get(request_id)
+        if req is None:
+            return
+        held.release(self.engine.scheduler, req)
+        self.engine._requests.pop(request_id, None)
+        if not req.finished:
+            req.mark_finished(RequestStatus.FINISHED_ABORTED, error="the page transfer was cancelled")
+
+    def _apply_moves(self) -> None:
+        eng = self.engine
+        eng.runner.apply_moves(eng.allocator.take_moves())
