@@ -6,8 +6,8 @@
 Both arenas hold the same random K/V (the fp8 one quantised, scales 1.0); every kernel is first
 checked against its reference on the device, then timed (timing.time_calls, median).  Decode
 bytes are the K/V bytes the kernel must read (fp8: half of bf16's); the goal is fp8 time <= 0.6x
-bf16 time at B=64 ctx=4096.  Both dtypes get the same small tuning sweep (tokens per block,
-warps, stages); the best correct configuration of each is compared.
+bf16 time at B=64 ctx=4096.  Both dtypes get a tuning sweep (tokens per block, warps, stages;
+fp8 also how its tiles reach the dots, paged_decode.FP8_DOTS); the best correct one of each is compared.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
 from umem_jax.memory.declarations import FP8_E4M3
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.kv_write import write_kv_reference
-from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+from umem_jax.pallas_kernels.paged_decode import FP8_DOTS, paged_decode_attention, paged_decode_attention_reference
 from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention
 
 from .timing import time_calls
@@ -62,10 +62,15 @@ def bench_decode(a, B, ctx, Hq, Hkv, D, ps):
     data, table = arenas(jax.random.PRNGKey(0), B=B, ctx=ctx, Hkv=Hkv, D=D, ps=ps)
     q = jax.random.normal(jax.random.PRNGKey(1), (B, Hq, D), jnp.bfloat16)
     lens = jnp.full((B,), ctx, jnp.int32)
-    sweep = [{}] if a.small else [{}] + [{"block_tokens": b, "num_warps": w, "num_stages": s} for b, w, s in
-                                        itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4))]
+    bf16_sweep = [{}] if a.small else [{}] + [{"block_tokens": b, "num_warps": w, "num_stages": s} for b, w, s in
+                                             itertools.product((32, 64, 128, 256), (4, 8), (2, 3, 4))]
+    # fp8: also how the tiles reach the dots (paged_decode FP8_DOTS: integer unpack to f16, or a convert)
+    fp8_sweep = [{"fp8_dot": d} for d in FP8_DOTS] if a.small else [{}] + [
+        {"fp8_dot": d, "block_tokens": b, "num_warps": w, "num_stages": s}
+        for d, b, w, s in itertools.product(FP8_DOTS, (64, 128), (4, 8), (2, 3))]
     rows = {}
     for name, (view, arena) in data.items():
+        sweep = fp8_sweep if name == "fp8" else bf16_sweep
         ref = jax.jit(lambda q, ar, view=view: paged_decode_attention_reference(q, ar, table, lens, view=view))(
             q, arena)
         best = None

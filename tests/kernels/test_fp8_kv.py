@@ -30,7 +30,8 @@ from umem_jax.memory.declarations import FP8_E4M3, dtype_planes, dtype_words, kv
 from umem_jax.pallas_kernels.kv_write import read_kv_reference, write_kv, write_kv_reference
 from umem_jax.pallas_kernels.paged_decode import paged_decode_attention
 from umem_jax.pallas_kernels.paged_prefill import DeviceInfo, paged_prefill_attention, prefill_backend
-from umem_jax.pallas_kernels.words import FP8_MAX, decode_fp8, encode_fp8, unpack_fp8
+from umem_jax.pallas_kernels.words import (FP8_BITS_SCALE, FP8_MAX, decode_fp8, encode_fp8, unpack_fp8,
+                                           unpack_fp8_bits)
 
 
 def fp8_view(Hkv, D, ps, *, dtype=FP8_E4M3, layer=1):
@@ -315,3 +316,39 @@ def test_gpu_fp8_kernels_match_reference(Hkv, G, D, ps):
     ref = paged_prefill_attention(qp, arena_p, table_p, q_lens, kv_lens, impl="reference", **kw)
     out = paged_prefill_attention(qp, arena_p, table_p, q_lens, kv_lens, impl="pallas", backend="auto", **kw)
     close(out, ref, tol=1.5e-2)
+
+
+def test_bit_unpack_is_exact_for_every_word():
+    """unpack_fp8_bits (integer ops to f16, times 2**-8) equals the convert path on all 65,536
+    words but the NaN bytes (0x7f / 0xff), which the writer never stores."""
+    words = jnp.arange(1 << 16, dtype=jnp.int32).astype(jnp.uint16)
+    even, odd = unpack_fp8(words, jnp.float32)
+    be, bo = (np.asarray(x, np.float32) * FP8_BITS_SCALE for x in unpack_fp8_bits(words))
+    w = np.arange(1 << 16)
+    finite_lo, finite_hi = (w & 0x7F) != 0x7F, ((w >> 8) & 0x7F) != 0x7F
+    np.testing.assert_array_equal(be[finite_lo], np.asarray(even)[finite_lo])
+    np.testing.assert_array_equal(bo[finite_hi], np.asarray(odd)[finite_hi])
+
+
+@pytest.mark.parametrize("fp8_dot", ["bits", "f16", "bf16"])
+def test_decode_fp8_dot_modes_match_reference(fp8_dot):
+    """Each way the kernel turns fp8 tiles into dot operands (bf16 query) against the reference:
+    window, soft-cap, sinks, per-head scales, G = 3 and a 40-word head (masked tile)."""
+    Hkv, G, D, ps = 2, 3, 80, 16
+    view = fp8_view(Hkv, D, ps)
+    rng = np.random.default_rng(7)
+    lens = np.array([1, 37, 5 * ps + 3, 0], np.int32)
+    ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    arena, table, _, _ = fill(rng, view, lens, 6, scales=(ks, vs))
+    q = jnp.asarray(rng.standard_normal((len(lens), Hkv * G, D)), jnp.bfloat16)
+    sk = jnp.asarray(rng.standard_normal(Hkv * G), jnp.float32)
+    kw = {"view": view, "window": 40, "softcap": 20.0, "sinks": sk, "k_scale": ks, "v_scale": vs}
+    ref = paged_decode_attention(q, arena, table, jnp.asarray(lens), impl="reference", **kw)
+    with no_triton_deprecation():
+        out = paged_decode_attention(q, arena, table, jnp.asarray(lens), impl="pallas", interpret=True,
+                                     num_splits=3, fp8_dot=fp8_dot, **kw)
+    assert out.dtype == q.dtype
+    close(out, ref, tol=1.5e-2)
+    with pytest.raises(ValueError, match="fp8_dot"):
+        paged_decode_attention(q, arena, table, jnp.asarray(lens), impl="pallas", interpret=True, fp8_dot="e5m2", **kw)

@@ -55,7 +55,8 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .kv_write import check_view, kv_scales, read_kv_reference
 from .launch import ANY, pow2_ceil, pow2_divisor, resolve_impl
-from .words import fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16, unpack_fp8
+from .words import (FP8_BITS_SCALE, fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16,
+                    unpack_fp8, unpack_fp8_bits)
 
 __all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -131,7 +132,7 @@ def _tile_dim(dim: int) -> int:
 
 
 def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softcap, scale, num_splits,
-                   kv_dtype):
+                   kv_dtype, fp8_bits=False):
     # One q tile and one output tile per half: two (even, odd elements) for fp8, else one.
     halves = 2 if view.fp8 else 1
     q_refs, arena_ref, o_refs = refs[:halves], refs[halves], refs[halves + 1:2 * halves + 1]
@@ -196,7 +197,7 @@ def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softc
         r0, c0 = head_cols(0, dim)
         hi_words = load_tile(rows_base + base, slot, r0, c0, m, dim, mask)
         if view.fp8:
-            return list(unpack_fp8(hi_words, compute_dtype))
+            return list(unpack_fp8_bits(hi_words) if fp8_bits else unpack_fp8(hi_words, compute_dtype))
         if not two_planes:
             return [hi_words if hi_words.dtype == kv_dtype else from_u16(to_u16(hi_words), kv_dtype)]
         r1, c1 = head_cols(1, dim)
@@ -268,10 +269,10 @@ def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: i
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "interpret",
-                                              "block_tokens", "num_splits", "num_warps", "num_stages"))
+                                              "block_tokens", "num_splits", "num_warps", "num_stages", "fp8_dot"))
 def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None, v_scale=None, *, view,
                          window=None, softcap=None, scale=None, kv_dtype=None, interpret=False, block_tokens=None,
-                         num_splits=None, num_warps=4, num_stages=3):
+                         num_splits=None, num_warps=4, num_stages=3, fp8_dot=None):
     _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
@@ -288,12 +289,17 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
     if page_size & (page_size - 1):
         raise NotImplementedError(f"page_size must be a power of two, got {page_size}")
     ks, vs = kv_scales(view, k_scale, v_scale)
+    fp8_bits = False
     if view.fp8:
         _check_kv_dtype_fp8(kv_dtype)
-        value_dtype = fp8_compute_dtype(q.dtype)
+        fp8_dot = _fp8_dot(fp8_dot, q.dtype)
+        fp8_bits = fp8_dot == "bits"
+        value_dtype = jnp.dtype(jnp.float16) if fp8_dot in ("f16", "bits") else fp8_compute_dtype(q.dtype)
     else:
         value_dtype = kv_value_dtype(view.planes, kv_dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    # unpack_fp8_bits' values are K and V times 2**-8: the scores' factor goes into `scale`, V's below.
+    kernel_scale = scale * FP8_BITS_SCALE if fp8_bits else scale
     if block_tokens is None:
         # bf16: 8K words per K (and V) tile (64 tokens at D=128).  With num_stages=3 the
         # pipeliner double-buffers K and V (the page ids come one block ahead), ~70 KiB of
@@ -322,6 +328,8 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
     qg = q.reshape(B, Hkv, G, D)
     if view.fp8:  # k_scale folds into q (the scores are linear in K); then the even and odd elements
         qg = qg.astype(jnp.float32) * ks[None, :, None, None]
+        if value_dtype == jnp.float16:  # the kernel's dots take q as f16: saturate, never inf
+            qg = jnp.clip(qg, -F16_MAX, F16_MAX)
         q_halves = [qg[..., 0::2], qg[..., 1::2]]
     else:
         q_halves = [qg]
@@ -329,8 +337,8 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
     q_halves = [jnp.pad(x, ((0, 0), (0, 0), (0, group_rows - G), (0, Dp - Dw))) if (group_rows != G or Dp != Dw)
                 else x for x in q_halves]
     halves = len(q_halves)
-    kernel = functools.partial(_decode_kernel, view=view, block_tokens=block, window=window,
-                               softcap=softcap, scale=scale, num_splits=num_splits, kv_dtype=value_dtype)
+    kernel = functools.partial(_decode_kernel, view=view, block_tokens=block, window=window, softcap=softcap,
+                               scale=kernel_scale, num_splits=num_splits, kv_dtype=value_dtype, fp8_bits=fp8_bits)
     q_spec = pl.BlockSpec((None, None, group_rows, Dp), lambda b, h, s: (b, h, 0, 0))
     acc_spec = pl.BlockSpec((None, None, None, group_rows, Dvp), lambda b, h, s: (b, h, s, 0, 0))
     ml_spec = pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0))
@@ -348,10 +356,27 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
     )(lengths, page_table, *q_halves, kernel_view(arena, interpret))  # tiles are bitcast/unpacked in-kernel
     accs, m, l = [a[:, :, :, :G, :Dvw] for a in accs], m[:, :, :, :G], l[:, :, :, :G]
     if view.fp8:  # interleave the halves back into [.., Dv]; v_scale is linear in the output
-        acc = jnp.stack(accs, axis=-1).reshape(*accs[0].shape[:-1], Dv) * vs[None, :, None, None, None]
+        v_factor = vs * FP8_BITS_SCALE if fp8_bits else vs
+        acc = jnp.stack(accs, axis=-1).reshape(*accs[0].shape[:-1], Dv) * v_factor[None, :, None, None, None]
     else:
         acc = accs[0]
     return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
+
+
+F16_MAX = 65504.0
+FP8_DOTS = ("bf16", "f16", "bits")
+
+
+def _fp8_dot(fp8_dot, q_dtype) -> str:
+    """How fp8 tiles reach the dots: "bits" (default: integer unpack to f16, words.unpack_fp8_bits),
+    "f16" (convert to f16) or "bf16" (convert to bf16); an f32 query (parity runs) always takes the
+    f32 convert."""
+    if jnp.dtype(q_dtype) == jnp.float32:
+        return "f32"
+    fp8_dot = "bits" if fp8_dot is None else fp8_dot
+    if fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
+    return fp8_dot
 
 
 def _check_kv_dtype_fp8(kv_dtype) -> None:

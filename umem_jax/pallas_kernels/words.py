@@ -194,6 +194,26 @@ def unpack_fp8(words, dtype=jnp.float32):
     return as_value(w & 0xFF), as_value(w >> 8)
 
 
+# unpack_fp8_bits' values are the e4m3 values times 2**-8: the caller multiplies by this.
+FP8_BITS_SCALE = 256.0
+
+
+def unpack_fp8_bits(words):
+    """words[..., n] (uint16 or bfloat16) -> (even, odd) float16 [..., n]: the e4m3fn values of the
+    low and the high byte, each times 2**-8 (multiply by FP8_BITS_SCALE), by integer ops alone.
+
+    An e4m3 byte `s eeee mmm` placed as the float16 `s 0eeee mmm0000000` is the same number
+    scaled by 2**(7 - 15) (f16's exponent bias is 15, e4m3's 7), subnormals included: two masks,
+    a shift and an or per element, no conversion instruction (Hopper has no e4m3 -> bf16 convert;
+    e4m3 -> f16 -> f32 -> bf16 costs three per element, which bounds the fp8 decode kernel).
+    The NaN byte (0x7f) maps to a finite value: the writer never stores NaN from finite inputs."""
+    w = to_u16(words)
+    even = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
+    odd = (w & 0x8000) | ((w >> 1) & 0x3F80)
+    f16 = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
+    return f16(even), f16(odd)
+
+
 def decode_fp8(words, scale=1.0, dtype=jnp.float32):
     """words[..., n] -> x[..., 2n] of `dtype`: fp8 value * scale; inverse of encode_fp8 up to the
     e4m3 rounding.  `scale` broadcasts against the result."""
