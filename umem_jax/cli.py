@@ -28,6 +28,7 @@ command on every host with --dist-init-addr HOST:PORT (process 0's address), --n
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -169,11 +170,21 @@ def _serve(args) -> int:
                           warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes,
                           warmup_sampling=_sampling_modes(args.warmup_sampling))
     print(_serving_line(engine, names, args), flush=True)
+    if args.disaggregation_mode != "null":  # a prefill or decode worker (disagg/worker.py)
+        from .disagg.worker import serve_worker as serve
+        serve = functools.partial(serve, mode=args.disaggregation_mode)
     code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
     if code:
         print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
     return code or 0
+
+
+def _router(args) -> int:
+    from .disagg.router import Router, serve_router
+
+    router = Router(args.prefill, args.decode, timeout_s=args.transfer_timeout, retries=args.retries)
+    return serve_router(router, host=args.host, port=args.port)
 
 
 def _default_names(args) -> list[str]:
@@ -363,7 +374,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup-sampling", default="greedy,cuts",
                    help="sampler variants each warm-up shape is compiled in: greedy (temperature 0), random "
                    "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request)")
+    s.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"),
+                   help="run as the prefill or the decode worker of a disaggregated pair behind `umem-jax router` "
+                   "(SGLang's flag; default null: a whole engine)")
     s.set_defaults(fn=_serve)
+
+    r = sub.add_parser("router", help="the OpenAI API in front of prefill and decode workers (disaggregation)")
+    r.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL", help="prefill worker URL(s)")
+    r.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL", help="decode worker URL(s)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a page transfer may take")
+    r.add_argument("--retries", type=int, default=1, help="new attempts after a failed transfer (default 1)")
+    r.set_defaults(fn=_router)
 
     g = sub.add_parser("generate", help="generate for one prompt (default model: gemma3-270m if installed, else "
                        "tiny), then print the arena memory per band")

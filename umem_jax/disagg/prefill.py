@@ -1,0 +1,117 @@
+"""The prefill worker: computes a prompt, sends its page envelopes, frees them on the ack.
+
+    POST /disagg/prefill {transfer_id, generation, decode_url, prompt_token_ids, params, timeout_s}
+      -> {status: "sent" | "done" | "failed", first token, text, finish_reason, error, bytes, send_s}
+
+The request runs with max_tokens=1 and is held when that token is out (engine/handoff.py): its
+pages stay allocated, unschedulable and unretractable until the decode worker answers.  Then:
+  acked                 -> release (its pages go to the prefix cache, reusable)       "sent"
+  timeout / error / 409 -> cancel at the decode worker; its reply (or a refused
+                           connection: nobody left to touch them) -> release          "failed"
+The request finishing on its first token (EOS, stop string) needs no decode: "done".
+Only this process reads these pages (a device-to-host copy, finished before the send), so a
+cancel that gets no answer is retried, then the peer is fenced (its generation recorded dead)
+and the pages are released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import httpx
+from fastapi import APIRouter, Request
+
+from ..api.errors import error
+from ..core.sampling_params import SamplingParams
+from .faults import Faults
+from .wire import pack
+
+router = APIRouter()
+CANCEL_TRIES = 3
+
+
+class PrefillWorker:
+    """The prefill side's state beside its AsyncLLMEngine (app.state.disagg)."""
+
+    def __init__(self, aeng):
+        self.aeng = aeng
+        self.faults = Faults()
+        self.fenced: set[str] = set()  # generations whose cancel was never answered
+        self.counts = {"sent": 0, "done": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
+        self.client = httpx.AsyncClient()
+
+    def status(self, eng) -> dict:
+        return {"mode": "prefill", "held": len(eng.scheduler.held), "counts": dict(self.counts),
+                "fenced": sorted(self.fenced), "fingerprint": eng.handoff.fingerprint}
+
+    async def call(self, fn):
+        return await asyncio.wrap_future(self.aeng.call(fn))
+
+    async def send(self, url: str, tid: str, gen: str, body: bytes, timeout_s: float) -> str | None:
+        """POST the envelopes -> None when acked, else why not (after the cancel was settled)."""
+        try:
+            r = await self.client.post(f"{url}/disagg/transfer/{tid}", params={"generation": gen}, content=body,
+                                       timeout=timeout_s)
+            if r.status_code == 200:
+                return None
+            why = f"the decode worker answered {r.status_code}: {r.text[:300]}"
+        except httpx.HTTPError as e:
+            why = f"no acknowledgement from the decode worker: {type(e).__name__} {e}"
+        await self.cancel(url, tid, gen, timeout_s)
+        return why
+
+    async def cancel(self, url: str, tid: str, gen: str, timeout_s: float) -> None:
+        for _ in range(CANCEL_TRIES):
+            try:
+                r = await self.client.post(f"{url}/disagg/cancel/{tid}", params={"generation": gen},
+                                           timeout=timeout_s)
+                if r.status_code == 200:
+                    return
+            except httpx.ConnectError:
+                return  # nobody listens there any more: nothing can touch the transfer
+            except httpx.HTTPError:
+                pass
+        self.fenced.add(gen)
+
+
+def _worker(raw: Request) -> PrefillWorker:
+    return raw.app.state.disagg
+
+
+@router.post("/disagg/prefill")
+async def prefill(raw: Request):
+    w, body = _worker(raw), await raw.json()
+    tid, gen, url = str(body["transfer_id"]), str(body["generation"]), str(body["decode_url"]).rstrip("/")
+    ids, timeout_s = [int(t) for t in body["prompt_token_ids"]], float(body.get("timeout_s", 30.0))
+    try:
+        params = SamplingParams(**{**body.get("params", {}), "max_tokens": 1})
+        await w.call(lambda eng: (eng.handoff.check_supported(params), eng.handoff.hold_after_prefill(tid)))
+        stream = await w.aeng.add_request(ids, params, request_id=tid)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        return error(400, str(e))
+    except Exception as e:  # noqa: BLE001 - overloaded or dead: the router may retry elsewhere
+        return error(503, str(e))
+    deltas = [d async for d in stream]
+    last, toks = deltas[-1], [t for d in deltas for t in d.token_ids]
+    out = {"transfer_id": tid, "token_ids": toks, "text": "".join(d.text for d in deltas),
+           "finish_reason": last.finish_reason, "stop_reason": last.stop_reason, "error": last.error}
+    held = await w.call(lambda eng: tid in eng.scheduler.held)
+    if not held:  # stopped on its first token (or failed): nothing to decode
+        w.counts["done"] += 1
+        return {**out, "status": "failed" if last.error else "done"}
+    env = await w.call(lambda eng: eng.handoff.export(tid))
+    if w.faults.take("poison", tid):  # a test's late write: NaN bytes that must never land
+        env = dataclasses.replace(env, pages={k: v | 0x7FC0 for k, v in env.pages.items()},
+                                  state=None if env.state is None else env.state | 0x7FC0)
+    payload = pack(env)
+    await w.faults.sleep("stall_send_s", tid)
+    t0 = time.perf_counter()
+    why = await w.send(url, tid, gen, payload, timeout_s)
+    send_s = time.perf_counter() - t0
+    await w.call(lambda eng: eng.handoff.release(tid))
+    w.counts["failed" if why else "sent"] += 1
+    w.counts["bytes"] += len(payload)
+    w.counts["send_s"] += send_s
+    return {**out, "status": "failed" if why else "sent", "error": why, "bytes": len(payload), "send_s": send_s}

@@ -1,0 +1,241 @@
+"""`umem-jax router --prefill URL --decode URL`: the OpenAI API in front of a prefill and a decode
+worker.  Each request: tokenize (at the decode worker), reserve its pages at the decode worker,
+prefill at the prefill worker (which sends the page envelopes to the decode worker), then stream
+the decode worker's tokens back as OpenAI completions / chat completions (streamed or not).
+
+A failed transfer (timed out, dropped, the decode worker gone) is retried `retries` times with a
+new transfer id before any token reached the client, then answered 503 with the reason.  Choices
+carry `token_ids` besides the text.  Not supported yet (400 by name): n / best_of > 1, logprobs,
+echo, suffix, several prompts in one request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+import uuid
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..api.errors import APIError, add_handlers, error
+from ..api.protocol import ChatCompletionRequest, CompletionRequest
+
+
+class TransferFailed(RuntimeError):
+    """This attempt failed before any token was sent: another attempt may succeed."""
+
+
+class Router:
+    """prefill / decode: worker base URLs (round-robin); timeout_s: a transfer's deadline (the
+    decode worker's reservation and the prefill worker's wait for the ack); retries: attempts
+    after the first; reserve_wait_s: how long a reservation may wait for room at the decode worker."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *, timeout_s: float = 30.0, retries: int = 1,
+                 reserve_wait_s: float = 60.0):
+        self.prefill, self.decode = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
+        self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
+        self.timeout_s, self.retries, self.reserve_wait_s = timeout_s, retries, reserve_wait_s
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+        self.counts = {"requests": 0, "retries": 0, "failed": 0}
+
+    async def _post(self, url: str, **kw) -> httpx.Response:
+        try:
+            return await self.client.post(url, **kw)
+        except httpx.HTTPError as e:
+            raise TransferFailed(f"{url}: {type(e).__name__} {e}") from None
+
+    async def tokenize(self, payload: dict) -> list[int]:
+        r = await self._post(f"{self.decode[0]}/tokenize", json=payload)
+        if r.status_code != 200:
+            raise APIError(r.status_code, r.json().get("error", {}).get("message", r.text))
+        return r.json()["tokens"]
+
+    async def _reserve(self, url: str, tid: str, ids: list[int], params: dict) -> str:
+        deadline = time.monotonic() + self.reserve_wait_s
+        while True:
+            r = await self._post(f"{url}/disagg/reserve", json={"transfer_id": tid, "prompt_token_ids": ids,
+                                                                "params": params, "timeout_s": self.timeout_s})
+            if r.status_code == 200:
+                return r.json()["generation"]
+            msg = r.json().get("error", {}).get("message", r.text)
+            if r.status_code != 503 or time.monotonic() > deadline:
+                raise APIError(r.status_code, msg) if r.status_code == 400 else TransferFailed(msg)
+            await _sleep(0.05)
+
+    async def deltas(self, ids: list[int], params: dict, request_id: str | None = None):
+        """The request's deltas ({text, token_ids, finish_reason, stop_reason, error}), first
+        attempt or retried ones; raises APIError(503) when every attempt failed.  Transfer ids
+        start with `request_id` when given (the body's extra field of that name)."""
+        self.counts["requests"] += 1
+        base, why = f"{request_id or 'req'}-{uuid.uuid4().hex[:12]}", ""
+        for attempt in range(1 + self.retries):
+            tid = base if attempt == 0 else f"{base}-r{attempt}"
+            try:
+                async for d in self._attempt(tid, ids, params):
+                    yield d
+                return
+            except TransferFailed as e:
+                why = str(e)
+                self.counts["retries"] += attempt < self.retries
+        self.counts["failed"] += 1
+        raise APIError(503, f"the disaggregated request failed after {1 + self.retries} attempts: {why}")
+
+    async def _attempt(self, tid: str, ids: list[int], params: dict):
+        d_url, p_url = next(self._d), next(self._p)
+        gen = await self._reserve(d_url, tid, ids, params)
+        try:
+            r = await self._post(f"{p_url}/disagg/prefill", json={
+                "transfer_id": tid, "generation": gen, "decode_url": d_url, "prompt_token_ids": ids,
+                "params": params, "timeout_s": self.timeout_s})
+        except TransferFailed:
+            await self._cancel(d_url, tid, gen)
+            raise
+        res = r.json() if r.status_code in (200, 400) else {}
+        if r.status_code == 400:
+            await self._cancel(d_url, tid, gen)
+            raise APIError(400, res.get("error", {}).get("message", "bad request"))
+        if res.get("status") != "sent":
+            await self._cancel(d_url, tid, gen)
+            if res.get("status") == "done":
+                yield res
+                return
+            raise TransferFailed(res.get("error") or f"the prefill worker answered {r.status_code}")
+        async for d in self._stream(d_url, tid):
+            yield d
+
+    async def _stream(self, url: str, tid: str):
+        try:
+            async with self.client.stream("GET", f"{url}/disagg/stream/{tid}") as r:
+                if r.status_code != 200:
+                    raise TransferFailed(f"the decode worker has no stream for {tid}: {r.status_code}")
+                async for line in r.aiter_lines():
+                    if line:
+                        yield json.loads(line)
+        except httpx.HTTPError as e:
+            yield {"text": "", "token_ids": [], "finish_reason": "abort", "stop_reason": None,
+                   "error": f"the decode worker went away mid-request: {type(e).__name__} {e}"}
+
+    async def _cancel(self, url: str, tid: str, gen: str) -> None:
+        try:
+            await self.client.post(f"{url}/disagg/cancel/{tid}", params={"generation": gen}, timeout=self.timeout_s)
+        except httpx.HTTPError:
+            pass  # the decode worker is gone, or its reservation expires by itself
+
+
+async def _sleep(s: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(s)
+
+
+def _refuse(body) -> None:
+    if body.n != 1 or (body.best_of or 1) != 1 or body.num_logprobs() is not None:
+        raise APIError(400, "the disaggregated router supports n=1 without logprobs for now")
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, f"{bad} is not supported", bad)
+
+
+def build_router_app(router: Router, model_name: str = "umem-jax") -> FastAPI:
+    app = FastAPI(title="umem_jax router", docs_url=None, redoc_url=None)
+    add_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        for url in router.prefill + router.decode:
+            try:
+                if (await router.client.get(f"{url}/health", timeout=5)).status_code != 200:
+                    return error(503, f"{url} is not ready")
+            except httpx.HTTPError as e:
+                return error(503, f"{url} is unreachable: {e}")
+        return JSONResponse({})
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse((await router.client.get(f"{router.decode[0]}/v1/models")).json())
+
+    @app.get("/router/stats")
+    async def stats():
+        return router.counts
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        body = CompletionRequest(**await raw.json())
+        _refuse(body)
+        prompts = body.prompts()
+        if len(prompts) != 1:
+            raise APIError(400, "the disaggregated router takes one prompt per request for now", "prompt")
+        p = prompts[0]
+        ids = p if isinstance(p, list) else await router.tokenize({"prompt": p})
+        return await _respond(router, body, ids, "text_completion", body.model or model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request):
+        body = ChatCompletionRequest(**await raw.json())
+        _refuse(body)
+        ids = await router.tokenize({"messages": body.conversation()})
+        return await _respond(router, body, ids, "chat.completion", body.model or model_name)
+
+    return app
+
+
+def _params(body) -> dict:
+    try:
+        return dataclasses.asdict(body.sampling_params())
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+def _choice(kind: str, d: dict, stream: bool) -> dict:
+    out = {"index": 0, "finish_reason": d.get("finish_reason"), "stop_reason": d.get("stop_reason"),
+           "token_ids": d.get("token_ids", [])}
+    if kind == "text_completion":
+        out["text"] = d.get("text", "")
+    else:
+        out["delta" if stream else "message"] = {"role": "assistant", "content": d.get("text", "")}
+    return out
+
+
+async def _respond(router: Router, body, ids: list[int], kind: str, model: str):
+    params, rid = _params(body), f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
+    gen = router.deltas(ids, params, (body.model_extra or {}).get("request_id"))
+    head = {"id": rid, "object": kind if not body.stream or kind == "text_completion" else "chat.completion.chunk",
+            "created": int(time.time()), "model": model}
+    if not body.stream:
+        text, toks, last = "", [], {}
+        async for d in gen:
+            text, toks, last = text + d.get("text", ""), toks + d.get("token_ids", []), d
+        if last.get("error"):
+            raise APIError(500, last["error"])
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks), "total_tokens": len(ids) + len(toks)}
+        return JSONResponse({**head, "choices": [_choice(kind, {**last, "text": text, "token_ids": toks}, False)],
+                             "usage": usage})
+    first = await anext(gen)  # errors before the first token are still an HTTP status
+
+    async def events():
+        d = first
+        while True:
+            if d.get("error"):
+                yield f"data: {json.dumps({'error': {'message': d['error'], 'type': 'server_error', 'code': 500}})}\n\n"
+                break
+            yield f"data: {json.dumps({**head, 'choices': [_choice(kind, d, True)]})}\n\n"
+            if d.get("finish_reason") is not None:
+                break
+            try:
+                d = await anext(gen)
+            except StopAsyncIteration:
+                break
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def serve_router(router: Router, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+    import uvicorn
+
+    uvicorn.run(build_router_app(router), host=host, port=port, log_level=log_level)
+    return 0

@@ -1,0 +1,78 @@
+"""`umem-jax serve --disaggregation-mode prefill|decode`: the usual OpenAI server of one engine
+(its own /v1 endpoints keep working) plus the endpoints of its side of a transfer.
+
+    GET  /disagg/status   {mode, held, counts, fingerprint, ...}
+    POST /disagg/check    at idle: the engine's leak and refcount checks -> {idle, ok, error, held,
+                          usage}; with {"reset_prefix_cache": true} the cache is emptied first
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fastapi import APIRouter, Request
+
+from ..api.server import build_app
+from . import decode, faults, prefill
+
+MODES = ("null", "prefill", "decode")
+common = APIRouter()
+
+
+@common.get("/disagg/status")
+async def status(raw: Request):
+    w = raw.app.state.disagg
+    return await asyncio.wrap_future(w.aeng.call(w.status))
+
+
+@common.post("/disagg/check")
+async def check(raw: Request):
+    w = raw.app.state.disagg
+    body = await raw.json() if await raw.body() else {}
+
+    def run(eng):
+        if eng.has_unfinished_requests() or w.aeng._tracked:
+            return {"idle": False}
+        if body.get("reset_prefix_cache"):
+            eng.reset_prefix_cache()
+        try:
+            eng.check_idle()
+            err = None
+        except AssertionError as e:
+            err = str(e)
+        usage = {k: v.held for k, v in eng.allocator.usage().subpools.items()}
+        return {"idle": True, "ok": err is None, "error": err, "held": len(eng.scheduler.held), "usage": usage}
+
+    return await asyncio.wrap_future(w.aeng.call(run))
+
+
+def build_worker_app(aeng, names: list[str], mode: str, **kw):
+    """The serving app of one engine, with the endpoints of `mode` ("prefill" or "decode")."""
+    if mode not in ("prefill", "decode"):
+        raise ValueError(f"--disaggregation-mode {mode!r}: use one of {list(MODES)}")
+    app = build_app(aeng, names, **kw)
+    app.state.disagg = decode.DecodeWorker(aeng) if mode == "decode" else prefill.PrefillWorker(aeng)
+    app.include_router(decode.router if mode == "decode" else prefill.router)
+    app.include_router(common)
+    app.include_router(faults.router)
+    return app
+
+
+def serve_worker(aeng, names: list[str], mode: str, *, host: str = "127.0.0.1", port: int = 8000,
+                 log_level: str = "info", **kw) -> int:
+    """As api.server.serve, with the worker's app -> 0, or 1 after an engine failure."""
+    import uvicorn
+
+    app = build_worker_app(aeng, names, mode, **kw)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    aeng.on_dead = lambda why: setattr(server, "should_exit", True)
+    aeng.start()
+    try:
+        server.run()
+    finally:
+        aeng.shutdown()
+    if aeng.error is not None:
+        logging.getLogger("umem_jax").error("umem_jax %s worker: the engine failed: %s", mode, aeng.dead_message())
+        return 1
+    return 0
