@@ -25,7 +25,7 @@ from ..runner.speculative import Speculator
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from .config import EngineConfig
 from .fit import CPU_ARENA_BYTES, fit_context
-from .speculative import SpeculationError, load_draft, plan_decls
+from .speculative import SpeculationError, load_draft, plan_decls, speculative_demand
 from .tokenizer import get_tokenizer
 
 DEFAULT_CPU_ARENA_BYTES = CPU_ARENA_BYTES  # the least default CPU arena; fit.py sizes it up to hold the context
@@ -66,7 +66,7 @@ def build(cfg: EngineConfig) -> EngineParts:
     if cfg.max_model_len is None and cfg.page_buckets:  # the longest request the given page buckets can run
         context = min(context, max(cfg.page_buckets) * cfg.page_size)
     tokens = cfg.token_buckets or Buckets.default(cfg.max_num_seqs, cfg.max_num_batched_tokens, 1).tokens
-    demand_kw = {"decode_pass": spec.num_speculative_tokens + 1} if spec is not None else None  # a verify's pass
+    demand_kw = speculative_demand(cfg, plan) if spec is not None else None
     fitted = fit_context(cfg, plan, context, chunk=min(cfg.max_num_batched_tokens, max(tokens)), demand_kw=demand_kw)
     size, regions, demand, max_model_len = fitted.size, fitted.regions, fitted.demand, fitted.max_model_len
     allocator = ChainAllocator(plan, size.num_rows, static_regions=regions)

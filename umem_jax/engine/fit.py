@@ -53,7 +53,7 @@ class Fitted:
 
 def fit_context(cfg: EngineConfig, plan, context: int, chunk: int, demand_kw: dict | None = None) -> Fitted:
     """Size the arena and settle max_model_len (at most `context`, the model's) for `cfg`.
-    demand_kw: more DemandModel arguments (beside plan, chunk, empty, extra_state_slots)."""
+    demand_kw: more DemandModel arguments (beside plan, chunk, empty; extra_state_slots here overrides cfg's)."""
     demand_kw = dict(demand_kw or {})
     on_cpu = jax.devices()[0].memory_stats() is None
     want = int(cfg.max_model_len or context)
@@ -110,7 +110,7 @@ def _arena(cfg: EngineConfig, plan, budget: int, chunk: int, max_model_len: int,
         regions = static_regions(plan, size.num_rows, swa_full_tokens_ratio=cfg.swa_full_tokens_ratio,
                                  mamba_full_memory_ratio=cfg.mamba_full_memory_ratio)
     empty = ChainAllocator(plan, size.num_rows, static_regions=regions)  # the demand model's idle arena
-    demand = DemandModel(plan, chunk=chunk, empty=empty, extra_state_slots=cfg.extra_state_slots, **demand_kw)
+    demand = DemandModel(plan, chunk=chunk, empty=empty, **{"extra_state_slots": cfg.extra_state_slots, **demand_kw})
     return Fitted(size, regions, demand, max_model_len)
 
 

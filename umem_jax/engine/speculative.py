@@ -11,9 +11,14 @@ step's tokens depend on how many drafts were accepted), so speculation runs with
 launch/read-back overlap.  The runner's side: runner/speculative.py; the scheduler's:
 scheduler/speculation.py.
 
-Refused at startup, with the reason: method "mtp" (engine/config.py), a target or draft with
-recurrent layers (a rejected draft token has already advanced the Mamba2 / gated-DeltaNet state
-in place; keeping the state after every verified position is not built), a draft whose
+A target with recurrent layers (Mamba2 / gated DeltaNet) holds k speculative state slots per
+request beside its working slot (`speculative_demand`: priced by the demand model, so admission,
+the memory clip and retraction stay one model); a verify keeps the state after each verified
+position there and the accepted one becomes the working slot (scheduler/speculation.py).
+
+Refused at startup, with the reason: method "mtp" (engine/config.py), a draft with recurrent
+layers (its k+1 decode passes advance its state in place; keeping the draft's state after each
+pass is not built), a draft whose
 vocabulary differs from the target's, a draft layer whose geometry differs from the target's
 sub-pool of the same lifetime, tensor parallelism, max_num_batched_tokens < k+1.  Per request:
 penalties (they count every output token, verified positions included).
@@ -29,6 +34,7 @@ import numpy as np
 from ..core.request import Request
 from ..memory.declarations import LayerDecl
 from ..models.config import RECURRENT
+from ..scheduler.speculation import commit_state
 from .isolation import EngineDeadError
 
 
@@ -48,7 +54,6 @@ def load_draft(cfg, target):
     if cfg.max_num_batched_tokens < spec.num_speculative_tokens + 1:
         raise SpeculationError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is below num_speculative_tokens"
                                f"+1={spec.num_speculative_tokens + 1}: a verify is a pass of k+1 tokens")
-    _refuse_recurrent(target.config, "target")
     m = spec.model
     draft = m if isinstance(m, Model) else loader.load_model(loader.HF_NAMES.get(str(m), str(m)), dtype=cfg.dtype)
     _refuse_recurrent(draft.config, "draft")
@@ -64,8 +69,20 @@ def _refuse_recurrent(mc, who: str) -> None:
     if any(t == RECURRENT for t in mc.layer_types):
         raise SpeculationError(
             f"speculative decoding with a {who} that has recurrent layers ({mc.architecture}: Mamba2 / gated "
-            "DeltaNet state) is not supported yet: a rejected draft token has already advanced the state in "
-            "place, and keeping the state after every verified position (to commit the accepted one) is not built")
+            "DeltaNet state) is not supported yet: its k+1 draft passes advance its state in place, and keeping "
+            "the draft's state after each pass (to commit the accepted one) is not built; use a draft without "
+            "recurrent layers (the target may have them)")
+
+
+def speculative_demand(cfg, plan) -> dict:
+    """DemandModel arguments under speculation: a decode step is a pass of k+1 tokens; with
+    recurrent state every request also holds k speculative state slots (the state after each
+    verified position), taken with its working slot and held to the end."""
+    k = cfg.speculative_config.num_speculative_tokens
+    out = {"decode_pass": k + 1}
+    if plan.state is not None:
+        out["extra_state_slots"] = cfg.extra_state_slots + k
+    return out
 
 
 def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]:
@@ -159,10 +176,11 @@ def apply_verify(engine, launched) -> list:
                 outs.append(req.output())
                 engine._requests.pop(req.request_id, None)
             else:
+                commit_state(req, n, s)
                 engine.scheduler.rollback_speculation(req, start + n + 1)
         except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
             engine.isolation.fail(req, e, "applying its tokens")
     return outs
 
 
-__all__ = ["SpecStats", "SpeculationError", "apply_verify", "check_request", "load_draft", "plan_decls"]
+__all__ = ["SpecStats", "SpeculationError", "apply_verify", "check_request", "load_draft", "plan_decls", "speculative_demand"]

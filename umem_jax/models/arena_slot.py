@@ -24,6 +24,9 @@ class ArenaSlot:
     view: KVView | StateView
     impl: str | None = None
     interpret: bool = False
+    # every row of the step decodes, also with T > 1 tokens (a speculative verify): mixers apply
+    # no prefill-only rule (Mamba2's dt clamp) to any row
+    decode_rows: bool = False
 
     @property
     def kernel_kw(self) -> dict:

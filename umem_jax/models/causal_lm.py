@@ -150,18 +150,19 @@ class CausalLM(nnx.Module):
         return self.logits(h)
 
     def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, *, memory_model: str = "target",
-                 all_positions: bool = False, **kernel_kw):
+                 all_positions: bool = False, decode_rows: bool = False, **kernel_kw):
         """Serving forward -> (logits [B, V] fp32 at each row's last valid token, arena).
 
         kernel_kw: impl ("pallas" | "reference") and interpret, passed to every kernel.
         memory_model: whose layers of the plan this model reads and writes ("draft" for a
         speculative draft planned beside the target).  all_positions: logits [B, T, V] of every
-        token (a speculative verify reads them all).
+        token (a speculative verify reads them all).  decode_rows: every row decodes, T > 1 too
+        (a verify): no prefill-only rule applies (ArenaSlot.decode_rows).
         """
         h = self.embed(batch.tokens)
         for i, layer in enumerate(self.layers):
             keeps_memory = self.config.layer_types[i] in LAYER_TYPES
-            slot = arena_slot(plan, i, memory_model, **kernel_kw) if keeps_memory else None
+            slot = arena_slot(plan, i, memory_model, decode_rows=decode_rows, **kernel_kw) if keeps_memory else None
             h, arena = layer(h, arena, batch, slot)
         if all_positions:
             return self.logits(h), arena

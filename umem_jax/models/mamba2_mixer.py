@@ -123,7 +123,8 @@ class Mamba2Mixer(nnx.Module):
             y = y[:, None]
         else:
             y, arena = mamba2_prefill(arena, batch.state_slots, xbc, dt, batch.q_lens, *params, view=slot.view,
-                                      dt_min=self._prefill_dt_min(batch), reset=first_chunk(batch),
+                                      dt_min=0.0 if slot.decode_rows else self._prefill_dt_min(batch),
+                                      reset=first_chunk(batch),
                                       checkpoint_positions=batch.checkpoint_positions,
                                       checkpoint_slots=batch.checkpoint_slots, **slot.kernel_kw)
         return self._out(y, z, x.dtype), arena
@@ -136,7 +137,8 @@ class Mamba2Mixer(nnx.Module):
         mixed chunk a decoding row (1 new token, not its first) rides the prefill kernel; a single
         floor for the whole chunk would clamp it and make its result depend on the batching.
         Known gap: a prompt whose last chunk is exactly one token is not clamped on that token
-        (the Batch does not say which tokens are prompt tokens).
+        (the Batch does not say which tokens are prompt tokens).  A speculative verify (k+1
+        decode tokens per row, `ArenaSlot.decode_rows`) clamps no row, as the decode kernel.
         """
         prefilling = first_chunk(batch) | (batch.q_lens > 1)
         return jnp.where(prefilling, jnp.float32(self.time_step_min), jnp.float32(0.0))

@@ -206,6 +206,15 @@ class Runner:
         token is pending read it (`src`)."""
         return self._prev
 
+    @prev_tokens.setter
+    def prev_tokens(self, tokens: jax.Array) -> None:  # a step launched by the speculator
+        self._prev = tokens
+
+    def params_leaves(self) -> tuple[list, StepModel]:
+        """(the target's params as a flat list of leaves, its StepModel), re-made if model.params
+        was replaced: what a step launched outside `launch` (the speculator's) takes."""
+        return self._leaves(), self._step_model
+
     def launch(self, batch: ScheduledBatch, prev: jax.Array | None = None) -> Launched:
         """Pack `batch` (after the scheduler allocated its memory and the moves were applied),
         launch the step without waiting, and mark the sampled tokens as pending.  prev: the

@@ -96,16 +96,22 @@ def draft_step(draft_params, arena, meta, prev, spec_lens, *, layout, draft: Ste
     return jnp.stack(drafts, 1), (jnp.stack(qs, 1) if qs else None), arena
 
 
-def verify_step(params, arena, meta, prev, spec_lens, drafts, q, *, layout, model: StepModel):
+def verify_step(params, arena, meta, prev, spec_lens, drafts, q, states, *, layout, model: StepModel):
     """The target over [t0, d_1..d_k] in one forward, then acceptance -> (out [max_batch, k+2], arena).
-    model: the target's StepModel with logits at every position (Speculator._verify_model)."""
+    model: the target's StepModel with logits at every position (Speculator._verify_model).
+    states: None, or for a target with recurrent state (positions, slots) [B, k] int32: the
+    state after the first j+1 verified tokens of row b also goes to physical slot slots[b, j]
+    (the prefill kernels' checkpoint writes; position -1 / slot 0 is padding), so the state of
+    whichever prefix is accepted is kept (Speculator doc)."""
     f = layout.unpack(meta)
     base = _batch(f, layout, prev)
     k = drafts.shape[1]
     live = base.q_lens > 0
     q_lens = jnp.where(live, spec_lens + 1, 0)
     b = dataclasses.replace(base, tokens=jnp.concatenate([base.tokens[:, :1], drafts], axis=1), q_lens=q_lens,
-                            kv_lens=jnp.where(live, base.kv_lens + spec_lens, 0))
+                            kv_lens=jnp.where(live, base.kv_lens + spec_lens, 0),
+                            checkpoint_positions=None if states is None else states[0],
+                            checkpoint_slots=None if states is None else states[1])
     logits, arena = model.forward(jax.tree.unflatten(model.treedef, params), arena, b)  # [B, k+1, V]
     ban = f["ban"]  # rows that ban tokens speculate nothing (spec_len 0): only position 0 counts
     rows = jnp.arange(layout.B)[:, None, None]
@@ -163,39 +169,63 @@ class Speculator:
         return self._draft_leaves_
 
     def _verify(self) -> StepModel:
-        """The target's forward with logits at every position, over the runner's plan."""
+        """The target's forward with logits at every position, every row a decode row, over the
+        runner's plan."""
         r = self.runner
         if r.model.params is not self._target_src:
             self._target_src = r.model.params
-            self._verify_model = _step_model(r.model, r, jax.tree.structure(self._target_src), all_positions=True)
+            self._verify_model = _step_model(r.model, r, jax.tree.structure(self._target_src), all_positions=True,
+                                             decode_rows=True)
         return self._verify_model
 
     def launch(self, batch: ScheduledBatch, prev) -> Launched:
         r = self.runner
         rows = batch.rows
         lay, meta, counts = r.prepare(batch)
-        params, dparams = r._leaves(), self._draft_leaves()
-        prev = r._prev if prev is None else prev
+        (params, target), dparams = r.params_leaves(), self._draft_leaves()
+        prev = r.prev_tokens if prev is None else prev
         if batch.kind != "decode":
             tokens, r.arena = jit_prefill(params, dparams, r.arena, meta, prev, counts, layout=lay,
-                                          model=r._step_model, draft=self._draft_model)
-            r._prev = tokens
+                                          model=target, draft=self._draft_model)
+            r.prev_tokens = tokens
             for i, row in enumerate(rows):
                 if row.sample:
                     row.req.mark_pending(i)
             return Launched(batch, tokens)
         return self._decode(batch, lay, meta, prev, params, dparams)
 
+    def propose(self, batch, lay, meta, prev, spec_lens, dparams):
+        """The draft's k tokens per row -> (drafts [B, k] int32, q [B, k, V] or None); the draft's
+        K/V of t0, d_1..d_k is written.  (A test harness may stand in for it.)"""
+        drafts, q, self.runner.arena = jit_draft(dparams, self.runner.arena, meta, prev, spec_lens, layout=lay,
+                                                 draft=self._draft_model, k=self.k)
+        return drafts, q
+
+    def _states(self, batch, lay):
+        """Where the verify keeps the state after each verified position (target with recurrent
+        state): (positions, physical slots) [B, k], row b's j-th in its slot slots[1 + j] (the
+        request's speculative slots, priced by the demand model); None without state."""
+        r = self.runner
+        if not r.has_state:
+            return None
+        pos = np.full((lay.B, self.k), -1, np.int32)
+        ids = np.full((lay.B, self.k), -1, np.int32)
+        for i, (row, s) in enumerate(zip(batch.rows, batch.spec_lens or [0] * len(batch.rows))):
+            if s:
+                pos[i, :s] = np.arange(1, s + 1)
+                ids[i, :s] = row.req.slots[1:1 + s]
+        return pos, r.allocator.translate_slots(ids.reshape(-1)).reshape(lay.B, self.k).astype(np.int32)
+
     def _decode(self, batch, lay, meta, prev, params, dparams) -> SpecLaunched:
         r = self.runner
         spec = np.zeros(lay.B, np.int32)
         spec[: len(batch.rows)] = batch.spec_lens or 0
         t0 = time.perf_counter()
-        drafts, q, r.arena = jit_draft(dparams, r.arena, meta, prev, spec, layout=lay, draft=self._draft_model,
-                                       k=self.k)
+        drafts, q = self.propose(batch, lay, meta, prev, spec, dparams)
         drafts.block_until_ready()
         t1 = time.perf_counter()
-        out, r.arena = jit_verify(params, r.arena, meta, prev, spec, drafts, q, layout=lay, model=self._verify())
+        out, r.arena = jit_verify(params, r.arena, meta, prev, spec, drafts, q, self._states(batch, lay), layout=lay,
+                                  model=self._verify())
         out.block_until_ready()
         t2 = time.perf_counter()
         self.draft_s += t1 - t0

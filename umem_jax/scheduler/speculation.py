@@ -7,6 +7,11 @@ priced by the one DemandModel as a pass of s+1 tokens (window sub-pools: w - 1 +
 request never holds more tokens than without speculation and the memory clip at arrival still
 vouches for it.  After the verify, `rollback` keeps what was accepted: num_computed = n + a + 1
 and the pages past the pending token's are given back (the rejected positions' rows).
+
+Recurrent state: a request of a target with state holds 1 + k slots (the demand model's
+extra_state_slots: priced at arrival and admission like any slot, held to the end), the working
+slot and k speculative ones; the verify keeps the state after each verified position in them and
+`commit_state` makes the accepted one the working slot.
 """
 
 from __future__ import annotations
@@ -58,6 +63,18 @@ def spec_decode_batch(rows: list[Request], lens: list[int]) -> ScheduledBatch:
     return ScheduledBatch("decode", out, spec_lens=list(lens))
 
 
+def commit_state(req: Request, accepted: int, spec_len: int) -> None:
+    """After a verify of `spec_len` drafts of which `accepted` were kept: make the working slot
+    the one holding the state after the accepted tokens.  The verify wrote the state after its
+    first j+1 tokens to the request's speculative slot slots[1 + j] (j < spec_len) and the state
+    after all spec_len+1 tokens to the working slot slots[0]; so a partial acceptance swaps
+    slots[0] with slots[1 + accepted] (virtual ids: nothing moves on the device).  The slot
+    swapped out holds a rejected state and is overwritten by the next verify."""
+    if req.slots and accepted < spec_len:
+        j = 1 + accepted
+        req.slots[0], req.slots[j] = req.slots[j], req.slots[0]
+
+
 def rollback(memory: RequestMemory, req: Request, computed: int) -> None:
     """After a verify: `computed` tokens of `req` hold accepted K/V; give back the pages past
     the one its pending token (position `computed`) goes to."""
@@ -67,4 +84,4 @@ def rollback(memory: RequestMemory, req: Request, computed: int) -> None:
         memory.give_back_since(req, keep, len(req.slots))
 
 
-__all__ = ["alloc_spec", "rollback", "spec_decode_batch", "spec_demand", "spec_len", "spec_rows_needing_memory"]
+__all__ = ["alloc_spec", "commit_state", "rollback", "spec_decode_batch", "spec_demand", "spec_len", "spec_rows_needing_memory"]
