@@ -28,7 +28,7 @@ from _prefill_utils import abstract_gpu
 from umem_jax.memory import MHA, Full, LayerDecl, Part, State, StateGeometry, StateTensor, Window, plan
 from umem_jax.memory.declarations import FP8_E4M3, dtype_planes, dtype_words, kv_cache_dtype
 from umem_jax.pallas_kernels.kv_write import read_kv_reference, write_kv, write_kv_reference
-from umem_jax.pallas_kernels.paged_decode import paged_decode_attention
+from umem_jax.pallas_kernels.paged_decode import FP8_DOTS, paged_decode_attention
 from umem_jax.pallas_kernels.paged_prefill import DeviceInfo, paged_prefill_attention, prefill_backend
 from umem_jax.pallas_kernels.words import (FP8_BITS_SCALE, FP8_MAX, decode_fp8, encode_fp8, unpack_fp8,
                                            unpack_fp8_bits)
@@ -307,8 +307,10 @@ def test_gpu_fp8_kernels_match_reference(Hkv, G, D, ps):
     q = jnp.asarray(rng.standard_normal((len(lens), Hkv * G, D)), jnp.bfloat16)
     kw = {"view": view, "window": 200, "softcap": 30.0, "k_scale": ks, "v_scale": vs}
     ref = paged_decode_attention(q, arena, table, jnp.asarray(lens), impl="reference", **kw)
-    out = jax.jit(lambda q, a: paged_decode_attention(q, a, table, jnp.asarray(lens), impl="pallas", **kw))(q, arena)
-    close(out, ref, tol=1.5e-2)
+    for fp8_dot in FP8_DOTS:  # every way the tiles reach the dots, inline PTX included
+        out = jax.jit(lambda q, a, d=fp8_dot: paged_decode_attention(q, a, table, jnp.asarray(lens), impl="pallas",
+                                                                     fp8_dot=d, **kw))(q, arena)
+        close(out, ref, tol=1.5e-2)
     rows = [(0, 512), (488, 24), (1, 0)]
     qp, arena_p, table_p, q_lens, kv_lens, ks, vs = prefill_inputs(rng, view, rows, 512, -(-512 // ps), jnp.bfloat16,
                                                                     G)
@@ -330,7 +332,7 @@ def test_bit_unpack_is_exact_for_every_word():
     np.testing.assert_array_equal(bo[finite_hi], np.asarray(odd)[finite_hi])
 
 
-@pytest.mark.parametrize("fp8_dot", ["bits", "f16", "bf16"])
+@pytest.mark.parametrize("fp8_dot", ["bits", "f16", "bf16", "asm"])
 def test_decode_fp8_dot_modes_match_reference(fp8_dot):
     """Each way the kernel turns fp8 tiles into dot operands (bf16 query) against the reference:
     window, soft-cap, sinks, per-head scales, G = 3 and a 40-word head (masked tile)."""

@@ -56,7 +56,7 @@ from ._compat import pltr, triton_params
 from .kv_write import check_view, kv_scales, read_kv_reference
 from .launch import ANY, pow2_ceil, pow2_divisor, resolve_impl
 from .words import (FP8_BITS_SCALE, fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16,
-                    unpack_fp8, unpack_fp8_bits)
+                    unpack_fp8, unpack_fp8_asm, unpack_fp8_bits)
 
 __all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
 
@@ -132,7 +132,7 @@ def _tile_dim(dim: int) -> int:
 
 
 def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softcap, scale, num_splits,
-                   kv_dtype, fp8_bits=False):
+                   kv_dtype, fp8_bits=False, fp8_asm=False):
     # One q tile and one output tile per half: two (even, odd elements) for fp8, else one.
     halves = 2 if view.fp8 else 1
     q_refs, arena_ref, o_refs = refs[:halves], refs[halves], refs[halves + 1:2 * halves + 1]
@@ -197,6 +197,8 @@ def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softc
         r0, c0 = head_cols(0, dim)
         hi_words = load_tile(rows_base + base, slot, r0, c0, m, dim, mask)
         if view.fp8:
+            if fp8_asm:
+                return list(unpack_fp8_asm(hi_words))
             return list(unpack_fp8_bits(hi_words) if fp8_bits else unpack_fp8(hi_words, compute_dtype))
         if not two_planes:
             return [hi_words if hi_words.dtype == kv_dtype else from_u16(to_u16(hi_words), kv_dtype)]
@@ -294,7 +296,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
         _check_kv_dtype_fp8(kv_dtype)
         fp8_dot = _fp8_dot(fp8_dot, q.dtype)
         fp8_bits = fp8_dot == "bits"
-        value_dtype = jnp.dtype(jnp.float16) if fp8_dot in ("f16", "bits") else fp8_compute_dtype(q.dtype)
+        value_dtype = jnp.dtype(jnp.float16) if fp8_dot in ("f16", "bits", "asm") else fp8_compute_dtype(q.dtype)
     else:
         value_dtype = kv_value_dtype(view.planes, kv_dtype)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
@@ -338,7 +340,8 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
                 else x for x in q_halves]
     halves = len(q_halves)
     kernel = functools.partial(_decode_kernel, view=view, block_tokens=block, window=window, softcap=softcap,
-                               scale=kernel_scale, num_splits=num_splits, kv_dtype=value_dtype, fp8_bits=fp8_bits)
+                               scale=kernel_scale, num_splits=num_splits, kv_dtype=value_dtype, fp8_bits=fp8_bits,
+                               fp8_asm=view.fp8 and fp8_dot == "asm" and not interpret)
     q_spec = pl.BlockSpec((None, None, group_rows, Dp), lambda b, h, s: (b, h, 0, 0))
     acc_spec = pl.BlockSpec((None, None, None, group_rows, Dvp), lambda b, h, s: (b, h, s, 0, 0))
     ml_spec = pl.BlockSpec((None, None, None, group_rows), lambda b, h, s: (b, h, s, 0))
@@ -364,13 +367,15 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
 
 
 F16_MAX = 65504.0
-FP8_DOTS = ("bf16", "f16", "bits")
+FP8_DOTS = ("bf16", "f16", "bits", "asm")
 
 
 def _fp8_dot(fp8_dot, q_dtype) -> str:
     """How fp8 tiles reach the dots: "f16" (default: e4m3 -> f16 converts, one instruction per pair
     on Hopper), "bits" (integer unpack to f16, words.unpack_fp8_bits: no convert instruction, for
-    GPUs without an e4m3 convert) or "bf16" (e4m3 -> bf16, which Hopper does in three steps).  H200,
+    GPUs without an e4m3 convert), "asm" (one inline-PTX e4m3x2 -> f16x2 convert per word, both
+    halves at once; Hopper/Ada only, interpret mode takes "f16") or "bf16" (e4m3 -> bf16, which
+    Hopper does in three steps).  H200,
     B=64 ctx 4096 (RESULTS.md, session 8): f16 180 us, bits 234 us, bf16 263 us, bf16 K/V 276 us.
     An f32 query (parity runs) always takes the f32 convert."""
     if jnp.dtype(q_dtype) == jnp.float32:

@@ -30,6 +30,7 @@ Shapes: ``encode(x[..., n]) -> words[..., planes * n]``; ``decode(words[..., pla
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -212,6 +213,23 @@ def unpack_fp8_bits(words):
     odd = (w & 0x8000) | ((w >> 1) & 0x3F80)
     f16 = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
     return f16(even), f16(odd)
+
+
+# One PTX convert turns a word's two e4m3 bytes into an f16 pair (sm_89+); the pair is split into
+# the low (even element) and high (odd element) halves.
+_E4M3X2_TO_F16X2 = "{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }"
+
+
+def unpack_fp8_asm(words):
+    """words[..., n] -> (even, odd) float16 [..., n], one `cvt.rn.f16x2.e4m3x2` per word (Triton
+    inline PTX: Hopper and Ada GPUs only, never interpret mode)."""
+    from jax.experimental.pallas import triton as pltr
+
+    w = to_u16(words)
+    shape = jax.ShapeDtypeStruct(w.shape, jnp.float16)
+    even, odd = pltr.elementwise_inline_asm(_E4M3X2_TO_F16X2, args=[w], constraints="=h,=h,h", pack=1,
+                                            result_shape_dtypes=[shape, shape])
+    return even, odd
 
 
 def decode_fp8(words, scale=1.0, dtype=jnp.float32):
