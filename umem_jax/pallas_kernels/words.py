@@ -215,9 +215,9 @@ def unpack_fp8_bits(words):
     return f16(even), f16(odd)
 
 
-# One PTX convert turns a word's two e4m3 bytes into an f16 pair (sm_89+); the pair is split into
-# the low (even element) and high (odd element) halves.
-_E4M3X2_TO_F16X2 = "{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; mov.b32 {$0, $1}, r; }"
+# One PTX convert turns a word's two e4m3 bytes into an f16 pair (sm_89+): the low half is the
+# even element, the high half the odd one.  (Pallas' Triton lowering takes one asm result only.)
+_E4M3X2_TO_F16X2 = "cvt.rn.f16x2.e4m3x2 $0, $1;"
 
 
 def unpack_fp8_asm(words):
@@ -226,10 +226,10 @@ def unpack_fp8_asm(words):
     from jax.experimental.pallas import triton as pltr
 
     w = to_u16(words)
-    shape = jax.ShapeDtypeStruct(w.shape, jnp.float16)
-    even, odd = pltr.elementwise_inline_asm(_E4M3X2_TO_F16X2, args=[w], constraints="=h,=h,h", pack=1,
-                                            result_shape_dtypes=[shape, shape])
-    return even, odd
+    (pair,) = pltr.elementwise_inline_asm(_E4M3X2_TO_F16X2, args=[w], constraints="=r,h", pack=1,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.uint32)])
+    f16 = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
+    return f16(pair & 0xFFFF), f16(pair >> 16)
 
 
 def decode_fp8(words, scale=1.0, dtype=jnp.float32):
