@@ -226,10 +226,11 @@ def unpack_fp8_asm(words):
     from jax.experimental.pallas import triton as pltr
 
     w = to_u16(words)
+    # int32, not uint32: Triton's inline asm takes signless integers only.
     (pair,) = pltr.elementwise_inline_asm(_E4M3X2_TO_F16X2, args=[w], constraints="=r,h", pack=1,
-                                          result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.uint32)])
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.int32)])
     f16 = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
-    return f16(pair & 0xFFFF), f16(pair >> 16)
+    return f16(pair & 0xFFFF), f16((pair >> 16) & 0xFFFF)
 
 
 def decode_fp8(words, scale=1.0, dtype=jnp.float32):
