@@ -180,13 +180,6 @@ def _serve(args) -> int:
     return code or 0
 
 
-def _router(args) -> int:
-    from .disagg.router import Router, serve_router
-
-    router = Router(args.prefill, args.decode, timeout_s=args.transfer_timeout, retries=args.retries)
-    return serve_router(router, host=args.host, port=args.port)
-
-
 def _default_names(args) -> list[str]:
     """The served names: the model as given; with no model, the demo's default (gemma3-270m if
     installed, else tiny, which `args.model` becomes), the built-in one under its Hugging Face
@@ -321,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The `umem-jax` argument parser, every subcommand on it."""
+    from .disagg.commands import add_router_parser
     from .models.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="umem-jax", description="umem_jax: serve hybrid language models (full "
@@ -379,14 +373,7 @@ def parser() -> argparse.ArgumentParser:
                    "(SGLang's flag; default null: a whole engine)")
     s.set_defaults(fn=_serve)
 
-    r = sub.add_parser("router", help="the OpenAI API in front of prefill and decode workers (disaggregation)")
-    r.add_argument("--prefill", nargs="+", action="extend", required=True, metavar="URL", help="prefill worker URL(s)")
-    r.add_argument("--decode", nargs="+", action="extend", required=True, metavar="URL", help="decode worker URL(s)")
-    r.add_argument("--host", default="127.0.0.1")
-    r.add_argument("--port", type=int, default=8000)
-    r.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds a page transfer may take")
-    r.add_argument("--retries", type=int, default=1, help="new attempts after a failed transfer (default 1)")
-    r.set_defaults(fn=_router)
+    add_router_parser(sub)  # `umem-jax router` (disagg/commands.py)
 
     g = sub.add_parser("generate", help="generate for one prompt (default model: gemma3-270m if installed, else "
                        "tiny), then print the arena memory per band")

@@ -1,6 +1,7 @@
 """Fault injection for the disaggregation tests, off unless the worker starts with
 UMEM_JAX_DISAGG_FAULTS=1: POST /disagg/faults {"stall_install_s": 5, "match": "slow-"} makes
-every transfer whose id contains `match` wait that long at that point (`times`: how many)."""
+every transfer whose id contains `match` wait that long at that point (`times`: how many
+transfers, per point)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ class Faults:
     def take(self, point: str, transfer_id: str):
         """The value a rule gives `point` for this transfer (and one use of that rule), or None."""
         for r in self.rules:
-            if point in r and r.get("match", "") in transfer_id and r.get("times", 1) > 0:
-                r["times"] = r.get("times", 1) - 1
+            left = r.setdefault("left", {})  # uses left per point: one rule may set several
+            if point in r and r.get("match", "") in transfer_id and left.get(point, r.get("times", 1)) > 0:
+                left[point] = left.get(point, r.get("times", 1)) - 1
                 return r[point]
         return None
 

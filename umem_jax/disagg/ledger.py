@@ -37,6 +37,7 @@ class Ledger:
         self._n = itertools.count(1)
         self.transfers: collections.OrderedDict[str, Transfer] = collections.OrderedDict()
         self.counts = collections.Counter()
+        self.num_live = 0  # reserved transfers: an int, so other threads may read it
 
     def new(self, transfer_id: str, timeout_s: float) -> Transfer:
         """A reservation (its pages already taken) of a new generation."""
@@ -49,14 +50,18 @@ class Ledger:
         while len(self.transfers) > KEEP and next(iter(self.transfers.values())).state not in (RESERVED, INSTALLED):
             self.transfers.popitem(last=False)
         self.counts["reserved"] += 1
+        self.num_live += 1
         return t
 
     def writable(self, transfer_id: str, generation: str) -> Transfer | str:
         """The reserved transfer this write may fill, or why it is dropped."""
         t = self.transfers.get(transfer_id)
-        if t is None or t.generation != generation:
-            why = f"stale generation {generation} (this worker's epoch is {self.epoch})" if t is None or \
-                not generation.startswith(self.epoch + "-") else f"generation {generation} was replaced by {t.generation}"
+        if not generation.startswith(self.epoch + "-"):
+            why = f"stale generation {generation} (this worker's epoch is {self.epoch})"
+        elif t is None:
+            why = f"no transfer {transfer_id} here"
+        elif t.generation != generation:
+            why = f"generation {generation} was replaced by {t.generation}"
         elif t.state != RESERVED:
             why = f"transfer {transfer_id} is {t.state}"
         else:
@@ -65,6 +70,7 @@ class Ledger:
         return why
 
     def end(self, t: Transfer, state: str) -> None:
+        self.num_live -= t.state == RESERVED
         t.state = state
         self.counts[state] += 1
 
@@ -74,4 +80,5 @@ class Ledger:
         return [t for t in self.transfers.values() if t.state == RESERVED and t.deadline <= now]
 
     def live(self) -> int:
-        return sum(t.state == RESERVED for t in self.transfers.values())
+        """Reserved transfers (safe from any thread)."""
+        return self.num_live

@@ -11,6 +11,7 @@ echo, suffix, several prompts in one request.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -41,6 +42,7 @@ class Router:
         self.timeout_s, self.retries, self.reserve_wait_s = timeout_s, retries, reserve_wait_s
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
         self.counts = {"requests": 0, "retries": 0, "failed": 0}
+        self.errors: collections.deque[str] = collections.deque(maxlen=32)  # why recent attempts failed
 
     async def _post(self, url: str, **kw) -> httpx.Response:
         try:
@@ -80,6 +82,7 @@ class Router:
                 return
             except TransferFailed as e:
                 why = str(e)
+                self.errors.append(f"{tid}: {why}")
                 self.counts["retries"] += attempt < self.retries
         self.counts["failed"] += 1
         raise APIError(503, f"the disaggregated request failed after {1 + self.retries} attempts: {why}")
@@ -160,7 +163,7 @@ def build_router_app(router: Router, model_name: str = "umem-jax") -> FastAPI:
 
     @app.get("/router/stats")
     async def stats():
-        return router.counts
+        return {**router.counts, "errors": list(router.errors)}
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
