@@ -274,7 +274,7 @@ def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: i
                                               "block_tokens", "num_splits", "num_warps", "num_stages", "fp8_dot"))
 def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None, v_scale=None, *, view,
                          window=None, softcap=None, scale=None, kv_dtype=None, interpret=False, block_tokens=None,
-                         num_splits=None, num_warps=4, num_stages=3, fp8_dot=None):
+                         num_splits=None, num_warps=4, num_stages=None, fp8_dot=None):
     _check(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
@@ -307,9 +307,12 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
         # pipeliner double-buffers K and V (the page ids come one block ahead), ~70 KiB of
         # shared memory, so three programs share an SM and keep ~200 KiB of loads in flight
         # (ptxas sm_90: ~128-190 registers, no spills).  fp32 planes have no tensor-core dot
-        # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.  fp8 keeps 8K
-        # words per tile (128 tokens at D=128: the same bytes in flight, twice the tokens).
+        # (IEEE FMA loops) and spill above 32 tokens; they exist for parity.
         block_tokens = max(16, 8192 // max(Dp, Dvp)) if view.planes == 1 else 32
+        if view.fp8:  # fp8: 4K words (64 tokens at D=128) and 4 stages, the H200 sweep's best (session 8)
+            block_tokens //= 2
+    if num_stages is None:
+        num_stages = 4 if view.fp8 else 3
     block = pow2_ceil(max(16, block_tokens))  # >= 16: the smallest Triton dot
     # Each pipeline stage buffers one K and one V tile in shared memory; an H100/H200 SM has
     # 227 KiB.  Trim the stages (then the block) of a config that would not fit rather than fail
@@ -370,17 +373,29 @@ F16_MAX = 65504.0
 FP8_DOTS = ("bf16", "f16", "bits", "asm")
 
 
+def _has_e4m3x2_convert() -> bool:
+    """True on CUDA GPUs of compute capability >= 8.9 (Ada, Hopper, later): PTX cvt.f16x2.e4m3x2."""
+    try:
+        d = jax.devices()[0]
+        cc = getattr(d, "compute_capability", None) if d.platform == "gpu" else None
+        return cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) >= (8, 9)
+    except Exception:  # pragma: no cover - no device / unusual platform string
+        return False
+
+
 def _fp8_dot(fp8_dot, q_dtype) -> str:
-    """How fp8 tiles reach the dots: "f16" (default: e4m3 -> f16 converts, one instruction per pair
-    on Hopper), "bits" (integer unpack to f16, words.unpack_fp8_bits: no convert instruction, for
-    GPUs without an e4m3 convert), "asm" (one inline-PTX e4m3x2 -> f16x2 convert per word, both
-    halves at once; Hopper/Ada only, interpret mode takes "f16") or "bf16" (e4m3 -> bf16, which
-    Hopper does in three steps).  H200,
-    B=64 ctx 4096 (RESULTS.md, session 8): f16 180 us, bits 234 us, bf16 263 us, bf16 K/V 276 us.
-    An f32 query (parity runs) always takes the f32 convert."""
+    """How fp8 tiles reach the dots (FP8_DOTS):
+      "asm"  one inline-PTX cvt.rn.f16x2.e4m3x2 per word gives both halves (default where the GPU
+             has it: compute capability >= 8.9; interpret mode runs it as "f16");
+      "f16"  e4m3 -> f16 converts per element (default elsewhere);
+      "bits" integer unpack to f16 (words.unpack_fp8_bits: no convert instruction at all);
+      "bf16" e4m3 -> bf16 converts (Hopper has none: three steps each).
+    H200, B=64 ctx 4096 (RESULTS.md, session 8): asm 164 us, f16 176-180 us, bits 234 us, bf16 263 us,
+    against 275 us for bf16 K/V.  An f32 query (parity runs) always takes the f32 convert."""
     if jnp.dtype(q_dtype) == jnp.float32:
         return "f32"
-    fp8_dot = "f16" if fp8_dot is None else fp8_dot
+    if fp8_dot is None:
+        fp8_dot = "asm" if _has_e4m3x2_convert() else "f16"
     if fp8_dot not in FP8_DOTS:
         raise ValueError(f"fp8_dot must be one of {FP8_DOTS}, got {fp8_dot!r}")
     return fp8_dot
@@ -418,8 +433,9 @@ def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, 
 
     k_scale, v_scale: fp8 views' dequantisation scales (f32 [Hkv] or scalars; default 1.0).
     impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
-    tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, 8192 // (head_dim
-    / 2) for fp8, 32 for fp32 planes), num_splits (default: choose_num_splits), num_warps, num_stages.
+    tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, also for fp8, 32
+    for fp32 planes), num_splits (default: choose_num_splits), num_warps, num_stages (default 3, fp8
+    4), fp8_dot (how fp8 tiles reach the dots, see _fp8_dot; default "asm" on sm_89+, else "f16").
     """
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
