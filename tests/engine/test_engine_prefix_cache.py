@@ -228,3 +228,41 @@ def test_prompts_near_the_clip_limit_random(tiny_attention):
         assert _twice(small, p, clip) == (want, want)
         small.llm_engine.check_idle()
     assert_idle_clean(small)
+
+
+# ------------------------------------------------------------------ issue 22 (5): window models at the budget
+# Attention-only window models: a lone prompt at 70-100% of the clip limit, run twice, neither
+# stalls (the tree's duplicates of the pages the second run computed again go: 12eebba), and the
+# repeat hits the cache exactly at the prompt's last page boundary: the tree MARKS that node and
+# keeps its window pages (before, only the leaf past the outputs kept any, so a repeat found
+# none and recomputed everything).  Gemma 3 at 100 kB / 512 tokens stalled on 19 of 30 repeats
+# before 12eebba.
+
+def _repeats_hit(small, big, vocab, lo, seeds):
+    import numpy as np
+
+    n = _clip_limit(small, small.llm_engine.max_model_len)
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        k = int(rng.integers(int(lo * n), n + 1))
+        p = rng.integers(3, vocab, k).tolist()
+        clip = small.llm_engine.demand.clip(k, 10_000)
+        want = big.generate(p, G(clip))[0].outputs[0].token_ids
+        assert run(small, p, clip) == (want, 0)
+        assert run(small, p, clip) == (want, (k - 1) // 4 * 4)  # the exact repeat resumes at the mark
+        small.llm_engine.check_idle()
+    assert_idle_clean(small)
+
+
+def test_window_model_repeats_at_the_budget_hit(tiny_attention):
+    model, big = tiny_attention
+    _repeats_hit(_tight(model), big, 300, 0.7, range(8))
+    _repeats_hit(_tight(model), big, 300, 0.05, range(8, 12))  # short prompts too
+
+
+def test_gemma_repeats_at_the_budget_hit():
+    from umem_jax.models.loader import load_model
+
+    m = load_model(str(FIXTURES / "gemma3_tiny"))
+    _repeats_hit(_tight(m, arena_bytes=100000, max_model_len=512), _tight(m, arena_bytes=4 << 20, max_model_len=256),
+                 120, 0.7, range(8))

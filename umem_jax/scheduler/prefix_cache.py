@@ -16,31 +16,30 @@ The three kinds of memory:
                tree keeps window pages only near its *anchors* (below): a node holds a window
                ref while some anchor at or below it could resume on it; every other cached
                page is tombstoned in the window.  If a hit's window pages are missing it is
-               SHORTENED to the deepest point where they exist.  Recomputing them instead
-               (bind_window_pages + replay) is not exact: a window row depends on the window
-               rows before it, layer by layer, down to position 0, so the replay would have to
-               start at a point whose windows exist anyway -- and would rewrite shared full
-               pages.  Shortening reuses every page that can be reused exactly.
+               SHORTENED to the deepest point where they exist (recomputing them is not exact:
+               a window row depends on the rows before it, layer by layer, down to position 0).
   state        a recurrent state cannot run backwards, so a hit resumes only at a node with a
                CHECKPOINT: a state slot owned by the tree holding the state after that node's
                last token.  A hit copies it into the request's own working slot (a slot copy
                in the allocator's move queue, never aliasing it) and replays from there.
 
 Anchors (where a hit may resume, so where window rows are kept): with state, the nodes that
-hold a checkpoint; without, the leaves (ends of cached sequences) and branch points.  A branch
+hold a checkpoint; without, the leaves (ends of cached sequences), branch points and MARKS: the
+node one token short of a cached prompt's end (where its exact repeat resumes; a finished
+request's leaf is past its outputs, so without marks a repeat found no window rows).  A branch
 point appears when a request diverges from a cached path; that request computed the pages
 before it itself, so when it inserts them the tree ADOPTS its copies (same tokens, window
 pages still bound) in place of cached ones whose window pages are gone.  The next request
 with that prefix then resumes exactly at the branch.
 
-Checkpoints: the scheduler plans them (prefill chunk ends, fork points, every N decode tokens)
-and hands them over here with the pages.  At most `max_checkpoints_per_path` stay on one root
-path: beyond it the shallowest go, except branch points and the newest (a soft bound, as
-SGLang's).  A checkpoint slot is optional memory: one that cannot be allocated is skipped.
+Checkpoints: planned by the scheduler (prefill chunk ends, fork points, every N decode tokens),
+handed over with the pages; at most `max_checkpoints_per_path` per root path (the shallowest go
+first, not branch points nor the newest: a soft bound, as SGLang's); optional memory.
 
 Eviction: LRU over leaves that no request holds (refcount 1: the tree's own).  Evicting one
 frees its token page, any window page and its checkpoint; its parent may become an evictable
-leaf.  The scheduler evicts before it retracts anything.
+leaf.  A checkpoint or a mark of any other node goes alone (its windows then go where no anchor
+wants them).  The scheduler evicts before it retracts anything.
 """
 
 from __future__ import annotations
@@ -73,11 +72,9 @@ class PrefixCache:
         self.root = Node(None, 0, None, 0)
         self._tick = itertools.count(1)
         self.holdings = CacheHoldings(owner)
-        # counters (monotone)
-        self.queries = self.query_tokens = self.hits = self.hit_tokens = 0
-        self.shortened_tokens = 0  # matched but not resumable (window rows / checkpoint missing)
-        self.evicted_pages = self.evicted_checkpoints = self.dropped_checkpoints = 0
-        self.adopted_pages = 0
+        # counters (monotone); shortened: matched but not resumable (window rows / checkpoint missing)
+        self.queries = self.query_tokens = self.hits = self.hit_tokens = self.shortened_tokens = 0
+        self.evicted_pages = self.evicted_checkpoints = self.dropped_checkpoints = self.adopted_pages = 0
 
     # ================================================================== lookups
     def match(self, tokens, max_pages: int) -> Hit:
@@ -130,13 +127,14 @@ class PrefixCache:
 
     # ================================================================== growth
     def insert(self, tokens, vids, n_pages: int, *, hint: Node | None = None,
-               checkpoints: dict[int, int] | None = None) -> tuple[Node, list[int]]:
+               checkpoints: dict[int, int] | None = None, marks=()) -> tuple[Node, list[int]]:
         """Cache the first `n_pages` pages of a sequence: tokens (a list, or tokens(start, end)
         giving a slice; at least n_pages * page_size of them) and its page ids `vids` (the
         inserting request's own; where the tree already holds those tokens it keeps its page, or
         adopts the request's when that one still has window pages the tree wants).  hint: a node
         on this path already inserted (continue from it).  checkpoints {depth: slot}: state
-        slots to attach at those depths (the tree takes them).
+        slots to attach at those depths (the tree takes them).  marks: depths of prompt ends to
+        keep resumable (models without state).
         -> (the node n_pages deep, the checkpoint slots NOT taken: the caller frees them)."""
         page_size = self.page_size
         get = tokens if callable(tokens) else (lambda a, b: tokens[a:b])
@@ -155,17 +153,25 @@ class PrefixCache:
             node = child
         rejected, deepest = [], node
         for depth, slot in sorted((checkpoints or {}).items()):
-            target = node
-            while target is not None and target.depth > depth:
-                target = target.parent
-            if depth < 1 or target is None or target.depth != depth or target.ckpt:
+            target = self._up(node, depth)
+            if depth < 1 or target.depth != depth or target.ckpt:
                 rejected.append(slot)
                 continue
             target.ckpt = int(slot)
             self.holdings.take_checkpoint()
             low = min(low, depth, self._cap_checkpoints(target))
+        for target in (self._up(node, d) for d in (() if self.state else marks)):
+            if target is not self.root and not target.mark:
+                target.mark, low = True, min(low, target.depth)
         self._refresh(deepest, low - self._reach, vids)
         return deepest, rejected
+
+    @staticmethod
+    def _up(node: Node, depth: int) -> Node:
+        """node's ancestor (or itself) at `depth` (>= 0)."""
+        while node.depth > max(depth, 0):
+            node = node.parent
+        return node
 
     def _cap_checkpoints(self, node: Node) -> int:
         """Keep at most `max_checkpoints_per_path` checkpoints on node's root path -> the
@@ -199,7 +205,7 @@ class PrefixCache:
     def _is_anchor(self, n: Node) -> bool:
         if n is self.root:
             return False
-        return bool(n.ckpt) if self.state else len(n.children) != 1
+        return bool(n.ckpt) if self.state else (n.mark or len(n.children) != 1)
 
     def _nearest_anchor(self, n: Node, limit: int) -> int | None:
         """Depth of the shallowest anchor in n's subtree (n included), looking no deeper than
@@ -270,9 +276,8 @@ class PrefixCache:
                 if vid != node.vid and self.owner.refs[node.vid] == 1 and self.owner.refs[vid] > 0:
                     wins = sorted(node.wins)
                     self._swap_page(node, vid)
-                    for n in wins:
-                        if self.owner.window_bound(vid, n):
-                            self._hold_window(node, n)
+                    for n in (n for n in wins if self.owner.window_bound(vid, n)):
+                        self._hold_window(node, n)
                     out += 1
                 node = node.parent
         return out
@@ -303,14 +308,17 @@ class PrefixCache:
     def _evictable(self, n: Node) -> bool:
         return n.alive and n is not self.root and not n.children and self.owner.refs[n.vid] == 1
 
+    def _droppable(self, n: Node) -> bool:
+        """A checkpoint or a mark that may go alone (a future shortcut only: the page stays)."""
+        return n.alive and not n.pins and bool(n.ckpt or n.mark)
+
     def evict(self, enough=lambda: False) -> int:
         """Evict least recently used entries until enough() -> entries evicted.  An entry is a
-        leaf no request holds (its page, window pages and checkpoint), or the checkpoint alone
-        of any other node (a request's own path included: a checkpoint is only a future
-        shortcut; its page stays)."""
+        leaf no request holds (its page, window pages and checkpoint), or the checkpoint or
+        mark alone of any other node (a request's own path included)."""
         heap = []
         for x in self.nodes():
-            if self._evictable(x) or (x.ckpt and not x.pins):
+            if self._evictable(x) or self._droppable(x):
                 heap.append((x.stamp, -x.depth, id(x), x))
         heapq.heapify(heap)  # oldest first; deepest first among equals (leaves before their parents)
         out = 0
@@ -319,11 +327,13 @@ class PrefixCache:
             if self._evictable(x):
                 parent = x.parent
                 self._remove(x)
-                if self._evictable(parent) or (parent.ckpt and not parent.pins):
+                if self._evictable(parent) or self._droppable(parent):
                     heapq.heappush(heap, (parent.stamp, -parent.depth, id(parent), parent))
-            elif x.alive and x.ckpt and not x.pins:
-                self._drop_checkpoint(x)
-                self.evicted_checkpoints += 1
+            elif self._droppable(x):
+                if x.ckpt:
+                    self._drop_checkpoint(x)
+                    self.evicted_checkpoints += 1
+                x.mark = False
                 self._refresh(x, x.depth - self._reach)  # its windows may go too
             else:
                 continue
@@ -375,17 +385,9 @@ class PrefixCache:
         """Pages (slots) only the cache holds, per sub-pool: what eviction could free now."""
         return self.holdings.evictable_by_subpool()
 
-    @property
-    def num_pages(self) -> int:
-        return self.holdings.num_pages
-
-    @property
-    def num_checkpoints(self) -> int:
-        return self.holdings.num_checkpoints
-
-    @property
-    def num_window_pages(self) -> dict[str, int]:
-        return self.holdings.num_window_pages
+    num_pages = property(lambda self: self.holdings.num_pages)
+    num_checkpoints = property(lambda self: self.holdings.num_checkpoints)
+    num_window_pages = property(lambda self: self.holdings.num_window_pages)  # {window: pages}
 
     def stats(self) -> dict:
         return {"queries": self.queries, "query_tokens": self.query_tokens, "hits": self.hits,

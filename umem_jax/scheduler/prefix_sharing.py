@@ -129,8 +129,10 @@ class PrefixSharing:
         num_pages = min(req.num_computed, req.prompt_len + len(req.output_token_ids)) // page_size
         if num_pages > req.cache_pages or req.ckpts:
             checkpoints = {pos // page_size: slot for pos, slot in req.take_planned_checkpoints()}
+            end = (req.prompt_len - 1) // page_size  # where the prompt's exact repeat resumes
             node, rejected = self.cache.insert(req.token_ids, req.pages, num_pages, hint=req.cache_node,
-                                               checkpoints=checkpoints)
+                                               checkpoints=checkpoints,
+                                               marks=(end,) if req.cache_pages < end <= num_pages else ())
             if rejected:
                 self.allocator.free_state_slots(rejected)
             req.mark_cached(node, num_pages)

@@ -11,9 +11,10 @@ class Node:
     depth * page_size)); stamp: last use, for LRU; ckpt: state slot id holding the state after
     depth * page_size tokens, or 0; wins: windows in which the tree holds this page's window
     ref; alive: still in the tree; pins: lookups about to restore this node's checkpoint (it
-    stays until they unpin it)."""
+    stays until they unpin it); mark: a prompt ended one token past this node (a model without
+    state keeps window pages for a resume here, as a checkpoint does with state)."""
 
-    __slots__ = ("key", "vid", "parent", "children", "depth", "stamp", "ckpt", "wins", "alive", "pins")
+    __slots__ = ("key", "vid", "parent", "children", "depth", "stamp", "ckpt", "wins", "alive", "pins", "mark")
 
     def __init__(self, key, vid: int, parent, depth: int):
         self.key, self.vid, self.parent, self.depth = key, int(vid), parent, depth
@@ -23,9 +24,10 @@ class Node:
         self.wins: set[str] = set()
         self.alive = True
         self.pins = 0
+        self.mark = False
 
     def __repr__(self) -> str:
-        return f"Node(depth={self.depth}, vid={self.vid}, ckpt={self.ckpt}, wins={sorted(self.wins)})"
+        return f"Node(depth={self.depth}, vid={self.vid}, ckpt={self.ckpt}, wins={sorted(self.wins)}, mark={self.mark})"
 
 
 @dataclasses.dataclass
