@@ -147,6 +147,8 @@ def _run_worker(sections: list[str], timeout: int) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
     env["JAX_PLATFORMS"] = "cpu"
+    # The worker imports this checkout's umem_jax whether or not (or wherever) it is installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
     # Six step compilations are most of this test's time, and most of each is XLA:CPU's LLVM
     # code generation.  JAX_DISABLE_MOST_OPTIMIZATIONS only turns that down (jax/_src/compiler.py:
     # xla_backend_optimization_level=0, no expensive LLVM passes); the HLO passes that decide
