@@ -5,23 +5,32 @@ allocation with a pattern of (sub-pool, virtual id, row in page) still reads bac
 through the tables after every move batch has been applied with simultaneous-copy semantics
 (read all sources, then write all destinations), exactly like the device copy.
 
-UMEM_LONG_TESTS=1 runs many more and longer sequences.
+`--long` (or UMEM_LONG_TESTS=1) also runs test_arena_machine_long: 10,000 sequences of up to
+120 steps (it prints how many ran and how long they took).
 """
 
 from __future__ import annotations
 
-import os
+import time
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from umem_jax.memory import ChainAllocator, full_attention, plan, recurrent_state, window_attention
 from umem_jax.memory.declarations import StateTensor
 
-LONG = os.environ.get("UMEM_LONG_TESTS") == "1"
 PAGE = 4
+LONG_SEQUENCES = 10_000
 
 
 def make_plan(kind: str):
@@ -63,6 +72,7 @@ class ArenaMachine(RuleBasedStateMachine):
                 rows=st.integers(600, 4000), fr=st.lists(st.integers(1, 4), min_size=4, max_size=4),
                 cap=st.sampled_from([4096, 1]))
     def setup(self, kind, mode, rows, fr, cap):
+        ArenaMachine.sequences += 1
         self.plan = PLANS[kind]
         regions = static_regions(self.plan, rows, fr[:len(self.plan.subpools)]) if mode == "static" else None
         self.a = ChainAllocator(self.plan, rows, static_regions=regions, eager=mode == "eager",
@@ -275,10 +285,19 @@ class ArenaMachine(RuleBasedStateMachine):
             assert (self.arena[rows, 1] == np.arange(sp.rows_per_page)).all(), f"{sp.name}: rows shuffled"
 
 
-ArenaMachine.TestCase.settings = settings(
-    max_examples=2000 if LONG else 200,
-    stateful_step_count=120 if LONG else 40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+ArenaMachine.sequences = 0  # sequences started in this process (setup runs once per sequence)
+SUPPRESS = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+ArenaMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None,
+                                          suppress_health_check=SUPPRESS)
 TestArenaMachine = ArenaMachine.TestCase
+
+
+@pytest.mark.slow
+def test_arena_machine_long():
+    """10,000 sequences of up to 120 steps (`--long`)."""
+    before, t0 = ArenaMachine.sequences, time.perf_counter()
+    run_state_machine_as_test(ArenaMachine, settings=settings(
+        max_examples=LONG_SEQUENCES, stateful_step_count=120, deadline=None, suppress_health_check=SUPPRESS))
+    ran = ArenaMachine.sequences - before
+    print(f"allocator state machine: {ran} sequences in {time.perf_counter() - t0:.0f} s")
+    assert ran >= LONG_SEQUENCES
