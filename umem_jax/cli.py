@@ -66,20 +66,6 @@ def _plan(args) -> int:
     return 0
 
 
-def _compilation_cache() -> None:
-    """Keep XLA's compiled steps on disk ($UMEM_JAX_CACHE/xla, ~/.cache/umem_jax/xla): a model's
-    step shapes compile once per machine, later starts read them back.  UMEM_JAX_COMPILATION_CACHE=0
-    turns it off."""
-    import jax
-
-    if os.environ.get("UMEM_JAX_COMPILATION_CACHE", "1") == "0":
-        return
-    from .models.loader import cache_dir
-
-    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-
-
 def _check_platform() -> None:
     """Serving runs on NVIDIA GPUs (Pallas/Triton kernels) and on CPU (reference kernels)."""
     import jax
@@ -163,18 +149,21 @@ def _serve(args) -> int:
     from .api.async_engine import AsyncLLMEngine
     from .api.metrics import EngineMetrics
     from .api.server import serve
+    from .engine import startup, warmup
 
     names = args.served_model_name or _default_names(args)
-    engine = _engine(args)
+    report = startup.install(startup.StartupReport())  # loading, converting, compiling + ETA on stderr
+    engine, (shapes, sampling) = _engine(args), warmup.resolve(args.warmup_shapes, args.warmup_sampling)
     aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
-                          warmup_shapes=None if args.warmup_shapes < 0 else args.warmup_shapes,
-                          warmup_sampling=_sampling_modes(args.warmup_sampling))
+                          warmup_shapes=shapes, warmup_sampling=_sampling_modes(sampling))
     print(_serving_line(engine, names, args), flush=True)
+    startup.announce_when_ready(report, aeng, f"ready: http://{args.host}:{args.port}/v1")
     if args.disaggregation_mode != "null":  # a prefill or decode worker (disagg/worker.py)
         from .disagg.worker import serve_worker as serve
         serve = functools.partial(serve, mode=args.disaggregation_mode)
     code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
+    startup.install(None)
     if code:
         print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
     return code or 0
@@ -304,7 +293,9 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.cmd in ("demo", "serve", "generate", "bench") and args.fn is not _bench_serve:  # a client: no JAX
-        _compilation_cache()
+        from .engine.cache import enable_compilation_cache
+
+        enable_compilation_cache()  # compiled steps kept on disk (engine/cache.py)
     try:
         return args.fn(args)
     except ValueError as e:  # plan refusals and sizing errors: the message says what to do
@@ -315,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 def parser() -> argparse.ArgumentParser:
     """The `umem-jax` argument parser, every subcommand on it."""
     from .disagg.commands import add_router_parser
+    from .engine import cache
     from .models.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="umem-jax", description="umem_jax: serve hybrid language models (full "
@@ -362,12 +354,13 @@ def parser() -> argparse.ArgumentParser:
                    "open (default: $UMEM_JAX_API_KEY; unset: no key)")
     s.add_argument("--max-request-bytes", type=int, default=16 << 20,
                    help="largest request body in bytes, larger ones get 413 (default 16 MiB; 0: no limit)")
-    s.add_argument("--warmup-shapes", type=int, default=32,
-                   help="step shapes compiled before /health turns 200, decode first (-1: every reachable one; "
-                   "the rest compile on first use; compiled steps are kept on disk for the next start)")
-    s.add_argument("--warmup-sampling", default="greedy,cuts",
+    s.add_argument("--warmup-shapes", type=int, default=None,
+                   help="step shapes compiled before /health turns 200 (default 32 on a GPU, decode first; 4 on a CPU, "
+                   "a short prompt's first; -1: all; the rest compile on first use, kept on disk: `umem-jax cache`)")
+    s.add_argument("--warmup-sampling", default=None,
                    help="sampler variants each warm-up shape is compiled in: greedy (temperature 0), random "
-                   "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request)")
+                   "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request) (default: "
+                   "greedy,cuts on a GPU, greedy,random on a CPU)")
     s.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"),
                    help="run as the prefill or the decode worker of a disaggregated pair behind `umem-jax router` "
                    "(SGLang's flag; default null: a whole engine)")
@@ -384,6 +377,7 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_generate)
 
     _bench_parsers(sub)
+    cache.add_parser(sub)  # `umem-jax cache [--clear ...]` (engine/cache.py)
     return ap
 
 

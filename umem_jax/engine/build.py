@@ -23,10 +23,12 @@ from ..memory.plan import PlanError
 from ..runner.runner import Runner
 from ..runner.speculative import Speculator
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
+from . import startup
 from .config import EngineConfig
 from .fit import CPU_ARENA_BYTES, fit_context
 from .speculative import SpeculationError, load_draft, plan_decls, speculative_demand
 from .tokenizer import get_tokenizer
+from .warmup import release_host_memory
 
 DEFAULT_CPU_ARENA_BYTES = CPU_ARENA_BYTES  # the least default CPU arena; fit.py sizes it up to hold the context
 
@@ -53,7 +55,10 @@ class EngineParts:
 def build(cfg: EngineConfig) -> EngineParts:
     """Every part of an engine for `cfg`, in dependency order.  Raises ValueError for settings
     the model or the buckets cannot serve."""
-    model = prepared_model(cfg)
+    _convert_once(cfg)
+    with startup.phase(f"loading the weights of {_name(cfg)}"):
+        model = prepared_model(cfg)
+        release_host_memory()  # the loader's and the fusion's temporaries
     mc = model.config
     kv = kv_cache_dtype(cfg.kv_cache_dtype, mc.dtype)  # "auto": the weights' dtype; "fp8": float8 e4m3
     spec = cfg.speculative_config
@@ -130,6 +135,26 @@ def scheduler_config(cfg: EngineConfig, plan, buckets: Buckets) -> SchedulerConf
                            max_checkpoints_per_path=cfg.max_checkpoints_per_path,
                            checkpoint_interval=int(interval),
                            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+
+
+def _name(cfg: EngineConfig) -> str:
+    from ..models.model import Model
+
+    return "the given Model" if isinstance(cfg.model, Model) else str(cfg.model)
+
+
+def _convert_once(cfg: EngineConfig) -> None:
+    """A GGUF (the built-in model's, or a .gguf path) not converted yet is converted here, as a
+    start-up phase of its own: it takes minutes once, then its conversion is read back."""
+    from ..models import loader
+
+    name = loader.HF_NAMES.get(_name(cfg), _name(cfg))
+    if name == loader.DEFAULT_MODEL and not loader.converted(loader.DEFAULT_MODEL):
+        with startup.phase(f"converting the {name} GGUF once (1-3 min on 2 cores; kept in {loader.cache_dir()})"):
+            loader.convert_gguf(loader.fetch_default_model())
+    elif name.endswith(".gguf") and not loader.converted(name):
+        with startup.phase(f"converting {name} once (kept in {loader.cache_dir()})"):
+            loader.convert_gguf(name)
 
 
 def _load(cfg: EngineConfig):

