@@ -188,7 +188,7 @@ def drive(llm_obj, specs: list[Spec], seed) -> dict:
 
 def check(family: Family, llm_obj, specs: list[Spec], outs: dict, clips: ClipLog, seed, idle_checks: int) -> None:
     e = llm_obj.llm_engine
-    fail = lambda msg: SoakFailure(f"seed {seed} ({family.name}): {msg}")  # noqa: E731
+    fail = lambda msg: SoakFailure(f"seed {seed} ({family.name}): {msg}")
     for s in specs:
         o = outs.get(s.rid)
         if o is None:
@@ -238,7 +238,8 @@ def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int 
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    counts = dict(workloads=0, requests=0, refused=0, aborted=0, hits=0, retractions=0, preemptions=0, failures=[])
+    counts = dict(workloads=0, requests=0, refused=0, aborted=0, hits=0, retractions=0, preemptions=0, restarts=0,
+                  failures=[])
     engines: dict = {}
     try:
         for w in range(start, start + workloads):
@@ -253,11 +254,11 @@ def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int 
             slot[3] += 1
             specs = workload(rng, llm_obj, pool, slot[2] in fam.sampling, most)
             idle = llm_obj.llm_engine.num_idle_checks
-            before = llm_obj.llm_engine.stats()
+            before, restarts = llm_obj.llm_engine.stats(), llm_obj.llm_engine.scheduler.num_restarts
             try:
                 outs = drive(llm_obj, specs, wseed)
                 check(fam, llm_obj, specs, outs, handler, wseed, idle)
-            except Exception as err:  # noqa: BLE001 - a soak reports every failure with its seed
+            except Exception as err:  # a soak reports every failure with its seed
                 if not keep_going:
                     raise
                 counts["failures"].append(f"{wseed} {fam.name}: {type(err).__name__}: {str(err)[:300]}")
@@ -271,6 +272,7 @@ def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int 
             counts["hits"] += sum(outs[s.rid].num_cached_tokens > 0 for s in specs)
             counts["retractions"] += after["num_retractions"] - before["num_retractions"]
             counts["preemptions"] += after["num_preemptions"] - before["num_preemptions"]
+            counts["restarts"] += llm_obj.llm_engine.scheduler.num_restarts - restarts
             if log is not None and (w + 1) % 100 == 0:
                 log(f"{w + 1} workloads: { {k: v for k, v in counts.items() if k != 'failures'} } "
                     f"{len(counts['failures'])} failures")

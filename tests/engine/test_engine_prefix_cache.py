@@ -266,3 +266,26 @@ def test_gemma_repeats_at_the_budget_hit():
     m = load_model(str(FIXTURES / "gemma3_tiny"))
     _repeats_hit(_tight(m, arena_bytes=100000, max_model_len=512), _tight(m, arena_bytes=4 << 20, max_model_len=256),
                  120, 0.7, range(8))
+
+
+def test_a_lone_request_that_waits_on_its_own_cache_restarts_without_it(tiny_attention, monkeypatch):
+    """The last rung of the shortfall ladder: with the prompt-end marks and the duplicates
+    release switched off (the issue-21 repro as it was), the second run recomputes the prompt
+    and cannot fit its next chunk beside the tree's copies above its own pages; instead of
+    stalling it is retracted, the cache emptied, and it resumes from nothing."""
+    import numpy as np
+
+    from umem_jax.scheduler.prefix_cache import PrefixCache
+
+    model, big = tiny_attention
+    small = _tight(model)
+    n = _clip_limit(small)
+    p = np.random.default_rng(11).integers(3, 300, n).tolist()
+    clip = small.llm_engine.demand.clip(n, 10_000)
+    want = big.generate(p, G(clip))[0].outputs[0].token_ids
+    insert = PrefixCache.insert
+    monkeypatch.setattr(PrefixCache, "insert", lambda self, *a, marks=(), **kw: insert(self, *a, **kw))  # no hit
+    monkeypatch.setattr(PrefixCache, "release_duplicates", lambda self, paths: 0)
+    assert _twice(small, p, clip) == (want, want)
+    assert small.llm_engine.scheduler.num_restarts >= 1
+    assert_idle_clean(small)

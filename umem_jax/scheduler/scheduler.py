@@ -41,50 +41,13 @@ from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
 from . import held, speculation
+from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
 from .radix_node import Hit
 from .request_memory import RequestMemory
 from .retraction import least_preferred, make_room, preempt_for
-
-# ------------------------------------------------------------------ the decode step
-# One token per running request ([B, 1]) and the memory for that token.
-
-def rows_needing_memory(rows: list[Request], page_size: int, slots_per_request: int) -> list[Request]:
-    """The decode rows whose next token needs a new page or state slot, in order.  For the
-    others DemandModel.step prices the token at nothing (no new full page means no window
-    page either) and RequestMemory.alloc takes nothing, so pricing and allocating only these
-    is the same decision in the same order, without a Python demand per row per step."""
-    return [r for r in rows if len(r.pages) * page_size <= r.num_computed or len(r.slots) < slots_per_request]
-
-
-def next_token_demand(rows: list[Request], demand: DemandModel) -> Demand:
-    """What the next token of every row in `rows` adds, summed."""
-    return sum((demand.step(r, r.num_computed + 1) for r in rows), Demand())
-
-
-def alloc_next_tokens(memory: RequestMemory, rows: list[Request]) -> bool:
-    """Take the memory of every row's next token -> False (and nothing kept) if the arena
-    refuses one of them."""
-    done = []
-    for r in rows:
-        held = (r, len(r.pages), len(r.slots))
-        if not memory.alloc(r, r.num_computed + 1):
-            for q, num_pages, num_slots in done:
-                memory.give_back_since(q, num_pages, num_slots)
-            return False
-        done.append(held)
-    return True
-
-
-def decode_batch(rows: list[Request]) -> ScheduledBatch:
-    """The step computing (and sampling after) the next token of every row."""
-    out = []
-    for r in rows:
-        out.append(Row(r, r.num_computed, r.num_computed + 1, True))
-        r.compute_to(r.num_computed + 1)
-    return ScheduledBatch("decode", out)
 
 
 @dataclasses.dataclass
@@ -128,6 +91,8 @@ class Scheduler:
         self._reserved = None  # memo of _reservations(): (num_retractions, Demand)
         self.num_retractions = 0
         self.num_preemptions = 0
+        self.num_restarts = 0  # lone requests restarted from an empty cache (`_restart_alone`)
+        self._restarted = False
         self.failed: list[tuple[Request, Exception]] = []  # admissions that raised: see _add_pass
 
     @property
@@ -197,6 +162,13 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step and allocate its memory (page tables are read after this)."""
+        batch = self._schedule()
+        if batch is None and self._restarted:  # a lone request went back to an empty cache: admit it now
+            batch = self._schedule()
+        self._restarted = False
+        return batch
+
+    def _schedule(self) -> ScheduledBatch | None:
         if self.prefix is not None:
             self._reserved = None  # the running set changed since the last schedule
             self.prefix.hand_off_running(self.running, self._reservations)
@@ -277,6 +249,8 @@ class Scheduler:
         step = self.demand.step(req, end)
         if admitted:
             fits = self._fits(lambda: step) or self._make_room(lambda: step, req, batch)
+            if not fits and self.running == [req]:
+                self._restart_alone(req)
             return (end if fits else 0), reservation
         reservation = self.demand.reservation(req, self._reserve_tokens(req, after=end), after=end)
         need = lambda: step + reservation + self._reservations() + batch.admitted_reservations
@@ -331,7 +305,10 @@ class Scheduler:
             if place(rows):
                 return True
             victim = least_preferred(self.running)
-            self.retract(victim)
+            if self.running == [victim]:
+                self._restart_alone(victim)
+            else:
+                self.retract(victim)
             if victim in rows:
                 rows.remove(victim)
         return False
@@ -346,6 +323,18 @@ class Scheduler:
         if self.prefix is not None:
             return self.prefix.fits_or_evict(need, self.running)
         return self.demand.fits(self.allocator, need())
+
+    def _restart_alone(self, req: Request) -> None:
+        """The last rung of the shortfall ladder: `req` runs alone and its memory still does not
+        fit after eviction, so what stands in its way is cache it pinned itself (a hit, copies
+        of its own pages).  Retract it, empty the cache and let it resume without a hit: the
+        memory clip vouches for it in an empty arena, so no admitted request waits on itself.
+        Never reached while pricing holds (num_restarts counts it; the soak expects 0)."""
+        self.retract(req)
+        if self.cache is not None:
+            self.cache.clear()
+        self.num_restarts += 1
+        self._restarted = True
 
     def _make_room(self, need, req: Request, batch: PrefillBatch) -> bool:
         return make_room(need, req, self.running, batch.request_ids, self._fits, self.retract)
