@@ -228,11 +228,12 @@ def check(family: Family, llm_obj, specs: list[Spec], outs: dict, clips: ClipLog
 
 
 def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int = 4, most: int = 6,
-         log=None, keep_going: bool = False, start: int = 0) -> dict:
-    """Workloads start .. start + `workloads` - 1 over `families` (round robin), a fresh engine
-    (random knobs, small or big arena) every `per_engine` -> counters.  Raises SoakFailure
-    naming the seed, or with `keep_going` lists the failures under "failures" (the engine that
-    failed is replaced)."""
+         log=None, keep_going: bool = False, indexes=None) -> dict:
+    """Workloads 0 .. `workloads` - 1 (or `indexes`) over `families` (round robin: workload w on
+    families[w % len]), a fresh engine (random knobs, small or big arena) every `per_engine`
+    of a family -> counters.  Raises SoakFailure naming the seed, or with `keep_going` lists
+    the failures under "failures" (the engine that failed is replaced).  A failure names the
+    workload its engine was made at: `replay` runs that engine's workloads again."""
     handler = ClipLog()
     logger = logging.getLogger("umem_jax")
     old_level = logger.level
@@ -242,14 +243,14 @@ def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int 
                   failures=[])
     engines: dict = {}
     try:
-        for w in range(start, start + workloads):
+        for w in range(workloads) if indexes is None else indexes:
             fam = families[w % len(families)]
             wseed = (seed, w)
             rng = np.random.default_rng(wseed)
             slot = engines.get(fam.name)
             if slot is None or slot[3] >= per_engine:
                 arena = "small" if rng.random() < 0.85 else "big"
-                slot = engines[fam.name] = [fam.engine(arena, rng), [], arena, 0]
+                slot = engines[fam.name] = [fam.engine(arena, rng), [], arena, 0, w]
             llm_obj, pool = slot[0], slot[1]
             slot[3] += 1
             specs = workload(rng, llm_obj, pool, slot[2] in fam.sampling, most)
@@ -261,7 +262,8 @@ def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int 
             except Exception as err:  # a soak reports every failure with its seed
                 if not keep_going:
                     raise
-                counts["failures"].append(f"{wseed} {fam.name}: {type(err).__name__}: {str(err)[:300]}")
+                counts["failures"].append(f"{wseed} {fam.name} (engine from workload {slot[4]}): "
+                                          f"{type(err).__name__}: {str(err)[:300]}")
                 del engines[fam.name]
                 continue
             after = llm_obj.llm_engine.stats()
@@ -280,3 +282,8 @@ def soak(families: list[Family], workloads: int, seed: int = 0, per_engine: int 
         logger.removeHandler(handler)
         logger.setLevel(old_level)
     return counts
+
+
+def replay(families: list[Family], seed: int, first: int, last: int, most: int = 6) -> dict:
+    """Workloads `first` (where the engine was made) .. `last` of one family, as soak ran them."""
+    return soak(families, 0, seed=seed, most=most, indexes=range(first, last + 1, len(families)))

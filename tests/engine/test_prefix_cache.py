@@ -222,3 +222,27 @@ def test_scheduler_with_the_cache_keeps_every_count_under_pressure():
     assert st["hits"] >= 3 and st["adopted_pages"] > 0 and st["evicted_pages"] > 0 and sch.num_checkpoints > 0
     assert sch.cache.clear() and alloc.live_token_pages().size == 0 and alloc.live_state_slots().size == 0
     assert sch.check_refs() == []
+
+
+def test_a_prompt_end_mark_keeps_its_window_pages_until_evicted():
+    """A prompt of 30 tokens (its exact repeat resumes at 28: depth 7) and 10 outputs: the mark
+    at depth 7 keeps the window pages a resume there reads ((28 - 15) // 4 = 3 .. 6) beside the
+    leaf's (6 .. 9); eviction drops the mark alone while a request holds the path, then all."""
+    alloc, owner, cache = make(with_state=False)
+    toks = np.random.default_rng(3).integers(3, 300, 40).tolist()
+    a = Seq(alloc, owner, toks)
+    cache.insert(toks, a.pages, 10, marks=(7,))
+    a.advance(40)
+    check(alloc, owner, cache, a)
+    nodes = [cache.find(toks, d) for d in range(1, 11)]
+    assert nodes[6].mark and bound(alloc, [x.vid for x in nodes]) == [False] * 3 + [True] * 7
+    assert cache.match(toks[:30], 7).resume == 28  # the exact repeat of the prompt
+    held = evictable_reference(cache)
+    assert held == cache.evictable_by_subpool() == {"full": 0, "window16": 0}  # a's path: all its pages
+    assert cache.evict(lambda: not nodes[6].mark) == 1 and not nodes[6].mark  # the mark alone
+    assert bound(alloc, [x.vid for x in nodes]) == [False] * 6 + [True] * 4  # only the leaf's windows
+    check(alloc, owner, cache, a)
+    a.free()
+    cache.insert(toks, [x.vid for x in nodes], 10, marks=(7,))  # a mark on a path cached earlier
+    assert nodes[6].mark and cache.match(toks[:30], 7).resume == 0  # its window pages are gone: no hit
+    assert cache.clear() and alloc.live_token_pages().size == 0
