@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from .arena_demo import band_bar
+from .engine.warmup import release_host_memory
 from .models import loader
 
 # Gemma 3 270M from PyPI is the pretrained (not instruction-tuned) model: it continues text.
@@ -99,6 +100,7 @@ def _run(engine, watch: BandWatch, prompts, params) -> list:
         for o in engine.step():
             done[o.request_id] = o
         watch.sample()
+    release_host_memory()  # this phase's compilations freed compiler temporaries glibc would keep resident
     return [done[i] for i in ids]
 
 
