@@ -141,3 +141,76 @@ def test_lifetime_bounds_the_real_peak(chunk):
         for k, v in peak.window_pages.items():
             assert v <= price.window_pages[k], (L, M, k, v, price)
         assert not live.leaks()
+
+
+def _held_total(dm, reqs) -> Demand:
+    total = Demand()
+    for r in reqs:
+        if not r.finished:
+            total = total + dm.held(r)
+    return total
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed):
+    """Fixed-length decoders (one token each per decode step): run them through the scheduler to
+    the end and compare what they held at each step, over what they held at the start, with
+    decode_peak.  The full sub-pool (pages kept to the end) meets it exactly; window pages
+    (released as they leave the window) and state slots stay within it."""
+    p, live, dm = arena(1 << 20, chunk=64)
+    cfg = SchedulerConfig(8, 64, Buckets((8,), (64,), (512,)))
+    sch = Scheduler(cfg, live, dm)
+    rng = np.random.default_rng(seed)
+    reqs = [_req(i, int(rng.integers(1, 10)), int(rng.integers(2, 70)), dm) for i in range(6)]
+    for r in reqs:
+        sch.add(r)
+
+    def step(measure=lambda: None):
+        b = sch.schedule()
+        assert b is not None
+        measure()  # what the step's rows hold, before those finishing give it back
+        for row in b.rows:
+            if row.sample:
+                row.req.output_token_ids.append(7)
+                if row.req.num_output >= row.req.max_tokens:
+                    sch.finish(row.req, type(row.req.status).FINISHED_LENGTH)
+        return b
+
+    assert step().kind == "prefill" and all(r.decode_ready for r in reqs)  # one pass admits all six
+    start = _held_total(dm, reqs)
+    left = [r.max_tokens - r.num_output for r in reqs]
+    peak = dm.decode_peak(reqs, left)
+    seen = {"token": 0, "state": 0, **{n: 0 for n, _ in dm.windows}}
+
+    def measure():
+        now = _held_total(dm, reqs)
+        seen["token"] = max(seen["token"], now.token_pages - start.token_pages)
+        seen["state"] = max(seen["state"], now.state_slots - start.state_slots)
+        for n, _ in dm.windows:
+            seen[n] = max(seen[n], now.window_pages.get(n, 0) - start.window_pages.get(n, 0))
+
+    while any(not r.finished for r in reqs):
+        assert step(measure).kind == "decode"
+    assert seen["token"] == peak.token_pages
+    assert seen["state"] <= peak.state_slots == 0
+    for n, _ in dm.windows:
+        assert seen[n] <= peak.window_pages[n]
+    # the point of it: short requests about to finish pay for the long ones' growth
+    every = sum((dm.reservation(r, k) for r, k in zip(reqs, left)), Demand())
+    assert peak.token_pages <= every.token_pages
+    assert not live.leaks()
+
+
+def test_decode_peak_counts_what_finishing_requests_give_back():
+    """Two decoders: one finishing after a token frees its pages for the other's growth."""
+    _p, _live, dm = arena(1 << 20)
+    short, long = _req(0, 4 * PS, 1, dm), _req(1, 1, 10 * PS, dm)
+    for r, (L, pages) in ((short, (4 * PS, 4)), (long, (1, 1))):
+        r.num_computed, r.pages, r.slots = L - 1, list(range(1, pages + 1)), [1]
+        r.window_start = {n: 0 for n, _ in dm.windows}
+    alone = dm.decode_peak([long], [10 * PS])
+    both = dm.decode_peak([short, long], [1, 10 * PS])
+    assert alone.token_pages == dm.reservation(long, 10 * PS).token_pages > 0
+    # the short one's 4 pages come back after step 1 (it takes none: its last token is on page 4)
+    assert both.token_pages == alone.token_pages - 4
+    assert dm.decode_peak([], []).empty

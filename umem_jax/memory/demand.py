@@ -147,6 +147,40 @@ class DemandModel:
         return self.span(start, start + tokens, held_pages=held, held_window=held_window,
                          held_slots=self.slots_per_request, pass_len=self.decode_pass)
 
+    def decode_peak(self, reqs, tokens_left) -> Demand:
+        """What the decoders `reqs` must still be given, at the worst step, if request i decodes
+        exactly tokens_left[i] more tokens (a fixed-length output: ignore_eos, no stop) and
+        every decode step advances each of them by one token.
+
+        At decode step t, request i has taken reservation(req_i, min(t, n_i)) new units, and
+        every request with n_i < t has finished: what it took is back, and what it holds now too.  The peak over t (it falls on some t = n_i, a finish) is taken per
+        sub-pool and clipped at 0, so it never undercounts: what one sub-pool frees is not
+        counted for another.  Compared with a ratio of the tokens left this is exact: short
+        requests about to finish pay for the long ones' growth."""
+        n = [max(0, int(k)) for k in tokens_left]
+        if not reqs:
+            return Demand()
+        grown = {}  # (i, t) -> Demand of request i after t more tokens
+        def grow(i, t):
+            key = (i, min(t, n[i]))
+            if key not in grown:
+                grown[key] = self.reservation(reqs[i], key[1]) if key[1] else Demand()
+            return grown[key]
+        names = [name for name, _ in self.windows]
+        peak = {"token": 0, "state": 0, **{w: 0 for w in names}}
+        for t in sorted(set(n)):
+            net = {k: 0 for k in peak}
+            for i, r in enumerate(reqs):
+                # finished before step t: what it took is gone again, and what it held at the
+                # start is given back; else it has taken its first t tokens' units
+                sign, d = (-1, self.held(r)) if n[i] < t else (1, grow(i, t))
+                net["token"] += sign * d.token_pages
+                net["state"] += sign * d.state_slots
+                for w in names:
+                    net[w] += sign * d.window_pages.get(w, 0)
+            peak = {k: max(v, net[k]) for k, v in peak.items()}
+        return Demand(peak["token"], {w: peak[w] for w in names}, peak["state"])
+
     def checkpoint(self, n: int = 1) -> Demand:
         """n prefix-cache checkpoints: state slots (optional demand, see the module docstring)."""
         return Demand(0, {name: 0 for name, _ in self.windows}, int(n) if self.plan.state is not None else 0)
