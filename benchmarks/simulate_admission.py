@@ -16,7 +16,15 @@ scheduler (admissions, retractions, peak running, utilization of the arena by li
 the times are the cost model's, so tok/s here is a model figure, not a measurement.
 
 `--rule before` prices a chunked prompt by its first chunk alone instead of reserving the rest
-of the prompt at admission, to show what that reservation does to retractions.
+of the prompt at admission, to show what that reservation does to retractions.  `--exact`
+reserves exactly for fixed-length requests (ignore_eos, no stop: every request here): decoders
+by DemandModel.decode_peak (finishing requests give back what they hold), the rest their whole
+remaining life, instead of the decaying ratio of the outputs left.
+
+Utilization is reported twice: the mean over the samples with requests waiting while fewer than
+max_num_seqs run (what bench_serving's figure also counts), and the median over the samples where
+the first waiting request's admission does not fit the arena -- only there is memory what holds
+it back; at the others the prefill token budget or the prefill streak does.
 
 This is a script of its own, not a mode of bench_serving: it runs no model and no device, its
 times and tok/s are a cost model's (only ratios within one table mean anything), and its flags
@@ -39,7 +47,7 @@ from umem_jax.core.sampling_params import SamplingParams
 from umem_jax.core.scheduled_batch import Buckets
 from umem_jax.memory import ChainAllocator, size_arena, static_regions
 from umem_jax.memory import plan as make_plan
-from umem_jax.memory.demand import DemandModel
+from umem_jax.memory.demand import Demand, DemandModel
 from umem_jax.memory.sizing import budget_bytes
 from umem_jax.models.registry import build_random
 from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -56,8 +64,49 @@ def _first_chunk_only(self, req, after=None):  # --rule before: reserve outputs 
     return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
 
 
+def _fixed(req) -> bool:
+    p = req.params
+    return bool(p.ignore_eos) and not p.stop and not p.stop_token_ids and not req.stop_ids
+
+
+def _exact_reservations(sch):
+    """--exact: fixed-length requests reserve exactly (see the module docstring)."""
+    ratio_tokens = sch._reserve_tokens
+
+    def reserve_tokens(req, after=None):
+        if not _fixed(req):
+            return ratio_tokens(req, after)
+        a = req.num_computed if after is None else after
+        rest = 0 if req.decode_ready and after is None else max(0, req.num_tokens - a)
+        return rest + max(0, req.max_tokens - req.num_output)
+
+    def reservations():
+        if sch._reserved is not None and sch._reserved[0] == sch.num_retractions:
+            return sch._reserved[1]
+        total, decoders = Demand(), []
+        for r in sch.running:
+            if r.decode_ready and r.wants_step and _fixed(r):
+                decoders.append(r)
+            elif r.wants_step or not r.decode_ready:
+                total = total + sch.demand.reservation(r, reserve_tokens(r))
+        total = total + sch.demand.decode_peak(decoders, [r.max_tokens - r.num_output for r in decoders])
+        sch._reserved = (sch.num_retractions, total)
+        return total
+
+    sch._reserve_tokens, sch._reservations = reserve_tokens, reservations
+
+
+def _head_fits(sch, dm, alloc, chunk: int) -> bool:
+    """Whether the first waiting request's first pass and reservations fit the arena now."""
+    head = sch.waiting[0]
+    end = min(head.num_tokens, chunk)
+    sch._reserved = None
+    need = dm.span(0, end) + dm.reservation(head, sch._reserve_tokens(head, after=end), after=end) + sch._reservations()
+    return dm.fits(alloc, need)
+
+
 def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
-             max_model_len: int, rule: str = "now", **sched_kw) -> dict:
+             max_model_len: int, rule: str = "now", exact: bool = False, **sched_kw) -> dict:
     regions = None
     if mem.mode == "static":
         regions = static_regions(plan, num_rows, swa_full_tokens_ratio=mem.swa_full_tokens_ratio,
@@ -69,9 +118,11 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     sch = Scheduler(SchedulerConfig(max_num_seqs, budget_tokens, buckets, **sched_kw), alloc, dm)
     if rule == "before":
         sch._reserve_tokens = _first_chunk_only.__get__(sch)
+    if exact:
+        _exact_reservations(sch)
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
-    t, i, out_tokens, steps, peak, util, refused, clipped = 0.0, 0, 0, 0, 0, [], 0, 0
+    t, i, out_tokens, steps, peak, util, refused, clipped, bound = 0.0, 0, 0, 0, 0, [], 0, 0, []
     while i < len(pending) or sch.has_work():
         while i < len(pending) and pending[i].arrival_s <= t:
             r = pending[i]
@@ -99,6 +150,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
             util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
+            if not _head_fits(sch, dm, alloc, dm.chunk):
+                bound.append(util[-1])
         for row in b.rows:
             if row.sample:
                 row.req.output_token_ids.append(7)
@@ -110,7 +163,9 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
                 retractions=sch.num_retractions, util=float(np.mean(util, axis=0)[0]) if util else None,
                 split=dict(zip(("live", "holes", "free", "sink"), np.mean(util, axis=0).tolist())) if util else None,
-                refused=refused, clipped=clipped)
+                refused=refused, clipped=clipped,
+                util_bound=float(np.median([b[0] for b in bound])) if bound else None,
+                split_bound=dict(zip(("live", "holes", "free", "sink"), np.mean(bound, axis=0).tolist())) if bound else None)
 
 
 def main(argv=None) -> int:
@@ -138,6 +193,7 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--min-ratio", type=float, default=None, help="SchedulerConfig.min_new_token_ratio")
     ap.add_argument("--decay", type=float, default=None, help="SchedulerConfig.new_token_ratio_decay")
     ap.add_argument("--rule", default="now,before", help="comma list: now (reserve a chunked prompt's rest), before")
+    ap.add_argument("--exact", action="store_true", help="fixed-length requests reserve exactly (decode_peak)")
     a = ap.parse_args(argv)
     spec = dict(bs.MODELS[a.model])
     if a.long:
@@ -163,7 +219,7 @@ def run(argv=None) -> list[dict]:
     for rule in [r.strip() for r in a.rule.split(",") if r.strip()]:
         for mem in configs:
             rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
-                                 page_size=page_size, max_model_len=mml, rule=rule, **sched_kw))
+                                 page_size=page_size, max_model_len=mml, rule=rule, exact=a.exact, **sched_kw))
             r = rows[-1]
             print(f"  {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
                   f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  "
@@ -171,6 +227,8 @@ def run(argv=None) -> list[dict]:
                   f"{'-' if r['util'] is None else format(r['util'], '.2f')}"
                   + ("" if r["split"] is None else " (holes {holes:.3f}, free gap {free:.3f}, sink {sink:.3f})"
                      .format(**r["split"]))
+                  + ("" if r["util_bound"] is None else "; memory-bound median {:.3f} (sink {:.3f})"
+                     .format(r["util_bound"], r["split_bound"]["sink"]))
                   + (f"  refused {r['refused']} (too long for the split)" if r["refused"] else "")
                   + (f"  clipped {r['clipped']}" if r["clipped"] else ""), flush=True)
     return rows

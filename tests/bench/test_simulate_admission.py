@@ -34,3 +34,16 @@ def test_utilization_split_tiles_the_arena_and_spread_trace_runs(capsys):
         assert abs(sum(parts.values()) - 1.0) < 1e-9 and parts["sink"] > 0  # NemotronH's sink: one state slot
     out = capsys.readouterr().out
     assert "48 requests" in out and "sink" in out
+
+
+def test_exact_reservation_never_retracts_fixed_lengths(capsys):
+    """--exact: every request here is fixed-length (ignore_eos), so decoders reserve their exact
+    worst step (decode_peak) and admission can never over-commit: no retraction, every request
+    to its last token; the memory-bound figure counts only samples where the head did not fit."""
+    argv = ["--model", "qwen3.5-4b-like", "--n-short", "16", "--short", "512,32", "--long", "16384,32",
+            "--static-ratios", "0.9", "--rule", "now", "--arena-gib", "2"]
+    for r in sim.run(argv + ["--exact"]):
+        assert r["retractions"] == 0 and r["steps"] > 0
+        if r["util_bound"] is not None:
+            assert 0.0 < r["util_bound"] <= 1.0 and abs(sum(r["split_bound"].values()) - 1.0) < 1e-9
+    assert "memory-bound median" in capsys.readouterr().out
