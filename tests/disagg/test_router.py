@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -23,7 +24,7 @@ import pytest
 
 from umem_jax.disagg.router import Router, build_router_app
 
-FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--page-size", "4", "--max-model-len", "256",
+FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "4", "--max-model-len", "256",
          "--warmup-shapes", "0"]
 ARENAS = {"prefill": 300_000, "decode": 400_000}
 
@@ -44,12 +45,13 @@ class Worker:
         env = {**os.environ, "UMEM_JAX_DISAGG_FAULTS": "1", "JAX_PLATFORMS": "cpu"}
         cmd = [sys.executable, "-m", "umem_jax.cli", "serve", "tiny", "--disaggregation-mode", self.mode,
                "--port", str(self.port), "--arena-bytes", str(ARENAS[self.mode]), *FLAGS]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115 - its output, kept while it runs, shown if it fails
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait(self, timeout=600.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
-            assert self.proc.poll() is None, f"the {self.mode} worker exited ({self.proc.returncode})"
+            assert self.proc.poll() is None, f"the {self.mode} worker exited ({self.proc.returncode}): {self.tail()}"
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
@@ -57,6 +59,10 @@ class Worker:
                 pass
             assert time.monotonic() < deadline, f"the {self.mode} worker did not get ready"
             time.sleep(0.5)
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-3000:]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -72,11 +78,16 @@ def workers():
             w.start()
         for w in ws.values():
             w.wait()
-        asyncio.run(_warm(ws))
         yield ws
     finally:
         for w in ws.values():
             w.stop()
+
+
+@pytest.fixture(scope="module")
+def warm(workers):
+    asyncio.run(_warm(workers))
+    return workers
 
 
 async def _warm(ws) -> None:
@@ -156,7 +167,8 @@ def test_router_equals_one_engine(workers):
 
 
 @pytest.mark.slow
-def test_expired_reservation_drops_the_late_poisoned_write(workers):
+def test_expired_reservation_drops_the_late_poisoned_write(warm):
+    workers = warm
     """The decode side's reservation times out (the prefill worker stalls), its pages are freed
     and reused by other requests; the late write -- NaN bytes -- arrives and is dropped; the
     request is retried and succeeds, the others match the reference, and so do they again from
@@ -188,7 +200,8 @@ def test_expired_reservation_drops_the_late_poisoned_write(workers):
 
 
 @pytest.mark.slow
-def test_dropped_and_delayed_acks(workers):
+def test_dropped_and_delayed_acks(warm):
+    workers = warm
     """An acknowledgement that never comes in time: the prefill side cancels (the decode side
     fences and frees, aborting that decode), releases, and the router retries; a delayed one
     within the deadline is a plain success.  The other requests run unaffected."""
@@ -212,7 +225,8 @@ def test_dropped_and_delayed_acks(workers):
 
 
 @pytest.mark.slow
-def test_decode_worker_killed_mid_transfer_then_restarted(workers):
+def test_decode_worker_killed_mid_transfer_then_restarted(warm):
+    workers = warm
     async def go():
         P, D = workers["prefill"], workers["decode"]
         prompts = _prompts(3, 2)
@@ -230,6 +244,32 @@ def test_decode_worker_killed_mid_transfer_then_restarted(workers):
             D.wait()
             rs = await asyncio.gather(*[c.post("/v1/completions", json=_body(p)) for p in prompts])
         assert [r.json()["choices"][0]["text"] for r in rs] == want
+        await _check_both(workers)
+
+    asyncio.run(go())
+
+
+@pytest.mark.slow
+def test_64_concurrent_streams(warm):
+    workers = warm
+    """64 streaming clients at once through the router: every stream ends with [DONE] and the
+    single-engine text, no retries, no errors, no page left behind on either side."""
+    async def go():
+        prompts = _prompts(4, 64)
+        want = await _alone(workers["decode"].url, prompts, 16)
+        router = Router([workers["prefill"].url], [workers["decode"].url], timeout_s=120)
+
+        async def one(c, p):
+            async with c.stream("POST", "/v1/completions", json=_body(p, 16, stream=True)) as s:
+                assert s.status_code == 200
+                events = [ln[6:] async for ln in s.aiter_lines() if ln.startswith("data: ")]
+            assert events[-1] == "[DONE]", events[-3:]
+            return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+
+        async with _client(router) as c:
+            got = await asyncio.wait_for(asyncio.gather(*[one(c, p) for p in prompts]), 600)
+        assert got == want
+        assert router.counts == {"requests": 64, "retries": 0, "failed": 0}, list(router.errors)
         await _check_both(workers)
 
     asyncio.run(go())
