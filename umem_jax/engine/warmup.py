@@ -59,10 +59,18 @@ def compile_threads() -> int:
 
 @contextlib.contextmanager
 def quiet_xla_alarms(enabled: bool = True):
-    """XLA's C++ log at FATAL only while warm-up compiles (CPU): its "Very slow compile? ... file a
-    bug" alarm is an ERROR log for any compile over 2 minutes of wall time, which a real model's
-    step on two cores can take; a failed compile still raises in Python.  The level before
-    ($TF_CPP_MIN_LOG_LEVEL, else 0) is restored after.  A no-op where jaxlib lacks the setter."""
+    """XLA's C++ log at FATAL only while warm-up compiles; a failed compile still raises in Python.
+    The level before ($TF_CPP_MIN_LOG_LEVEL, else 0) is restored after.  A no-op where jaxlib
+    lacks the setter.  Two false alarms it keeps off the console:
+
+    * CPU: "Very slow compile? ... file a bug", an ERROR log for any compile over 2 minutes of
+      wall time, which a real model's step on two cores can take.
+    * GPU: "Can't reduce memory use below X by rematerialization; only reduced to 3 x arena".
+      XLA's rematerialization pass counts the donated arena three times (the parameter, the
+      in-place kernels' aliased outputs, the module output), while buffer assignment places it
+      once: a compiled step's temp bytes do not grow with the arena and its alias bytes equal it
+      (benchmarks/RESULTS.md, session 8: bench_models --memory-probe), and a 90 GiB arena serves
+      on a 141 GB H200.  The warning is harmless for memory."""
     try:
         from jaxlib import utils
         set_level = utils.absl_set_min_log_level
@@ -94,7 +102,7 @@ def warm_up(engine, max_shapes: int | None = None, threads: int | None = None, s
     threads = threads or compile_threads()
     n = 0
     with startup.compiling(len(shapes), f"compiling {len(shapes)} step shapes x {len(sampling)} samplers") as advance, \
-            quiet_xla_alarms(cpu):
+            quiet_xla_alarms():
         for i in range(0, len(shapes), threads):
             group = shapes[i:i + threads]
             n += engine.runner.precompile(group, threads=threads, sampling=tuple(sampling))
