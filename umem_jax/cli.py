@@ -146,13 +146,24 @@ def _sampling_modes(text: str) -> tuple[str, ...]:
 
 
 def _serve(args) -> int:
+    from .engine import startup
+
+    names = args.served_model_name or _default_names(args)
+    # loading, converting, compiling + ETA on stderr; uninstalled however serve ends, so a failed
+    # start leaves no report behind for the next engine of this process
+    report = startup.install(startup.StartupReport())
+    try:
+        return _serve_with(args, names, report)
+    finally:
+        startup.install(None)
+
+
+def _serve_with(args, names: list[str], report) -> int:
     from .api.async_engine import AsyncLLMEngine
     from .api.metrics import EngineMetrics
     from .api.server import serve
     from .engine import startup, warmup
 
-    names = args.served_model_name or _default_names(args)
-    report = startup.install(startup.StartupReport())  # loading, converting, compiling + ETA on stderr
     engine, (shapes, sampling) = _engine(args), warmup.resolve(args.warmup_shapes, args.warmup_sampling)
     aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
                           warmup_shapes=shapes, warmup_sampling=_sampling_modes(sampling))
@@ -163,7 +174,6 @@ def _serve(args) -> int:
         serve = functools.partial(serve, mode=args.disaggregation_mode)
     code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
-    startup.install(None)
     if code:
         print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
     return code or 0

@@ -34,6 +34,9 @@ def stub_gguf(monkeypatch):
         return loader.load_model("tiny")
 
     monkeypatch.setattr(loader, "load_gguf", load_gguf)
+    # an engine converts the GGUF once as a start-up phase of its own before loading: recorded too
+    monkeypatch.setattr(loader, "converted", lambda name: False)
+    monkeypatch.setattr(loader, "convert_gguf", lambda path, out=None: calls.append(("convert", path)))
     return calls, gguf
 
 
@@ -47,7 +50,7 @@ def test_hub_name_loads_the_packaged_gguf(stub_gguf):
 def test_llm_takes_the_hub_name(stub_gguf):
     calls, gguf = stub_gguf
     llm = LLM(model="google/gemma-3-270m", arena_bytes=1 << 20, max_model_len=64)
-    assert calls == [(gguf, "float32")] and llm.llm_engine is not None
+    assert calls == [("convert", gguf), (gguf, "float32")] and llm.llm_engine is not None
 
 
 @pytest.mark.parametrize("name", ["google/gemma-3-270m-it", "meta-llama/Llama-3.2-1B",

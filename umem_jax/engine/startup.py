@@ -72,7 +72,7 @@ class StartupReport:
     decides), plain lines otherwise."""
 
     def __init__(self, stream=None, live: bool | None = None, prefix: str = "umem-jax: "):
-        self.stream = stream if stream is not None else sys.stderr
+        self._stream = stream  # None: whatever sys.stderr is when a line is printed (pytest swaps it)
         self.live = self.stream.isatty() if live is None else live
         self.prefix = prefix
         self.t0 = time.perf_counter()
@@ -84,6 +84,10 @@ class StartupReport:
                 self._console = Console(file=self.stream)
             except ImportError:  # rich is a dependency; a bare checkout may lack it
                 self.live = False
+
+    @property
+    def stream(self):
+        return self._stream if self._stream is not None else sys.stderr
 
     def line(self, text: str) -> None:
         print(f"{self.prefix}{text}", file=self.stream, flush=True)
