@@ -55,7 +55,7 @@ from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 
 from .families import ALIASES, FAMILIES, build_model, family_key
 from .model_check import CHECK_T, check_family, check_width
-from .model_steps import ArenaFull, Pager, Stepper, param_counts, step_costs
+from .model_steps import ArenaFull, Pager, Stepper, param_counts, routed_experts, step_costs
 from .modes import hand_over
 from .report import RowLog, fmt, json_path
 from .copy_limit import copy_limit
@@ -152,8 +152,13 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
         t = time_calls(lambda: run(batch), iters=iters, trials=trials, warmup=0 if a.small else 2)
         med = t.median
         finite = bool(np.isfinite(np.asarray(t.first)).all())
+        # MoE: the weights the roofline counts are the experts this batch's router really picked
+        # (random weights route unevenly: the uniform-routing expectation overstates them)
+        routed = None
+        if getattr(cfg, "moe", None) is not None:
+            routed, run.arena = routed_experts(model, run.arena, batch, impl=a.impl)
         c = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=B, T=T, start=start,
-                       expert_params=counts["expert_params"], expert_bytes=counts["expert_bytes"])
+                       expert_params=counts["expert_params"], expert_bytes=counts["expert_bytes"], routed=routed)
         roof = c["total_bytes"] / copy_bw
         ratio = med / roof
         verdict = ""
@@ -167,7 +172,7 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
                first_call_s=t.first_s, roofline_ms=roof * 1e3, ratio=ratio, verdict=verdict,
                tokens_per_s=B * T / med, tflops=c["flops"] / med / 1e12, page_table_width=m["width"],
                held={k: dict(pages=v[0], bytes=v[1]) for k, v in live.items()}, iters=iters, trials=trials,
-               finite=finite, note=note, **c)
+               finite=finite, note=note, routed_experts=routed, **c)
 
 
 def _skip_all(log, name, todo):

@@ -12,8 +12,10 @@
 Bytes a step must move at least (the roofline's numerator):
   weights  every parameter once (tied embeddings once, as the LM head; an untied input embedding
            counts only the B*T rows gathered); of an MoE block's routed experts only those the
-           step's B*T tokens choose: E * (1 - (1 - k/E)^(B*T)) of E under uniform routing (random
-           weights route near-uniformly), the expected number of distinct experts touched
+           step's B*T tokens choose: the distinct experts each block's router really picked for the
+           step's batch (`routed_experts`: one untimed forward with the choices sent to the host),
+           or, where they were not counted, E * (1 - (1 - k/E)^(B*T)), the expected number under
+           uniform routing (random weights and tokens route unevenly: fewer are touched)
   KV       per attention layer: read the K/V of every position the step's queries see (full: all
            kv_len; window w: from the first query's position - w + 1; the step's own new tokens
            included: the layer writes them first, then reads them back), written: the new tokens'
@@ -121,6 +123,39 @@ def param_counts(params) -> dict:
                 expert_params=sum(x.size for x in experts), expert_bytes=sum(map(nbytes, experts)))
 
 
+def routed_experts(model, arena, batch, **kernel_kw):
+    """The distinct experts every MoE block's router picks for `batch`'s valid tokens -> (counts
+    [blocks] in layer order, the newest arena).  One forward traced afresh, untimed, with each
+    block's choices sent to the host by an ordered debug callback; the arena is donated and
+    written as the timed step writes it (the same K/V, state rows)."""
+    import jax
+
+    from umem_jax.models import moe as moe_mod
+
+    seen: list[int] = []
+    plain = moe_mod.MoE.__call__
+
+    def record(experts, ok):
+        e, ok = np.asarray(experts), np.asarray(ok)
+        seen.append(int(np.unique(e[ok]).size))
+
+    def counted(self, x, valid=None):
+        flat = x.reshape(-1, x.shape[-1])
+        ok = (jnp.ones(flat.shape[0], bool) if valid is None
+              else jnp.broadcast_to(valid, x.shape[:-1]).reshape(-1))
+        jax.debug.callback(record, self.gate(flat)[1], ok, ordered=True)
+        return plain(self, x, valid)
+
+    moe_mod.MoE.__call__ = counted
+    try:
+        logits, arena = model.jit_forward(**kernel_kw)(model.params, arena, batch)
+        jax.block_until_ready(logits)
+        jax.effects_barrier()
+    finally:
+        moe_mod.MoE.__call__ = plain
+    return seen, arena
+
+
 def experts_touched(cfg, tokens: int) -> float:
     """Expected fraction of an MoE block's experts that `tokens` tokens choose (uniform routing)."""
     moe = getattr(cfg, "moe", None)
@@ -130,14 +165,16 @@ def experts_touched(cfg, tokens: int) -> float:
 
 
 def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int, start: int,
-               expert_params: int = 0, expert_bytes: int = 0) -> dict:
-    """Bytes the step must move at least (see the module doc) and its matmul + attention FLOPs."""
+               expert_params: int = 0, expert_bytes: int = 0, routed: list[int] | None = None) -> dict:
+    """Bytes the step must move at least (see the module doc) and its matmul + attention FLOPs.
+    routed: the distinct experts each MoE block picked (routed_experts); None: uniform routing."""
     end = start + T
     wbytes = jnp.dtype(cfg.dtype).itemsize
     embed = cfg.vocab_size * cfg.hidden_size
-    touched = experts_touched(cfg, B * T)
-    weights = param_bytes - expert_bytes + touched * expert_bytes
     moe = getattr(cfg, "moe", None)
+    touched = (float(np.mean(routed)) / moe.num_experts if routed and moe is not None
+               else experts_touched(cfg, B * T))
+    weights = param_bytes - expert_bytes + touched * expert_bytes
     # Each token runs k of E experts: the routed experts' FLOPs are k/E of their parameters'.
     active = param_count - expert_params + (expert_params * moe.top_k / moe.num_experts if moe else 0)
     if not cfg.tie_word_embeddings:  # the input table is gathered, not streamed
@@ -161,7 +198,7 @@ def step_costs(cfg, plan, param_count: int, param_bytes: int, *, B: int, T: int,
         state_read = B * per_slot if start > 0 else 0
     heads = embed * (1 if cfg.tie_word_embeddings else 2)
     flops = 2.0 * B * T * (active - heads) + 2.0 * B * embed + attn_flops
-    return dict(weight_bytes=weights, kv_read_bytes=kv_read, kv_write_bytes=kv_write, state_read_bytes=state_read,
+    return dict(weight_bytes=weights, experts_touched=touched, kv_read_bytes=kv_read, kv_write_bytes=kv_write, state_read_bytes=state_read,
                 state_write_bytes=state_write, total_bytes=weights + kv_read + kv_write + state_read + state_write,
                 flops=flops)
 
@@ -172,5 +209,5 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-__all__ = ["ArenaFull", "Pager", "Stepper", "decode_batch", "experts_touched", "param_counts", "rel_err",
+__all__ = ["ArenaFull", "Pager", "Stepper", "decode_batch", "experts_touched", "param_counts", "rel_err", "routed_experts",
            "step_costs"]

@@ -161,3 +161,47 @@ def test_moe_real_shapes_plan_allocate_and_touched_expert_bytes(fam, expected):
     big = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=64, T=1, start=2047, **kw)
     assert one["weight_bytes"] < big["weight_bytes"] < counts["param_bytes"]
     assert one["flops"] == pytest.approx(big["flops"] / 64, rel=0.01)  # FLOPs per token do not depend on B
+
+
+@pytest.mark.parametrize("fam", ["gptoss", "nemo3nano"])
+def test_routed_experts_counts_each_blocks_distinct_choices(fam):
+    """The MoE roofline counts the experts the batch's router really picked: one token picks
+    exactly top_k distinct experts in every MoE block; B tokens between top_k and min(E, B*top_k);
+    the step's weight bytes follow the counts (all experts touched: every parameter once)."""
+    from benchmarks.model_steps import param_counts, routed_experts
+
+    spec = FAMILIES[fam]
+    cfg = spec["tiny"](spec["full"]("float32"))
+    model = bm.build_model(cfg, 0)
+    moe = cfg.moe
+    plan = make_plan(model.decls(), page_size=4)
+    size = size_arena(plan, 1 << 20)
+    from umem_jax.arena import Arena
+
+    arena = Arena.create(plan, size.num_rows)
+    from umem_jax.models.moe import Router
+
+    blocks = sum(isinstance(m, Router) for _, m in nnx.iter_graph(nnx.merge(model.graphdef, model.params)))
+    assert blocks >= 2
+    rng = np.random.default_rng(3)
+    for B in (1, 5):
+        pager = Pager(plan, size.num_rows)
+        reqs = [pager.new() for _ in range(B)]
+        for r in reqs:
+            pager.extend(r, 15, 16)
+        batch = pager.batch(reqs, rng.integers(1, cfg.vocab_size, (B, 1)), [1] * B, [16] * B, 8)
+        routed, arena = routed_experts(model, arena, batch, impl="reference")
+        assert len(routed) == blocks  # one count per MoE block, in layer order
+        lo, hi = moe.top_k, min(moe.num_experts, B * moe.top_k)
+        assert all(lo <= n <= hi for n in routed), (B, routed)
+        if B == 1:
+            assert routed == [moe.top_k] * blocks
+    counts = param_counts(model.params)
+    kw = dict(expert_params=counts["expert_params"], expert_bytes=counts["expert_bytes"])
+    every = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=5, T=1, start=15,
+                       routed=[moe.num_experts] * 2, **kw)
+    few = step_costs(cfg, plan, counts["params"], counts["param_bytes"], B=5, T=1, start=15,
+                     routed=[moe.top_k] * 2, **kw)
+    assert every["experts_touched"] == 1.0 and few["experts_touched"] == moe.top_k / moe.num_experts
+    assert every["weight_bytes"] - few["weight_bytes"] == pytest.approx(
+        counts["expert_bytes"] * (1 - moe.top_k / moe.num_experts))
