@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from umem_jax.disagg import ledger as lg
-from umem_jax.disagg.wire import pack, unpack
+from umem_jax.disagg.wire import max_body_bytes, pack, unpack
 from umem_jax.engine.handoff import Envelopes, TransferPlan
 
 
@@ -54,3 +54,21 @@ def test_wire_round_trip_and_no_pickles():
     for bad in (b"not npz", pickle.dumps(env), buf.getvalue()):
         with pytest.raises(ValueError, match="not a page-envelope body"):
             unpack(bad)
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 64, 65, 250])
+def test_max_body_bytes_bounds_the_packed_envelopes(tokens):
+    """The decode worker's body limit comes from max_body_bytes: every packed transfer of up to
+    that many tokens fits it, and it is not far over (the envelopes plus HEAD_BYTES)."""
+    from umem_jax.disagg.wire import HEAD_BYTES
+    from umem_jax.memory import plan as make_plan
+    from umem_jax.models.presets import preset
+
+    plan = make_plan(preset("tiny-hybrid"), page_size=4)
+    tp = TransferPlan.of(plan, tokens)
+    pages = {k: np.ones((end - first, plan[k].rows_per_page, plan.row_words), np.uint16)
+             for k, (first, end) in tp.pages.items()}
+    env = Envelopes("f" * 16, tp, 7, pages, np.ones((1, plan.state.rows_per_page, plan.row_words), np.uint16))
+    body, limit = len(pack(env)), max_body_bytes(plan, tokens)
+    assert env.nbytes < body <= limit == env.nbytes + HEAD_BYTES
+    assert max_body_bytes(plan, tokens + 40) > limit  # longer prompts, more pages

@@ -27,6 +27,7 @@ from umem_jax.disagg.router import Router, build_router_app
 FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "4", "--max-model-len", "256",
          "--warmup-shapes", "0"]
 ARENAS = {"prefill": 300_000, "decode": 400_000}
+BODY_LIMIT = 4096  # the decode worker's --max-request-bytes: a 60-token prompt's envelopes are ~40 KB
 
 
 def _port() -> int:
@@ -45,6 +46,8 @@ class Worker:
         env = {**os.environ, "UMEM_JAX_DISAGG_FAULTS": "1", "JAX_PLATFORMS": "cpu"}
         cmd = [sys.executable, "-m", "umem_jax.cli", "serve", "tiny", "--disaggregation-mode", self.mode,
                "--port", str(self.port), "--arena-bytes", str(ARENAS[self.mode]), *FLAGS]
+        if self.mode == "decode":  # below most transfers' bodies: the worker must raise it for them
+            cmd += ["--max-request-bytes", str(BODY_LIMIT)]
         self.log = tempfile.TemporaryFile()  # noqa: SIM115 - its output, kept while it runs, shown if it fails
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
@@ -162,8 +165,24 @@ def test_router_equals_one_engine(workers):
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert router.counts == {"requests": 7, "retries": 0, "failed": 0}, list(router.errors)
         await _check_both(workers)
+        await _check_transfer_log(workers, 7)
 
     asyncio.run(go())
+
+
+async def _check_transfer_log(ws, n: int) -> None:
+    """GET /disagg/transfers on both sides: the latest n sends are timed, and each one's bytes are
+    the bytes the decode side received for that transfer id."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        sent, got = [(await c.get(f"{ws[m].url}/disagg/transfers")).json() for m in ("prefill", "decode")]
+    assert (sent["mode"], got["mode"]) == ("prefill", "decode")
+    recv = {r["transfer_id"]: r for r in got["transfers"]}
+    for r in sent["transfers"][-n:]:
+        assert r["ok"] and r["bytes"] > 0 and r["tokens"] > 0, r
+        assert min(r["export_s"], r["pack_s"], r["send_s"], r["export_wait_s"]) >= 0, r
+        d = recv[r["transfer_id"]]
+        assert d["ok"] and d["bytes"] == r["bytes"], (r, d)
+        assert 0 <= d["install_s"] and 0 <= d["unpack_s"] and 0 <= d["install_wait_s"], d
 
 
 @pytest.mark.slow

@@ -5,6 +5,8 @@
     POST /disagg/transfer/{id}?generation=G   body: wire.pack(envelopes) -> {acked}; 409 dropped
     POST /disagg/cancel/{id}?generation=G     -> {acked, state}: fenced and freed before the reply
     GET  /disagg/stream/{id}      NDJSON deltas of the request ({text, token_ids, finish_reason, error})
+    GET  /disagg/transfers        the latest writes: {transfer_id, bytes, ok, body_s, unpack_s,
+                                  install_wait_s, install_s (the host call of the install)}
 
 Ordering (ledger.py): every check-then-act runs in one AsyncLLMEngine.call on the engine thread.
 A reservation that gets no bytes by its deadline is expired by a ticker (fenced and freed); a
@@ -15,6 +17,7 @@ pages are no longer touched: a write of that generation can no longer pass the l
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import threading
 import time
@@ -40,6 +43,8 @@ class DecodeWorker:
         self.ledger = lg.Ledger()
         self.queues: dict[str, asyncio.Queue] = {}
         self.faults = Faults()
+        # the latest writes, timed (GET /disagg/transfers; benchmarks/bench_disagg.py reads them)
+        self.transfers: collections.deque[dict] = collections.deque(maxlen=4096)
         self._ticker = threading.Thread(target=self._tick, args=(tick_s,), name="umem-disagg-expiry", daemon=True)
         self._ticker.start()
 
@@ -109,14 +114,21 @@ async def reserve(raw: Request):
 @router.post("/disagg/transfer/{tid}")
 async def transfer(tid: str, raw: Request):
     w, gen = _worker(raw), raw.query_params.get("generation", "")
+    t0 = time.perf_counter()
     body = await raw.body()
+    rec = {"transfer_id": tid, "bytes": len(body), "body_s": time.perf_counter() - t0}
     await w.faults.sleep("stall_install_s", tid)
+    t0 = time.perf_counter()
     try:
         env = unpack(body)
     except ValueError as e:
         return error(400, str(e))
+    rec["unpack_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
 
     def install(eng):
+        t1 = time.perf_counter()
+        rec["install_wait_s"] = t1 - t0  # for the engine thread (its step in flight)
         t = w.ledger.writable(tid, gen)
         if isinstance(t, str):
             return t
@@ -126,6 +138,7 @@ async def transfer(tid: str, raw: Request):
             return f"transfer {tid} was aborted"
         try:
             eng.handoff.install(tid, env)
+            rec["install_s"] = time.perf_counter() - t1  # the host call: its copies may end inside the next step
         except ValueError as e:
             w.fence(eng, t, lg.CANCELLED)
             return f"refused: {e}"
@@ -134,6 +147,7 @@ async def transfer(tid: str, raw: Request):
         return None
 
     why = await asyncio.wrap_future(w.aeng.call(install))
+    w.transfers.append({**rec, "ok": why is None})
     if why is not None:
         return error(409, f"write dropped: {why}")
     await w.faults.sleep("ack_delay_s", tid)

@@ -2,6 +2,8 @@
 
     POST /disagg/prefill {transfer_id, generation, decode_url, prompt_token_ids, params, timeout_s}
       -> {status: "sent" | "done" | "failed", first token, text, finish_reason, error, bytes, send_s}
+    GET  /disagg/transfers        the latest sends: {transfer_id, tokens, bytes, ok, export_wait_s,
+                                  export_s (gather + device-to-host read), pack_s, send_s (POST to ack)}
 
 The request runs with max_tokens=1 and is held when that token is out (engine/handoff.py): its
 pages stay allocated, unschedulable and unretractable until the decode worker answers.  Then:
@@ -17,6 +19,7 @@ and the pages are released.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -40,6 +43,8 @@ class PrefillWorker:
         self.faults = Faults()
         self.fenced: set[str] = set()  # generations whose cancel was never answered
         self.counts = {"sent": 0, "done": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
+        # the latest sends, timed (GET /disagg/transfers; benchmarks/bench_disagg.py reads them)
+        self.transfers: collections.deque[dict] = collections.deque(maxlen=4096)
         self.client = httpx.AsyncClient()
 
     def status(self, eng) -> dict:
@@ -101,17 +106,28 @@ async def prefill(raw: Request):
     if not held:  # stopped on its first token (or failed): nothing to decode
         w.counts["done"] += 1
         return {**out, "status": "failed" if last.error else "done"}
-    env = await w.call(lambda eng: eng.handoff.export(tid))
+    t0 = time.perf_counter()
+    env, export_s = await w.call(lambda eng: _timed(eng.handoff.export, tid))  # the D2H read is synchronous
+    wait_s = time.perf_counter() - t0 - export_s  # for the engine thread (its step in flight)
     if w.faults.take("poison", tid):  # a test's late write: NaN bytes that must never land
         env = dataclasses.replace(env, pages={k: v | 0x7FC0 for k, v in env.pages.items()},
                                   state=None if env.state is None else env.state | 0x7FC0)
-    payload = pack(env)
+    payload, pack_s = _timed(pack, env)
     await w.faults.sleep("stall_send_s", tid)
     t0 = time.perf_counter()
     why = await w.send(url, tid, gen, payload, timeout_s)
-    send_s = time.perf_counter() - t0
+    send_s = time.perf_counter() - t0  # the POST until the ack: HTTP + the decode side's unpack and install
     await w.call(lambda eng: eng.handoff.release(tid))
     w.counts["failed" if why else "sent"] += 1
     w.counts["bytes"] += len(payload)
     w.counts["send_s"] += send_s
+    w.transfers.append({"transfer_id": tid, "tokens": env.plan.computed, "bytes": len(payload), "ok": why is None,
+                        "export_wait_s": wait_s, "export_s": export_s, "pack_s": pack_s, "send_s": send_s})
     return {**out, "status": "failed" if why else "sent", "error": why, "bytes": len(payload), "send_s": send_s}
+
+
+def _timed(fn, *args):
+    """(fn(*args), seconds it took)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0

@@ -9,6 +9,9 @@ import json
 import numpy as np
 
 from ..engine.handoff import Envelopes, TransferPlan
+from ..memory.declarations import WORD_BYTES
+
+HEAD_BYTES = 64 << 10  # more than the npz's archive and array headers and the JSON head take
 
 
 def pack(env: Envelopes) -> bytes:
@@ -34,3 +37,12 @@ def unpack(body: bytes) -> Envelopes:
     plan = TransferPlan(int(head["computed"]), {k: tuple(v) for k, v in head["pages"].items()},
                         int(head["state_slots"]))
     return Envelopes(str(head["fingerprint"]), plan, int(head["first_token"]), pages, state)
+
+
+def max_body_bytes(plan, tokens: int) -> int:
+    """Bytes of the largest body `pack` makes for a prompt of at most `tokens` tokens under `plan`
+    (a memory.Plan): its envelopes (the transfer plan's pages and state slots) plus HEAD_BYTES."""
+    tp = TransferPlan.of(plan, tokens)
+    rows = sum((end - first) * plan[name].rows_per_page for name, (first, end) in tp.pages.items())
+    rows += tp.state_slots * (plan.state.rows_per_page if plan.state is not None else 0)
+    return rows * plan.row_words * WORD_BYTES + HEAD_BYTES

@@ -2,6 +2,7 @@
 (its own /v1 endpoints keep working) plus the endpoints of its side of a transfer.
 
     GET  /disagg/status   {mode, held, counts, fingerprint, ...}
+    GET  /disagg/transfers  {mode, transfers: [...]}: the latest transfers, timed (prefill.py, decode.py)
     POST /disagg/check    at idle: the engine's leak and refcount checks -> {idle, ok, error, held,
                           usage}; with {"reset_prefix_cache": true} the cache is emptied first
 """
@@ -15,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from ..api.server import build_app
 from . import decode, faults, prefill
+from .wire import max_body_bytes
 
 MODES = ("null", "prefill", "decode")
 common = APIRouter()
@@ -24,6 +26,12 @@ common = APIRouter()
 async def status(raw: Request):
     w = raw.app.state.disagg
     return await asyncio.wrap_future(w.aeng.call(w.status))
+
+
+@common.get("/disagg/transfers")
+async def transfers(raw: Request):
+    w = raw.app.state.disagg
+    return {"mode": "decode" if isinstance(w, decode.DecodeWorker) else "prefill", "transfers": list(w.transfers)}
 
 
 @common.post("/disagg/check")
@@ -48,9 +56,16 @@ async def check(raw: Request):
 
 
 def build_worker_app(aeng, names: list[str], mode: str, **kw):
-    """The serving app of one engine, with the endpoints of `mode` ("prefill" or "decode")."""
+    """The serving app of one engine, with the endpoints of `mode` ("prefill" or "decode").  A
+    decode worker's body limit (max_request_bytes) is raised to the largest transfer it can take
+    (wire.max_body_bytes of max_model_len tokens), else any prompt whose memory is over the limit
+    (16 MiB by default: a 4B model's state slot alone is ~50 MB) would be refused."""
     if mode not in ("prefill", "decode"):
         raise ValueError(f"--disaggregation-mode {mode!r}: use one of {list(MODES)}")
+    limit = kw.get("max_request_bytes")
+    if mode == "decode" and limit is not None:  # a transfer's body is a whole prompt's memory: let the longest in
+        eng = aeng.engine
+        kw["max_request_bytes"] = max(limit, max_body_bytes(eng.plan, eng.max_model_len))
     app = build_app(aeng, names, **kw)
     app.state.disagg = decode.DecodeWorker(aeng) if mode == "decode" else prefill.PrefillWorker(aeng)
     app.include_router(decode.router if mode == "decode" else prefill.router)
