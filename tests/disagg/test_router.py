@@ -4,7 +4,8 @@ arenas of different sizes), the router runs in this process.  Greedy outputs equ
 worker alone; injected faults (a late poisoned write after a reservation expired, a dropped and
 a delayed acknowledgement, the decode worker killed mid-transfer and restarted) leave every page
 accounted for on both sides, other requests unaffected, and the client a retried success or a
-clear error."""
+clear error; 64 concurrent streams through the router finish with no error and no leak.  All of
+it runs in CI (about 90 s with the workers' start)."""
 
 from __future__ import annotations
 
@@ -185,7 +186,6 @@ async def _check_transfer_log(ws, n: int) -> None:
         assert 0 <= d["install_s"] and 0 <= d["unpack_s"] and 0 <= d["install_wait_s"], d
 
 
-@pytest.mark.slow
 def test_expired_reservation_drops_the_late_poisoned_write(warm):
     workers = warm
     """The decode side's reservation times out (the prefill worker stalls), its pages are freed
@@ -218,7 +218,6 @@ def test_expired_reservation_drops_the_late_poisoned_write(warm):
     asyncio.run(go())
 
 
-@pytest.mark.slow
 def test_dropped_and_delayed_acks(warm):
     workers = warm
     """An acknowledgement that never comes in time: the prefill side cancels (the decode side
@@ -243,7 +242,6 @@ def test_dropped_and_delayed_acks(warm):
     asyncio.run(go())
 
 
-@pytest.mark.slow
 def test_decode_worker_killed_mid_transfer_then_restarted(warm):
     workers = warm
     async def go():
@@ -268,7 +266,6 @@ def test_decode_worker_killed_mid_transfer_then_restarted(warm):
     asyncio.run(go())
 
 
-@pytest.mark.slow
 def test_64_concurrent_streams(warm):
     workers = warm
     """64 streaming clients at once through the router: every stream ends with [DONE] and the
