@@ -1,0 +1,158 @@
+"""The few-rows expert GEMM (pallas_kernels/expert_gemv.py), interpreted on CPU (and compiled on a
+GPU), against its row-by-row reference: 1..16 rows, experts repeated across rows (one slot
+computes them all), padding rows (ids -1, E, beyond) that must come back zero without their x
+being read, K and N no multiple of any block, K splits that run past K, fp32 and bf16, gpt-oss
+biases.  Fresh random data per case.  Interpret mode leaves unwritten output elements NaN (checked
+below), so the raw partial sums being finite shows every element was written."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _kernel_utils import cuda_lowering, no_triton_deprecation
+from jax.experimental import pallas as pl
+
+from umem_jax.pallas_kernels._compat import pltr, triton_params
+from umem_jax.pallas_kernels.expert_gemv import (MAX_ROWS, default_config, expert_gemv, expert_gemv_partials,
+                                                 expert_gemv_reference)
+from umem_jax.pallas_kernels.launch import ANY
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def case(seed, R, K, N, E, ids, dtype=jnp.float32, bias=False):
+    """Random x [R, K], w [E, K, N] (and bias [E, N]); padding rows' x is NaN: never to be read."""
+    rng = np.random.default_rng(seed)
+    ids = np.asarray(ids, np.int32)
+    x = rng.standard_normal((R, K), np.float32)
+    x[(ids < 0) | (ids >= E)] = np.nan
+    w = rng.standard_normal((E, K, N), np.float32) / np.sqrt(K)
+    b = rng.standard_normal((E, N), np.float32) if bias else None
+    as_dev = lambda a: None if a is None else jnp.asarray(a).astype(dtype)
+    return as_dev(x), jnp.asarray(ids), as_dev(w), as_dev(b)
+
+
+def rel(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+
+
+def test_interpret_mode_poisons_unwritten_output():
+    """The premise of the checks below: an output element no program stores comes back NaN."""
+    def kernel(o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            pltr.store(o_ref.at[0, jnp.arange(8)], jnp.ones((8,), jnp.float32))
+
+    out = pl.pallas_call(kernel, grid=(2,), in_specs=[], out_specs=ANY, compiler_params=triton_params(),
+                         out_shape=jax.ShapeDtypeStruct((2, 8), jnp.float32), interpret=True)()
+    assert np.all(np.asarray(out)[0] == 1) and np.all(np.isnan(np.asarray(out)[1]))
+
+
+# (R, K, N, E, ids, tuning): blocks small enough that every case has several column blocks and K chunks
+CASES = [
+    (1, 40, 24, 3, [2], {"block_n": 16, "block_k": 16, "k_splits": 1}),           # one row, K and N ragged
+    (4, 72, 40, 6, [5, 0, 3, 1], {"block_n": 16, "block_k": 16, "k_splits": 2}),  # one token, top-4
+    (6, 64, 48, 4, [1, 3, 1, 1, 0, 3], {"block_n": 32, "block_k": 16, "k_splits": 3}),  # repeats; splits past K
+    (9, 48, 32, 5, [2, -1, 0, 5, 2, 99, 0, 4, -7], {"block_n": 16, "block_k": 32, "k_splits": 2}),  # padding rows
+    (16, 32, 16, 3, [1] * 16, {"block_n": 16, "block_k": 16, "k_splits": 2}),    # every row on one expert
+    (16, 56, 20, 8, [-1] * 16, {"block_n": 16, "block_k": 16, "k_splits": 1}),   # nothing routed: zeros
+    (12, 96, 64, 16, [3, 9, 9, 14, 0, 3, 7, 1, 12, 12, 5, 3], {}),               # the default blocks
+]
+
+
+def run(x, ids, w, b, tuning):
+    parts = expert_gemv_partials(x, ids, w, b, interpret=True, **tuning)
+    return np.asarray(parts), expert_gemv(x, ids, w, b, interpret=True, **tuning)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("R,K,N,E,ids,tuning", CASES)
+def test_matches_reference_fp32(R, K, N, E, ids, tuning, bias):
+    x, ids_, w, b = case(R * 7 + K + int(bias), R, K, N, E, ids, bias=bias)
+    parts, got = run(x, ids_, w, b, tuning)
+    want = expert_gemv_reference(x, ids_, w, b)
+    S = tuning.get("k_splits", default_config(R, K, N, w.dtype)["k_splits"])
+    assert parts.shape == (S, R, N) and np.all(np.isfinite(parts))  # every element written
+    assert got.shape == (R, N) and got.dtype == jnp.float32
+    pad = (np.asarray(ids) < 0) | (np.asarray(ids) >= E)
+    assert np.all(parts[:, pad] == 0)  # padding rows: exact zeros, their NaN x never read
+    if not pad.all():
+        assert rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("R,K,N,E,ids,tuning", [CASES[2], CASES[3], CASES[6]])
+def test_matches_reference_bf16(R, K, N, E, ids, tuning):
+    """bf16 x and weights: the same bf16 inputs with exact products and fp32 sums on both sides;
+    bf16 out rounds once."""
+    x, ids_, w, b = case(R + 100, R, K, N, E, ids, jnp.bfloat16, bias=True)
+    parts, got = run(x, ids_, w, b, tuning)
+    want = expert_gemv_reference(x, ids_, w, b)
+    assert np.all(np.isfinite(parts)) and rel(got, want) < 1e-5
+    low = expert_gemv(x, ids_, w, b, out_dtype=jnp.bfloat16, interpret=True, **tuning)
+    assert low.dtype == jnp.bfloat16 and rel(low, want) < 1e-2
+
+
+def test_jit_with_traced_ids_one_compile():
+    """Under jit the ids are traced values: one compile serves every routing."""
+    x, _, w, b = case(3, 8, 40, 24, 6, [0] * 8, bias=True)
+    f = jax.jit(lambda x, ids, w, b: expert_gemv(x, ids, w, b, interpret=True, block_n=16, block_k=16, k_splits=2))
+    for ids in ([0, 1, 2, 3, 4, 5, 0, 1], [5] * 8, [2, 2, 6, -1, 2, 0, 0, 3]):
+        ids = jnp.asarray(ids, jnp.int32)
+        assert rel(f(x, ids, w, b), expert_gemv_reference(x, ids, w, b)) < 1e-5
+    assert f._cache_size() == 1
+
+
+def test_default_config_splits_k_for_few_programs():
+    gpt = default_config(4, 2880, 5760, jnp.bfloat16)  # gpt-oss-20b gate_up at one token
+    assert gpt["block_n"] == 64 and gpt["block_k"] == 128 and 4 * 90 * gpt["k_splits"] >= 512
+    qwen_down = default_config(8, 512, 2048, jnp.bfloat16)  # Qwen3.5-35B-A3B-like down: K = 4 chunks
+    assert qwen_down["k_splits"] == 2  # each split keeps >= 2 chunks
+    assert default_config(64, 4096, 8192, jnp.float32)["block_k"] == 64
+
+
+@pytest.mark.parametrize("args,kw,match", [
+    (((4, 12), (4,), (3, 16, 8)), {}, "K=12"),
+    (((4, 16), (5,), (3, 16, 8)), {}, "ids must be"),
+    (((MAX_ROWS + 1, 16), (MAX_ROWS + 1,), (3, 16, 8)), {}, "grouped_matmul"),
+    (((4, 16), (4,), (3, 16, 8)), {"bias": (3, 9)}, "bias"),
+    (((4, 16), (4,), (3, 16, 8)), {"block_k": 24}, "powers of two"),
+])
+def test_bad_shapes_are_refused(args, kw, match):
+    x, ids, w = (jnp.zeros(s, jnp.int32 if i == 1 else jnp.float32) for i, s in enumerate(args))
+    bias = jnp.zeros(kw.pop("bias"), jnp.float32) if "bias" in kw else None
+    with pytest.raises(ValueError, match=match):
+        expert_gemv(x, ids, w, bias, interpret=True, **kw)
+
+
+def test_lowers_for_cuda_at_real_shapes():
+    """The Triton kernel builds for CUDA (cross-lowered): gpt-oss-20b gate_up with bias, and
+    weights over 4 GiB (Pallas then addresses them with int64 offsets)."""
+    S = jax.ShapeDtypeStruct
+    for R, K, N, E, bias in [(4, 2880, 5760, 32, True), (2, 4096, 2048, 512, False)]:
+        args = [S((R, K), jnp.bfloat16), S((R,), jnp.int32), S((E, K, N), jnp.bfloat16)]
+        args += [S((E, N), jnp.bfloat16)] if bias else []
+        with no_triton_deprecation():
+            text = cuda_lowering(lambda *a: expert_gemv_partials(*a), *args)
+        if text is None:
+            pytest.skip("this jax cannot cross-lower for CUDA without a GPU")
+        assert "umem_expert_gemv" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,K,N,E,bias", [(4, 2880, 5760, 8, True), (16, 2048, 1024, 24, False),
+                                          (3, 512, 2048, 6, False)])
+def test_triton_kernel_on_gpu(R, K, N, E, bias):
+    """The compiled kernel (default blocks) against the reference on the device: gpt-oss-20b and
+    Qwen3.5-35B-A3B-like projections (fewer experts), repeated experts and padding rows."""
+    ids = np.random.default_rng(R).integers(0, E, R)
+    ids[R // 2] = ids[0]  # a repeated expert
+    ids[-1] = E  # a padding row
+    x, ids_, w, b = case(R, R, K, N, E, ids, jnp.bfloat16, bias=bias)
+    parts = np.asarray(expert_gemv_partials(x, ids_, w, b))
+    got = expert_gemv(x, ids_, w, b)
+    want = expert_gemv_reference(x, ids_, w, b)
+    assert np.all(np.isfinite(parts)) and np.all(parts[:, -1] == 0)
+    assert rel(got[:-1], want[:-1]) < 1e-3

@@ -1,0 +1,196 @@
+"""The few-rows expert GEMM (an MoE decode step): each row times the matrix of the expert it names,
+every chosen expert's matrix read once.
+
+    y = expert_gemv(x, ids, w, bias)          x [R, K], ids [R] int32, w [E, K, N], bias [E, N] | None
+    y[r] = x[r] @ w[ids[r]] (+ bias[ids[r]])  for 0 <= ids[r] < E
+    y[r] = 0                                  otherwise (padding rows: no expert is read for them)
+                                                                            -> [R, N] fp32 accumulation
+
+At one decode token an MoE layer must read exactly top_k experts' weights, and that read is the
+whole cost.  The gather path (models/moe.py `_gathered`) copies the chosen matrices first (read,
+write, read again) and the grouped GEMM (grouped_matmul.py) gives each expert one program per
+column block, too few to keep HBM busy; both ran 4-8x the bytes on the H200.  This kernel puts
+the matrix read itself on a wide grid, (row slot u, column block, K split):
+
+* Slot u is live when row u names a valid expert that no earlier row names: it computes the
+  product for *every* row naming that expert (rows sharing an expert are one [bm, bk] x [bk, bn]
+  dot, so a matrix used by several tokens is read once).  Later rows of the same expert, and
+  padding rows, leave their slots idle, so the grid is a static R and reads only the distinct
+  experts.  Deciding this in the kernel (an R-wide compare of the ids) needs no sort and no extra
+  XLA launch before it.
+* Rows are padded to bm = max(16, pow2 >= R): 16 is the smallest Triton `dot`; the padding rows
+  are masked loads, never issued.
+* The K range is split over `k_splits` programs that write fp32 partial sums [S, R, N]; the sum
+  over S is left to XLA, which fuses it into whatever consumes y (the bias add and activation
+  of the next op), so the split costs no launch.  The bias is added once, by split 0.
+* A padding row's slot stores its zeros (every split), so every output element is written
+  exactly once and unwritten ones (NaN in interpret mode) fail the tests.
+
+Offsets: every load indexes the 3-D weight ref by (expert, k, n), so Pallas does the address
+multiply itself, in int64 once the array passes 4 GiB; nothing here forms a flat offset.  Expert
+ids outside [0, E) never reach an address (the idle branch; the id is also clamped).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, triton_params
+from .launch import ANY, pow2_ceil
+
+__all__ = ["MAX_ROWS", "default_config", "expert_gemv", "expert_gemv_partials", "expert_gemv_reference"]
+
+MAX_ROWS = 64  # every live program holds all rows' tile ([bm, bk] and a [bm, bn] fp32 accumulator)
+# Programs to aim for when choosing k_splits: ~4 per SM of an H200 (132 SMs), enough loads in
+# flight to cover HBM latency.  Not yet measured (benchmarks/bench_moe.py sweeps the tunings).
+TARGET_PROGRAMS = 512
+DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
+                          out_dtype=jnp.float32) -> jax.Array:
+    """The definition, row by row in fp32: x[r] @ w[ids[r]] (+ bias[ids[r]]), zeros where ids[r]
+    is outside [0, E).  Gathers a [R, K, N] copy of the weights: tests and small shapes only."""
+    E = w.shape[0]
+    valid = (ids >= 0) & (ids < E)
+    safe = jnp.clip(ids, 0, E - 1)
+    wr = jnp.take(w, safe, axis=0).astype(jnp.float32)
+    y = jnp.einsum("rk,rkn->rn", x.astype(jnp.float32), wr, precision=lax.Precision.HIGHEST)
+    if bias is not None:
+        y = y + jnp.take(bias, safe, axis=0).astype(jnp.float32)
+    return jnp.where(valid[:, None], y, 0.0).astype(out_dtype)
+
+
+def _and(*masks):
+    """The conjunction of the masks that are not None (None: nothing to mask)."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m if out is None else out & m
+    return out
+
+
+def _load(ref, mask, **kw):
+    """pltr.load with `other=0` only where there is a mask (Triton refuses `other` without one)."""
+    return pltr.load(ref, **({} if mask is None else {"mask": mask, "other": 0}), **kw)
+
+
+def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, has_bias, mask_k, mask_n):
+    b_ref, o_ref = refs if has_bias else (None, refs[0])
+    u, nb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rows = jnp.arange(bm, dtype=jnp.int32)
+    ids = pltr.load(ids_ref.at[rows], mask=rows < R, other=-1) if bm > R else pltr.load(ids_ref.at[rows])
+    e = ids_ref[u]
+    valid = (e >= 0) & (e < E)
+    # The slot leads its expert when no earlier row names it (rows past R hold -1).
+    earlier = jnp.sum(((ids == e) & (rows < u)).astype(jnp.int32))
+    group = (ids == e) & (rows < R)  # the rows this slot computes
+    cols = nb * bn + jnp.arange(bn, dtype=jnp.int32)
+    col_ok = cols < N if mask_n else None
+
+    @pl.when(valid & (earlier == 0))
+    def _product():
+        ec = jnp.clip(e, 0, E - 1)  # already in range here; the clamp keeps any hoisted address legal
+        precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None  # fp32: IEEE, not TF32
+
+        def body(i, acc):
+            ks = (s * chunks + i) * bk + jnp.arange(bk, dtype=jnp.int32)
+            k_ok = ks < K if mask_k else None
+            a = _load(x_ref.at[rows[:, None], ks[None, :]], _and(group[:, None], None if k_ok is None else k_ok[None, :]))
+            # The weights are streamed once: evict them first so x and the ids stay in L2.
+            b = _load(w_ref.at[ec, ks[:, None], cols[None, :]],
+                      _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :]),
+                      eviction_policy="evict_first")
+            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+        acc = lax.fori_loop(0, chunks, body, jnp.zeros((bm, bn), jnp.float32))
+        if has_bias:
+            bias = _load(b_ref.at[ec, cols], col_ok).astype(jnp.float32)
+            acc = acc + jnp.where(s == 0, bias, 0.0)[None, :]
+        pltr.store(o_ref.at[s, rows[:, None], cols[None, :]], acc,
+                   mask=_and(group[:, None], None if col_ok is None else col_ok[None, :]))
+
+    @pl.when(~valid)
+    def _padding():
+        pltr.store(o_ref.at[s, u, cols], jnp.zeros((bn,), jnp.float32), mask=col_ok)
+
+
+def default_config(rows: int, K: int, N: int, dtype) -> dict:
+    """Block sizes and K splits (not yet tuned on the GPU; bench_moe.py sweeps the alternatives).
+    64-column blocks keep each weight row segment a 128-byte line in bf16 and give many programs;
+    splits are added (powers of two, each keeping >= 2 K chunks) until `rows` live slots (the
+    distinct experts of one decode token) times the column blocks reach TARGET_PROGRAMS."""
+    bk = 128 if jnp.dtype(dtype).itemsize <= 2 else 64
+    bn = 64
+    tiles = pl.cdiv(N, bn)
+    nk = pl.cdiv(K, bk)
+    s = 1
+    while rows * tiles * s < TARGET_PROGRAMS and s < 16 and pl.cdiv(nk, 2 * s) >= 2:
+        s *= 2
+    return {"block_n": bn, "block_k": bk, "k_splits": s, "num_warps": 4, "num_stages": 4}
+
+
+def _check(x, ids, w, bias):
+    R, K = x.shape
+    E, K2, N = w.shape
+    if K2 != K:
+        raise ValueError(f"expert_gemv: x has K={K} columns, w has K={K2} rows")
+    if ids.shape != (R,) or not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"expert_gemv: ids must be int [{R}], got {ids.dtype}{list(ids.shape)}")
+    if not 1 <= R <= MAX_ROWS:
+        raise ValueError(f"expert_gemv: R={R} rows; the few-rows kernel takes 1..{MAX_ROWS} (use grouped_matmul)")
+    if w.dtype not in DTYPES:
+        raise ValueError(f"expert_gemv: weights of {w.dtype}; supported: bf16, f16, f32")
+    if bias is not None and bias.shape != (E, N):
+        raise ValueError(f"expert_gemv: bias must be [{E}, {N}], got {list(bias.shape)}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
+                                             "interpret"))
+def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
+                         block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         interpret: bool = False) -> jax.Array:
+    """The kernel's raw output: fp32 partial sums [k_splits, R, N] (their sum over axis 0 is
+    expert_gemv's result).  x is cast to w's dtype (the dot takes one input type)."""
+    _check(x, ids, w, bias)
+    R, K = x.shape
+    E, _, N = w.shape
+    cfg = default_config(R, K, N, w.dtype)
+    given = {"block_n": block_n, "block_k": block_k, "k_splits": k_splits, "num_warps": num_warps,
+             "num_stages": num_stages}
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    bn, bk, S = cfg["block_n"], cfg["block_k"], cfg["k_splits"]
+    if bn < 16 or bk < 16 or bn & (bn - 1) or bk & (bk - 1) or S < 1:
+        raise ValueError(f"expert_gemv: block_n={bn}, block_k={bk} must be powers of two >= 16, k_splits >= 1")
+    chunks = pl.cdiv(pl.cdiv(K, bk), S)  # K chunks per split; a split past K loads nothing
+    kernel = functools.partial(
+        _kernel, R=R, K=K, N=N, E=E, bm=max(16, pow2_ceil(R)), bn=bn, bk=bk, chunks=chunks,
+        has_bias=bias is not None, mask_k=chunks * S * bk != K, mask_n=N % bn != 0)
+    operands = [ids.astype(jnp.int32), x.astype(w.dtype), w] + ([] if bias is None else [bias])
+    return pl.pallas_call(
+        kernel,
+        grid=(R, pl.cdiv(N, bn), S),
+        in_specs=[ANY] * len(operands),
+        out_specs=ANY,
+        out_shape=jax.ShapeDtypeStruct((S, R, N), jnp.float32),
+        compiler_params=triton_params(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+        interpret=interpret,
+        name="umem_expert_gemv",
+    )(*operands)
+
+
+def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
+                out_dtype=jnp.float32, interpret: bool = False, **tuning) -> jax.Array:
+    """x [R, K], ids [R] int (outside [0, E): a padding row, zeros out), w [E, K, N], bias [E, N]
+    or None -> [R, N] in out_dtype (default fp32), fp32 accumulation.  `tuning`: block_n,
+    block_k, k_splits, num_warps, num_stages (defaults: default_config).  Not jitted itself, so
+    the sum over the K splits fuses into the caller's next op under the caller's jit."""
+    parts = expert_gemv_partials(x, ids, w, bias, interpret=interpret, **tuning)
+    y = parts[0] if parts.shape[0] == 1 else parts.sum(0)
+    return y.astype(out_dtype)
