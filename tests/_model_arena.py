@@ -38,7 +38,7 @@ class HandPager:
         self.state_free, self.slots = [], {}
         if state is not None:  # the last band: state slots, one per request
             start, end = lo + len(paged) * span, lo + (len(paged) + 1) * span
-            first, last = -(-start // state.rows_per_page), end // state.rows_per_page
+            first, last = state.page_ceil(start), state.page_floor(end)  # on its grid (from the sink)
             assert last - first >= 4, "band of the state sub-pool too small"
             self.state_free = list(range(last - 1, first - 1, -1))
 

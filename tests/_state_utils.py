@@ -22,8 +22,9 @@ def state_view(tensors, *, row_words=64, layers=2, layer=None):
 
 
 def poisoned_arena(view, num_slots, dtype=jnp.uint16):
-    """Arena of `num_slots` slots (slot 0 = sink) plus a few spare rows, every word POISON."""
-    rows = num_slots * view.rows_per_slot + 3
+    """Arena of `num_slots` slots (slot 0 = padding: on the plan's grid it has no rows, slot 1
+    starts at the sink) plus a few spare rows, every word POISON."""
+    rows = view.slot_row(num_slots) + 3
     w = np.full((rows, view.row_words), POISON, np.uint16)
     return jnp.asarray(w if dtype == jnp.uint16 else w.view(jnp.bfloat16))
 
@@ -41,7 +42,7 @@ def slot_rows(view, slots):
     out = set()
     for s in np.asarray(slots).tolist():
         if s:
-            out.update(range(s * view.rows_per_slot, (s + 1) * view.rows_per_slot))
+            out.update(range(view.slot_row(s), view.slot_row(s + 1)))
     return out
 
 

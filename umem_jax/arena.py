@@ -153,8 +153,8 @@ class Arena:
         return self.tp * self.shard_nbytes
 
     def num_pages(self, subpool: str) -> int:
-        """Pages of `subpool`'s grid that fit in the arena, sink page 0 included."""
-        return self.num_rows // self.plan[subpool].rows_per_page
+        """Pages of `subpool`'s grid that fit in the arena, page (slot) 0 included."""
+        return self.plan[subpool].num_pages(self.num_rows)
 
     def __repr__(self) -> str:
         shape = getattr(self.data, "shape", None)
@@ -301,13 +301,15 @@ def write_state(arena: Arena, slots, tensors: dict, *, layer: int, model: str = 
 
 @functools.partial(jax.jit, donate_argnames=("arena",), static_argnames=("subpool", "impl", "interpret"))
 def move_pages(arena: Arena, src, dst, *, subpool: str, impl: str | None = None, interpret: bool = False) -> Arena:
-    """Copy page envelopes src[i] -> dst[i] (int32 [N]) on `subpool`'s page grid; donates.
+    """Copy page envelopes src[i] -> dst[i] (int32 [N]) on `subpool`'s page grid (the state grid
+    starts at the sink: its base_row); donates.
 
     Destinations distinct and disjoint from sources; 0 -> 0 pairs are padding
     (relocate.check_moves checks this on the host).  Dispatches to relocate.move_pages.
     """
-    rows_per_page = arena.plan[subpool].rows_per_page
-    move = lambda d, s, t: relocate.move_pages(d, s, t, rows_per_page=rows_per_page, impl=impl, interpret=interpret)
+    sp = arena.plan[subpool]
+    move = lambda d, s, t: relocate.move_pages(d, s, t, rows_per_page=sp.rows_per_page, base_row=sp.base_row, impl=impl,
+                                               interpret=interpret)
     return arena.replace(_per_shard(arena, move, src, dst))
 
 
@@ -315,8 +317,9 @@ def move_pages(arena: Arena, src, dst, *, subpool: str, impl: str | None = None,
 def zero_pages(arena: Arena, pages, *, subpool: str, impl: str | None = None, interpret: bool = False) -> Arena:
     """Zero the page envelopes `pages` (int32 [N]) of `subpool`'s grid; donates.  Dispatches to
     relocate.zero_pages."""
-    rows_per_page = arena.plan[subpool].rows_per_page
-    zero = lambda d, p: relocate.zero_pages(d, p, rows_per_page=rows_per_page, impl=impl, interpret=interpret)
+    sp = arena.plan[subpool]
+    zero = lambda d, p: relocate.zero_pages(d, p, rows_per_page=sp.rows_per_page, base_row=sp.base_row, impl=impl,
+                                            interpret=interpret)
     return arena.replace(_per_shard(arena, zero, pages))
 
 

@@ -103,7 +103,7 @@ class Demo:
             phys = self.alloc.translate_slots(vids)
         else:
             phys = self.alloc.translate_pages(np.asarray(vids)[None], subpool)[0]
-        return phys.astype(np.int64) * sp.rows_per_page, phys
+        return sp.page_row(phys.astype(np.int64)), phys
 
     def _stamp_pages(self, pages, slots) -> None:
         for sp in self.plan.subpools:

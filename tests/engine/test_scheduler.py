@@ -178,7 +178,8 @@ def test_joint_admission_does_not_double_spend():
 
 def test_static_split_limits_each_pool():
     sim = make(200 << 10, mode="static")
-    slots = len(range(*[x // sim.dm.plan.state.rows_per_page for x in sim.alloc._regions[0]]))
+    state, (lo, hi) = sim.dm.plan.state, sim.alloc._regions[0]
+    slots = state.page_floor(hi) - state.page_ceil(lo)
     reqs = [sim.add(8, 20) for _ in range(4)]
     peak = 0
     while sim.sch.has_work():

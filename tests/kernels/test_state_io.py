@@ -70,7 +70,7 @@ def test_padded_tail_of_a_plane_is_zero():
     slots = jnp.array([2], jnp.int32)
     a = write_state(arena, slots, {"a": jnp.ones((1, 3, 5), jnp.float32)}, view=view, impl="pallas", interpret=True)
     t = view["a"]
-    words = np.asarray(a)[2 * view.rows_per_slot + t.row: 2 * view.rows_per_slot + t.row + 2 * t.rows_per_plane]
+    words = np.asarray(a)[view.slot_row(2) + t.row: view.slot_row(2) + t.row + 2 * t.rows_per_plane]
     assert (words.reshape(2, -1)[:, 15:] == 0).all()
 
 

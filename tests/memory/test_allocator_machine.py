@@ -34,10 +34,12 @@ LONG_SEQUENCES = 10_000
 
 
 def make_plan(kind: str):
-    """kind letters: s = state, w = window 24, v = window 8; full attention always."""
+    """kind letters: s = state (a slot smaller than the sink), S = state (a slot larger than the
+    sink: its grid starts below row 0), w = window 24, v = window 8; full attention always."""
     decls, layer = [], 0
-    if "s" in kind:
-        decls.append(recurrent_state(layer, (StateTensor("h", (40,), "float32"),)))  # 6 rows/slot
+    if "s" in kind or "S" in kind:
+        numel = 40 if "s" in kind else 400
+        decls.append(recurrent_state(layer, (StateTensor("h", (numel,), "float32"),)))  # 6 / 50 rows/slot
         layer += 1
     if "w" in kind:
         decls.append(window_attention(layer, 24, 1, 16))  # 8 rows/page
@@ -50,7 +52,7 @@ def make_plan(kind: str):
     return plan(decls, page_size=PAGE)
 
 
-PLANS = {k: make_plan(k) for k in ("w", "s", "sw", "wv", "swv")}
+PLANS = {k: make_plan(k) for k in ("w", "s", "sw", "wv", "swv", "Sw")}
 
 
 def static_regions(p, rows: int, fractions) -> dict:
@@ -90,17 +92,24 @@ class ArenaMachine(RuleBasedStateMachine):
             assert len(set(m.dst.tolist())) == m.dst.size, "destinations repeat"
             assert not np.isin(m.dst, m.src).any(), "a destination is a source of its batch"
             assert (m.src > 0).all() and (m.dst > 0).all(), "a move touches the sink"
-            rows = np.arange(m.rows_per_page)
-            src = (m.src[:, None] * m.rows_per_page + rows).ravel()
-            dst = (m.dst[:, None] * m.rows_per_page + rows).ravel()
+            src, dst = self.rows(m.subpool, m.src).ravel(), self.rows(m.subpool, m.dst).ravel()
             self.arena[dst] = self.arena[src].copy()  # read every source, then write
+
+    def rows(self, name, pages):
+        """Arena rows [n, rows_per_page] of physical pages of `name`, on its grid (the state grid
+        starts at the sink): never in the sink, never past the arena."""
+        sp = self.plan[name]
+        rows = sp.page_row(np.asarray(pages, np.int64))[:, None] + np.arange(sp.rows_per_page)
+        assert rows.size == 0 or (self.plan.sink_rows <= rows.min() and rows.max() < self.arena.shape[0]), \
+            f"{name}: pages {pages[:8]} leave [sink, arena)"
+        return rows
 
     def write(self, name, vids):
         sp = self.plan[name]
         pages = self.a.translate_pages(np.asarray(vids)[None], name)[0] if sp.kind != "state" \
             else self.a.translate_slots(np.asarray(vids))
         assert (pages > 0).all()
-        rows = pages[:, None] * sp.rows_per_page + np.arange(sp.rows_per_page)
+        rows = self.rows(name, pages)
         self.arena[rows, 0] = self.tag[name] + np.asarray(vids)[:, None]
         self.arena[rows, 1] = np.arange(sp.rows_per_page)
 
@@ -279,7 +288,7 @@ class ArenaMachine(RuleBasedStateMachine):
                     vids = np.array(held_tok, np.int32)
                 pages = self.a.translate_pages(vids[None], sp.name)[0]
             assert (pages > 0).all(), f"{sp.name}: a live id maps to the sink"
-            rows = pages[:, None] * sp.rows_per_page + np.arange(sp.rows_per_page)
+            rows = self.rows(sp.name, pages)
             want = self.tag[sp.name] + vids[:, None]
             assert (self.arena[rows, 0] == want).all(), f"{sp.name}: data did not follow its ids"
             assert (self.arena[rows, 1] == np.arange(sp.rows_per_page)).all(), f"{sp.name}: rows shuffled"

@@ -108,12 +108,26 @@ def test_state_layout_planes_and_padding():
     assert sv.rows_per_slot == 13 and p.state.rows_per_page == 13
 
 
-def test_sink_covers_largest_page_and_first_pages():
-    p = plan(mamba_like(), page_size=16)
-    assert p.sink_rows == max(sp.rows_per_page for sp in p.subpools)
+@pytest.mark.parametrize("decls", [mamba_like(), gemma_like(),
+                                   # a state slot smaller than the K/V page: its grid starts above row 0
+                                   [recurrent_state(0, (StateTensor("s", (64,), "float32"),)), full_attention(1, 2, 64)]],
+                         ids=["state-larger", "no-state", "state-smaller"])
+def test_sink_is_the_largest_paged_page_and_slot_one_starts_at_it(decls):
+    """The sink holds page 0 of every paged (K/V) sub-pool, not a state slot: the state grid is
+    offset so that slot 1 starts right at the sink (slot 0 is never addressed)."""
+    p = plan(decls, page_size=16)
+    assert p.sink_rows == max(sp.rows_per_page for sp in p.subpools if sp.kind != "state")
     for sp in p.subpools:
-        assert p.first_page(sp) * sp.rows_per_page >= p.sink_rows
-        assert (p.first_page(sp) - 1) * sp.rows_per_page < p.sink_rows
+        first = p.first_page(sp)
+        assert sp.page_row(first) >= p.sink_rows > sp.page_row(first - 1)
+        assert sp.page_ceil(sp.page_row(first)) == first == sp.page_floor(sp.page_row(first + 1) - 1)
+        if sp.kind == "state":
+            assert first == 1 and sp.page_row(1) == p.sink_rows == sp.base_row + sp.rows_per_page
+            assert sp.state_view(sp.layers[0][1]).slot_row(1) == p.sink_rows
+        else:
+            assert sp.base_row == 0
+    if p.state is not None:
+        assert p.state.rows_per_page != p.sink_rows  # both signs of the offset are covered
 
 
 def test_table_names_every_column():

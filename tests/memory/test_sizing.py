@@ -45,10 +45,12 @@ def test_rows_and_pages_alone():
     assert s.num_rows == 10 * MiB // 256 and s.nbytes == 10 * MiB
     assert s.sink_rows == p.sink_rows == 32
     for sp in p.subpools:
-        assert s.pages_alone[sp.name] == s.num_rows // sp.rows_per_page - p.first_page(sp)
+        assert s.pages_alone[sp.name] == sp.num_pages(s.num_rows) - p.first_page(sp)
         # the last page ends inside the arena, the first starts above the sink
-        assert (p.first_page(sp) + s.pages_alone[sp.name]) * sp.rows_per_page <= s.num_rows
-        assert p.first_page(sp) * sp.rows_per_page >= p.sink_rows
+        assert sp.page_row(p.first_page(sp) + s.pages_alone[sp.name]) <= s.num_rows
+        assert sp.page_row(p.first_page(sp)) >= p.sink_rows
+    # the state grid starts at the sink: its slots tile the rest of the arena
+    assert s.pages_alone["state"] == (s.num_rows - p.sink_rows) // p.state.rows_per_page
     assert s.tokens_alone("full") == s.pages_alone["full"] * 16
     assert s.tokens_alone("state") == s.pages_alone["state"]  # state: one slot per page
     text = s.summary()
@@ -133,8 +135,8 @@ def test_bs1_floor_exact_and_message():
     p = _three_kinds()
     need = request_pages(p, 4096)
     # chain layout: sink, state, window512, window128 grown up; full at the top
-    rows = p.sink_rows
-    for name in ("state", "window512", "window128"):
+    rows = p.sink_rows + need["state"] * p.state.rows_per_page  # the state grid starts at the sink
+    for name in ("window512", "window128"):
         rpp = p[name].rows_per_page
         rows = -(-rows // rpp) * rpp + need[name] * rpp
     rows = (-(-rows // p.full.rows_per_page) + need["full"]) * p.full.rows_per_page
@@ -168,7 +170,7 @@ def _check_regions(p, num_rows, regions):
     prev_hi = p.sink_rows
     for sp in p.subpools:
         lo, hi = regions[sp.name]
-        assert lo % sp.rows_per_page == 0 and hi % sp.rows_per_page == 0  # on the page grid
+        assert (lo - sp.base_row) % sp.rows_per_page == 0 and (hi - sp.base_row) % sp.rows_per_page == 0  # on its grid
         assert prev_hi <= lo < hi <= num_rows  # above the sink, no overlap, inside
         assert lo - prev_hi < sp.rows_per_page  # no page-sized gap left unused
         prev_hi = hi

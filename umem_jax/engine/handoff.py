@@ -2,9 +2,9 @@
 
 The unit of transfer is the page envelope (DESIGN.md): after its prefill, a request's memory
 is its full-attention pages, the window pages its future queries still attend, and its state
-slot -- whole envelopes, read from the arena by physical page id (rows [p * rows_per_page,
-(p + 1) * rows_per_page)) and written into the receiver's arena at the pages ITS allocator
-reserved.  Both sides derive the same `TransferPlan` from the token count and the memory plan,
+slot -- whole envelopes, read from the arena by physical page id (rows [page_row(p),
+page_row(p + 1)) of the sub-pool's grid: plan.py) and written into the receiver's arena at the
+pages ITS allocator reserved.  Both sides derive the same `TransferPlan` from the token count and the memory plan,
 so the sender never says where to write, and an arena of another size works.
 
     prefill engine                              decode engine
@@ -78,37 +78,47 @@ class Envelopes:
 # ------------------------------------------------------------------------------ device side
 # One gather / one scatter per sub-pool and padded page count (move_bucket): few shapes.
 
-@functools.partial(jax.jit, static_argnames=("rows_per_page",))
-def _read(data, pages, *, rows_per_page: int):
-    rows = pages[:, None] * rows_per_page + jax.numpy.arange(rows_per_page, dtype=pages.dtype)[None]
-    return data[rows]  # [N, rows_per_page, row_words]
+def _rows(pages, rows_per_page: int, base_row: int, pad_row: int):
+    """int32 [N] pages -> [N, rows_per_page] rows; padding (page 0) -> `pad_row`: on the state
+    grid page 0 has no rows of its own (they may start below row 0)."""
+    rows = base_row + pages[:, None] * rows_per_page + jax.numpy.arange(rows_per_page, dtype=pages.dtype)[None]
+    return jax.numpy.where((pages != 0)[:, None], rows, pad_row)
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_page",), donate_argnames=("data",))
-def _write(data, pages, values, *, rows_per_page: int):
-    rows = pages[:, None] * rows_per_page + jax.numpy.arange(rows_per_page, dtype=pages.dtype)[None]
-    return data.at[rows].set(values.astype(data.dtype))
+@functools.partial(jax.jit, static_argnames=("rows_per_page", "base_row"))
+def _read(data, pages, *, rows_per_page: int, base_row: int):
+    return data[_rows(pages, rows_per_page, base_row, 0)]  # [N, rows_per_page, row_words]; padding reads row 0
 
 
-def read_envelopes(arena: Arena, physical: np.ndarray, rows_per_page: int) -> np.ndarray:
-    """Physical pages (or slots) -> their envelopes on the host, uint16 [n, rows_per_page, row_words]."""
+@functools.partial(jax.jit, static_argnames=("rows_per_page", "base_row"), donate_argnames=("data",))
+def _write(data, pages, values, *, rows_per_page: int, base_row: int):
+    rows = _rows(pages, rows_per_page, base_row, data.shape[0])  # padding: out of range, dropped
+    return data.at[rows].set(values.astype(data.dtype), mode="drop")
+
+
+def read_envelopes(arena: Arena, physical: np.ndarray, subpool: str) -> np.ndarray:
+    """Physical pages (or slots) of `subpool` -> their envelopes on the host, uint16 [n,
+    rows_per_page, row_words]."""
+    sp = arena.plan[subpool]
     n = len(physical)
-    ids = np.zeros(move_bucket(n, 4), np.int32)  # padding reads the sink page 0
+    ids = np.zeros(move_bucket(n, 4), np.int32)  # padding lanes: page 0, read as row 0 and dropped
     ids[:n] = physical
-    out = np.asarray(_read(arena.data, ids, rows_per_page=rows_per_page))[:n]
+    out = np.asarray(_read(arena.data, ids, rows_per_page=sp.rows_per_page, base_row=sp.base_row))[:n]
     return out.view(np.uint16) if out.dtype != np.uint16 else out
 
 
-def write_envelopes(arena: Arena, physical: np.ndarray, values: np.ndarray, rows_per_page: int) -> Arena:
-    """Write envelopes uint16 [n, rows_per_page, row_words] into physical pages; donates `arena`."""
+def write_envelopes(arena: Arena, physical: np.ndarray, values: np.ndarray, subpool: str) -> Arena:
+    """Write envelopes uint16 [n, rows_per_page, row_words] into physical pages of `subpool`;
+    donates `arena`."""
+    sp = arena.plan[subpool]
     n = len(physical)
     b = move_bucket(n, 4)
-    ids = np.zeros(b, np.int32)  # padding writes zeros into the sink page 0 (never read as data)
+    ids = np.zeros(b, np.int32)  # padding lanes: page 0, written nowhere
     ids[:n] = physical
-    vals = np.zeros((b, rows_per_page, arena.row_words), np.uint16)
+    vals = np.zeros((b, sp.rows_per_page, arena.row_words), np.uint16)
     vals[:n] = values
     vals = vals.view(jax.numpy.bfloat16) if arena.dtype == jax.numpy.bfloat16 else vals
-    return arena.replace(_write(arena.data, ids, vals, rows_per_page=rows_per_page))
+    return arena.replace(_write(arena.data, ids, vals, rows_per_page=sp.rows_per_page, base_row=sp.base_row))
 
 
 # ------------------------------------------------------------------------------ the engine's side
@@ -161,11 +171,11 @@ class Handoff:
                 raise AssertionError(f"{request_id}: {name} pages from {first} are needed but only "
                                      f"{req.window_start[name]}.. are bound")
             phys = eng.allocator.translate_pages(np.asarray(req.pages[first:end], np.int32), name)
-            pages[name] = read_envelopes(eng.runner.arena, phys, eng.plan[name].rows_per_page)
+            pages[name] = read_envelopes(eng.runner.arena, phys, name)
         state = None
         if plan.state_slots:
             phys = eng.allocator.translate_slots(np.asarray(req.slots[:plan.state_slots], np.int32))
-            state = read_envelopes(eng.runner.arena, phys, eng.plan.state.rows_per_page)
+            state = read_envelopes(eng.runner.arena, phys, eng.plan.state.name)
         return Envelopes(self.fingerprint, plan, int(req.output_token_ids[-1]), pages, state)
 
     # -------------------------------------------------------------- decode side
@@ -201,10 +211,10 @@ class Handoff:
         arena = eng.runner.arena
         for name, (first, end) in plan.pages.items():
             phys = eng.allocator.translate_pages(np.asarray(req.pages[first:end], np.int32), name)
-            arena = write_envelopes(arena, phys, env.pages[name], eng.plan[name].rows_per_page)
+            arena = write_envelopes(arena, phys, env.pages[name], name)
         if plan.state_slots:
             phys = eng.allocator.translate_slots(np.asarray(req.slots[:plan.state_slots], np.int32))
-            arena = write_envelopes(arena, phys, env.state, eng.plan.state.rows_per_page)
+            arena = write_envelopes(arena, phys, env.state, eng.plan.state.name)
         eng.runner.arena = arena
         held.activate(eng.scheduler, req, plan.computed)
         eng._append(req, env.first_token)

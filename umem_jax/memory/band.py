@@ -78,10 +78,10 @@ class EndBand:
 
     def extent_of(self, span: int) -> tuple[int, int]:
         """Row extent [lo_row, hi_row) of a span of `span` pages (zero length at the anchor)."""
-        rows = self.rows_per_page
+        row = self.subpool.page_row
         if self.direction > 0:
-            return self.origin * rows, (self.origin + span) * rows
-        return (self.origin + 1 - span) * rows, (self.origin + 1) * rows
+            return row(self.origin), row(self.origin + span)
+        return row(self.origin + 1 - span), row(self.origin + 1)
 
     def extent(self) -> tuple[int, int]:
         return self.extent_of(self.span)
@@ -89,9 +89,9 @@ class EndBand:
     def max_span_below(self, lo_limit: int, hi_limit: int) -> int:
         """Largest span that stays inside rows [lo_limit, hi_limit) (the neighbours' frontiers)."""
         if self.direction > 0:
-            room = hi_limit // self.rows_per_page - self.origin
+            room = self.subpool.page_floor(hi_limit) - self.origin
         else:
-            room = self.origin + 1 - (-(-lo_limit // self.rows_per_page))
+            room = self.origin + 1 - self.subpool.page_ceil(lo_limit)
         return max(0, min(self.max_span, room))
 
     # ------------------------------------------------------------------ alloc / free

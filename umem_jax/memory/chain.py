@@ -1,7 +1,7 @@
 """ChainAllocator: what callers use to take and give back arena memory, by virtual id.
 
-The arena is [num_rows, row_words]; each sub-pool addresses it as its own page grid from row 0
-(plan.py) and occupies one band of it.  Where the bands sit and how they make room for each
+The arena is [num_rows, row_words]; each sub-pool addresses it as its own page grid (from row 0,
+or from the sink for the state grid: plan.py) and occupies one band of it.  Where the bands sit and how they make room for each
 other is the layout's business (layout.py); the counts are the accounting's (accounting.py);
 the whole-arena checks are invariants.py's.  This class validates what callers pass, keeps the
 id pools and turns requests into demands on the layout.

@@ -68,12 +68,12 @@ class FloatBand:
 
     def extent(self) -> tuple[int, int] | None:
         """Row extent [lo_row, hi_row), or None while empty (transparent)."""
-        return None if self.live == 0 else (self.lo * self.rows_per_page, self.hi * self.rows_per_page)
+        return None if self.live == 0 else (self.subpool.page_row(self.lo), self.subpool.page_row(self.hi))
 
     def page_bounds(self, lo_limit: int, hi_limit: int) -> tuple[int, int]:
         """Pages [first, end) of this grid lying inside rows [lo_limit, hi_limit)."""
-        rows = self.rows_per_page
-        return max(self.min_page, -(-lo_limit // rows)), min(self.max_page, hi_limit // rows)
+        grid = self.subpool
+        return max(self.min_page, grid.page_ceil(lo_limit)), min(self.max_page, grid.page_floor(hi_limit))
 
     def live_pages(self) -> np.ndarray:
         """Live pages ascending, int32 (read from the table, so always exact)."""
@@ -83,12 +83,12 @@ class FloatBand:
 
     def plan(self, n: int, lo_limit: int, hi_limit: int) -> Take | None:
         first, end = self.page_bounds(lo_limit, hi_limit)
-        rows = self.rows_per_page
+        row = self.subpool.page_row
         if self.live == 0:
             if n > end - first:
                 return None
             start = first + (end - first - n) // 2
-            return Take(n, 0, 0, 0, (start * rows, (start + n) * rows), start)
+            return Take(n, 0, 0, 0, (row(start), row(start + n)), start)
         reused = min(n, self.nholes)
         grow = n - reused
         room_lo, room_hi = max(0, self.lo - first), max(0, end - self.hi)
@@ -100,7 +100,7 @@ class FloatBand:
         else:
             high = min(grow, room_hi)
             low = grow - high
-        return Take(n, reused, low, high, ((self.lo - low) * rows, (self.hi + high) * rows))
+        return Take(n, reused, low, high, (row(self.lo - low), row(self.hi + high)))
 
     def commit(self, take: Take, vids: np.ndarray) -> np.ndarray:
         """Carry out `take`, binding `vids` (int32 [n]) -> physical pages int32 [n]."""
@@ -221,7 +221,7 @@ class FloatBand:
         self.absorb()  # so both span ends are live pages
         first, end = self.page_bounds(lo_limit, hi_limit)
         if side == "low":
-            start = max(first, -(-(lo_limit + rows) // self.rows_per_page))  # the span must start here or above
+            start = max(first, self.subpool.page_ceil(lo_limit + rows))  # the span must start here or above
             if self.lo >= start:
                 return []
             if self.live > end - start:
@@ -231,7 +231,7 @@ class FloatBand:
             return self.relocate(start + (end - start - self.live) // 2)
         if side != "high":
             raise ValueError(f"side must be 'low' or 'high', got {side!r}")
-        stop = min(end, (hi_limit - rows) // self.rows_per_page)  # the span must end here or below
+        stop = min(end, self.subpool.page_floor(hi_limit - rows))  # the span must end here or below
         if self.hi <= stop:
             return []
         if self.live > stop - first:

@@ -59,13 +59,12 @@ class ChainLayout:
         self.epoch = 0
 
     def _band(self, i: int, subpool, plan, token_ids: int):
-        rows_per_page = subpool.rows_per_page
-        pages = self.num_rows // rows_per_page
-        table = PageTable(subpool.name, pages if subpool.kind == "state" else token_ids, pages, rows_per_page)
+        pages = subpool.num_pages(self.num_rows)
+        table = PageTable(subpool.name, pages if subpool.kind == "state" else token_ids, pages, subpool.rows_per_page)
         lo, hi = plan.first_page(subpool), pages  # usable pages [lo, hi)
         if self.static:
             r0, r1 = self.regions[i]
-            lo, hi = max(lo, -(-r0 // rows_per_page)), min(hi, r1 // rows_per_page)
+            lo, hi = max(lo, subpool.page_ceil(r0)), min(hi, subpool.page_floor(r1))
         if subpool.role == "up":
             return EndBand(subpool, table, lo, hi - 1, +1)
         if subpool.role == "down":
@@ -109,8 +108,8 @@ class ChainLayout:
             lo, hi = self.limits(i, extents)
             if bounds and i in bounds:
                 first, size = bounds[i]
-                rows = self.bands[i].rows_per_page
-                lo, hi = max(lo, first * rows), min(hi, (first + size) * rows)
+                grid = self.bands[i].subpool
+                lo, hi = max(lo, grid.page_row(first)), min(hi, grid.page_row(first + size))
             take = self.bands[i].plan(demands[i], lo, hi)
             if take is None:
                 return None
@@ -185,8 +184,8 @@ class ChainLayout:
         """A float compacts away from its tighter side, giving that neighbour the rows."""
         band = self.bands[i]
         lo, hi = self.limits(i, self.extents())
-        rows = band.rows_per_page
-        return "low" if band.lo * rows - lo <= hi - band.hi * rows else "high"
+        grid = band.subpool
+        return "low" if grid.page_row(band.lo) - lo <= hi - grid.page_row(band.hi) else "high"
 
     def after_free(self, touched: list[int]) -> None:
         """Bands `touched` just released pages (eager mode compacts them now)."""
@@ -225,17 +224,17 @@ def place_floats(floats: list, floor_row: int, ceil_row: int) -> dict | None:
     """
     latest, top = {}, ceil_row
     for key, band, size in reversed(floats):  # tightest packing from above
-        latest[key] = min(band.max_page, top // band.rows_per_page) - size
-        top = latest[key] * band.rows_per_page
+        latest[key] = min(band.max_page, band.subpool.page_floor(top)) - size
+        top = band.subpool.page_row(latest[key])
     out, prev = {}, floor_row
     for key, band, size in floats:  # from below
-        first = max(band.min_page, -(-prev // band.rows_per_page))
+        first = max(band.min_page, band.subpool.page_ceil(prev))
         if first > latest[key]:
             return None
         preferred = (first + latest[key]) // 2 if band.empty else band.lo - (size - band.span) // 2
         start = min(max(preferred, first), latest[key])
         out[key] = (start, size)
-        prev = (start + size) * band.rows_per_page
+        prev = band.subpool.page_row(start + size)
     return out if prev <= ceil_row else None
 
 
@@ -251,7 +250,7 @@ def settle_floats(targets: dict) -> list[Move]:
     while pending:
         done = []
         for key, (band, (first, size)) in pending.items():
-            lo, hi = first * band.rows_per_page, (first + size) * band.rows_per_page
+            lo, hi = band.subpool.page_row(first), band.subpool.page_row(first + size)
             if not any(k != key and (e := other.extent()) is not None and e[0] < hi and lo < e[1]
                        for k, (other, _) in pending.items()):
                 moves += band.settle(first, size)

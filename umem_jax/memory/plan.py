@@ -1,9 +1,14 @@
 """Plan: group declared parts into sub-pools, order them into the chain, lay out entries.
 
 The arena is `[num_rows, row_words]` 16-bit words.  Every sub-pool sees the arena as its own
-grid of pages, all starting at row 0: physical page p of sub-pool s is rows
-`[p * s.rows_per_page, (p + 1) * s.rows_per_page)`.  A page envelope is contiguous rows holding
-every layer of the sub-pool for `page_size` entries, layer-major inside:
+grid of pages: physical page p of sub-pool s is rows `[s.page_row(p), s.page_row(p + 1))`, with
+`s.page_row(p) = s.base_row + p * s.rows_per_page`.  Paged (K/V) grids start at row 0
+(base_row 0), so their page 0 lies inside the sink.  The state grid is offset so that slot 1
+starts right at the sink: base_row = sink_rows - rows_per_slot (negative when a slot is larger
+than the sink).  Slot 0 is never addressed (kernels treat it as a padding lane that reads zeros
+and writes nothing), so the sink is the largest *paged* page and no state slot is spent on it.
+A page envelope is contiguous rows holding every layer of the sub-pool for `page_size` entries,
+layer-major inside:
 
     KV page (page_size tokens):  [L0 K: page_size*mk rows][L0 V: page_size*mv rows][L1 K]...[L(n-1) V]
     state slot (one request):    [L0 t0 hi][L0 t0 lo][L0 t1 ...]...            (fp32 as 2 planes)
@@ -29,101 +34,17 @@ from .declarations import (
     LayerDecl,
     State,
     StateGeometry,
-    StateTensor,
     Window,
     dtype_planes,
     is_fp8,
 )
+from .views import KVRows, KVView, StateRows, StateView
 
 ROW_ALIGN_BYTES = 16
 
 
 class PlanError(ValueError):
     """A model or option combination the arena refuses; the message says what to do."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KVRows:
-    """Where one attention layer's rows sit inside a page envelope (row offsets)."""
-
-    k_row: int  # first row of this layer's K tile
-    v_row: int  # first row of its V tile (== k_row for MLA, which has no V)
-    k_rows_per_token: int  # arena rows of one token's K row
-    v_rows_per_token: int  # of its V row (0 for MLA)
-
-
-@dataclasses.dataclass(frozen=True)
-class StateRows:
-    """Where one state tensor of one layer sits inside a state slot."""
-
-    row: int  # first row of the first plane
-    planes: int  # 1 for 16-bit dtypes, 2 for fp32 (hi plane then lo plane)
-    rows_per_plane: int  # ceil(numel / row_words); the last row is zero-padded
-    tensor: StateTensor
-
-
-@dataclasses.dataclass(frozen=True)
-class KVView:
-    """Static description of one attention layer's rows in its sub-pool, for kernels.
-
-    K row of token t of physical page p: arena rows
-    `p*rows_per_page + k_row + t*mk ... + mk` (mk = k_words // row_words), likewise V.
-    Hashable, so it can be a static argument of jitted functions.
-    """
-
-    rows_per_page: int
-    page_size: int
-    k_row: int
-    v_row: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    row_words: int
-    planes: int = 1  # 1: bf16/fp16 rows; 2: fp32 rows stored as [hi plane | lo plane]
-    fp8: bool = False  # float8 e4m3 rows (planes == 1): two values per word, half a plane (words.py)
-
-    def head_words(self, dim: int) -> int:
-        """Words one kv head of `dim` values takes in one plane: dim, or dim / 2 for fp8."""
-        return dim // 2 if self.fp8 else dim
-
-    @property
-    def k_words(self) -> int:
-        """Words of one token's K row, every head and plane."""
-        return self.planes * self.num_kv_heads * self.head_words(self.head_dim)
-
-    @property
-    def v_words(self) -> int:
-        return self.planes * self.num_kv_heads * self.head_words(self.v_head_dim)
-
-    @property
-    def mk(self) -> int:
-        """Arena rows of one token's K row (the kernels' stride per token)."""
-        return self.k_words // self.row_words
-
-    @property
-    def mv(self) -> int:
-        """Arena rows of one token's V row."""
-        return self.v_words // self.row_words
-
-
-@dataclasses.dataclass(frozen=True)
-class StateView:
-    """Static description of one layer's state tensors in a state slot, for kernels.
-
-    Tensor `name` of the layer in physical slot s: plane k (0 = hi or only, 1 = lo) is arena
-    rows `s*rows_per_slot + row + k*rows_per_plane ... + rows_per_plane`, flattened row-major,
-    zero-padded to whole rows.
-    """
-
-    rows_per_slot: int
-    row_words: int
-    tensors: tuple[StateRows, ...]
-
-    def __getitem__(self, name: str) -> StateRows:
-        for t in self.tensors:
-            if t.tensor.name == name:
-                return t
-        raise KeyError(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +62,27 @@ class SubPool:
     role: str  # "up" | "float" | "down"
     kv: tuple[KVRows, ...] = ()
     state: tuple[tuple[StateRows, ...], ...] = ()
+    base_row: int = 0  # row of page 0 on this grid: 0, or the state grid's offset (Plan places it)
 
     @property
     def rows_per_page(self) -> int:
         return self.page_size * self.rows_per_entry
+
+    def page_row(self, page: int) -> int:
+        """First arena row of physical page `page` (works on numpy arrays too)."""
+        return self.base_row + page * self.rows_per_page
+
+    def page_ceil(self, row: int) -> int:
+        """The first page of this grid starting at or above `row`."""
+        return -(-(row - self.base_row) // self.rows_per_page)
+
+    def page_floor(self, row: int) -> int:
+        """The end of the pages ending at or below `row`: pages [.., page_floor(row)) lie below it."""
+        return (row - self.base_row) // self.rows_per_page
+
+    def num_pages(self, num_rows: int) -> int:
+        """Pages of this grid inside an arena of `num_rows` rows, page 0 included."""
+        return self.page_floor(num_rows)
 
     @property
     def entry_bytes(self) -> int:
@@ -182,7 +120,7 @@ class SubPool:
     def state_view(self, layer: int, model: str = "target") -> StateView:
         if not self.state:
             raise KeyError(f"sub-pool {self.name} holds no state")
-        return StateView(self.rows_per_entry, self.row_words, self.state[self._index(layer, model)])
+        return StateView(self.rows_per_entry, self.row_words, self.state[self._index(layer, model)], self.base_row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,11 +131,20 @@ class Plan:
     row_words: int
     page_size: int
 
+    def __post_init__(self):
+        # Place the state grid: slot 1 starts at the sink (see the module docstring).
+        state = self.subpools[0]
+        if state.kind == "state":
+            base = self.sink_rows - state.rows_per_page
+            if state.base_row != base:
+                object.__setattr__(self, "subpools", (dataclasses.replace(state, base_row=base), *self.subpools[1:]))
+
     @property
     def sink_rows(self) -> int:
-        """Lowest rows: physical page 0 of every sub-pool.  A paged sub-pool needs its whole
-        page 0 below its first real page; a state sub-pool is charged one slot."""
-        return max(sp.rows_per_page for sp in self.subpools)
+        """Lowest rows: physical page 0 of every paged sub-pool, whose padding rows write there;
+        so the largest paged page.  The state grid's slot 0 needs no rows (state kernels never
+        touch it): its slot 1 starts right here."""
+        return max(sp.rows_per_page for sp in self.subpools if sp.kind != "state")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -227,8 +174,8 @@ class Plan:
         return (self.full, *self.windows)
 
     def first_page(self, sp: SubPool) -> int:
-        """First physical page of `sp` above the sink."""
-        return -(-self.sink_rows // sp.rows_per_page)
+        """First physical page of `sp` above the sink (1 for the state grid)."""
+        return sp.page_ceil(self.sink_rows)
 
     def table(self) -> str:
         head = ("sub-pool", "kind", "layers", "entry bytes", "page bytes", "place", "direction")

@@ -96,7 +96,8 @@ class ArenaSize:
 
     pages_alone[name]: physical pages of that sub-pool above the sink if it had the whole arena
     (state: slots).  Counted on the sub-pool's own page grid, so it equals
-    `num_rows // rows_per_page - plan.first_page(sp)`.
+    `sp.num_pages(num_rows) - plan.first_page(sp)` (state: (num_rows - sink_rows) // rows_per_slot,
+    its grid starting at the sink).
     """
 
     plan: Plan = dataclasses.field(repr=False, compare=False)
@@ -139,7 +140,7 @@ class ArenaSize:
                  f"{self.tokens_alone(sp.name):,} {unit}"]
             if static_regions:
                 lo, hi = static_regions[sp.name]
-                r += [f"[{lo:,}, {hi:,})", f"{(hi - lo) // sp.rows_per_page * sp.page_size:,} {unit}"]
+                r += [f"[{lo:,}, {hi:,})", f"{(sp.page_floor(hi) - sp.page_ceil(lo)) * sp.page_size:,} {unit}"]
             rows.append(r)
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -169,7 +170,7 @@ def size_arena(plan: Plan, budget_bytes: int, *, max_model_len: int | None = Non
     if num_rows < need:
         raise ArenaSizeError(f"budget {budget_bytes:,} B gives {num_rows:,} rows, fewer than the sink plus one page "
                              f"of each sub-pool ({need:,} rows = {need * row_bytes:,} B)")
-    pages = {sp.name: num_rows // sp.rows_per_page - plan.first_page(sp) for sp in plan.subpools}
+    pages = {sp.name: sp.num_pages(num_rows) - plan.first_page(sp) for sp in plan.subpools}
     size = ArenaSize(plan, int(budget_bytes), num_rows, plan.row_words, plan.sink_rows, pages)
     if max_model_len is not None:
         check_bs1_floor(plan, num_rows, max_model_len=max_model_len, checkpoint_slots=checkpoint_slots)
@@ -203,10 +204,9 @@ def _floor_rows(plan: Plan, pages: dict[str, int]) -> int:
     grown up from the sink each on its own page grid, the full sub-pool grown down from the top."""
     cursor = plan.sink_rows
     for sp in plan.subpools[:-1]:
-        rows_per_page = sp.rows_per_page
-        cursor = -(-cursor // rows_per_page) * rows_per_page + pages[sp.name] * rows_per_page
+        cursor = sp.page_row(sp.page_ceil(cursor) + pages[sp.name])
     top = plan.subpools[-1]
-    return (-(-cursor // top.rows_per_page) + pages[top.name]) * top.rows_per_page
+    return top.page_row(top.page_ceil(cursor) + pages[top.name])
 
 
 def check_bs1_floor(plan: Plan, num_rows: int, *, max_model_len: int,
@@ -220,7 +220,7 @@ def check_bs1_floor(plan: Plan, num_rows: int, *, max_model_len: int,
     pages = request_pages(plan, max_model_len, checkpoint_slots)
     row_bytes = plan.row_words * WORD_BYTES
     if static_regions is not None:
-        have = {sp.name: (static_regions[sp.name][1] - static_regions[sp.name][0]) // sp.rows_per_page
+        have = {sp.name: sp.page_floor(static_regions[sp.name][1]) - sp.page_ceil(static_regions[sp.name][0])
                 for sp in plan.subpools}
         short = [(sp.name, pages[sp.name], have[sp.name]) for sp in plan.subpools if pages[sp.name] > have[sp.name]]
         if short:
@@ -289,17 +289,15 @@ def static_regions(plan: Plan, num_rows: int, *, swa_full_tokens_ratio: float = 
 
     regions, cursor = {}, plan.sink_rows
     for sp in plan.subpools[:-1]:
-        rows_per_page = sp.rows_per_page
-        lo = -(-cursor // rows_per_page) * rows_per_page
+        first = sp.page_ceil(cursor)
         n = int(want[sp.name] // sp.page_size)
         if n < 1:
             raise ArenaSizeError(f"static split gives {sp.name} no page in an arena of {num_rows:,} rows; raise the "
                                  "budget or change --swa-full-tokens-ratio / --mamba-full-memory-ratio")
-        regions[sp.name] = (lo, lo + n * rows_per_page)
-        cursor = lo + n * rows_per_page
-    rows_per_page = full.rows_per_page
-    lo, hi = -(-cursor // rows_per_page) * rows_per_page, num_rows // rows_per_page * rows_per_page
-    if hi - lo < rows_per_page:
+        regions[sp.name] = (sp.page_row(first), sp.page_row(first + n))
+        cursor = regions[sp.name][1]
+    lo, hi = full.page_row(full.page_ceil(cursor)), full.page_row(full.num_pages(num_rows))
+    if hi - lo < full.rows_per_page:
         raise ArenaSizeError(f"static split leaves the full sub-pool no page in an arena of {num_rows:,} rows")
     regions[full.name] = (lo, hi)
     return regions

@@ -1,10 +1,13 @@
 """Page relocation and zeroing inside the arena, in place.
 
 A page envelope is `rows_per_page` contiguous arena rows, so moving or zeroing a page is one
-contiguous copy.  Physical page p of a sub-pool is rows `[p * rows_per_page, (p + 1) *
-rows_per_page)`.
+contiguous copy.  Physical page p of a sub-pool is rows `[base_row + p * rows_per_page,
+base_row + (p + 1) * rows_per_page)`: base_row is 0 for paged grids and the state grid's offset
+(memory/plan.py: slot 1 starts at the sink, so slot 0 has no rows of its own and may start below
+row 0).  On an offset grid (base_row != 0) page 0 is skipped: padding pairs copy nothing and
+zeroing it writes nothing.  On a grid from row 0 page 0 is the sink's rows.
 
-Contract for `move_pages(arena, src, dst, *, rows_per_page)` (docs/kernel_contracts.md):
+Contract for `move_pages(arena, src, dst, *, rows_per_page, base_row=0)` (docs/kernel_contracts.md):
   src, dst: int32 [N].  Page src[i] is copied to page dst[i] for every i.  Destinations are
   distinct, and no destination is a source (the moves of one call run in any order and in
   parallel).  The pair 0 -> 0 is padding and is allowed any number of times (the sink copies onto
@@ -81,30 +84,36 @@ def _check_args(arena, rows_per_page, *ids):
 # --------------------------------------------------------------------------- references
 
 
-def _page_rows(pages, rows_per_page):
-    """int32 [N] pages -> int32 [N * rows_per_page] row ids (row ids fit int32: num_rows < 2**31)."""
+def _page_rows(pages, rows_per_page, base_row, pad_row):
+    """int32 [N] pages -> int32 [N * rows_per_page] row ids (row ids fit int32: num_rows < 2**31).
+    On an offset grid (base_row != 0) page 0's rows are `pad_row` instead: its would-be rows may
+    be negative, which an XLA gather or scatter would wrap onto the arena's top rows."""
     r = jnp.arange(rows_per_page, dtype=jnp.int32)
-    return (pages[:, None] * rows_per_page + r[None, :]).reshape(-1)
+    rows = base_row + pages[:, None] * rows_per_page + r[None, :]
+    if base_row:
+        rows = jnp.where((pages != 0)[:, None], rows, pad_row)
+    return rows.reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_page",))
-def move_pages_reference(arena, src, dst, *, rows_per_page: int):
+@functools.partial(jax.jit, static_argnames=("rows_per_page", "base_row"))
+def move_pages_reference(arena, src, dst, *, rows_per_page: int, base_row: int = 0):
     """Plain-JAX move: arena rows of page dst[i] := rows of page src[i] (read before any write)."""
     _check_args(arena, rows_per_page, src, dst)
     # Work on the uint16 view (a free same-width bitcast): XLA:CPU canonicalises bf16 NaN bit
     # patterns in arrays a bf16 scatter touches, and fp32 lo planes are often such patterns.
     a = to_u16(arena)
-    rows = a[_page_rows(src, rows_per_page)]
-    # mode="drop": an out-of-range page writes nothing instead of clamping onto the last page.
-    a = a.at[_page_rows(dst, rows_per_page)].set(rows, mode="drop")
+    rows = a[_page_rows(src, rows_per_page, base_row, 0)]  # an offset grid's padding reads row 0 ...
+    # ... and writes nowhere: mode="drop" skips out-of-range rows instead of clamping onto the last page.
+    a = a.at[_page_rows(dst, rows_per_page, base_row, a.shape[0])].set(rows, mode="drop")
     return from_u16(a, arena.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_page",))
-def zero_pages_reference(arena, pages, *, rows_per_page: int):
+@functools.partial(jax.jit, static_argnames=("rows_per_page", "base_row"))
+def zero_pages_reference(arena, pages, *, rows_per_page: int, base_row: int = 0):
     """Plain-JAX zeroing of whole page envelopes."""
     _check_args(arena, rows_per_page, pages)
-    a = to_u16(arena).at[_page_rows(pages, rows_per_page)].set(jnp.uint16(0), mode="drop")
+    rows = _page_rows(pages, rows_per_page, base_row, arena.shape[0])
+    a = to_u16(arena).at[rows].set(jnp.uint16(0), mode="drop")
     return from_u16(a, arena.dtype)
 
 
@@ -138,10 +147,10 @@ def _tiles(rows_per_page: int, row_words: int, block_words: int) -> _Tiles:
                   rows_per_page % block_rows != 0)
 
 
-def _tile(page_ref, i, r, c, *, rows_per_page, tiles: _Tiles):
+def _tile(page_ref, i, r, c, *, rows_per_page, base_row, tiles: _Tiles):
     """(rows, cols, mask) of tile (r, c) of page page_ref[i]; mask None when every row is in the page."""
     off = r * tiles.block_rows
-    rows = pl.ds(page_ref[i] * rows_per_page + off, tiles.block_rows)
+    rows = pl.ds(base_row + page_ref[i] * rows_per_page + off, tiles.block_rows)
     mask = None
     if tiles.masked:  # only the last row block of a page can run past it
         in_page = off + jnp.arange(tiles.block_rows, dtype=jnp.int32) < rows_per_page
@@ -149,70 +158,93 @@ def _tile(page_ref, i, r, c, *, rows_per_page, tiles: _Tiles):
     return rows, pl.ds(c * tiles.block_cols, tiles.block_cols), mask
 
 
-def _move_kernel(src_ref, dst_ref, arena_in, arena_out, *, rows_per_page, tiles: _Tiles):
+def _unless_padding(page_ref, i, base_row, body):
+    """Run `body` -- unless the grid is offset (base_row != 0) and page_ref[i] is page 0, which
+    then has no rows of its own (a 0 -> 0 padding pair, or a padding lane)."""
+    if base_row:
+        pl.when(page_ref[i] != 0)(body)
+    else:
+        body()
+
+
+def _move_kernel(src_ref, dst_ref, arena_in, arena_out, *, rows_per_page, base_row, tiles: _Tiles):
     i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    src_rows, cols, mask = _tile(src_ref, i, r, c, rows_per_page=rows_per_page, tiles=tiles)
-    dst_rows, _, _ = _tile(dst_ref, i, r, c, rows_per_page=rows_per_page, tiles=tiles)
-    # pltr.store, not `ref[...] = x`: ref assignment lowers to a swap, which also loads the old tile.
-    pltr.store(arena_out.at[dst_rows, cols], pltr.load(arena_in.at[src_rows, cols], mask=mask), mask=mask)
+
+    def body():
+        src_rows, cols, mask = _tile(src_ref, i, r, c, rows_per_page=rows_per_page, base_row=base_row, tiles=tiles)
+        dst_rows, _, _ = _tile(dst_ref, i, r, c, rows_per_page=rows_per_page, base_row=base_row, tiles=tiles)
+        # pltr.store, not `ref[...] = x`: ref assignment lowers to a swap, which also loads the old tile.
+        pltr.store(arena_out.at[dst_rows, cols], pltr.load(arena_in.at[src_rows, cols], mask=mask), mask=mask)
+
+    _unless_padding(src_ref, i, base_row, body)
 
 
-def _zero_kernel(pages_ref, arena_in, arena_out, *, rows_per_page, tiles: _Tiles, dtype):
+def _zero_kernel(pages_ref, arena_in, arena_out, *, rows_per_page, base_row, tiles: _Tiles, dtype):
     del arena_in  # aliased with arena_out
     i, r, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rows, cols, mask = _tile(pages_ref, i, r, c, rows_per_page=rows_per_page, tiles=tiles)
-    pltr.store(arena_out.at[rows, cols], jnp.zeros((tiles.block_rows, tiles.block_cols), dtype), mask=mask)
+
+    def body():
+        rows, cols, mask = _tile(pages_ref, i, r, c, rows_per_page=rows_per_page, base_row=base_row, tiles=tiles)
+        pltr.store(arena_out.at[rows, cols], jnp.zeros((tiles.block_rows, tiles.block_cols), dtype), mask=mask)
+
+    _unless_padding(pages_ref, i, base_row, body)
 
 
-def _pages_call(kernel, arena, *pages, rows_per_page, interpret, block_words, num_warps, name, **kernel_args):
+def _pages_call(kernel, arena, *pages, rows_per_page, base_row, interpret, block_words, num_warps, name,
+                **kernel_args):
     """One program per (page in `pages`, tile of the page), in place; no pages: the arena as is."""
     _check_args(arena, rows_per_page, *pages)
     n = pages[0].shape[0]
     if n == 0:
         return arena
     tiles = _tiles(rows_per_page, arena.shape[1], block_words)
-    kernel = functools.partial(kernel, rows_per_page=rows_per_page, tiles=tiles, **kernel_args)
+    kernel = functools.partial(kernel, rows_per_page=rows_per_page, base_row=base_row, tiles=tiles, **kernel_args)
     return in_place_call(kernel, arena, *pages, grid=(n, tiles.row_blocks, tiles.col_blocks), name=name,
                          interpret=interpret, num_warps=num_warps)
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
-def _move_pages_pallas(arena, src, dst, *, rows_per_page: int, interpret: bool = False,
-                       block_words: int = 8192, num_warps: int = 4):
-    return _pages_call(_move_kernel, arena, src, dst, rows_per_page=rows_per_page, interpret=interpret,
-                       block_words=block_words, num_warps=num_warps, name="umem_move_pages")
+_PALLAS_STATIC = ("rows_per_page", "base_row", "interpret", "block_words", "num_warps")
 
 
-@functools.partial(jax.jit, static_argnames=("rows_per_page", "interpret", "block_words", "num_warps"))
-def _zero_pages_pallas(arena, pages, *, rows_per_page: int, interpret: bool = False,
+@functools.partial(jax.jit, static_argnames=_PALLAS_STATIC)
+def _move_pages_pallas(arena, src, dst, *, rows_per_page: int, base_row: int = 0, interpret: bool = False,
                        block_words: int = 8192, num_warps: int = 4):
-    return _pages_call(_zero_kernel, arena, pages, rows_per_page=rows_per_page, interpret=interpret,
-                       block_words=block_words, num_warps=num_warps, name="umem_zero_pages",
+    return _pages_call(_move_kernel, arena, src, dst, rows_per_page=rows_per_page, base_row=base_row,
+                       interpret=interpret, block_words=block_words, num_warps=num_warps, name="umem_move_pages")
+
+
+@functools.partial(jax.jit, static_argnames=_PALLAS_STATIC)
+def _zero_pages_pallas(arena, pages, *, rows_per_page: int, base_row: int = 0, interpret: bool = False,
+                       block_words: int = 8192, num_warps: int = 4):
+    return _pages_call(_zero_kernel, arena, pages, rows_per_page=rows_per_page, base_row=base_row,
+                       interpret=interpret, block_words=block_words, num_warps=num_warps, name="umem_zero_pages",
                        dtype=kernel_dtype(arena, interpret))
 
 
 # --------------------------------------------------------------------------- public wrappers
 
 
-def move_pages(arena, src, dst, *, rows_per_page: int, impl: str | None = None, interpret: bool = False,
-               **tuning):
+def move_pages(arena, src, dst, *, rows_per_page: int, base_row: int = 0, impl: str | None = None,
+               interpret: bool = False, **tuning):
     """Copy page envelopes src[i] -> dst[i] of `arena` [num_rows, row_words]; returns the arena.
 
     src, dst: int32 [N] physical page ids (see the module docstring for the contract; check it
-    on the host with `check_moves`).  impl: "pallas" | "reference"; default pallas on GPU (or
-    with interpret=True), else reference.  tuning: block_words (words per tile, default 8192),
-    num_warps.
+    on the host with `check_moves`); base_row: row of page 0 on this grid (SubPool.base_row).
+    impl: "pallas" | "reference"; default pallas on GPU (or with interpret=True), else reference.
+    tuning: block_words (words per tile, default 8192), num_warps.
     """
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
-        return move_pages_reference(arena, src, dst, rows_per_page=rows_per_page)
-    return _move_pages_pallas(arena, src, dst, rows_per_page=rows_per_page, interpret=interpret, **tuning)
+        return move_pages_reference(arena, src, dst, rows_per_page=rows_per_page, base_row=base_row)
+    return _move_pages_pallas(arena, src, dst, rows_per_page=rows_per_page, base_row=base_row, interpret=interpret,
+                              **tuning)
 
 
-def zero_pages(arena, pages, *, rows_per_page: int, impl: str | None = None, interpret: bool = False,
-               **tuning):
+def zero_pages(arena, pages, *, rows_per_page: int, base_row: int = 0, impl: str | None = None,
+               interpret: bool = False, **tuning):
     """Zero the page envelopes `pages` (int32 [N], repeats allowed) of `arena`; returns the arena."""
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
-        return zero_pages_reference(arena, pages, rows_per_page=rows_per_page)
-    return _zero_pages_pallas(arena, pages, rows_per_page=rows_per_page, interpret=interpret, **tuning)
+        return zero_pages_reference(arena, pages, rows_per_page=rows_per_page, base_row=base_row)
+    return _zero_pages_pallas(arena, pages, rows_per_page=rows_per_page, base_row=base_row, interpret=interpret,
+                              **tuning)

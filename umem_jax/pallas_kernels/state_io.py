@@ -1,10 +1,13 @@
 """Read and write whole recurrent-state tensors of request slots in the arena.
 
 Layout (umem_jax/memory/plan.py, StateView): a state slot is `rows_per_slot` contiguous arena
-rows.  Tensor `name` of a layer in physical slot s is stored flattened row-major, plane by plane:
-plane k (0 = hi or the only plane, 1 = lo) is the `rows_per_plane` arena rows starting at
+rows.  Tensor `name` of a layer in physical slot s >= 1 is stored flattened row-major, plane by
+plane: plane k (0 = hi or the only plane, 1 = lo) is the `rows_per_plane` arena rows starting at
 
-    s * rows_per_slot + tensor_row + k * rows_per_plane
+    base_row + s * rows_per_slot + tensor_row + k * rows_per_plane
+
+where base_row = sink_rows - rows_per_slot puts slot 1 right at the sink: slot 0 has no rows of
+its own (they may start below row 0), so every row of slot 0 must be masked, never computed.
 
 and element e of the flattened tensor sits in row `base + e // row_words`, column
 `e % row_words`; the last row of a plane is zero-padded.  fp32 tensors are two planes of uint16
@@ -75,9 +78,10 @@ def check_slots(slots):
 
 
 def plane_row(slot, view, rows, plane: int = 0):
-    """First arena row of `plane` of the tensor `rows` (a StateRows) in slot `slot` (int32, may be
-    traced, also inside a kernel).  Fits int32 because num_rows < 2**31."""
-    return slot * view.rows_per_slot + (rows.row + plane * rows.rows_per_plane)
+    """First arena row of `plane` of the tensor `rows` (a StateRows) in real slot `slot` >= 1
+    (int32, may be traced, also inside a kernel; callers skip slot 0, whose rows are not the
+    arena's).  Fits int32 because num_rows < 2**31."""
+    return slot * view.rows_per_slot + (view.base_row + rows.row + plane * rows.rows_per_plane)
 
 
 def block_fits(view, n: int) -> bool:
@@ -124,11 +128,13 @@ def store_block(arena_ref, slot, view, rows, flat0, x):
         pltr.store(r, p.reshape(shape))
 
 
-def _rows_of(slots, view):
+def _rows_of(slots, view, pad_row):
     """int32 [B] slots -> int32 [B, R] arena rows of every plane of every tensor of the view, in
-    view order (slot 0 maps to the sink's rows; callers mask padding lanes)."""
+    view order; padding lanes (slot 0) get `pad_row` in every column, since slot 0's would-be rows
+    may be negative (an XLA gather / scatter would wrap them onto the arena's top rows)."""
     r = jnp.concatenate([t.row + jnp.arange(t.planes * t.rows_per_plane, dtype=jnp.int32) for t in view.tensors])
-    return slots[:, None] * view.rows_per_slot + r[None, :]
+    rows = slots[:, None] * view.rows_per_slot + (view.base_row + r[None, :])
+    return jnp.where((slots != 0)[:, None], rows, pad_row)
 
 
 # --------------------------------------------------------------------------- references
@@ -144,7 +150,7 @@ def read_state_reference(arena, slots, *, view):
     check_state_view(arena, view)
     check_slots(slots)
     B, W = slots.shape[0], view.row_words
-    words = to_u16(arena)[_rows_of(slots, view)]                             # [B, R, W]
+    words = to_u16(arena)[_rows_of(slots, view, 0)]                          # [B, R, W]; padding reads row 0
     out, at = {}, 0
     for t in view.tensors:
         n = t.planes * t.rows_per_plane
@@ -188,7 +194,7 @@ def write_state_reference(arena, slots, tensors, *, view):
     W = view.row_words
     words = jnp.concatenate([_padded_words(tensors[t.tensor.name], t, W) for t in view.tensors], axis=1)
     # Padding lanes get an out-of-range row, which mode="drop" skips (never clamp onto a real row).
-    rows = jnp.where((slots != 0)[:, None], _rows_of(slots, view), arena.shape[0])
+    rows = _rows_of(slots, view, arena.shape[0])
     words_arena = to_u16(arena).at[rows.reshape(-1)].set(words.reshape(-1, W), mode="drop")  # see _U16_NOTE
     return from_u16(words_arena, arena.dtype)
 
