@@ -1,6 +1,7 @@
 """The MoE block (models/moe.py): the router against a plain numpy re-derivation of each scoring
 mode, the sort + ragged_dot dispatch and the gather path against the dense per-token reference
-(moe_reference) in fp32 and bf16, padding rows, and a jitted block with no host round trip.
+(moe_reference) in fp32 and bf16, padding rows, and a jitted block with no host round trip; the
+few-rows Pallas expert GEMV path ("rows") the same way.
 
 Fresh random weights and inputs per case (seeded parametrisations); every expert and router
 bias is set to random values, since the zero init would hide a bias that is dropped or doubled.
@@ -280,6 +281,78 @@ def test_auto_path_picks_gather_for_few_rows(monkeypatch):
     more = _primitives(jax.make_jaxpr(fn)(state, inputs(1, (3, HIDDEN))).jaxpr)
     assert "ragged_dot_general" not in few and "sort" not in few
     assert "ragged_dot_general" in more and "sort" in more  # off the GPU the default grouped path is ragged_dot
+
+
+# ----------------------------------------------------------------------------- the rows path
+
+
+def use_rows(monkeypatch, rows_max: int = 64) -> None:
+    """Make the block's default dispatch take the Pallas expert GEMV (interpreted) up to rows_max."""
+    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "rows")
+    monkeypatch.setattr(moe_lib, "ROWS_MAX", rows_max)
+
+
+ROWS_CASES = ["gpt_oss", "nemotron_sigmoid_grouped", "qwen_next_shared_gate", "softmax_grouped_bias", "k1_odd_E"]
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("name", ROWS_CASES)
+def test_rows_path_matches_reference_fp32(name, tokens, monkeypatch):
+    """Both projections by the expert GEMV (gate_up with its bias, ungated experts, the down bias
+    once after): one decode token and a few, whose experts repeat across tokens."""
+    use_rows(monkeypatch)
+    m = build(CONFIGS[name], seed=sum(map(ord, name)) + tokens)
+    x = inputs(tokens, (tokens, HIDDEN))
+    got, want = jitted(block, m, x), jitted(moe_reference, m, x)
+    assert got.shape == x.shape and rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt_oss", "nemotron_sigmoid_grouped"])
+def test_rows_path_matches_reference_bf16(name, monkeypatch):
+    use_rows(monkeypatch)
+    m = build(CONFIGS[name], seed=61, dtype=jnp.bfloat16)
+    x = inputs(14, (4, HIDDEN), jnp.bfloat16)
+    got, want = jitted(block, m, x), jitted(moe_reference, m, x)
+    assert got.dtype == jnp.bfloat16 and rel(got, want) < 2e-2
+
+
+def test_rows_path_padding_rows_do_not_touch_valid_rows(monkeypatch):
+    """Padding tokens (NaN and huge x) name no expert in the kernel: valid rows equal the block
+    run on the valid tokens alone."""
+    use_rows(monkeypatch)
+    m = build(CONFIGS["gpt_oss"], seed=71)
+    x = inputs(15, (2, 5, HIDDEN))
+    valid = jnp.asarray(np.random.default_rng(1).random((2, 5)) < 0.6).at[0, 0].set(True)
+    junk = jnp.where(jnp.arange(10).reshape(2, 5, 1) % 2 == 0, jnp.nan, 1e6)
+    got = np.asarray(jitted(block, m, jnp.where(valid[..., None], x, junk), valid))
+    keep = np.asarray(valid)
+    np.testing.assert_allclose(got[keep], np.asarray(jitted(block, m, x[valid])), rtol=1e-6, atol=1e-6)
+    assert np.all(got[~keep] == 0)
+
+
+def test_few_rows_dispatch_default_and_rows(monkeypatch):
+    """The default stays "gather" (the rows kernel is not yet measured on the GPU); with
+    FEW_ROWS_PATH = "rows" up to ROWS_MAX rows run the kernel, then gather, then the sort."""
+    assert moe_lib.FEW_ROWS_PATH == "gather"
+    m = build(CONFIGS["qwen_softmax"], seed=81)  # top_k 2
+    graphdef, state = nnx.split(m)
+
+    def prims(n):  # a fresh function per trace: make_jaxpr caches traces of one function by shape
+        return _primitives(jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x))(
+            state, inputs(1, (n, HIDDEN))).jaxpr)
+
+    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 8)
+    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None)
+    assert "pallas_call" not in prims(2) and "sort" not in prims(2)  # gather
+    use_rows(monkeypatch, rows_max=4)
+    assert moe_lib.few_rows_path(4) == "rows" and moe_lib.few_rows_path(6) == "gather"
+    assert moe_lib.few_rows_path(9) is None
+    assert "pallas_call" in prims(2) and "sort" not in prims(2)
+    assert "pallas_call" not in prims(3) and "sort" not in prims(3)
+    assert "sort" in prims(5)
+    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "scatter")
+    with pytest.raises(ValueError, match="FEW_ROWS_PATH"):
+        moe_lib.few_rows_path(2)
 
 
 @pytest.mark.parametrize("kw,match", [

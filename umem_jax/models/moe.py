@@ -12,7 +12,9 @@ pallas_kernels/grouped_matmul.py on a GPU, jax.lax.ragged_dot elsewhere), weight
 un-sorts with the inverse permutation (a gather: deterministic, no scatter-add) and sums over k.
 Padding rows (valid False) get the sort key E: they sort to the end, fall outside every group,
 and come back as zeros, so they cost no expert work and cannot touch other rows.  For a handful
-of rows (a decode step at batch 1) the gather path reads each row's expert matrices directly.
+of rows (a decode step at batch 1) the gather path reads each row's expert matrices directly, or
+(FEW_ROWS_PATH = "rows") the Pallas expert GEMV of pallas_kernels/expert_gemv.py reads each chosen
+expert's matrices once, in place.
 
 `moe_reference` is the dense per-token definition (each token's k experts' weights gathered
 explicitly, einsum, no ragged_dot) that the dispatch is tested against.
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, activation, normal_init
@@ -43,6 +46,16 @@ EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
 # Qwen3.5-35B-A3B-like 104 us vs 561 us), at 64 tokens the slowest (8.2 ms / 0.93 ms vs 0.54 /
 # 0.61 ms): it copies every row's expert matrices, so it only pays for a handful of rows.
 GATHER_ROWS = 8
+# The few-rows path: "gather" (above) or "rows" (the Pallas expert GEMV of
+# pallas_kernels/expert_gemv.py: each chosen expert's matrices read once, in place, on a grid wide
+# enough to keep HBM busy; interpreted off the GPU).  Default "gather" on every backend, the GPU
+# included: "rows" is NOT YET MEASURED on the H200 (benchmarks/RESULTS.md, MoE, "to run next").
+# Make "rows" the GPU default only once it beats gather at every measured decode shape.
+FEW_ROWS_PATH = "gather"
+# With FEW_ROWS_PATH = "rows": the rows path serves up to this many (token, expert) rows (the
+# kernel takes up to expert_gemv.MAX_ROWS; it reads only the distinct experts, where gather's
+# copies grow with every row).
+ROWS_MAX = 16
 # The grouped matmul of the sorted path: "pallas" (the Triton grouped GEMM of
 # pallas_kernels/grouped_matmul.py) or "ragged" (jax.lax.ragged_dot); None: pallas on a GPU,
 # ragged elsewhere.  On the H200 with jax 0.11.2, ragged_dot lowers to a dense matmul over all
@@ -168,6 +181,16 @@ def grouped_path() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "ragged"
 
 
+def few_rows_path(rows: int) -> str | None:
+    """The dispatch path for `rows` (token, expert) rows when they are few ("rows" or "gather"),
+    else None (the grouped path)."""
+    if FEW_ROWS_PATH not in ("gather", "rows"):
+        raise ValueError(f"FEW_ROWS_PATH {FEW_ROWS_PATH!r}; known: gather, rows")
+    if FEW_ROWS_PATH == "rows" and rows <= ROWS_MAX:
+        return "rows"
+    return "gather" if rows <= GATHER_ROWS else None
+
+
 def _grouped_matmul(x, w, *, group_sizes, impl):
     """x [R, K] sorted by group, w [G, K, N] -> [R, N] in x.dtype (fp32 accumulation)."""
     if impl == "ragged":
@@ -220,15 +243,17 @@ class Experts(nnx.Module):
 
         path: "ragged" (sort, then jax.lax.ragged_dot), "pallas" (sort, then the Pallas grouped
         matmul; interpreted off the GPU), "gather" (each row's expert weights gathered: touches
-        only the chosen experts, for a few rows); None: "gather" when N*k <= GATHER_ROWS, else
-        GROUPED_PATH."""
+        only the chosen experts, for a few rows), "rows" (the Pallas expert GEMV: each chosen
+        expert read once; interpreted off the GPU); None: few_rows_path(N*k), else GROUPED_PATH."""
         n, k = experts.shape
         if path is None:
-            path = "gather" if n * k <= GATHER_ROWS else grouped_path()
+            path = few_rows_path(n * k) or grouped_path()
         if path == "gather":
             return self._gathered(x, weights, experts, valid)
+        if path == "rows":
+            return self._rows(x, weights, experts, valid)
         if path not in ("ragged", "pallas"):
-            raise ValueError(f"MoE dispatch path {path!r}; known: ragged, pallas, gather")
+            raise ValueError(f"MoE dispatch path {path!r}; known: ragged, pallas, gather, rows")
         e = self.cfg.num_experts
         key = experts.reshape(-1)
         if valid is not None:
@@ -260,6 +285,20 @@ class Experts(nnx.Module):
             h = h + jnp.take(bias, ids, axis=0).astype(jnp.float32)
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
         y = jnp.einsum("ri,rid->rd", a, jnp.take(self.down_proj[...], ids, axis=0), preferred_element_type=jnp.float32)
+        out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
+        return self._finish(out, weights, experts, valid)
+
+    def _rows(self, x, weights, experts, valid):
+        """The Pallas few-rows path: both projections by expert_gemv, which reads each distinct
+        chosen expert's matrix once and gives padding rows (expert id E) zeros without a read."""
+        n, k = experts.shape
+        ids = experts.reshape(-1)
+        if valid is not None:
+            ids = jnp.where(jnp.repeat(valid, k), ids, self.cfg.num_experts)
+        gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
+        h = gemv(jnp.repeat(x, k, axis=0), ids, self.first, self.first_bias())  # [R, F] fp32, bias added
+        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
+        y = gemv(a, ids, self.down_proj[...])  # [R, d] fp32; the down bias is added once, in _finish
         out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
         return self._finish(out, weights, experts, valid)
 
@@ -339,4 +378,4 @@ def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
 
 
 __all__ = ["EXPERT_KINDS", "SCORINGS", "Experts", "MoE", "MoEConfig", "Router", "expert_activation",
-           "moe_reference", "route"]
+           "few_rows_path", "moe_reference", "route"]

@@ -101,7 +101,8 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, has_bi
         def body(i, acc):
             ks = (s * chunks + i) * bk + jnp.arange(bk, dtype=jnp.int32)
             k_ok = ks < K if mask_k else None
-            a = _load(x_ref.at[rows[:, None], ks[None, :]], _and(group[:, None], None if k_ok is None else k_ok[None, :]))
+            a = _load(x_ref.at[rows[:, None], ks[None, :]],
+                      _and(group[:, None], None if k_ok is None else k_ok[None, :]))
             # The weights are streamed once: evict them first so x and the ids stay in L2.
             b = _load(w_ref.at[ec, ks[:, None], cols[None, :]],
                       _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :]),
