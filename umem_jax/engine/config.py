@@ -23,6 +23,10 @@ class EngineConfig:
     dtype: str | None = None  # weights; default: the checkpoint's
     kv_cache_dtype: str = "auto"  # "auto" (the weight dtype if bf16/fp32, else bf16), "bfloat16", "float32",
     #   "fp8" / "fp8_e4m3" (float8 e4m3 K/V, two per 16-bit word; scales from the checkpoint, else 1.0)
+    mamba_ssm_dtype: str = "auto"  # recurrent (Mamba2 SSM / gated DeltaNet) state: "float32" (two 16-bit planes),
+    #   "bfloat16" / "float16" (one plane: half the state bytes, still computed in fp32); "auto": what the
+    #   checkpoint's config.json names (mamba_ssm_dtype / mamba_ssm_cache_dtype), else float32 (vLLM's
+    #   --mamba-ssm-cache-dtype)
     load_format: str = "auto"  # "auto" | "dummy" (random weights of the checkpoint's shape)
     seed: int = 0
     kernel_impl: str | None = None  # "pallas" | "reference"; default: pallas on GPU, reference elsewhere
@@ -61,9 +65,10 @@ class EngineConfig:
                              f"a request that gives none), got {self.priority_range}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        from ..memory.declarations import kv_cache_dtype
+        from ..memory.declarations import kv_cache_dtype, mamba_ssm_dtype
 
         kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the accepted values
+        mamba_ssm_dtype(self.mamba_ssm_dtype)  # likewise
         if isinstance(self.speculative_config, dict):
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):

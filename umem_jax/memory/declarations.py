@@ -295,3 +295,40 @@ def gated_deltanet_state_tensors(
         StateTensor("conv", (conv_kernel - 1, conv_dim), conv_dtype),
         StateTensor("recurrent", (num_v_heads, v_head_dim, k_head_dim), "float32"),
     )
+
+
+# --------------------------------------------------------------------------- state dtype
+
+# The recurrent state's storage dtype (vLLM --mamba-ssm-cache-dtype, SGLang --mamba-ssm-dtype; the
+# checkpoint's config.json: Qwen3.5 `mamba_ssm_dtype`, NemotronH `mamba_ssm_cache_dtype`).  "auto":
+# the checkpoint's, else float32.  The kernels compute in fp32 whatever is stored; a 16-bit state is
+# one plane instead of two (half the state bytes), rounded once per token.
+MAMBA_SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+SSM_STATE_TENSORS = ("ssm", "recurrent")  # Mamba2's SSM state, gated DeltaNet's recurrent matrix
+
+
+def mamba_ssm_dtype(name: str, checkpoint: str | None = None) -> str:
+    """The SSM / DeltaNet state dtype an engine option names: "auto" -> the checkpoint config's
+    (`checkpoint`, None when it names none), else "float32"; the others as given."""
+    for value, what in ((name, "mamba_ssm_dtype"), (checkpoint, "the checkpoint's mamba_ssm_dtype")):
+        if value is not None and value not in MAMBA_SSM_DTYPES:
+            raise ValueError(f"{what} must be one of {MAMBA_SSM_DTYPES}, got {value!r}")
+    if name != "auto":
+        return name
+    return checkpoint if checkpoint not in (None, "auto") else "float32"
+
+
+def with_ssm_dtype(decls: list[LayerDecl], dtype: str) -> list[LayerDecl]:
+    """`decls` with every layer's recurrent state tensor (SSM_STATE_TENSORS; not the conv window,
+    which is stored like K/V) stored as `dtype` ("float32", "bfloat16" or "float16")."""
+    if dtype not in MAMBA_SSM_DTYPES[1:]:
+        raise ValueError(f"the SSM state dtype must be one of {MAMBA_SSM_DTYPES[1:]}, got {dtype!r}")
+
+    def part(p: Part) -> Part:
+        if not isinstance(p.geometry, StateGeometry):
+            return p
+        tensors = tuple(dataclasses.replace(t, dtype=dtype) if t.name in SSM_STATE_TENSORS else t
+                        for t in p.geometry.tensors)
+        return dataclasses.replace(p, geometry=StateGeometry(tensors))
+
+    return [dataclasses.replace(d, parts=tuple(part(p) for p in d.parts)) for d in decls]
