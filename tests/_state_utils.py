@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,6 +70,11 @@ def rel_err(x, ref):
 
 F32_TOL = 1e-5
 BF16_TOL = 1e-2
+# A 16-bit recurrent state (mamba_ssm_dtype bfloat16 / float16) against the fp32 state: the same fp32
+# math, from a state rounded to 16 bits when written (2**-9 relative for bf16) and once more per
+# token or chunk.  Measured on these cases (a decode token, a 6-token prefill): at most 3.6e-3 for
+# bf16, 5.1e-4 for fp16.
+STATE16_TOL = 1e-2
 
 # The prefill scans to test: per token, and chunked with chunks shorter than and as long as T.
 PREFILL_ALGOS = [pytest.param("scan", 64, id="scan"), pytest.param("chunked", 4, id="chunked4"),
@@ -85,8 +92,10 @@ class StateCase:
     slots (one of them padding) drawn from `rng`.  Subclasses draw their parameters and initial
     states next, then call `set_states(conv0, S0)`."""
 
-    def __init__(self, tensors, state: str, *, row_words, num_slots, B, seed, dtype, arena_dtype):
+    def __init__(self, tensors, state: str, *, row_words, num_slots, B, seed, dtype, arena_dtype,
+                 state_dtype="float32"):
         self.state = state
+        tensors = tuple(dataclasses.replace(t, dtype=state_dtype) if t.name == state else t for t in tensors)
         self.view = state_view(tensors, row_words=row_words)
         self.rng = np.random.default_rng(seed)
         self.dtype = dtype
@@ -207,3 +216,38 @@ def check_decode_lowers_for_cuda(decode, view, args):
             pytest.skip(f"cannot cross-lower for CUDA on this jax: {e}")
         raise
     assert txt.count("__gpu$xla.gpu.triton") == 2 and "output_operand_aliases" in txt
+
+
+def check_16bit_state(make_case, decode, prefill, T: int, state_dtype="bfloat16"):
+    """The recurrent tensor stored as one 16-bit plane (`make_case(state_dtype)`) against the fp32
+    two-plane state of the same draws (`make_case("float32")`): half the words per slot; the Pallas
+    decode equals the reference on it (the same fp32 math from the same words); decode and a
+    T-token chunked prefill stay within STATE16_TOL of the fp32 state's outputs and states; the
+    state stays 16-bit in the arena; padding lanes and rows outside the slots are untouched."""
+    c32, c16 = make_case("float32"), make_case(state_dtype)
+    rows16, rows32 = c16.view[c16.state], c32.view[c32.state]
+    assert (rows16.planes, rows32.planes) == (1, 2) and rows16.rows_per_plane == rows32.rows_per_plane
+    assert c16.view.rows_per_slot < c32.view.rows_per_slot
+    real = c16.real
+    inputs = c32.inputs()
+    out_ref, a_ref = decode(c16.arena, c16.slots, *inputs, *c16.params(), view=c16.view, impl="reference")
+    out_pal, a_pal = decode(c16.arena, c16.slots, *inputs, *c16.params(), view=c16.view, impl="pallas",
+                            interpret=True)
+    assert rel_err(out_pal, out_ref) <= F32_TOL and not np.asarray(out_pal)[~real].any()
+    for a in (a_ref, a_pal):
+        assert_rows_untouched(c16.arena, a, slot_rows(c16.view, c16.slots))
+    st = read_state_reference(a_pal, c16.slots, view=c16.view)[c16.state]
+    assert st.dtype == jnp.dtype(state_dtype)
+    ulp = 2.0 ** -(7 if state_dtype == "bfloat16" else 10)  # one rounding of the stored state, at most
+    assert rel_err(c16.states(a_pal)[1][real], c16.states(a_ref)[1][real]) <= ulp
+    out32, a32 = decode(c32.arena, c32.slots, *inputs, *c32.params(), view=c32.view, impl="reference")
+    assert rel_err(np.asarray(out_ref)[real], np.asarray(out32)[real]) <= STATE16_TOL
+    assert rel_err(c16.states(a_ref)[1][real], c32.states(a32)[1][real]) <= STATE16_TOL
+    seq = c32.inputs(T)
+    q_lens = jnp.full((c16.B,), T, jnp.int32)
+    y16, a16 = prefill(c16.arena, c16.slots, *seq, q_lens, *c16.params(), view=c16.view, chunk_size=4)
+    y32, a32 = prefill(c32.arena, c32.slots, *seq, q_lens, *c32.params(), view=c32.view, chunk_size=4)
+    assert rel_err(np.asarray(y16)[real], np.asarray(y32)[real]) <= STATE16_TOL
+    for got, want in zip(c16.states(a16), c32.states(a32)):
+        assert rel_err(got[real], want[real]) <= STATE16_TOL
+    assert_rows_untouched(c16.arena, a16, slot_rows(c16.view, c16.slots))

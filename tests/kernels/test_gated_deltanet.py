@@ -16,6 +16,7 @@ from _state_utils import (
     StateCase,
     assert_rows_untouched,
     check_against_oracle,
+    check_16bit_state,
     check_bf16_decode,
     check_decode,
     check_decode_lowers_for_cuda,
@@ -74,12 +75,12 @@ def hf_gdn(conv0, S0_hf, qkv, a, b, w, A_log, dt_bias, Hk, Hv, Dk, Dv):
 
 class Case(StateCase):
     def __init__(self, Hk, Hv, Dk, Dv, K=4, row_words=64, num_slots=7, B=4, seed=0, dtype=jnp.float32,
-                 arena_dtype=jnp.uint16):
+                 arena_dtype=jnp.uint16, state_dtype="float32"):
         self.Hk, self.Hv, self.Dk, self.Dv = Hk, Hv, Dk, Dv
         conv_dtype = "float32" if dtype == jnp.float32 else "bfloat16"
         super().__init__(gated_deltanet_state_tensors(Hk, Hv, Dk, Dv, K, conv_dtype=conv_dtype), "recurrent",
                          row_words=row_words, num_slots=num_slots, B=B, seed=seed, dtype=dtype,
-                         arena_dtype=arena_dtype)
+                         arena_dtype=arena_dtype, state_dtype=state_dtype)
         self.d = gdn_dims(self.view)
         r = lambda *s: self.rng.standard_normal(s).astype(np.float32)
         C = self.d.conv_dim
@@ -122,6 +123,13 @@ def test_decode_bf16_inputs_bf16_arena():
     case = Case(2, 4, 16, 8, row_words=64, dtype=jnp.bfloat16, arena_dtype=jnp.bfloat16, seed=11)
     qkv, a, b = case.inputs()
     check_bf16_decode(case, gdn_decode, (qkv, a, b), case.params(), case.oracle(qkv[:, None], a[:, None], b[:, None]))
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float16"])
+def test_16bit_recurrent_state_close_to_fp32(state_dtype):
+    """mamba_ssm_dtype bfloat16 / float16: the recurrent matrix in one 16-bit plane, computed in fp32."""
+    check_16bit_state(lambda sd: Case(2, 4, 16, 8, row_words=64, seed=17, state_dtype=sd), gdn_decode, gdn_prefill,
+                      T=6, state_dtype=state_dtype)
 
 
 @pytest.mark.parametrize("algo,chunk", PREFILL_ALGOS)

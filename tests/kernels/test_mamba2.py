@@ -15,6 +15,7 @@ from _state_utils import (
     StateCase,
     assert_rows_untouched,
     check_against_oracle,
+    check_16bit_state,
     check_bf16_decode,
     check_decode,
     check_decode_lowers_for_cuda,
@@ -70,11 +71,12 @@ def hf_mamba2(conv0, S0, xbc, dt, w, bias, A_log, dt_bias, D, H, P, N, G, dt_min
 
 class Case(StateCase):
     def __init__(self, H, P, N, G, K=4, row_words=64, num_slots=7, B=4, seed=0, dtype=jnp.float32,
-                 arena_dtype=jnp.uint16):
+                 arena_dtype=jnp.uint16, state_dtype="float32"):
         self.H, self.P, self.N, self.G, self.K = H, P, N, G, K
         conv_dtype = "float32" if dtype == jnp.float32 else "bfloat16"
         super().__init__(mamba2_state_tensors(H, P, N, G, K, conv_dtype=conv_dtype), "ssm", row_words=row_words,
-                         num_slots=num_slots, B=B, seed=seed, dtype=dtype, arena_dtype=arena_dtype)
+                         num_slots=num_slots, B=B, seed=seed, dtype=dtype, arena_dtype=arena_dtype,
+                         state_dtype=state_dtype)
         self.d = mamba2_dims(self.view)
         r = lambda *s: self.rng.standard_normal(s).astype(np.float32)
         C = self.d.conv_dim
@@ -118,6 +120,13 @@ def test_decode_bf16_inputs_bf16_arena():
     case = Case(4, 8, 16, 2, row_words=64, dtype=jnp.bfloat16, arena_dtype=jnp.bfloat16, seed=3)
     xbc, dt = case.inputs()
     check_bf16_decode(case, mamba2_decode, (xbc, dt), case.params(), case.oracle(xbc[:, None], dt[:, None]))
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float16"])
+def test_16bit_ssm_state_close_to_fp32(state_dtype):
+    """mamba_ssm_dtype bfloat16 / float16: the SSM state in one 16-bit plane, computed in fp32."""
+    check_16bit_state(lambda sd: Case(4, 8, 16, 2, row_words=64, seed=13, state_dtype=sd), mamba2_decode,
+                      mamba2_prefill, T=6, state_dtype=state_dtype)
 
 
 # ------------------------------------------------------------------------------ prefill

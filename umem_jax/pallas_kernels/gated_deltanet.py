@@ -72,8 +72,8 @@ def gdn_dims(view) -> GDNDims:
     rest = C - Hv * Dv
     if rest <= 0 or rest % (2 * Dk) or Hv % (rest // (2 * Dk)):
         raise ValueError(f"conv width {C} is not 2*Hk*Dk + Hv*Dv for recurrent [Hv, Dv, Dk] = {rec.shape}")
-    if rec.dtype != "float32":
-        raise ValueError(f"the recurrent state must be float32, got {rec.dtype}")
+    if rec.dtype not in recurrent.STATE_DTYPES:
+        raise ValueError(f"the recurrent state must be one of {recurrent.STATE_DTYPES}, got {rec.dtype}")
     return GDNDims(rest // (2 * Dk), Hv, Dk, Dv, history + 1, C)
 
 
@@ -158,11 +158,11 @@ def _delta_update(b, h, slot, v0, xc_ref, a_ref, b_ref, alog_ref, dtb_ref, arena
     beta = jax.nn.sigmoid(b_ref[b, h].astype(jnp.float32))
     rows = view["recurrent"]
     flat0 = h * (Dv * Dk) + v0 * Dk
-    S = load_block(arena_ref, slot, view, rows, flat0, (block_v, Dk)) * jnp.exp(g)   # [block_v, Dk] = S^T rows
+    S = load_block(arena_ref, slot, view, rows, flat0, (block_v, Dk), jnp.float32) * jnp.exp(g)  # [block_v, Dk] = S^T rows
     kv = jnp.sum(S * k[None, :], axis=1)
     delta = beta * (v - kv)
     S = S + delta[:, None] * k[None, :]
-    store_block(arena_ref, slot, view, rows, flat0, S)
+    store_block(arena_ref, slot, view, rows, flat0, S)  # rounded to the stored dtype once per token
     return jnp.sum(S * q[None, :], axis=1)
 
 

@@ -2,7 +2,8 @@
 
 State of one layer in a request's slot (declarations.mamba2_state_tensors):
   conv [K-1, conv_dim]  the last K-1 pre-conv inputs x|B|C (conv dtype, bf16 by default)
-  ssm  [H, P, N] fp32   S_h for every head h (two 16-bit planes in the arena)
+  ssm  [H, P, N]        S_h for every head h: fp32 (two 16-bit planes in the arena), or bf16 / fp16
+                        (one plane: engine option mamba_ssm_dtype); the math is fp32 either way
 with conv_dim = H*P + 2*G*N; head h reads group g = h // (H // G) of B and C.
 
 Math (Hugging Face `NemotronHMamba2Mixer`, one token t; A = -exp(A_log)):
@@ -68,8 +69,8 @@ def mamba2_dims(view) -> Mamba2Dims:
     two_G_N = C - H * P
     if two_G_N <= 0 or two_G_N % (2 * N) or H % (two_G_N // (2 * N)):
         raise ValueError(f"conv width {C} is not H*P + 2*G*N for ssm [H, P, N] = {ssm.shape} and G dividing H")
-    if ssm.dtype != "float32":
-        raise ValueError(f"the ssm state must be float32, got {ssm.dtype}")
+    if ssm.dtype not in recurrent.STATE_DTYPES:
+        raise ValueError(f"the ssm state must be one of {recurrent.STATE_DTYPES}, got {ssm.dtype}")
     return Mamba2Dims(H, P, N, two_G_N // (2 * N), history + 1, C)
 
 
@@ -144,9 +145,9 @@ def _ssm_update(b, h, slot, p0, xc_ref, dt_ref, alog_ref, dtb_ref, d_ref, arena_
     dA = jnp.exp(-dt * jnp.exp(alog_ref[h].astype(jnp.float32)))
     rows = view["ssm"]
     flat0 = h * (P * N) + p0 * N
-    S = load_block(arena_ref, slot, view, rows, flat0, (block_p, N))
+    S = load_block(arena_ref, slot, view, rows, flat0, (block_p, N), jnp.float32)  # a 16-bit state too
     S = S * dA + (dt * x)[:, None] * Bv[None, :]
-    store_block(arena_ref, slot, view, rows, flat0, S)
+    store_block(arena_ref, slot, view, rows, flat0, S)  # rounded to the stored dtype once per token
     return jnp.sum(S * Cv[None, :], axis=1) + d_ref[h].astype(jnp.float32) * x
 
 

@@ -1,7 +1,9 @@
 """What the Mamba2 and gated DeltaNet state kernels share.
 
-Both families keep, per layer and request slot, a conv state "conv" [K-1, conv_dim] and one fp32
-recurrent tensor (Mamba2 "ssm" [H, P, N], gated DeltaNet "recurrent" [Hv, Dv, Dk]).  A decode
+Both families keep, per layer and request slot, a conv state "conv" [K-1, conv_dim] and one
+recurrent tensor (Mamba2 "ssm" [H, P, N], gated DeltaNet "recurrent" [Hv, Dv, Dk]), stored fp32 or
+16-bit (STATE_DTYPES) and always computed in fp32: read, decoded to fp32, updated, rounded back to
+the stored dtype when written (once per decode token; once per prefill chunk and checkpoint).  A decode
 token is the causal conv over the conv state, then a per-head update of the recurrent tensor; a
 prefill chunk is the conv over the chunk, then a scan (per token or chunked) from the slot's
 state, optionally also writing checkpoints: the state after the first p tokens of the chunk, into
@@ -26,7 +28,9 @@ from .launch import ANY, resolve_impl
 from .state_io import block_fits, read_state, read_state_reference, write_state, write_state_reference
 from .words import from_u16, to_u16
 
-__all__ = ["check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
+STATE_DTYPES = ("float32", "bfloat16", "float16")  # what the recurrent tensor may be stored as
+
+__all__ = ["STATE_DTYPES", "check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
            "initial_checkpoints", "prefill", "scan_tokens", "softplus", "tile_rows", "to_chunks"]
 
 
@@ -62,7 +66,7 @@ def decode_reference(arena, slots, x, conv_weight, conv_bias, *, view, state_nam
     write both back (one scatter).  Returns (out in x's dtype, padding lanes 0; arena)."""
     tensors = read_state_reference(arena, slots, view=view)
     xc, conv = conv_decode_reference(tensors["conv"], x, conv_weight, conv_bias)
-    out, S = step(tensors[state_name], xc)
+    out, S = step(tensors[state_name].astype(jnp.float32), xc)  # fp32 math for a 16-bit state too
     arena = write_state_reference(arena, slots, {"conv": conv, state_name: S}, view=view)
     out = jnp.where((slots != 0)[:, None, None], out, 0.0)
     return out.astype(x.dtype), arena
@@ -221,7 +225,7 @@ def prefill(arena, slots, x, q_lens, conv_weight, conv_bias, *, view, state_name
     pos, checkpoint_ids = checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
     tensors = _reset(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
     xc, conv_final, conv_at = conv_prefill_reference(tensors["conv"], x, q_lens, conv_weight, conv_bias, positions=pos)
-    out, S, checkpoints = core(tensors[state_name], xc, q_lens, pos)
+    out, S, checkpoints = core(tensors[state_name].astype(jnp.float32), xc, q_lens, pos)  # fp32 carry
     valid = (jnp.arange(T)[None, :] < q_lens[:, None]) & (slots != 0)[:, None]
     out = jnp.where(valid[:, :, None, None], out, 0.0).astype(x.dtype)
     arena = write_state(arena, slots, {"conv": conv_final, state_name: S}, view=view, impl=state_impl,
