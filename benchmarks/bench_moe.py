@@ -7,8 +7,12 @@ prefill  the two grouped matmuls of models/moe.py (jax.lax.ragged_dot over token
          expert, random top-k routing) in TFLOP/s, against a dense bf16 matmul of the same rows
          and FLOPs ([R, d] @ [d, F]) in the same run (goal: ragged >= 0.6x dense), and the whole
          routed block (sort, gather, both matmuls, un-sort) for the total time
-decode   Experts.__call__ at N tokens by each dispatch path ("ragged", "gather"): time against
-         the bytes of the experts the tokens actually touch over the copy rate measured here
+decode   Experts.__call__ at N tokens (1, 2, 4, 64) by each dispatch path ("ragged", "pallas",
+         "gather", and "rows": the Pallas expert GEMV of pallas_kernels/expert_gemv.py, up to its
+         MAX_ROWS rows): time against the bytes of the experts the tokens actually touch over the
+         copy limit measured here (bound_us; of_bound = bound / time), rows also against gather
+         (vs_gather = gather time / rows time); then the expert GEMV alone on each projection
+         (decode_rows_gate_up / _down) under a few tunings, the fastest kept with its config
 Every timed function is first checked against moe_reference-style math on the same device.
 The table comes last; with $OUT (or --json) set, the rows are also written as JSON.
 """
@@ -29,6 +33,7 @@ from flax import nnx
 
 from umem_jax.models.moe import Experts, MoEConfig, expert_activation
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+from umem_jax.pallas_kernels.expert_gemv import MAX_ROWS, default_config, expert_gemv, expert_gemv_reference
 from umem_jax.pallas_kernels.grouped_matmul import grouped_matmul
 
 from .report import RowLog, fmt, format_table, json_path
@@ -67,8 +72,14 @@ def rel_err(got, want) -> float:
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-def timed(a, fn) -> float:
-    return time_calls(fn, iters=a.iters, trials=a.trials).median
+def timed(a, fn, iters: int | None = None) -> float:
+    return time_calls(fn, iters=iters or a.iters, trials=a.trials).median
+
+
+def decode_iters(a) -> int:
+    """Calls per trial at decode size: tens of microseconds each, so more of them back to back
+    keep the device ahead of the host's dispatch."""
+    return 4 * a.iters
 
 
 def row(a, **r) -> dict:
@@ -186,17 +197,57 @@ def bench_decode(a, shape: Shape, n: int, rate):
     bound = nbytes / rate.bytes_per_s
     want = jax.jit(decode_reference)(ex, x, weights, ids)
     g, st = nnx.split(ex)
-    for path in ("ragged", "pallas", "gather"):
+    times = {}
+    rows_fit = n * shape.k <= MAX_ROWS
+    for path in ("ragged", "pallas", "gather") + (("rows",) if rows_fit else ()):
         fn = jax.jit(lambda st, x, w, e, path=path: nnx.merge(g, st)(x, w, e, path=path))
         try:
             err = rel_err(fn(st, x, weights, ids), want)
-            t = timed(a, lambda fn=fn: fn(st, x, weights, ids))
+            t = times[path] = timed(a, lambda fn=fn: fn(st, x, weights, ids), decode_iters(a))
+            extra = {"vs_gather": times["gather"] / t} if path == "rows" and "gather" in times else {}
             row(a, case=f"decode_{path}", shape=f"{shape.name} N={n}", us=t * 1e6, touched_mib=nbytes / 2**20,
-                bound_us=bound * 1e6, of_bound=bound / t, all_experts_mib=(ex.first.nbytes + ex.down_proj.nbytes) / 2**20,
-                err=err)
+                bound_us=bound * 1e6, of_bound=bound / t, err=err,
+                all_experts_mib=(ex.first.nbytes + ex.down_proj.nbytes) / 2**20, **extra)
         except Exception as e:  # noqa: BLE001 - one failing path must not end a one-shot GPU run
             traceback.print_exc()
             row(a, case=f"decode_{path}", shape=f"{shape.name} N={n}", note=f"FAILED {type(e).__name__}: {e}"[:200])
+    if rows_fit:
+        flat = ids.reshape(-1)
+        hs = jax.random.normal(jax.random.key(n + 7), (flat.shape[0], shape.I), jnp.float32).astype(jnp.bfloat16)
+        bench_rows_kernel(a, shape, n, "gate_up", x, flat, ex.first, rate, repeat=shape.k)  # as the model calls it
+        bench_rows_kernel(a, shape, n, "down", hs, flat, ex.down_proj[...], rate)
+
+
+# Tried on each projection; the first is default_config's choice.  Keys override it.
+ROWS_TUNINGS = ({}, {"block_n": 128}, {"block_n": 32}, {"block_k": 64}, {"num_stages": 3}, {"num_stages": 6},
+                {"block_n": 128, "num_warps": 8}, {"k_splits": 1})
+
+
+def bench_rows_kernel(a, shape: Shape, n: int, which: str, x, ids, w, rate, repeat: int = 1):
+    """expert_gemv alone on one projection (x [R / repeat, K] bf16, ids [R], w [E, K, F]) under
+    each tuning, against the bytes of the distinct chosen experts' matrices over the copy limit."""
+    rows, kdim = ids.shape[0], x.shape[1]
+    f = w.shape[-1]
+    nbytes = len(np.unique(np.asarray(ids))) * kdim * f * w.dtype.itemsize
+    bound = nbytes / rate.bytes_per_s
+    want = jax.jit(functools.partial(expert_gemv_reference, repeat=repeat))(x, ids, w)
+    label = f"{shape.name} N={n} R={rows} K={kdim} F={f}"
+    best = None
+    for tune in ROWS_TUNINGS if not a.small else ROWS_TUNINGS[:2]:
+        cfg = {**default_config(rows, kdim, f, w.dtype), **tune}
+        fn = jax.jit(functools.partial(expert_gemv, repeat=repeat, interpret=a.interpret, **cfg))
+        try:
+            err = rel_err(fn(x, ids, w), want)
+            t = timed(a, lambda fn=fn: fn(x, ids, w), decode_iters(a))
+            print(f"    rows {which} {cfg}: {t * 1e6:.1f} us ({bound / t:.2f} of bound) err={err:.2e}", flush=True)
+            if err < 2e-2 and (best is None or t < best[0]):
+                best = (t, cfg, err)
+        except Exception as e:  # noqa: BLE001
+            print(f"    rows {which} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if best:
+        t, cfg, err = best
+        row(a, case=f"decode_rows_{which}", shape=label, us=t * 1e6, touched_mib=nbytes / 2**20, bound_us=bound * 1e6,
+            of_bound=bound / t, err=err, note=str(cfg))
 
 
 # ----------------------------------------------------------------------------- main
@@ -206,11 +257,13 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.bench_moe", description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     p.add_argument("--only", default="prefill,decode", help="comma list of: prefill, decode")
+    p.add_argument("--decode-tokens", default="1,2,4,64", help="decode batch sizes (tokens), comma list")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--trials", type=int, default=None)
     p.add_argument("--json", default=None, help="write the rows here (default $OUT/bench_moe.json when $OUT is set)")
     a = p.parse_args(argv)
     a.interpret = jax.default_backend() != "gpu"
+    a.decode_tokens = [int(t) for t in a.decode_tokens.split(",")]
     a.iters = a.iters or (2 if a.small else 5)
     a.trials = a.trials or (2 if a.small else 3)
     return a
@@ -236,9 +289,10 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
-            for n in (1, 64) if i == 0 and "decode" in only else ():
+            for n in a.decode_tokens if i == 0 and "decode" in only else ():
                 bench_decode(a, shape, n, rate)
-    keys = ["case", "shape", "us", "tflops", "dense_tflops", "ratio", "bound_us", "of_bound", "err"]
+    keys = ["case", "shape", "us", "tflops", "dense_tflops", "ratio", "bound_us", "of_bound", "vs_gather",
+            "err"]
     print(format_table(keys, [[r.get("case"), r.get("shape")] + [fmt(r.get(k), ".3g") for k in keys[2:]]
                               for r in a.log.rows], left=2))
     return 0

@@ -347,6 +347,9 @@ def test_few_rows_dispatch_default_and_rows(monkeypatch):
     use_rows(monkeypatch, rows_max=4)
     assert moe_lib.few_rows_path(4) == "rows" and moe_lib.few_rows_path(6) == "gather"
     assert moe_lib.few_rows_path(9) is None
+    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", None)  # the backend's choice: gather off the GPU
+    assert moe_lib.few_rows_path(4) == ("rows" if jax.default_backend() == "gpu" else "gather")
+    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "rows")
     assert "pallas_call" in prims(2) and "sort" not in prims(2)
     assert "pallas_call" not in prims(3) and "sort" not in prims(3)
     assert "sort" in prims(5)

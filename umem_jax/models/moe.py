@@ -46,11 +46,11 @@ EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
 # Qwen3.5-35B-A3B-like 104 us vs 561 us), at 64 tokens the slowest (8.2 ms / 0.93 ms vs 0.54 /
 # 0.61 ms): it copies every row's expert matrices, so it only pays for a handful of rows.
 GATHER_ROWS = 8
-# The few-rows path: "gather" (above) or "rows" (the Pallas expert GEMV of
+# The few-rows path: "gather" (above), "rows" (the Pallas expert GEMV of
 # pallas_kernels/expert_gemv.py: each chosen expert's matrices read once, in place, on a grid wide
-# enough to keep HBM busy; interpreted off the GPU).  Default "gather" on every backend, the GPU
-# included: "rows" is NOT YET MEASURED on the H200 (benchmarks/RESULTS.md, MoE, "to run next").
-# Make "rows" the GPU default only once it beats gather at every measured decode shape.
+# enough to keep HBM busy; interpreted off the GPU), or None: "rows" on a GPU, "gather" elsewhere.
+# Default "gather" on every backend, the GPU included: "rows" is NOT YET MEASURED on the H200
+# (benchmarks/RESULTS.md, MoE, "to run next").  Set None only once it beats gather there.
 FEW_ROWS_PATH = "gather"
 # With FEW_ROWS_PATH = "rows": the rows path serves up to this many (token, expert) rows (the
 # kernel takes up to expert_gemv.MAX_ROWS; it reads only the distinct experts, where gather's
@@ -184,9 +184,10 @@ def grouped_path() -> str:
 def few_rows_path(rows: int) -> str | None:
     """The dispatch path for `rows` (token, expert) rows when they are few ("rows" or "gather"),
     else None (the grouped path)."""
-    if FEW_ROWS_PATH not in ("gather", "rows"):
-        raise ValueError(f"FEW_ROWS_PATH {FEW_ROWS_PATH!r}; known: gather, rows")
-    if FEW_ROWS_PATH == "rows" and rows <= ROWS_MAX:
+    few = FEW_ROWS_PATH or ("rows" if jax.default_backend() == "gpu" else "gather")
+    if few not in ("gather", "rows"):
+        raise ValueError(f"FEW_ROWS_PATH {FEW_ROWS_PATH!r}; known: gather, rows, None")
+    if few == "rows" and rows <= ROWS_MAX:
         return "rows"
     return "gather" if rows <= GATHER_ROWS else None
 
@@ -296,7 +297,7 @@ class Experts(nnx.Module):
         if valid is not None:
             ids = jnp.where(jnp.repeat(valid, k), ids, self.cfg.num_experts)
         gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
-        h = gemv(jnp.repeat(x, k, axis=0), ids, self.first, self.first_bias())  # [R, F] fp32, bias added
+        h = gemv(x, ids, self.first, self.first_bias(), repeat=k)  # [R, F] fp32: row r is token r // k
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
         y = gemv(a, ids, self.down_proj[...])  # [R, d] fp32; the down bias is added once, in _finish
         out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)

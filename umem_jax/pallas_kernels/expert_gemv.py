@@ -3,6 +3,8 @@ every chosen expert's matrix read once.
 
     y = expert_gemv(x, ids, w, bias)          x [R, K], ids [R] int32, w [E, K, N], bias [E, N] | None
     y[r] = x[r] @ w[ids[r]] (+ bias[ids[r]])  for 0 <= ids[r] < E
+                                              (repeat=k: x [R/k, K], row r reads x[r // k], as an
+                                              MoE's k rows of one token do: no repeated copy of x)
     y[r] = 0                                  otherwise (padding rows: no expert is read for them)
                                                                             -> [R, N] fp32 accumulation
 
@@ -53,9 +55,10 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                          out_dtype=jnp.float32) -> jax.Array:
-    """The definition, row by row in fp32: x[r] @ w[ids[r]] (+ bias[ids[r]]), zeros where ids[r]
-    is outside [0, E).  Gathers a [R, K, N] copy of the weights: tests and small shapes only."""
+                          repeat: int = 1, out_dtype=jnp.float32) -> jax.Array:
+    """The definition, row by row in fp32: x[r // repeat] @ w[ids[r]] (+ bias[ids[r]]), zeros
+    where ids[r] is outside [0, E).  Gathers a [R, K, N] copy of the weights: small shapes only."""
+    x = jnp.repeat(x, repeat, axis=0)
     E = w.shape[0]
     valid = (ids >= 0) & (ids < E)
     safe = jnp.clip(ids, 0, E - 1)
@@ -80,7 +83,7 @@ def _load(ref, mask, **kw):
     return pltr.load(ref, **({} if mask is None else {"mask": mask, "other": 0}), **kw)
 
 
-def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, has_bias, mask_k, mask_n):
+def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, repeat, has_bias, mask_k, mask_n):
     b_ref, o_ref = refs if has_bias else (None, refs[0])
     u, nb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = jnp.arange(bm, dtype=jnp.int32)
@@ -90,6 +93,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, has_bi
     # The slot leads its expert when no earlier row names it (rows past R hold -1).
     earlier = jnp.sum(((ids == e) & (rows < u)).astype(jnp.int32))
     group = (ids == e) & (rows < R)  # the rows this slot computes
+    x_rows = rows // repeat if repeat > 1 else rows  # the x row each output row reads
     cols = nb * bn + jnp.arange(bn, dtype=jnp.int32)
     col_ok = cols < N if mask_n else None
 
@@ -101,7 +105,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, has_bi
         def body(i, acc):
             ks = (s * chunks + i) * bk + jnp.arange(bk, dtype=jnp.int32)
             k_ok = ks < K if mask_k else None
-            a = _load(x_ref.at[rows[:, None], ks[None, :]],
+            a = _load(x_ref.at[x_rows[:, None], ks[None, :]],
                       _and(group[:, None], None if k_ok is None else k_ok[None, :]))
             # The weights are streamed once: evict them first so x and the ids stay in L2.
             b = _load(w_ref.at[ec, ks[:, None], cols[None, :]],
@@ -136,13 +140,16 @@ def default_config(rows: int, K: int, N: int, dtype) -> dict:
     return {"block_n": bn, "block_k": bk, "k_splits": s, "num_warps": 4, "num_stages": 4}
 
 
-def _check(x, ids, w, bias):
-    R, K = x.shape
+def _check(x, ids, w, bias, repeat):
+    R, K = x.shape[0] * repeat, x.shape[1]
     E, K2, N = w.shape
     if K2 != K:
         raise ValueError(f"expert_gemv: x has K={K} columns, w has K={K2} rows")
     if ids.shape != (R,) or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(f"expert_gemv: ids must be int [{R}], got {ids.dtype}{list(ids.shape)}")
+        raise ValueError(f"expert_gemv: ids must be int [{R}] (x's rows * repeat), "
+                         f"got {ids.dtype}{list(ids.shape)}")
+    if repeat < 1:
+        raise ValueError(f"expert_gemv: repeat={repeat} must be >= 1")
     if not 1 <= R <= MAX_ROWS:
         raise ValueError(f"expert_gemv: R={R} rows; the few-rows kernel takes 1..{MAX_ROWS} (use grouped_matmul)")
     if w.dtype not in DTYPES:
@@ -151,16 +158,16 @@ def _check(x, ids, w, bias):
         raise ValueError(f"expert_gemv: bias must be [{E}, {N}], got {list(bias.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "k_splits", "num_warps", "num_stages",
-                                             "interpret"))
+@functools.partial(jax.jit, static_argnames=("repeat", "block_n", "block_k", "k_splits", "num_warps",
+                                             "num_stages", "interpret"))
 def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                         block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                         repeat: int = 1, block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
                          interpret: bool = False) -> jax.Array:
     """The kernel's raw output: fp32 partial sums [k_splits, R, N] (their sum over axis 0 is
     expert_gemv's result).  x is cast to w's dtype (the dot takes one input type)."""
-    _check(x, ids, w, bias)
-    R, K = x.shape
+    _check(x, ids, w, bias, repeat)
+    R, K = ids.shape[0], x.shape[1]
     E, _, N = w.shape
     cfg = default_config(R, K, N, w.dtype)
     given = {"block_n": block_n, "block_k": block_k, "k_splits": k_splits, "num_warps": num_warps,
@@ -172,7 +179,7 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
     chunks = pl.cdiv(pl.cdiv(K, bk), S)  # K chunks per split; a split past K loads nothing
     kernel = functools.partial(
         _kernel, R=R, K=K, N=N, E=E, bm=max(16, pow2_ceil(R)), bn=bn, bk=bk, chunks=chunks,
-        has_bias=bias is not None, mask_k=chunks * S * bk != K, mask_n=N % bn != 0)
+        repeat=repeat, has_bias=bias is not None, mask_k=chunks * S * bk != K, mask_n=N % bn != 0)
     operands = [ids.astype(jnp.int32), x.astype(w.dtype), w] + ([] if bias is None else [bias])
     return pl.pallas_call(
         kernel,
@@ -186,12 +193,13 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
     )(*operands)
 
 
-def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
+def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, repeat: int = 1,
                 out_dtype=jnp.float32, interpret: bool = False, **tuning) -> jax.Array:
-    """x [R, K], ids [R] int (outside [0, E): a padding row, zeros out), w [E, K, N], bias [E, N]
-    or None -> [R, N] in out_dtype (default fp32), fp32 accumulation.  `tuning`: block_n,
-    block_k, k_splits, num_warps, num_stages (defaults: default_config).  Not jitted itself, so
-    the sum over the K splits fuses into the caller's next op under the caller's jit."""
-    parts = expert_gemv_partials(x, ids, w, bias, interpret=interpret, **tuning)
+    """x [R / repeat, K] (row r reads x[r // repeat]), ids [R] int (outside [0, E): a padding
+    row, zeros out), w [E, K, N], bias [E, N] or None -> [R, N] in out_dtype (default fp32), fp32
+    accumulation.  `tuning`: block_n, block_k, k_splits, num_warps, num_stages (defaults:
+    default_config).  Not jitted itself, so the sum over the K splits fuses into the caller's next
+    op under the caller's jit."""
+    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, interpret=interpret, **tuning)
     y = parts[0] if parts.shape[0] == 1 else parts.sum(0)
     return y.astype(out_dtype)
