@@ -46,7 +46,7 @@ class Mamba2Mixer(nnx.Module):
     @staticmethod
     def state_tensors(m: MambaConfig, conv_dtype: str) -> tuple[StateTensor, ...]:
         """What one Mamba2 layer keeps per request: the conv window over x|B|C (conv_dtype) and
-        the fp32 SSM state."""
+        the SSM state, fp32 (the engine's mamba_ssm_dtype may store it 16-bit: with_ssm_dtype)."""
         return mamba2_state_tensors(m.num_heads, m.head_dim, m.state_size, m.n_groups, m.conv_kernel,
                                     conv_dtype=conv_dtype)
 
