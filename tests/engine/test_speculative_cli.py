@@ -57,7 +57,7 @@ def test_generate_with_a_draft_reports_acceptance(capsys):
 def test_refused_speculation_exits_2_with_the_reason(capsys):
     assert cli.main(["generate", "tiny-attention", "--prompt", "x", "--arena-bytes", str(1 << 20),
                      "--speculative-method", "mtp"]) == 2
-    assert "'mtp' is not supported yet" in capsys.readouterr().err
+    assert "speculative method 'mtp': UmemTinyHybrid has no MTP layers" in capsys.readouterr().err
 
 
 def test_metrics_count_drafts_and_acceptance_per_position():

@@ -132,6 +132,9 @@ class Request:
         self.num_logprobs: int | None = None  # top alternatives recorded per token (None: no logprobs)
         self.logprobs: list[TokenLogprobs] | None = None  # one entry per output token, when recorded
         self.siblings: list[Request] = []  # the other samples of its prompt (n / best_of: engine/samples.py)
+        # speculative method "mtp": the draft tokens its MTP head proposed after its last step, for
+        # positions num_computed + 1 on (runner/mtp.py); None: its drafts are made in the step (a draft model)
+        self.drafts: list[int] | None = None
 
     # ------------------------------------------------------------------ token counts
     @property
@@ -244,6 +247,8 @@ class Request:
         """Retracted: it keeps its tokens but computes them all again (no fork is known)."""
         self.num_computed = 0
         self.fork = 0
+        if self.drafts is not None:  # proposed for a position it computes again: its next prefill proposes anew
+            self.drafts = []
         self.metrics.num_retractions += 1
         if preempted:
             self.metrics.num_preemptions += 1

@@ -21,12 +21,13 @@ from ..memory.demand import DemandModel
 from ..memory.sizing import ArenaSize
 from ..memory.plan import PlanError
 from ..runner.runner import Runner
+from ..runner.mtp import MTPSpeculator
 from ..runner.speculative import Speculator
 from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from . import startup, state_dtype
 from .config import EngineConfig
 from .fit import CPU_ARENA_BYTES, fit_context
-from .speculative import SpeculationError, load_draft, plan_decls, speculative_demand
+from .speculative import SpeculationError, check_config, load_draft, plan_decls, speculative_demand
 from .tokenizer import get_tokenizer
 from .warmup import release_host_memory
 
@@ -49,13 +50,15 @@ class EngineParts:
     tokenizer: object | None
     eos_ids: set[int]
     runner: Runner
-    draft: object = None  # the speculative draft Model (None: speculation off)
+    draft: object = None  # the speculative draft Model or MTP head (None: speculation off)
 
 
 def build(cfg: EngineConfig) -> EngineParts:
     """Every part of an engine for `cfg`, in dependency order.  Raises ValueError for settings
     the model or the buckets cannot serve."""
     _convert_once(cfg)
+    if cfg.speculative_config is not None:
+        check_config(cfg)  # before the target is split: what needs no model is refused first
     with startup.phase(f"loading the weights of {_name(cfg)}"):
         model = prepared_model(cfg)
         release_host_memory()  # the loader's and the fusion's temporaries
@@ -85,7 +88,8 @@ def build(cfg: EngineConfig) -> EngineParts:
     runner = Runner(model, plan, size.num_rows, allocator, buckets, impl=cfg.kernel_impl, interpret=cfg.interpret,
                     debug_nan=cfg.debug_nan, checkpoints=cfg.enable_prefix_caching)
     if draft is not None:
-        runner.speculator = Speculator(runner, draft, spec.num_speculative_tokens)
+        cls = MTPSpeculator if spec.method == "mtp" else Speculator
+        runner.speculator = cls(runner, draft, spec.num_speculative_tokens)
     return EngineParts(model, plan, max_model_len, size, regions, allocator, buckets, demand, scheduler, tokenizer,
                        eos_ids, runner, draft)
 

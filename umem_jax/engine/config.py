@@ -84,12 +84,13 @@ MAX_SPECULATIVE_TOKENS = 8
 class SpeculativeConfig:
     """Speculative decoding (vLLM / SGLang names): `method` "draft" runs a separate small model
     `model` (a path, a built-in name or a loaded Model) that proposes `num_speculative_tokens`
-    tokens the target verifies in one forward.  "mtp" (the target's own MTP heads) is not built
-    yet and is refused."""
+    tokens the target verifies in one forward.  "mtp" (SGLang's NEXTN) drafts with the target's
+    own MTP layers (models/mtp.py), read from the target's checkpoint directory, or from `model`
+    when given (a checkpoint directory, or an MTP head Model loaded by models.mtp.load_head)."""
 
     method: str = "draft"
     num_speculative_tokens: int = 3
-    model: object = None  # the draft: a path, a built-in name or a loaded Model
+    model: object = None  # the draft: a path, a built-in name or a loaded Model (mtp: optional, see above)
 
     def __post_init__(self):
         from .speculative_flags import method_name
@@ -97,14 +98,10 @@ class SpeculativeConfig:
         self.method = method_name(self.method)  # vLLM's "draft_model", SGLang's "NEXTN" ... -> ours
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        if self.method == "mtp":
-            raise ValueError("speculative method 'mtp' is not supported yet: the target's MTP layers (Qwen3.5 / "
-                             "Qwen3-Next mtp_*, NemotronH mtp_layers_block_type) are not loaded; use method "
-                             "'draft' with a separate draft model")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-        if self.model is None:
+        if self.model is None and self.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model (speculative_config model= / "
                              "--speculative-draft-model PATH)")
 

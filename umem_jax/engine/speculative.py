@@ -1,7 +1,18 @@
-"""Speculative decoding in the engine: the draft model, what is refused, and applying a verify.
+"""Speculative decoding in the engine: the draft (a draft model or the target's MTP head), what is
+refused, and applying a verify.
 
     LLM("tiny-attention", speculative_config={"method": "draft", "model": "tiny-attention",
                                               "num_speculative_tokens": 3})
+    LLM("path/to/Qwen3.5", speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+
+Method "mtp" (SGLang's NEXTN) drafts with the checkpoint's own multi-token-prediction layers
+(Qwen3.5, Qwen3.5-MoE, Qwen3-Next `mtp.*`; NemotronH `mtp.layers.*`: models/mtp.py), read from
+the target's checkpoint directory (or the directory speculative_config `model` names, or a head
+Model given there); they share the target's embedding and LM head.  A checkpoint without them
+is refused at startup naming what is missing.  The head's drafts ride on the host between steps
+(Request.drafts; runner/mtp.py): one jitted call per step verifies, catches the head up on the
+accepted tokens and proposes the next drafts.  Its attention layers are planned as model
+"draft" like a draft model's, so their K/V fuse into the target's full-attention envelopes.
 
 The draft's layers are declared as model "draft" beside the target's (`plan_decls`), so the
 plan fuses them into the target's page envelopes where lifetime and geometry match and gives a
@@ -16,12 +27,13 @@ request beside its working slot (`speculative_demand`: priced by the demand mode
 the memory clip and retraction stay one model); a verify keeps the state after each verified
 position there and the accepted one becomes the working slot (scheduler/speculation.py).
 
-Refused at startup, with the reason: method "mtp" (engine/config.py), a draft with recurrent
-layers (its k+1 decode passes advance its state in place; keeping the draft's state after each
-pass is not built), a draft whose
-vocabulary differs from the target's, a draft layer whose geometry differs from the target's
-sub-pool of the same lifetime, tensor parallelism, max_num_batched_tokens < k+1.  Per request:
-penalties (they count every output token, verified positions included).
+Refused at startup, with the reason: a draft with recurrent layers (its k+1 decode passes
+advance its state in place; keeping the draft's state after each pass is not built), a draft
+whose vocabulary differs from the target's, a draft layer whose geometry differs from the
+target's sub-pool of the same lifetime, method "mtp" on a target without MTP layers (or a
+checkpoint without their weights, or with more than one), tensor parallelism,
+max_num_batched_tokens < k+1.  Per request: penalties (they count every output token, verified
+positions included), logprobs, n > 1.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import numpy as np
 from ..core.request import Request
 from ..memory.declarations import LayerDecl
 from ..models.config import RECURRENT
+from ..runner.mtp import valid_drafts
 from ..scheduler.speculation import commit_state
 from .isolation import EngineDeadError
 
@@ -42,18 +55,27 @@ class SpeculationError(ValueError):
     """A speculative_config this engine cannot serve; the message says why."""
 
 
+def check_config(cfg) -> None:
+    """Refusals that need no model (called before the target is loaded or split)."""
+    spec = cfg.speculative_config
+    if cfg.tensor_parallel_size > 1:
+        raise SpeculationError(f"speculative decoding (method {spec.method!r}) with tensor_parallel_size > 1 is not "
+                               "supported yet (the draft is not split over the devices)")
+    if cfg.max_num_batched_tokens < spec.num_speculative_tokens + 1:
+        raise SpeculationError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is below num_speculative_tokens"
+                               f"+1={spec.num_speculative_tokens + 1}: a verify is a pass of k+1 tokens")
+
+
 def load_draft(cfg, target):
-    """The draft Model of cfg.speculative_config, checked against the target -> Model."""
+    """The draft Model of cfg.speculative_config (a draft model, or the target's MTP head),
+    checked against the target -> Model."""
     from ..models import loader
     from ..models.model import Model
 
     spec = cfg.speculative_config
-    if cfg.tensor_parallel_size > 1:
-        raise SpeculationError("speculative decoding with tensor_parallel_size > 1 is not supported yet (the "
-                               "draft is not split over the devices)")
-    if cfg.max_num_batched_tokens < spec.num_speculative_tokens + 1:
-        raise SpeculationError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is below num_speculative_tokens"
-                               f"+1={spec.num_speculative_tokens + 1}: a verify is a pass of k+1 tokens")
+    check_config(cfg)
+    if spec.method == "mtp":
+        return _load_mtp(cfg, target)
     m = spec.model
     draft = m if isinstance(m, Model) else loader.load_model(loader.HF_NAMES.get(str(m), str(m)), dtype=cfg.dtype)
     _refuse_recurrent(draft.config, "draft")
@@ -63,6 +85,26 @@ def load_draft(cfg, target):
     if cfg.fuse_projections:
         draft = draft.fuse_projections(donate=draft is not m)
     return draft
+
+
+def _load_mtp(cfg, target):
+    """The target's MTP head: the Model speculative_config `model` gives, else read from `model`
+    (a checkpoint directory) or the target's own checkpoint; random for load_format "dummy"."""
+    from ..models import mtp
+    from ..models.model import Model
+
+    m = cfg.speculative_config.model
+    try:
+        if isinstance(m, Model):
+            mtp.head_class(target.config)
+            head = m
+        elif cfg.load_format == "dummy" and m is None:
+            head = mtp.random_head(target, cfg.seed)
+        else:
+            head = mtp.load_head(target, m)
+    except ValueError as e:
+        raise SpeculationError(f"speculative method 'mtp': {e}") from None
+    return head.fuse_projections(donate=head is not m) if cfg.fuse_projections else head
 
 
 def _refuse_recurrent(mc, who: str) -> None:
@@ -147,6 +189,7 @@ def apply_verify(engine, launched) -> list:
     except Exception as e:
         raise EngineDeadError(f"a step's tokens could not be read back (a device error): {e!r}") from e
     st = engine.spec_stats
+    k = st.k
     st.draft_s += launched.draft_s
     st.verify_s += launched.verify_s
     lens = launched.batch.spec_lens or [0] * len(launched.batch.rows)
@@ -178,9 +221,12 @@ def apply_verify(engine, launched) -> list:
             else:
                 commit_state(req, n, s)
                 engine.scheduler.rollback_speculation(req, start + n + 1)
+                if launched.next_drafts:  # the MTP head's drafts for the positions after the new pending token
+                    req.drafts = valid_drafts(out[i, k + 2:k + 2 + launched.next_drafts])
         except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
             engine.isolation.fail(req, e, "applying its tokens")
     return outs
 
 
-__all__ = ["SpecStats", "SpeculationError", "apply_verify", "check_request", "load_draft", "plan_decls", "speculative_demand"]
+__all__ = ["SpecStats", "SpeculationError", "apply_verify", "check_config", "check_request", "load_draft", "plan_decls",
+           "speculative_demand"]

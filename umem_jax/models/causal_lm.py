@@ -133,8 +133,13 @@ class CausalLM(nnx.Module):
 
     def logits(self, h: jax.Array) -> jax.Array:
         """h [..., d] -> fp32 logits [..., V]."""
+        return self.head_logits(self.final_norm(h))
+
+    def head_logits(self, normed: jax.Array) -> jax.Array:
+        """The LM head alone: a normed hidden [..., d] -> fp32 logits [..., V] (an MTP head
+        normalises its own output and shares this head: models/mtp.py)."""
         head = self.lm_head if self.lm_head is not None else self.embedding
-        out = head.attend(self.final_norm(h)).astype(jnp.float32)
+        out = head.attend(normed).astype(jnp.float32)
         cap = self.config.final_logit_softcapping
         return out if cap is None else cap * jnp.tanh(out / cap)
 
@@ -150,24 +155,26 @@ class CausalLM(nnx.Module):
         return self.logits(h)
 
     def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, *, memory_model: str = "target",
-                 all_positions: bool = False, decode_rows: bool = False, **kernel_kw):
+                 all_positions: bool = False, decode_rows: bool = False, hidden: bool = False, **kernel_kw):
         """Serving forward -> (logits [B, V] fp32 at each row's last valid token, arena).
 
         kernel_kw: impl ("pallas" | "reference") and interpret, passed to every kernel.
         memory_model: whose layers of the plan this model reads and writes ("draft" for a
         speculative draft planned beside the target).  all_positions: logits [B, T, V] of every
         token (a speculative verify reads them all).  decode_rows: every row decodes, T > 1 too
-        (a verify): no prefill-only rule applies (ArenaSlot.decode_rows).
+        (a verify): no prefill-only rule applies (ArenaSlot.decode_rows).  hidden: the first
+        item is (logits, the final-normed hidden [B, T, d] of every token): what an MTP head reads.
         """
         h = self.embed(batch.tokens)
         for i, layer in enumerate(self.layers):
             keeps_memory = self.config.layer_types[i] in LAYER_TYPES
             slot = arena_slot(plan, i, memory_model, decode_rows=decode_rows, **kernel_kw) if keeps_memory else None
             h, arena = layer(h, arena, batch, slot)
-        if all_positions:
-            return self.logits(h), arena
-        last = jnp.take_along_axis(h, batch.last_index()[:, None, None], axis=1)[:, 0]
-        return self.logits(last), arena
+        last = lambda x: x if all_positions else jnp.take_along_axis(x, batch.last_index()[:, None, None], axis=1)[:, 0]
+        if hidden:
+            normed = self.final_norm(h)
+            return (self.head_logits(last(normed)), normed), arena
+        return self.logits(last(h)), arena
 
 
 __all__ = ["CausalLM", "ResidualLayer"]

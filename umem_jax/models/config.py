@@ -104,6 +104,11 @@ class ModelConfig:
     pad_token_id: int | None = 0
     max_position_embeddings: int = 131072
     mamba: MambaConfig | None = None
+    # The checkpoint's multi-token-prediction head (models/mtp.py): how many MTP layers config.json
+    # declares (Qwen3.5 mtp_num_hidden_layers, NemotronH num_nextn_predict_layers; 0: none) and the
+    # layer types one of them runs, in order (Qwen3.5: one full-attention decoder layer).
+    mtp_num_layers: int = 0
+    mtp_layer_types: tuple[str, ...] = ()
 
     def __post_init__(self):
         bad = sorted(set(self.layer_types) - set(LAYER_TYPES))

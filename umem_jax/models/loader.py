@@ -105,12 +105,12 @@ def _cast(model: Model, dtype: str) -> Model:
     return model
 
 
-def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: str) -> Model:
-    """Fill an abstract module of cfg's family from `tensors` ({our param path: array})."""
+def build(cfg: ModelConfig, tensors: dict[str, np.ndarray], dtype: str, source: str, cls: type | None = None) -> Model:
+    """Fill an abstract module of cfg's family (or of `cls`: an MTP head) from `tensors` ({our param path: array})."""
     import dataclasses
 
     cfg = dataclasses.replace(cfg, dtype=dtype)
-    cls = model_class(cfg.architecture)
+    cls = cls or model_class(cfg.architecture)
     abstract = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = nnx.to_flat_state(state)
@@ -214,6 +214,7 @@ def load_safetensors(path: str | os.PathLike, *, dtype: str | None = None) -> Mo
     model = build(cfg, tensors, dtype or cfg.dtype, str(path))
     tok = path / "tokenizer.json"
     model.tokenizer_path = tok if tok.exists() else None
+    model.source = path
     return model
 
 

@@ -35,6 +35,7 @@ class Model:
     params: Any  # nnx.State: the weights, a pytree of arrays
     module_cls: type
     tokenizer_path: Path | None = None  # tokenizer.json, when the source had one
+    source: Path | None = None  # the checkpoint directory it was loaded from (an MTP head is read there too)
 
     @classmethod
     def from_module(cls, module: nnx.Module, **kw) -> Model:

@@ -132,6 +132,8 @@ def nemotron_h_config(d: dict) -> NemotronHConfig:
         raise NotImplementedError(f"NemotronH mamba_hidden_act {d['mamba_hidden_act']!r} (silu is supported)")
     hidden, heads = d.get("hidden_size", 4096), d.get("num_attention_heads", 32)
     types = _layer_types(d)
+    mtp_layers = int(d.get("num_nextn_predict_layers") or 0)
+    mtp_types = _mtp_layer_types(d) if mtp_layers else ()
     mamba = MambaConfig(
         num_heads=d.get("mamba_num_heads", 128), head_dim=d.get("mamba_head_dim", 64),
         state_size=d.get("ssm_state_size", 128), n_groups=_first_present(d, "n_groups", "mamba_n_groups", default=8),
@@ -149,8 +151,17 @@ def nemotron_h_config(d: dict) -> NemotronHConfig:
         pad_token_id=d.get("pad_token_id", 0), max_position_embeddings=d.get("max_position_embeddings", 4096),
         mamba=mamba, time_step_min=float(_first_present(d, "time_step_min", "mamba_dt_min", default=1e-3)),
         use_conv_bias=bool(_first_present(d, "use_conv_bias", "mamba_conv_bias", default=True)),
-        moe=_moe_config(d) if MOE_BLOCK in types else None,
+        moe=_moe_config(d) if MOE_BLOCK in types + mtp_types else None,
+        mtp_num_layers=mtp_layers, mtp_layer_types=mtp_types,
     )
+
+
+def _mtp_layer_types(d: dict) -> tuple[str, ...]:
+    """The blocks of one MTP layer (models/mtp.py): `mtp_layers_block_type` (transformers' default
+    ["attention", "moe"]) or the pattern string `mtp_hybrid_override_pattern` ("*E")."""
+    if d.get("mtp_hybrid_override_pattern"):
+        return _layer_types({"hybrid_override_pattern": d["mtp_hybrid_override_pattern"]})
+    return _layer_types({"layers_block_type": d.get("mtp_layers_block_type") or ["attention", "moe"]})
 
 
 def nemotron_h_8b_like(dtype: str = "bfloat16") -> NemotronHConfig:

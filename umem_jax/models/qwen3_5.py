@@ -16,8 +16,9 @@ RoPE); softmax(q k^T hd^-0.5) v, times sigmoid(gate), then o_proj.
 
 Parameter paths are the checkpoint's without the `model.` prefix (`layers.0.linear_attn.A_log`,
 `layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`); the
-multimodal hub checkpoints' `model.language_model.*` map to the same, `model.visual.*` and
-`mtp.*` are skipped (loader.py).
+multimodal hub checkpoints' `model.language_model.*` map to the same, `model.visual.*` is
+skipped, and `mtp.*` (config `mtp_num_hidden_layers`: the multi-token-prediction head, one gated
+full-attention decoder layer) is read only for speculative method "mtp" (models/mtp.py).
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def qwen3_5_fields(d: dict, defaults: dict) -> dict:
     theta = float(rope.get("rope_theta", d.get("rope_theta", defaults["rope_theta"])))
     partial = float(rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25)))
     get = lambda key: d.get(key, defaults[key])  # noqa: E731
+    mtp = int(d.get("mtp_num_hidden_layers") or d.get("num_nextn_predict_layers") or 0)  # Qwen3-Next: either name
     return dict(
         vocab_size=get("vocab_size"), hidden_size=get("hidden_size"), intermediate_size=get("intermediate_size"),
         num_heads=d.get("num_attention_heads", 16), num_kv_heads=get("num_key_value_heads"),
@@ -125,6 +127,7 @@ def qwen3_5_fields(d: dict, defaults: dict) -> dict:
         bos_token_id=d.get("bos_token_id"), eos_token_id=int_or_tuple(d.get("eos_token_id")),
         pad_token_id=d.get("pad_token_id"), max_position_embeddings=d.get("max_position_embeddings", 32768),
         partial_rotary_factor=partial, **{k: d.get(k, default) for k, default in _LINEAR_DEFAULTS.items()},
+        mtp_num_layers=mtp, mtp_layer_types=(FULL,) if mtp else (),
     )
 
 

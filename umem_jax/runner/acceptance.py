@@ -10,6 +10,10 @@ is drawn from p_k.  Each emitted token is then distributed exactly as p (whateve
 Greedy rows have one-hot p and q (argmax), so the rule keeps d_j exactly when it is the
 target's argmax and emits the target's argmax where it is not: the output is the target's
 greedy continuation token for token.
+
+Deterministic drafts (an MTP head's argmax, q_j the one-hot of d_j: pass q=ONEHOT) need no
+[B, k, V] array: d_j is kept with probability p_j(d_j), and at a rejection the token is drawn
+from p_j with d_j removed, renormalised (max(0, p - onehot) is exactly that).
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ def row_probs(logits, temperature, top_k, top_p, min_p, *, cuts: bool = True):
     return jnp.where((temperature > 0)[:, None], probs, greedy)
 
 
+ONEHOT = "onehot"  # `accept`'s q for deterministic drafts: q_j is the one-hot of d_j
+
+
 def accept(drafts, q, p, u, residual_keys, spec_lens, greedy):
     """The speculative acceptance rule -> (accepted [B] int32, tokens [B, k+1] int32).
 
     drafts [B, k] int32: proposed tokens, d_j ~ q[:, j];  q [B, k, V]: the draft distributions
-    (None for an all-greedy batch: then every row must be greedy);  p [B, k+1, V]: the target's
+    (None for an all-greedy batch: then every row must be greedy; ONEHOT for deterministic
+    drafts, q_j = one-hot(d_j), never materialised);  p [B, k+1, V]: the target's
     distributions at the k+1 verified positions;  u [B, k] uniform [0, 1);  residual_keys [B]
     PRNG keys (one draw per row);  spec_lens [B]: drafts row b may keep (<= k, the rest are
     ignored);  greedy [B] bool.  tokens[b, :accepted[b]] are the kept drafts, tokens[b,
@@ -60,7 +68,7 @@ def accept(drafts, q, p, u, residual_keys, spec_lens, greedy):
         ok = drafts == target_argmax[:, :k]
     else:
         p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
-        q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+        q_d = 1.0 if q is ONEHOT else jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
         ok = jnp.where(greedy[:, None], drafts == target_argmax[:, :k], u * q_d < p_d)
     ok &= jnp.arange(k)[None, :] < spec_lens[:, None]
     n = jnp.cumprod(ok.astype(jnp.int32), axis=-1).sum(-1).astype(jnp.int32)  # [B]
@@ -69,8 +77,11 @@ def accept(drafts, q, p, u, residual_keys, spec_lens, greedy):
         last = target_argmax[rows, n]
     else:
         rejected = n < spec_lens
-        q_n = jnp.where(rejected[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0)
-        residual = jnp.maximum(p_n - q_n, 0.0)
+        if q is ONEHOT:  # p_n less the rejected draft's entry
+            d_n = drafts[rows, jnp.minimum(n, k - 1)]
+            residual = p_n.at[rows, d_n].set(jnp.where(rejected, 0.0, p_n[rows, d_n]))
+        else:
+            residual = jnp.maximum(p_n - jnp.where(rejected[:, None], q[rows, jnp.minimum(n, k - 1)], 0.0), 0.0)
         mass = residual.sum(-1, keepdims=True)
         residual = jnp.where(mass > 0, residual, p_n)  # p == q where it rejected: only rounding gets here
         drawn = jax.vmap(lambda key, r: jax.random.categorical(key, jnp.log(r)))(residual_keys, residual)
@@ -87,4 +98,4 @@ def draw(keys, probs, greedy):
     return jnp.where(greedy, jnp.argmax(probs, axis=-1), drawn).astype(jnp.int32)
 
 
-__all__ = ["accept", "draw", "row_probs"]
+__all__ = ["ONEHOT", "accept", "draw", "row_probs"]

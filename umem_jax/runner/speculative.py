@@ -46,6 +46,7 @@ class SpecLaunched(Launched):
 
     draft_s: float = 0.0
     verify_s: float = 0.0
+    next_drafts: int = 0  # columns after the k+2 holding each row's next drafts (an MTP head's: runner/mtp.py)
 
 
 def _batch(f: dict, layout, prev) -> Batch:
@@ -104,32 +105,42 @@ def verify_step(params, arena, meta, prev, spec_lens, drafts, q, states, *, layo
     (the prefill kernels' checkpoint writes; position -1 / slot 0 is padding), so the state of
     whichever prefix is accepted is kept (Speculator doc)."""
     f = layout.unpack(meta)
-    base = _batch(f, layout, prev)
-    k = drafts.shape[1]
-    live = base.q_lens > 0
-    q_lens = jnp.where(live, spec_lens + 1, 0)
-    b = dataclasses.replace(base, tokens=jnp.concatenate([base.tokens[:, :1], drafts], axis=1), q_lens=q_lens,
-                            kv_lens=jnp.where(live, base.kv_lens + spec_lens, 0),
-                            checkpoint_positions=None if states is None else states[0],
-                            checkpoint_slots=None if states is None else states[1])
+    b = verify_batch(_batch(f, layout, prev), spec_lens, drafts, states)
     logits, arena = model.forward(jax.tree.unflatten(model.treedef, params), arena, b)  # [B, k+1, V]
+    n, toks = accept_verified(f, layout, logits, drafts, q, spec_lens)
+    out = jnp.concatenate([n[:, None], toks], axis=1)
+    return jnp.zeros((layout.max_batch, drafts.shape[1] + 2), jnp.int32).at[: layout.B].set(out), arena
+
+
+def verify_batch(base: Batch, spec_lens, drafts, states) -> Batch:
+    """The decode batch `base` as a verify: row b computes [t0, d_1..d_s] (s = spec_lens[b]) at
+    positions n..n+s, keeping the state after each (states: see verify_step)."""
+    live = base.q_lens > 0
+    return dataclasses.replace(base, tokens=jnp.concatenate([base.tokens[:, :1], drafts], axis=1),
+                               q_lens=jnp.where(live, spec_lens + 1, 0),
+                               kv_lens=jnp.where(live, base.kv_lens + spec_lens, 0),
+                               checkpoint_positions=None if states is None else states[0],
+                               checkpoint_slots=None if states is None else states[1])
+
+
+def accept_verified(f: dict, layout, logits, drafts, q, spec_lens):
+    """The acceptance rule over a verify's logits [B, k+1, V] with each row's bans and sampling
+    -> (accepted [B], tokens [B, k+1]: acceptance.accept).  q: the draft distributions [B, k, V],
+    None (greedy drafts) or acceptance.ONEHOT (deterministic drafts)."""
+    k = drafts.shape[1]
     ban = f["ban"]  # rows that ban tokens speculate nothing (spec_len 0): only position 0 counts
     rows = jnp.arange(layout.B)[:, None, None]
     logits = logits.at[rows, jnp.arange(k + 1)[None, :, None], jnp.maximum(ban, 0)[:, None, :]].min(
         jnp.where(ban >= 0, -jnp.inf, jnp.inf)[:, None, :])
     greedy = f["temperature"] <= 0
     if layout.sampling == "greedy":
-        n, toks = accept(drafts, None, logits, None, None, spec_lens, greedy)
-    else:
-        B, T, V = logits.shape
-        cuts = layout.sampling == "cuts"
-        rep = lambda x: jnp.repeat(x, T)
-        p = row_probs(logits.reshape(B * T, V), rep(f["temperature"]), rep(f["top_k"]), rep(f["top_p"]),
-                      rep(f["min_p"]), cuts=cuts).reshape(B, T, V)
-        u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(_keys(f["seed"], f["step"], _ACCEPT_TAG))
-        n, toks = accept(drafts, q, p, u, _keys(f["seed"], f["step"], _RESIDUAL_TAG), spec_lens, greedy)
-    out = jnp.concatenate([n[:, None], toks], axis=1)
-    return jnp.zeros((layout.max_batch, k + 2), jnp.int32).at[: layout.B].set(out), arena
+        return accept(drafts, None, logits, None, None, spec_lens, greedy)
+    B, T, V = logits.shape
+    rep = lambda x: jnp.repeat(x, T)
+    p = row_probs(logits.reshape(B * T, V), rep(f["temperature"]), rep(f["top_k"]), rep(f["top_p"]),
+                  rep(f["min_p"]), cuts=layout.sampling == "cuts").reshape(B, T, V)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(_keys(f["seed"], f["step"], _ACCEPT_TAG))
+    return accept(drafts, q, p, u, _keys(f["seed"], f["step"], _RESIDUAL_TAG), spec_lens, greedy)
 
 
 jit_prefill = jax.jit(prefill_step, donate_argnums=(2,), static_argnames=("layout", "model", "draft"))

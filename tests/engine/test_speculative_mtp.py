@@ -1,0 +1,292 @@
+"""Speculative decoding with the target's own MTP head (method "mtp", issue 16): greedy output with
+it equals greedy output without, through chunked prefill, forced retraction and a prefix-cache
+hit, for Qwen3.5 (dense, gated-DeltaNet state), Qwen3.5-MoE and NemotronH (Mamba2 state, an
+attention + MoE head); temperature > 0 runs clean; the acceptance rule with one-hot q keeps the
+target's distribution (chi-square); refusals; invariants and the idle leak check after each run.
+
+The checkpoints are the committed family fixtures plus random `mtp.*` tensors (tests/_mtp_fixtures.py).
+A random head proposes what the target rarely takes, so the runs also use a harness: after every
+step, each running request's drafts -- the head's, carried on the host -- are first checked
+against a dense oracle (the cache-free target's final-normed hiddens, the head's cache-free
+forward chained as the engine chains it), then replaced by the target's greedy continuation with
+a seeded share corrupted, so the next verify accepts 0..k and the head's catch-up runs over every
+length.  Requests resumed from another request's cached prefix are left out of the oracle check:
+the head's K/V at the last cached position was made with the other request's next token
+(models/mtp.py: a draft-quality effect, outputs are verified).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _engine_utils import assert_idle_clean, prompts  # noqa: E402
+from _mtp_fixtures import FIXTURES, write_mtp_checkpoint  # noqa: E402
+
+from umem_jax import LLM, SamplingParams  # noqa: E402
+
+SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=160, batch_buckets=(4,),
+              token_buckets=(32,), page_buckets=(40,))
+K = 3
+MAX_TOKENS = 14
+WRONG = 0.3  # share of harness drafts made wrong
+DENSE = 160  # the oracle's padded length (one compile)
+ARENA = 300 << 10  # four long requests with the head's K/V beside the target's retract
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    return lambda name: write_mtp_checkpoint(root, name)
+
+
+def _workload(vocab: int):
+    """Long prompts (chunked: > 32 tokens), two sharing a 40-token prefix (a cache hit)."""
+    shared = [t % vocab for t in prompts(40, seed=3)[0]]
+    ps = [[t % vocab for t in p] for p in prompts(60, 9, 45, seed=5)]
+    return [shared + ps[1], ps[0], shared + [7, 8, 9, 10], ps[2]]
+
+
+class DenseOracle:
+    """The drafts a request's head should carry: d_1 from (x_{i+1}, h_i) at its last computed
+    position, then chained on the head's own output, all cache-free (one padded shape)."""
+
+    def __init__(self, target, head=None):
+        tg, hg = target.graphdef, None if head is None else head.graphdef
+
+        def hiddens(tp, toks):
+            t = nnx.merge(tg, tp)
+            pos = jnp.broadcast_to(jnp.arange(DENSE, dtype=jnp.int32), toks.shape)
+            h = t.embed(toks)
+            for layer in t.layers:
+                h = layer.dense(h, pos, jnp.ones(toks.shape, bool))
+            return t.final_norm(h)
+
+        self.hiddens = jax.jit(hiddens)
+        self.logits = jax.jit(lambda tp, normed: nnx.merge(tg, tp).head_logits(normed))
+        self.head = jax.jit(lambda tp, hp, toks, hid: nnx.merge(hg, hp).dense(toks, hid, nnx.merge(tg, tp)))
+        self.target, self.head_model = target, head
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        """The target's greedy continuation, cache-free: what the engine without speculation makes."""
+        toks = np.zeros((1, DENSE), np.int32)
+        seq = list(prompt)
+        for _ in range(n):
+            toks[0, :len(seq)] = seq
+            normed = self.hiddens(self.target.params, jnp.asarray(toks))[:, len(seq) - 1]
+            seq.append(int(np.asarray(self.logits(self.target.params, normed)).argmax()))
+        return seq[len(prompt):]
+
+    def drafts(self, seq: list[int], k: int):
+        """seq: the request's tokens, the pending one last -> (drafts [k], the logits each came from)."""
+        n = len(seq) - 1  # the pending token's position; the head's last entry is n - 1
+        toks = np.zeros((1, DENSE), np.int32)
+        toks[0, :n + 1] = seq
+        hid = np.asarray(self.hiddens(self.target.params, jnp.asarray(toks)))
+        nxt, h = np.zeros((1, DENSE), np.int32), np.zeros_like(hid)
+        nxt[0, :n] = seq[1:]
+        h[0, :n] = hid[0, :n]
+        out, logits = [], []
+        for j in range(k):
+            lg, y = self.head(self.target.params, self.head_model.params, jnp.asarray(nxt), jnp.asarray(h))
+            lg, y = np.asarray(lg[0, n - 1 + j]), np.asarray(y[0, n - 1 + j])
+            d = int(lg.argmax())
+            out.append(d)
+            logits.append(lg)
+            nxt[0, n + j], h[0, n + j] = d, y
+        return out, logits
+
+
+def _check_drafts(oracle, req, checked: list) -> None:
+    """req.drafts against the oracle: each equals its argmax (or ties it within 1e-3: fp32 on
+    other kernels), until a tie sends the chain elsewhere."""
+    seq = list(req.prompt_token_ids) + list(req.output_token_ids)
+    want, logits = oracle.drafts(seq, len(req.drafts))
+    for d, w, lg in zip(req.drafts, want, logits):
+        assert lg[d] >= lg.max() - 1e-3, (req.request_id, len(seq), req.drafts, want)
+        checked.append(len(req.drafts))
+        if d != w:
+            break
+
+
+def _harness(engine, expected: dict, oracle, checked: list, rng, given: dict):
+    """After a step: check the drafts the head gave each running request this step (not the
+    ones the harness gave it before: a request a prefill step left out still holds those), then
+    hand it the harness's."""
+    for req in engine.scheduler.running:
+        if not req.drafts or not req.decode_ready or req.drafts is given.get(req.request_id):
+            continue
+        if oracle is not None and not req.num_cached_tokens:
+            _check_drafts(oracle, req, checked)
+        seq = expected[tuple(req.prompt_token_ids)]
+        nxt = np.array(seq[req.num_computed + 1:req.num_computed + 1 + K], np.int64)
+        bad = rng.random(nxt.shape) < WRONG
+        req.drafts = given[req.request_id] = np.where(bad, (nxt + 1) % engine.model.config.vocab_size, nxt).tolist()
+
+
+def _generate(engine, work, params, retract_at=None, after_step=None):
+    """engine.step() until done; with retract_at, retract the running request furthest into its
+    output after that many steps and again 3 steps later (read back each step: nothing in flight)."""
+    ids = [engine.add_request(p, params) for p in work]
+    outs, steps = {}, 0
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in engine.step())
+        steps += 1
+        if after_step is not None:
+            after_step(engine)
+        if retract_at is not None and steps in (retract_at, retract_at + 3):
+            running = [r for r in engine.scheduler.running if r.num_output > 0]
+            if running:
+                engine.scheduler.retract(max(running, key=lambda r: r.num_output))
+    return [outs[i] for i in ids]
+
+
+def _run(path, arena, method=None, expected=None, oracle=None, params=None):
+    spec = None if method is None else {"method": method, "num_speculative_tokens": K}
+    llm = LLM(str(path), arena_bytes=arena, speculative_config=spec, **SHAPES)
+    eng = llm.llm_engine
+    work = _workload(eng.model.config.vocab_size)
+    params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    checked, rng, given = [], np.random.default_rng(0), {}
+    hook = None if expected is None else (lambda e: _harness(e, expected, oracle, checked, rng, given))
+    outs = _generate(eng, work, params, None if method is None else 8, hook)
+    outs += _generate(eng, work[:1], params, None, hook)  # its whole prompt is cached by now: a prefix-cache hit
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert_idle_clean(llm)
+    return [list(o.outputs[0].token_ids) for o in outs], eng, work + work[:1], checked
+
+
+# NemotronH: Mamba2 state and a two-block head (attention, MoE) with plain norms
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "nemotron_h_moe_tiny"])
+def test_greedy_with_mtp_is_greedy_without(ckpt, name):
+    """Greedy without speculation is the cache-free forward's continuation here (the engine
+    without speculation makes the same: the family tests), which spares a second engine's compiles."""
+    from umem_jax.models.loader import load_model
+    from umem_jax.models.mtp import load_head
+
+    path = ckpt(name)
+    target = load_model(path)
+    oracle = DenseOracle(target, load_head(target))
+    work = _workload(target.config.vocab_size)
+    want = [oracle.greedy(p, MAX_TOKENS) for p in work]
+    expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
+    got, eng, _, checked = _run(path, ARENA, "NEXTN", expected, oracle)  # SGLang's name for it
+    assert got == want + want[:1]
+    s = eng.stats()
+    sp = s["speculative"]
+    assert 0.2 < sp["acceptance_rate"] < 0.95 and min(sp["acceptance_per_position"]) > 0, sp
+    assert s["num_retractions"] > 0 and s["prefix_cache"]["hit_tokens"] > 0, s
+    # the head's own drafts were checked after most steps, full chains among them
+    assert len(checked) > 20 and max(checked) == K, checked
+
+
+def test_sampling_with_mtp_runs_clean(ckpt):
+    """Sampled rows beside greedy ones (one sampler mode covers both): every sampled token is in
+    the vocabulary, the greedy rows still make the greedy continuation."""
+    from umem_jax.models.loader import load_model
+
+    path = ckpt("qwen3_5_tiny")
+    llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+              **SHAPES)
+    work = _workload(llm.llm_engine.model.config.vocab_size)
+    params = [SamplingParams(temperature=0.9, top_k=20 if i % 2 else 0, max_tokens=MAX_TOKENS, seed=i,
+                             ignore_eos=True) for i in range(3)] + [SamplingParams(temperature=0, max_tokens=MAX_TOKENS,
+                                                                                   ignore_eos=True)]
+    outs = llm.generate(work, params)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(t) == MAX_TOKENS and all(0 <= x < 128 for x in t) for t in got)
+    target = load_model(path)
+    assert got[3] == DenseOracle(target).greedy(work[3], MAX_TOKENS)
+    assert llm.llm_engine.stats()["speculative"]["num_verify_rows"] > 0
+    assert_idle_clean(llm)
+
+
+# ---------------------------------------------------------------------- the acceptance rule, one-hot q
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_hot_acceptance_keeps_the_target_distribution(seed):
+    """Deterministic drafts (q_j one-hot at d_j, never materialised): d_j is kept with probability
+    p_j(d_j), a rejection draws from p_j without d_j; the first emitted token is distributed as
+    p_0, the one after an accepted first draft as p_1, the bonus as p_k, whatever the drafts."""
+    from scipy import stats as sps
+
+    from umem_jax.runner.acceptance import ONEHOT, accept
+
+    rng = np.random.default_rng(seed)
+    V, k, N = 6, 2, 40000
+    p = rng.dirichlet(np.ones(V) * 0.7, size=k + 1).astype(np.float32)
+    key = jax.random.PRNGKey(seed)
+    kd, ku, kr = jax.random.split(key, 3)
+    drafts = jax.random.randint(kd, (N, k), 0, V, jnp.int32)  # each row its own (deterministic) drafts
+    P = jnp.broadcast_to(jnp.asarray(p), (N, k + 1, V))
+    u = jax.random.uniform(ku, (N, k))
+    run = jax.jit(lambda d, P, u, keys: accept(d, ONEHOT, P, u, keys, jnp.full((N,), k, jnp.int32),
+                                                jnp.zeros((N,), bool)))
+    n, toks = map(np.asarray, run(drafts, P, u, jax.random.split(kr, N)))
+
+    def pvalue(samples, probs):
+        counts = np.bincount(samples, minlength=V)
+        keep = probs > 0
+        assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+        kept = probs[keep].astype(np.float64)
+        expected = kept / kept.sum() * counts[keep].sum()
+        return sps.chisquare(counts[keep].astype(np.float64), expected).pvalue
+
+    assert pvalue(toks[:, 0], p[0]) > 1e-3
+    assert pvalue(toks[n >= 1, 1], p[1]) > 1e-3
+    assert pvalue(toks[n == k, k], p[k]) > 1e-3
+    d = np.asarray(drafts)
+    assert abs((n >= 1).mean() - p[0][d[:, 0]].mean()) < 0.01  # kept with probability p_0(d_1)
+    rejected = n == 0
+    assert (toks[rejected, 0] != d[rejected, 0]).all()  # a rejected draft is never the drawn token
+    assert ((toks >= 0).sum(1) == n + 1).all()
+
+
+# ---------------------------------------------------------------------- refusals and the compiled step
+
+
+def test_refusals_name_the_reason(ckpt, tmp_path):
+    import shutil
+
+    spec = {"method": "mtp", "num_speculative_tokens": K}
+    d = tmp_path / "no_mtp_weights"
+    shutil.copytree(FIXTURES / "qwen3_5_tiny", d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+    with pytest.raises(ValueError, match=r"speculative method 'mtp': .*has no MTP weights.*mtp.fc.weight"):
+        LLM(str(d), arena_bytes=ARENA, speculative_config=spec, **SHAPES)
+    with pytest.raises(ValueError, match="declares no MTP layers"):
+        LLM(str(FIXTURES / "qwen3_5_tiny"), arena_bytes=ARENA, speculative_config=spec, **SHAPES)
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
+        LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, tensor_parallel_size=2, speculative_config=spec, **SHAPES)
+
+
+def test_decode_step_updates_the_arena_in_place(ckpt):
+    """The MTP decode step (verify, catch-up, the chain's loop) compiled at two arena sizes: the
+    arena is donated and aliased, no arena-shaped copy, and its temporaries do not grow with it."""
+    from umem_jax.arena import check_in_place
+    from umem_jax.runner.mtp import jit_decode
+
+    temps = []
+    for arena in (ARENA, 2 * ARENA):
+        llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=arena, speculative_config={"method": "mtp",
+                  "num_speculative_tokens": K}, **SHAPES)
+        r = llm.llm_engine.runner
+        tleaves, hleaves, _, verify, head = r.speculator._leaves()
+        lay = r.layout(SHAPES["batch_buckets"][0], 1, SHAPES["page_buckets"][0])
+        B = lay.B
+        states = (np.full((B, K), -1, np.int32), np.zeros((B, K), np.int32))
+        compiled = jit_decode.lower(tleaves, hleaves, r.arena, lay.template, r.prev_tokens, np.zeros(B, np.int32),
+                                    np.zeros((B, K), np.int32), states, layout=lay, target=verify, head=head).compile()
+        temps.append(check_in_place(compiled, r.arena, max_temp_bytes=1 << 30)["temp_bytes"])
+    assert temps[1] == temps[0], temps
