@@ -271,6 +271,22 @@ def test_refusals_name_the_reason(ckpt, tmp_path):
         LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, tensor_parallel_size=2, speculative_config=spec, **SHAPES)
 
 
+def test_the_heads_kv_is_priced_in_the_targets_envelope(ckpt):
+    """The head's K/V rows sit in the target's full-attention page envelope (one page, one
+    allocation for both), so the one demand model prices them; a recurrent target also holds k
+    speculative state slots.  load_format "dummy" gives the head random weights."""
+    spec = {"method": "mtp", "num_speculative_tokens": K}
+    path = ckpt("nemotron_h_moe_tiny")
+    eng = LLM(str(path), arena_bytes=ARENA, load_format="dummy", speculative_config=spec, **SHAPES).llm_engine
+    plain = LLM(str(path), arena_bytes=ARENA, load_format="dummy", **SHAPES).llm_engine
+    assert eng.draft.module_cls.__name__ == "NemotronHMTP"
+    assert eng.plan["full"].layers == (("target", 2), ("draft", 0))
+    assert eng.plan["full"].page_bytes == 2 * plain.plan["full"].page_bytes  # one attention layer each
+    assert eng.demand.slots_per_request == 1 + K
+    d, e = eng.demand, plain.demand
+    assert d.bytes(d.lifetime(40, 8), {"full"}) == 2 * e.bytes(e.lifetime(40, 8), {"full"})
+
+
 def test_decode_step_updates_the_arena_in_place(ckpt):
     """The MTP decode step (verify, catch-up, the chain's loop) compiled at two arena sizes: the
     arena is donated and aliased, no arena-shaped copy, and its temporaries do not grow with it."""

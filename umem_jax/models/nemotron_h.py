@@ -22,7 +22,9 @@ are the exception (`checkpoint_to_params`): the hub keeps one tensor per expert,
 model fuses them to `mixer.experts.up_proj` [E, I, d] / `down_proj` [E, d, I]); ours are stacked
 in (in, out) layout, `mixer.experts.up_proj` [E, d, I] / `down_proj` [E, I, d], and the shared
 expert is `mixer.shared_expert.*` (hub: `mixer.shared_experts.*`).  Latent MoE (moe_latent_size,
-Nemotron 3 Super) is refused by name.
+Nemotron 3 Super) is refused by name.  The MTP layer (config num_nextn_predict_layers,
+mtp_layers_block_type, default attention then MoE; tensors `mtp.layers.*`) is skipped here and
+read only for speculative method "mtp" (models/mtp.py).
 """
 
 from __future__ import annotations
