@@ -30,6 +30,7 @@ from .config import FULL, SLIDING, ModelConfig, RopeConfig
 from .gemma3 import ARCHITECTURE as GEMMA3
 from .gemma3 import gemma3_config_to_dict
 from .model import Model
+from .checkpoint import read_safetensors
 from .registry import config_to_dict, load_hf_config, model_class
 from .tiny import tiny_model
 
@@ -192,21 +193,14 @@ def _text_name(hf_name: str, tied: bool) -> str | None:
 
 def load_safetensors(path: str | os.PathLike, *, dtype: str | None = None) -> Model:
     """config.json + model.safetensors (or sharded model-*.safetensors) -> Model."""
-    from safetensors import safe_open
-
     path = Path(path)
     cfg = load_hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     tensors = {}
-    for f in files:
-        # framework="flax" reads bf16 natively (numpy has no bf16).
-        with safe_open(str(f), framework="flax") as fh:
-            for k in fh.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-                ours = _text_name(k, cfg.tie_word_embeddings)
-                if ours is not None:
-                    tensors[ours] = fh.get_tensor(k)
+    for f in files:  # one tensor at a time (checkpoint.py): the file's bytes never all resident
+        tensors.update(read_safetensors(f, lambda k: _text_name(k, cfg.tie_word_embeddings)))
     # A family whose checkpoint stores some weights otherwise than its module (per-expert tensors
     # stacked here, MXFP4 blocks) converts them; the others' checkpoints load by name alone.
     convert = getattr(model_class(cfg.architecture), "checkpoint_to_params", None)
