@@ -34,7 +34,7 @@ from _mtp_fixtures import FIXTURES, write_mtp_checkpoint  # noqa: E402
 from umem_jax import LLM, SamplingParams  # noqa: E402
 
 SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=160, batch_buckets=(4,),
-              token_buckets=(32,), page_buckets=(40,))
+              token_buckets=(32,), page_buckets=(40,), debug_nan=True)
 K = 3
 MAX_TOKENS = 14
 WRONG = 0.3  # share of harness drafts made wrong
@@ -285,6 +285,40 @@ def test_the_heads_kv_is_priced_in_the_targets_envelope(ckpt):
     assert eng.demand.slots_per_request == 1 + K
     d, e = eng.demand, plain.demand
     assert d.bytes(d.lifetime(40, 8), {"full"}) == 2 * e.bytes(e.lifetime(40, 8), {"full"})
+
+
+def test_chain_passes_without_a_page_write_only_the_sink(ckpt):
+    """A chained pass at a position whose page the row does not hold -- past the table's width
+    (where write_targets would clip onto the row's last page) or an unmapped entry (sink 0) --
+    writes nothing outside the sink and proposes -1 from there on; a pass with its page writes
+    that page only."""
+    from umem_jax.core.batch import Batch
+    from umem_jax.runner.mtp import _chain
+
+    llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, speculative_config={"method": "mtp",
+              "num_speculative_tokens": K}, **SHAPES)
+    r = llm.llm_engine.runner
+    tleaves, hleaves, _, verify, head = r.speculator._leaves()
+    rpp, ps = r.plan[head.pool].rows_per_page, head.page_size
+    # row 0: positions from 2 * ps on, past a width-2 table; row 1: its page 1 unmapped; row 2:
+    # positions ps, ps + 1 on its page 3
+    table = np.array([[4, 5], [6, 0], [2, 3]], np.int32)
+    last = np.array([2 * ps - 1, ps - 1, ps - 1], np.int32)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    batch = Batch(i32(np.zeros((3, 1))), i32([1, 1, 1]), i32(last + 1), {head.pool: i32(table)}, i32([0, 0, 0]))
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(3, r.model.config.hidden_size)), jnp.float32)
+
+    @jax.jit
+    def run(tl, hl, arena):
+        tp, hp = jax.tree.unflatten(verify.treedef, tl), jax.tree.unflatten(head.treedef, hl)
+        return _chain(head, tp, hp, arena, batch, i32([5, 6, 7]), y, i32(last), jnp.ones(3, bool), K)
+
+    before = np.asarray(r.arena.data).copy()
+    drafts, arena = run(tleaves, hleaves, r.arena)
+    drafts, changed = np.asarray(drafts), np.flatnonzero((np.asarray(arena.data) != before).any(axis=1))
+    assert drafts[:2, 1:].tolist() == [[-1, -1], [-1, -1]] and (drafts[2] >= 0).all(), drafts
+    outside = changed[changed >= r.plan.sink_rows]
+    assert len(outside) and set((outside // rpp).tolist()) == {3}, outside  # row 2's passes: page 3 only
 
 
 def test_decode_step_updates_the_arena_in_place(ckpt):
