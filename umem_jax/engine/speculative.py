@@ -119,7 +119,9 @@ def _refuse_recurrent(mc, who: str) -> None:
 def speculative_demand(cfg, plan) -> dict:
     """DemandModel arguments under speculation: a decode step is a pass of k+1 tokens; with
     recurrent state every request also holds k speculative state slots (the state after each
-    verified position), taken with its working slot and held to the end."""
+    verified position), taken with its working slot and held to the end.  An MTP head's K/V
+    rows are in the plan's page envelopes (priced with every page); its chained passes past the
+    verified positions take nothing: without a page of the row they write to the sink."""
     k = cfg.speculative_config.num_speculative_tokens
     out = {"decode_pass": k + 1}
     if plan.state is not None:
