@@ -179,16 +179,17 @@ def random_head(target: Model, seed: int = 0) -> Model:
 
 
 def read_tensors(path: Path) -> dict:
-    """Every MTP tensor of the checkpoint directory `path`, named without the MTP prefix."""
-    from safetensors import safe_open
+    """Every MTP tensor of the checkpoint directory `path`, named without the MTP prefix (one
+    tensor at a time, as the target's: checkpoint.py)."""
+    from .checkpoint import read_safetensors
+
+    def rename(k: str) -> str | None:
+        prefix = next((p for p in PREFIXES if k.startswith(p)), None)
+        return None if prefix is None else k[len(prefix):]
 
     out = {}
     for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="flax") as fh:
-            for k in fh.keys():  # noqa: SIM118 (a safetensors handle is not iterable)
-                prefix = next((p for p in PREFIXES if k.startswith(p)), None)
-                if prefix is not None:
-                    out[k[len(prefix):]] = fh.get_tensor(k)
+        out.update(read_safetensors(f, rename))
     return out
 
 
