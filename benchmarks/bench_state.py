@@ -76,7 +76,7 @@ def bench_decode(kind, B, *, small=False, iters=20, impl="pallas", tuning=None, 
     slots = np.concatenate([rng.permutation(np.arange(1, B)), [0]]).astype(np.int32)
     rng.shuffle(slots)
     slots = jnp.asarray(slots)
-    rows = (B + 1) * view.rows_per_slot
+    rows = view.slot_row(B + 1)  # slots 1..B on the plan's grid (slot 1 starts at the sink)
     arena = jax.jit(lambda: jnp.zeros((rows, view.row_words), jnp.uint16))()
     x = _inputs(kind, view, B, rng, jnp.float32 if small else jnp.bfloat16)
     dec = mamba2_decode if kind == "mamba2" else gdn_decode

@@ -77,7 +77,7 @@ def test_top_pages_write_move_read(big_arena):
 def test_top_state_slots_fp32(big_arena):
     a = big_arena
     sv = a.plan.state.state_view(3)
-    top = a.num_rows // sv.rows_per_slot - 1
+    top = a.num_pages("state") - 1
     slots = np.array([top, top - 5, 7], np.int32)
     rng = np.random.default_rng(1)
     tensors = {t.tensor.name: jnp.asarray(rng.standard_normal((3, *t.tensor.shape)).astype(np.float32), t.tensor.dtype)

@@ -27,7 +27,7 @@ ARENA_BYTES = 5 << 30  # over 4 GiB: Triton switches to 64-bit offsets
 
 def _arena(view):
     rows = ARENA_BYTES // (view.row_words * 2)
-    num_slots = rows // view.rows_per_slot
+    num_slots = (rows - view.base_row) // view.rows_per_slot  # slot 0 included (no rows of its own)
     arena = jax.jit(lambda: jnp.full((rows, view.row_words), 0xFFFF, jnp.uint16))()
     return arena, num_slots
 
@@ -144,7 +144,7 @@ def test_prefill_then_decode_on_gpu():
     # fp32 conv state: with the default bf16 one, the decode sees rounded inputs the long prefill does not
     view = state_view(gated_deltanet_state_tensors(16, 32, 128, 128, 4, conv_dtype="float32"), row_words=1024, layers=1)
     d = gdn_dims(view)
-    rows = 64 * view.rows_per_slot
+    rows = view.slot_row(64)
     arena = jnp.zeros((rows, 1024), jnp.uint16)
     B, T = 4, 33
     slots = jnp.array([5, 0, 17, 40], jnp.int32)
