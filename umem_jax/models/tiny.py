@@ -70,6 +70,7 @@ def tiny_config_from_dict(d: dict) -> ModelConfig:
     for k in ("architectures", "model_type", "architecture"):
         d.pop(k, None)
     d["layer_types"] = tuple(d["layer_types"])
+    d["mtp_layer_types"] = tuple(d.get("mtp_layer_types", ()))  # JSON lists read back as the config's tuples
     d["rope"] = tuple((name, RopeConfig(**r)) for name, r in d.get("rope", {}).items())
     if d.get("mamba") is not None:
         d["mamba"] = MambaConfig(**d["mamba"])
