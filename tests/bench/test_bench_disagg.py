@@ -1,5 +1,5 @@
 """benchmarks/bench_disagg.py: --small end to end on the CPU (two workers, the router and one engine
-as processes, the tiny model), and the pieces the GPU run relies on that the tiny run does not
+as processes, the tiny model; under --long), and the pieces the GPU run relies on that the tiny run does not
 exercise: the preset's config.json, and a benchmark process that never imports JAX."""
 
 from __future__ import annotations
@@ -47,6 +47,9 @@ def test_the_benchmark_process_never_imports_jax(tmp_path):
     assert out.stdout.split() == ["False"]
 
 
+# Four processes compiling on two cores: 60-100 s, the CI's slowest test, for a benchmark whose
+# path (router -> prefill -> decode) tests/disagg/test_router.py already runs in CI.
+@pytest.mark.slow
 def test_small_end_to_end(tmp_path):
     """--small: greedy outputs through the router equal the single engine's in every pass, both
     configurations have TTFT and ITL, page envelopes moved (bytes > 0, every part timed), both
