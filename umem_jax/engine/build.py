@@ -27,7 +27,7 @@ from ..scheduler.scheduler import Scheduler, SchedulerConfig
 from . import startup, state_dtype
 from .config import EngineConfig
 from .fit import CPU_ARENA_BYTES, fit_context
-from .speculative import SpeculationError, check_config, load_draft, plan_decls, speculative_demand
+from .speculative import SpeculationError, cache_lookahead, check_config, load_draft, plan_decls, speculative_demand
 from .tokenizer import get_tokenizer
 from .warmup import release_host_memory
 
@@ -139,7 +139,8 @@ def scheduler_config(cfg: EngineConfig, plan, buckets: Buckets) -> SchedulerConf
                            enable_prefix_caching=cfg.enable_prefix_caching,
                            max_checkpoints_per_path=cfg.max_checkpoints_per_path,
                            checkpoint_interval=int(interval),
-                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0)
+                           num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+                           cache_lookahead=cache_lookahead(spec))
 
 
 def _name(cfg: EngineConfig) -> str:

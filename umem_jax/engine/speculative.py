@@ -129,6 +129,15 @@ def speculative_demand(cfg, plan) -> dict:
     return out
 
 
+def cache_lookahead(spec) -> int:
+    """Tokens past a cached page that the page's bytes depend on: the prefix cache keys a page
+    with them, so a hit shares only pages made with the request's own next tokens
+    (scheduler/radix_node.py).  An MTP head's entry at i is made from token i + 1 (models/mtp.py):
+    1.  A draft model's entry at i, like the target's, depends on tokens <= i: 0 (hits as without
+    speculation)."""
+    return 1 if spec is not None and spec.method == "mtp" else 0
+
+
 def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]:
     """The target's declarations and the draft's, tagged "draft", planned as one model."""
     return list(target_decls) + [dataclasses.replace(d, model="draft") for d in draft.decls(kv)]
@@ -231,5 +240,5 @@ def apply_verify(engine, launched) -> list:
     return outs
 
 
-__all__ = ["SpecStats", "SpeculationError", "apply_verify", "check_config", "check_request", "load_draft", "plan_decls",
-           "speculative_demand"]
+__all__ = ["SpecStats", "SpeculationError", "apply_verify", "cache_lookahead", "check_config", "check_request",
+           "load_draft", "plan_decls", "speculative_demand"]

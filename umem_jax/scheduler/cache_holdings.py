@@ -35,15 +35,18 @@ class CacheHoldings:
         self.pages[vid] = False
         self.num_pages -= 1
 
-    def take_window(self, vid: int, name: str) -> None:
-        self.owner.take_window([vid], name)
-        self.window_pages[name][vid] = True
+    def take_window(self, node, name: str) -> None:
+        """The tree holds node's page in window `name` (node.wins says so)."""
+        self.owner.take_window([node.vid], name)
+        self.window_pages[name][node.vid] = True
         self.num_window_pages[name] += 1
+        node.wins.add(name)
 
-    def release_window(self, vid: int, name: str) -> None:
-        self.owner.release_window([vid], name)
-        self.window_pages[name][vid] = False
+    def release_window(self, node, name: str) -> None:
+        self.owner.release_window([node.vid], name)
+        self.window_pages[name][node.vid] = False
         self.num_window_pages[name] -= 1
+        node.wins.discard(name)
 
     def take_checkpoint(self) -> None:
         """The tree took a checkpoint slot (the caller allocated it)."""
@@ -52,6 +55,16 @@ class CacheHoldings:
     def release_checkpoint(self, slot: int) -> None:
         self.allocator.free_state_slots([slot])
         self.num_checkpoints -= 1
+
+    def pin(self, node) -> None:
+        """Keep node's checkpoint until `unpin` (a hit restores from it once admitted)."""
+        node.pins += 1
+        self.pinned.add(node)
+
+    def unpin(self, node) -> None:
+        node.pins -= 1
+        if not node.pins:
+            self.pinned.discard(node)
 
     # ------------------------------------------------------------------ usage
     def by_subpool(self) -> dict[str, int]:

@@ -22,6 +22,9 @@ The three kinds of memory:
                CHECKPOINT: a state slot owned by the tree holding the state after that node's
                last token.  A hit copies it into the request's own working slot (a slot copy
                in the allocator's move queue, never aliasing it) and replays from there.
+  draft keys   with a draft whose entry at i is made from token i + 1 (an MTP head), a page's
+               bytes depend on the token after it: a node's key holds `lookahead` tokens past
+               its page (radix_node.py says why and what a hit loses).
 
 Anchors (where a hit may resume, so where window rows are kept): with state, the nodes that
 hold a checkpoint; without, the leaves (ends of cached sequences), branch points and MARKS: the
@@ -56,12 +59,16 @@ from .radix_node import Hit, Node
 
 class PrefixCache:
     """owner: the PageOwner (refcounts; its allocator frees checkpoint slots); windows:
-    ((name, w), ...) of the plan; state: whether the plan has recurrent state."""
+    ((name, w), ...) of the plan; state: whether the plan has recurrent state; lookahead: tokens
+    past a page that its bytes depend on (0, or 1 with an MTP head: radix_node.py)."""
 
     def __init__(self, owner: PageOwner, page_size: int, windows: tuple[tuple[str, int], ...], state: bool,
-                 *, max_checkpoints_per_path: int | None = 4):
+                 *, max_checkpoints_per_path: int | None = 4, lookahead: int = 0):
         if max_checkpoints_per_path is not None and max_checkpoints_per_path < 1:
             raise ValueError("max_checkpoints_per_path must be >= 1 (None: no cap)")
+        if lookahead not in (0, 1):
+            raise ValueError(f"lookahead must be 0 or 1 (an entry depends on at most the next token), not {lookahead}")
+        self.lookahead = int(lookahead)
         self.owner, self.allocator = owner, owner.allocator
         self.page_size = int(page_size)
         self.windows = tuple(windows)
@@ -77,20 +84,26 @@ class PrefixCache:
         self.evicted_pages = self.evicted_checkpoints = self.dropped_checkpoints = self.adopted_pages = 0
 
     # ================================================================== lookups
+    def key(self, get, d: int) -> tuple:
+        """The key of page d of a sequence (get(start, end): its tokens): the page's tokens and
+        the `lookahead` tokens after it."""
+        return tuple(get(d * self.page_size, (d + 1) * self.page_size + self.lookahead))
+
     def match(self, tokens, max_pages: int) -> Hit:
-        """The deepest resumable prefix of `tokens` within `max_pages` pages (touches it for LRU)."""
+        """The deepest resumable prefix of `tokens` within `max_pages` pages (touches it for LRU;
+        tokens must reach max_pages * page_size + lookahead)."""
         node, path = self.root, []
         page_size = self.page_size
+        get = lambda a, b: tokens[a:b]
         while len(path) < max_pages:
-            d = len(path)
-            child = node.children.get(tuple(tokens[d * page_size:(d + 1) * page_size]))
+            child = node.children.get(self.key(get, len(path)))
             if child is None:
                 break
             path.append(child)
             node = child
         m = len(path)
         fork = 0
-        if m and node.children and tuple(tokens[m * page_size:(m + 1) * page_size]) not in node.children:
+        if m and node.children and self.key(get, m) not in node.children:
             fork = m * page_size
         k = m
         if k and self.windows:  # unbound[w][i]: pages among path[:i] tombstoned in w
@@ -110,7 +123,7 @@ class PrefixCache:
         """The node `pages` deep along `tokens`, or None."""
         node = self.root
         for d in range(pages):
-            node = node.children.get(tuple(tokens[d * self.page_size:(d + 1) * self.page_size]))
+            node = node.children.get(self.key(lambda a, b: tokens[a:b], d))
             if node is None:
                 return None
         return node
@@ -131,7 +144,8 @@ class PrefixCache:
         """Cache the first `n_pages` pages of a sequence: tokens (a list, or tokens(start, end)
         giving a slice; at least n_pages * page_size of them) and its page ids `vids` (the
         inserting request's own; where the tree already holds those tokens it keeps its page, or
-        adopts the request's when that one still has window pages the tree wants).  hint: a node
+        adopts the request's when that one still has window pages the tree wants; the tokens
+        must reach n_pages * page_size + lookahead).  hint: a node
         on this path already inserted (continue from it).  checkpoints {depth: slot}: state
         slots to attach at those depths (the tree takes them).  marks: depths of prompt ends to
         keep resumable (models without state).
@@ -143,7 +157,9 @@ class PrefixCache:
         t = next(self._tick)
         while node.depth < n_pages:
             d = node.depth
-            key = tuple(get(d * page_size, (d + 1) * page_size))
+            key = self.key(get, d)
+            if len(key) != page_size + self.lookahead:
+                raise ValueError(f"insert: page {d} has {len(key)} of its {page_size + self.lookahead} key tokens")
             child = node.children.get(key)
             if child is None:
                 child = Node(key, vids[d], node, d + 1)
@@ -153,25 +169,18 @@ class PrefixCache:
             node = child
         rejected, deepest = [], node
         for depth, slot in sorted((checkpoints or {}).items()):
-            target = self._up(node, depth)
+            target = node.ancestor(depth)
             if depth < 1 or target.depth != depth or target.ckpt:
                 rejected.append(slot)
                 continue
             target.ckpt = int(slot)
             self.holdings.take_checkpoint()
             low = min(low, depth, self._cap_checkpoints(target))
-        for target in (self._up(node, d) for d in (() if self.state else marks)):
+        for target in (node.ancestor(d) for d in (() if self.state else marks)):
             if target is not self.root and not target.mark:
                 target.mark, low = True, min(low, target.depth)
         self._refresh(deepest, low - self._reach, vids)
         return deepest, rejected
-
-    @staticmethod
-    def _up(node: Node, depth: int) -> Node:
-        """node's ancestor (or itself) at `depth` (>= 0)."""
-        while node.depth > max(depth, 0):
-            node = node.parent
-        return node
 
     def _cap_checkpoints(self, node: Node) -> int:
         """Keep at most `max_checkpoints_per_path` checkpoints on node's root path -> the
@@ -243,18 +252,10 @@ class PrefixCache:
                 self._maybe_adopt(node, int(vids[node.depth - 1]), want)
             for n in self.owner.windows:
                 if n in want and n not in node.wins and self.owner.window_bound(node.vid, n):
-                    self._hold_window(node, n)
+                    self.holdings.take_window(node, n)
                 elif n not in want and n in node.wins:
-                    self._let_window_go(node, n)
+                    self.holdings.release_window(node, n)
             node, child = node.parent, node
-
-    def _hold_window(self, node: Node, n: str) -> None:
-        self.holdings.take_window(node.vid, n)
-        node.wins.add(n)
-
-    def _let_window_go(self, node: Node, n: str) -> None:
-        self.holdings.release_window(node.vid, n)
-        node.wins.discard(n)
 
     def _maybe_adopt(self, node: Node, vid: int, want: set[str]) -> None:
         """Swap node's page for `vid` (the same tokens, computed by the inserting request) when
@@ -277,7 +278,7 @@ class PrefixCache:
                     wins = sorted(node.wins)
                     self._swap_page(node, vid)
                     for n in (n for n in wins if self.owner.window_bound(vid, n)):
-                        self._hold_window(node, n)
+                        self.holdings.take_window(node, n)
                     out += 1
                 node = node.parent
         return out
@@ -286,19 +287,12 @@ class PrefixCache:
         """Make `node` hold page `vid` (the same tokens) in place of its own, windows let go."""
         self.holdings.take_page(vid)
         for n in sorted(node.wins):
-            self._let_window_go(node, n)
+            self.holdings.release_window(node, n)
         self.holdings.release_page(node.vid)
         node.vid = vid
 
-    def pin(self, node: Node) -> None:
-        """Keep node's checkpoint until `unpin` (a hit restores from it once admitted)."""
-        node.pins += 1
-        self.holdings.pinned.add(node)
-
-    def unpin(self, node: Node) -> None:
-        node.pins -= 1
-        if not node.pins:
-            self.holdings.pinned.discard(node)
+    pin = property(lambda self: self.holdings.pin)  # keep a node's checkpoint until unpin (a hit restores it)
+    unpin = property(lambda self: self.holdings.unpin)
 
     def _drop_checkpoint(self, x: Node) -> None:
         self.holdings.release_checkpoint(x.ckpt)
@@ -347,7 +341,7 @@ class PrefixCache:
 
     def _remove(self, x: Node) -> None:
         for n in sorted(x.wins):
-            self._let_window_go(x, n)
+            self.holdings.release_window(x, n)
         if x.ckpt:
             self._drop_checkpoint(x)
             self.evicted_checkpoints += 1

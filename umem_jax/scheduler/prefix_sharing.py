@@ -72,7 +72,8 @@ class PrefixSharing:
         first pass attends) and skip the cached tokens.  Undone by `drop_hit` if it is not
         admitted; the state is restored by `restore` once it has a working slot."""
         n = req.num_tokens  # a waiting request has no pending token: all known
-        hit = self.cache.match(req.token_ids(0, n), (n - 1) // self.page_size)  # compute >= 1 token
+        # compute >= 1 token; a lookahead key reads the token at the resume point, which is known
+        hit = self.cache.match(req.token_ids(0, n), (n - 1) // self.page_size)
         req.set_fork(hit.fork)
         if hit.resume:
             owner, vids = self.memory.owner, [x.vid for x in hit.nodes]
@@ -124,9 +125,11 @@ class PrefixSharing:
                 self.hand_off(r)
 
     def hand_off(self, req: Request) -> None:
-        """Insert the pages `req` computed whose tokens are known, with its planned checkpoints."""
+        """Insert the pages `req` computed whose tokens are known (with the cache's lookahead: and
+        the token after them), with its planned checkpoints."""
         page_size = self.page_size
-        num_pages = min(req.num_computed, req.prompt_len + len(req.output_token_ids)) // page_size
+        known = req.prompt_len + len(req.output_token_ids) - self.cache.lookahead
+        num_pages = min(req.num_computed, known) // page_size
         if num_pages > req.cache_pages or req.ckpts:
             checkpoints = {pos // page_size: slot for pos, slot in req.take_planned_checkpoints()}
             end = (req.prompt_len - 1) // page_size  # where the prompt's exact repeat resumes
@@ -160,7 +163,7 @@ class PrefixSharing:
         last = ((end - 1) if end == req.num_tokens else end) // page_size * page_size
         out = []
         for position in sorted({q for q in (req.fork, last) if start < q <= end})[-CHECKPOINTS_PER_ROW:]:
-            node = self.cache.find(req.token_ids(0, position), position // page_size)
+            node = self.cache.find(req.token_ids(0, position + self.cache.lookahead), position // page_size)
             if node is not None and node.ckpt:
                 continue
             slot = self.take_checkpoint_slot(owed)

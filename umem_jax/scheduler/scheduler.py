@@ -64,6 +64,7 @@ class SchedulerConfig:
     max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
     checkpoint_interval: int = 0  # decode tokens between state checkpoints (0: only at prefill passes)
     num_speculative_tokens: int = 0  # draft tokens a decode row verifies per step (0: no speculation)
+    cache_lookahead: int = 0  # tokens past a cached page its bytes depend on (1: an MTP head; radix_node.py)
 
 
 # Returned by `_price_pass` for a cache hit that fits only as a miss.
@@ -81,7 +82,8 @@ class Scheduler:
         self.prefix: PrefixSharing | None = None
         if config.enable_prefix_caching:
             self.cache = PrefixCache(self.owner, demand.page_size, demand.windows, demand.plan.state is not None,
-                                     max_checkpoints_per_path=config.max_checkpoints_per_path)
+                                     max_checkpoints_per_path=config.max_checkpoints_per_path,
+                                     lookahead=config.cache_lookahead)
             self.prefix = PrefixSharing(self.cache, self.memory, demand, config.checkpoint_interval)
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
