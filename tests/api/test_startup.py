@@ -133,3 +133,23 @@ def test_cache_lists_and_clears_each_kind(tmp_path, monkeypatch, capsys):
     assert cache.clear(tmp_path, "all") > 0 and not list(tmp_path.iterdir())
     with pytest.raises(ValueError, match="one of xla, gguf, models, all"):
         cache.clear(tmp_path, "weights")
+
+
+def test_a_launch_that_compiles_its_step_is_quiet_and_the_next_is_not(monkeypatch):
+    """A step shape warm-up left out compiles on its first launch: XLA's false alarms are kept
+    off the console for that launch only (runner/xla_log.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _engine_utils import SETTINGS, tiny
+
+    from umem_jax import LLM, SamplingParams
+    from umem_jax.runner import runner as runner_mod
+
+    seen, real = [], runner_mod.quiet_xla_alarms
+    monkeypatch.setattr(runner_mod, "quiet_xla_alarms", lambda enabled=True: (seen.append(enabled), real(enabled))[1])
+    llm = LLM(tiny(), **SETTINGS)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert seen[:2] == [True, True] and not any(seen[2:]), seen  # prefill, first decode; later decodes reuse it

@@ -36,6 +36,7 @@ from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
+from .xla_log import quiet_xla_alarms
 
 _SAMPLER_ARGS = ("temperature", "top_k", "top_p", "min_p", "seed", "step", "repetition_penalty", "presence_penalty",
                  "frequency_penalty")
@@ -130,6 +131,7 @@ class Runner:
         self._layouts: dict[tuple, Layout] = {}
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
         self._ready: set[Layout] = set()  # shapes launched or precompiled (a covering sampling mode is reused)
+        self._compiles = False  # whether the launch being prepared compiles its step
         self.num_moved_pages = 0  # pages relocated by compaction / float moves
         self.num_compactions = 0  # batches of relocations applied (one per step at most)
         self.relocated_bytes = 0
@@ -230,8 +232,9 @@ class Runner:
         lay, meta, counts = self.prepare(batch)
         if self.model.params is not self._params_src:
             self._leaves()
-        tokens, self.arena, *lp = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
-                                             counts, layout=lay)
+        with quiet_xla_alarms(self._compiles):  # a shape warm-up left out compiles here, on demand
+            tokens, self.arena, *lp = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
+                                                 counts, layout=lay)
         self._prev = tokens
         local = lambda x: x if x.is_fully_addressable else x.addressable_data(0)  # multi-host: this host's replica
         tokens = local(tokens)
@@ -250,6 +253,7 @@ class Runner:
         meta = self._pack(batch, lay, cache_rows)
         counts = self._counts(rows, lay.B) if lay.penalties else None
         self.shapes.add(lay)
+        self._compiles = lay not in self._ready  # this launch compiles its step (no precompile, no launch before)
         self._ready.add(lay)
         return lay, meta, counts
 
