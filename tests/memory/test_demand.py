@@ -151,12 +151,13 @@ def _held_total(dm, reqs) -> Demand:
     return total
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed):
+@pytest.mark.parametrize("seed,lag", [(0, 0), (1, 0), (0, 1), (2, 1)])
+def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed, lag):
     """Fixed-length decoders (one token each per decode step): run them through the scheduler to
     the end and compare what they held at each step, over what they held at the start, with
-    decode_peak.  The full sub-pool (pages kept to the end) meets it exactly; window pages
-    (released as they leave the window) and state slots stay within it."""
+    decode_peak.  lag 1 finishes a request one schedule after its last token, as the engine
+    does under async scheduling.  The full sub-pool (pages kept to the end) meets it exactly;
+    window pages (released as they leave the window) and state slots stay within it."""
     p, live, dm = arena(1 << 20, chunk=64)
     cfg = SchedulerConfig(8, 64, Buckets((8,), (64,), (512,)))
     sch = Scheduler(cfg, live, dm)
@@ -164,22 +165,31 @@ def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed):
     reqs = [_req(i, int(rng.integers(1, 10)), int(rng.integers(2, 70)), dm) for i in range(6)]
     for r in reqs:
         sch.add(r)
+    done = []  # requests whose last token came in the previous step (lag 1: not finished yet)
 
     def step(measure=lambda: None):
         b = sch.schedule()
         assert b is not None
         measure()  # what the step's rows hold, before those finishing give it back
+        finish()  # lag 1: what finished a step ago gives back only now, after this schedule
         for row in b.rows:
             if row.sample:
                 row.req.output_token_ids.append(7)
                 if row.req.num_output >= row.req.max_tokens:
-                    sch.finish(row.req, type(row.req.status).FINISHED_LENGTH)
+                    done.append(row.req)
+        if not lag:
+            finish()
         return b
+
+    def finish():
+        for r in done:
+            sch.finish(r, type(r.status).FINISHED_LENGTH)
+        done.clear()
 
     assert step().kind == "prefill" and all(r.decode_ready for r in reqs)  # one pass admits all six
     start = _held_total(dm, reqs)
     left = [r.max_tokens - r.num_output for r in reqs]
-    peak = dm.decode_peak(reqs, left)
+    peak = dm.decode_peak(reqs, left, lag=lag)
     seen = {"token": 0, "state": 0, **{n: 0 for n, _ in dm.windows}}
 
     def measure():
@@ -189,8 +199,9 @@ def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed):
         for n, _ in dm.windows:
             seen[n] = max(seen[n], now.window_pages.get(n, 0) - start.window_pages.get(n, 0))
 
-    while any(not r.finished for r in reqs):
+    while any(r.wants_step for r in reqs):
         assert step(measure).kind == "decode"
+    finish()
     assert seen["token"] == peak.token_pages
     assert seen["state"] <= peak.state_slots == 0
     for n, _ in dm.windows:
@@ -199,6 +210,49 @@ def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed):
     every = sum((dm.reservation(r, k) for r, k in zip(reqs, left)), Demand())
     assert peak.token_pages <= every.token_pages
     assert not live.leaks()
+
+
+def _peak_by_loop(dm, reqs, left, back, lag) -> Demand:
+    """decode_peak by its definition: every step t, one `reservation` per request."""
+    best = {"token": 0, "state": 0, **{n: 0 for n, _ in dm.windows}}
+    for t in range(1, max(left) + lag + 1):
+        net = dict.fromkeys(best, 0)
+        for r, k, b in zip(reqs, left, back):
+            sign, d = (1, dm.reservation(r, min(t, k))) if t <= k + lag else (-1, b)
+            net["token"] += sign * d.token_pages
+            net["state"] += sign * d.state_slots
+            for n, _ in dm.windows:
+                net[n] += sign * d.window_pages.get(n, 0)
+        best = {k: max(v, net[k]) for k, v in best.items()}
+    return Demand(best["token"], {n: best[n] for n, _ in dm.windows}, best["state"])
+
+
+@pytest.mark.parametrize("decode_pass", [1, 3])
+def test_decode_peak_equals_reservation_at_every_step(decode_pass):
+    """The array form of decode_peak is the one demand model's `reservation`, step by step
+    (every t, not only the finishes), with and without a lag and a given-back override."""
+    p = tiny_plan()
+    rows = size_arena(p, 1 << 20).num_rows
+    dm = DemandModel(p, chunk=32, empty=ChainAllocator(p, rows), decode_pass=decode_pass)
+    rng = np.random.default_rng(decode_pass)
+    for trial in range(40):
+        reqs = []
+        for i in range(int(rng.integers(1, 7))):
+            r = _req(i, 4, 8, dm)
+            c = int(rng.integers(1, 60))
+            r.num_computed = c
+            r.pages = list(range(1, -(-c // PS) + 1 + int(rng.integers(0, 2))))  # one page ahead sometimes
+            r.window_start = {n: max(0, c - w + 1) // PS for n, w in dm.windows}
+            r.slots = [1] if rng.random() < 0.8 else []
+            reqs.append(r)
+        left = [int(k) for k in rng.integers(0, 30, len(reqs))]
+        if not any(left):
+            left[0] = 1
+        windows = lambda: {n: int(rng.integers(0, 3)) for n, _ in dm.windows}  # noqa: E731
+        back = None if trial % 2 else [Demand(int(rng.integers(0, 5)), windows(), int(rng.integers(0, 2))) for _ in reqs]
+        for lag in (0, 1):
+            want = _peak_by_loop(dm, reqs, left, back or [dm.held(r) for r in reqs], lag)
+            assert dm.decode_peak(reqs, left, back, lag=lag) == want, (trial, lag)
 
 
 def test_decode_peak_counts_what_finishing_requests_give_back():

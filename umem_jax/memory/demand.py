@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .chain import ChainAllocator
 from .plan import Plan
 
@@ -147,39 +149,58 @@ class DemandModel:
         return self.span(start, start + tokens, held_pages=held, held_window=held_window,
                          held_slots=self.slots_per_request, pass_len=self.decode_pass)
 
-    def decode_peak(self, reqs, tokens_left) -> Demand:
+    def decode_peak(self, reqs, tokens_left, gives_back=None, lag: int = 0) -> Demand:
         """What the decoders `reqs` must still be given, at the worst step, if request i decodes
         exactly tokens_left[i] more tokens (a fixed-length output: ignore_eos, no stop) and
         every decode step advances each of them by one token.
 
         At decode step t, request i has taken reservation(req_i, min(t, n_i)) new units, and
-        every request with n_i < t has finished: what it took is back, and what it holds now too.  The peak over t (it falls on some t = n_i, a finish) is taken per
-        sub-pool and clipped at 0, so it never undercounts: what one sub-pool frees is not
-        counted for another.  Compared with a ratio of the tokens left this is exact: short
-        requests about to finish pay for the long ones' growth."""
-        n = [max(0, int(k)) for k in tokens_left]
+        every request with n_i + lag < t has finished: what it took is back, and what it held
+        at the start too (gives_back[i]; default held(req_i) -- the scheduler passes less when
+        another request shares its pages).  lag: steps between a request's last token and its
+        memory coming back (1 under async scheduling, where a step's tokens are read, and its
+        requests finished, after the next step is scheduled).  The peak over t falls on some
+        t = n_i + lag (between two finishes the finished set is fixed and every survivor only
+        grows), is taken per sub-pool and clipped at 0, so what one sub-pool frees never pays
+        for another's growth.  Compared with a ratio of the tokens left this is exact: short
+        requests about to finish pay for the long ones' growth.
+
+        `reservation` (so `span`) written over arrays [request, candidate t] at once: a Python
+        span per (request, t) would cost O(R^2) calls per schedule at a few hundred decoders.
+        tests/memory/test_demand.py checks it against the loop over `reservation`."""
         if not reqs:
             return Demand()
-        grown = {}  # (i, t) -> Demand of request i after t more tokens
-        def grow(i, t):
-            key = (i, min(t, n[i]))
-            if key not in grown:
-                grown[key] = self.reservation(reqs[i], key[1]) if key[1] else Demand()
-            return grown[key]
         names = [name for name, _ in self.windows]
-        peak = {"token": 0, "state": 0, **{w: 0 for w in names}}
-        for t in sorted(set(n)):
-            net = {k: 0 for k in peak}
-            for i, r in enumerate(reqs):
-                # finished before step t: what it took is gone again, and what it held at the
-                # start is given back; else it has taken its first t tokens' units
-                sign, d = (-1, self.held(r)) if n[i] < t else (1, grow(i, t))
-                net["token"] += sign * d.token_pages
-                net["state"] += sign * d.state_slots
-                for w in names:
-                    net[w] += sign * d.window_pages.get(w, 0)
-            peak = {k: max(v, net[k]) for k, v in peak.items()}
-        return Demand(peak["token"], {w: peak[w] for w in names}, peak["state"])
+        n = np.maximum(0, np.asarray(tokens_left, np.int64))
+        ts = np.unique(n + lag)
+        ts = ts[ts > 0]  # the candidate steps: the last ones before a request gives back
+        if not ts.size:
+            return Demand(0, {w: 0 for w in names}, 0)
+        back = [self.held(r) for r in reqs] if gives_back is None else list(gives_back)
+        ps = self.page_size
+        computed = np.array([r.num_computed for r in reqs], np.int64)[:, None]
+        pages = np.array([len(r.pages) for r in reqs], np.int64)[:, None]
+        alive = n[:, None] + lag >= ts[None, :]  # still holding at step ts[k]
+        t = np.minimum(ts[None, :], n[:, None])  # [R, K]: tokens request i has taken by then
+        end = computed + t
+        need = -(-end // ps)
+        full = np.maximum(0, need - pages)
+        pass_tokens = np.maximum(1, np.minimum(self.decode_pass, t))
+
+        def peak(grown, given) -> int:  # per step: what the survivors took minus what the finished gave back
+            return int(max(0, np.where(alive, grown, -np.asarray(given, np.int64)[:, None]).sum(axis=0).max()))
+
+        window_pages = {}
+        for name, w in self.windows:
+            first = np.maximum(0, computed - w + 1) // ps
+            held_window = np.array([len(r.pages) - r.window_start[name] for r in reqs], np.int64)[:, None]
+            spans = np.minimum(w - 1 + pass_tokens, end)
+            bound = np.minimum(need - first, np.where(spans <= 0, 0, (spans + ps - 2) // ps + 1))  # spanned()
+            grown = np.minimum(full, np.maximum(0, bound - held_window))
+            window_pages[name] = peak(grown, [b.window_pages.get(name, 0) for b in back])
+        slots = np.array([max(0, self.slots_per_request - len(r.slots)) for r in reqs], np.int64)[:, None]
+        return Demand(peak(full, [b.token_pages for b in back]), window_pages,
+                      peak(slots * (t > 0), [b.state_slots for b in back]))
 
     def checkpoint(self, n: int = 1) -> Demand:
         """n prefix-cache checkpoints: state slots (optional demand, see the module docstring)."""
