@@ -5,6 +5,7 @@ branch points, the per-path checkpoint cap, LRU eviction, and refcounts that alw
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from umem_jax.memory import ChainAllocator, size_arena
 from umem_jax.memory import plan as make_plan
@@ -15,12 +16,12 @@ from umem_jax.scheduler.prefix_cache import PrefixCache
 PS, W = 4, 16  # the tiny model's window: a resume at r reads pages (r - 15) // 4 .. r // 4 - 1
 
 
-def make(with_state: bool, cap: int | None = 4):
+def make(with_state: bool, cap: int | None = 4, lookahead: int = 0):
     p = make_plan(TinyHybrid.decls(tiny_config(with_mamba=with_state), "float32"), page_size=PS)
     alloc = ChainAllocator(p, size_arena(p, 1 << 20).num_rows)
     owner = PageOwner(alloc, alloc.bands[-1].table.num_virtual + 1)
     cache = PrefixCache(owner, PS, tuple((sp.name, sp.window) for sp in p.windows), p.state is not None,
-                        max_checkpoints_per_path=cap)
+                        max_checkpoints_per_path=cap, lookahead=lookahead)
     return alloc, owner, cache
 
 
@@ -168,11 +169,12 @@ def test_lru_evicts_the_oldest_path_first():
     check(alloc, owner, cache)
 
 
-def test_scheduler_with_the_cache_keeps_every_count_under_pressure():
+@pytest.mark.parametrize("lookahead", [0, 1])
+def test_scheduler_with_the_cache_keeps_every_count_under_pressure(lookahead):
     """A host-only run of the scheduler (no device): prompts sharing prefixes arrive in waves
     into a tight arena.  After every step: allocator invariants, refcounts equal to what the
     requests and the cache hold, and every page a pass attends bound in the window (hits
-    included).  At the end nothing leaks."""
+    included).  At the end nothing leaks.  lookahead 1: keys with the next token (an MTP head)."""
     from umem_jax.core.request import Request, RequestStatus
     from umem_jax.core.sampling_params import SamplingParams
     from umem_jax.core.scheduled_batch import Buckets
@@ -184,7 +186,8 @@ def test_scheduler_with_the_cache_keeps_every_count_under_pressure():
     alloc = ChainAllocator(p, rows)
     dm = DemandModel(p, chunk=32, empty=ChainAllocator(p, rows))
     cfg = SchedulerConfig(4, 32, Buckets((1, 2, 4), (8, 16, 32), (64, 256)), new_token_ratio=0.2,
-                          enable_prefix_caching=True, checkpoint_interval=8, max_checkpoints_per_path=3)
+                          enable_prefix_caching=True, checkpoint_interval=8, max_checkpoints_per_path=3,
+                          cache_lookahead=lookahead)
     sch = Scheduler(cfg, alloc, dm)
     rng = np.random.default_rng(3)
     bases = [rng.integers(3, 300, 70).tolist() for _ in range(3)]
@@ -246,3 +249,38 @@ def test_a_prompt_end_mark_keeps_its_window_pages_until_evicted():
     cache.insert(toks, [x.vid for x in nodes], 10, marks=(7,))  # a mark on a path cached earlier
     assert nodes[6].mark and cache.match(toks[:30], 7).resume == 0  # its window pages are gone: no hit
     assert cache.clear() and alloc.live_token_pages().size == 0
+
+
+def test_lookahead_keys_a_page_with_the_token_after_it():
+    """lookahead 1 (an MTP head: a page's last entry is made from the token after the page): A
+    caches p + [1, ...] (p four pages) with checkpoints at depths 3, 4, 5.  B = p + [2, ...]
+    leaves A's path exactly at p's end, so it shares one page less: it forks and resumes at
+    12, not 16 (lookahead 0).  Leaving mid-page or repeating A loses nothing.  B's insert
+    makes the boundary a branch of two nodes, its own page beside A's, so C following B's
+    path reads B's page there, not A's (with lookahead 0 one page serves both)."""
+    for la in (0, 1):
+        alloc, owner, cache = make(with_state=True, lookahead=la)
+        rng = np.random.default_rng(5)
+        p = rng.integers(3, 300, 16).tolist()
+        a_tok, b_tok = p + [1] + rng.integers(3, 300, 7).tolist(), p + [2] + rng.integers(3, 300, 7).tolist()
+        a, b = Seq(alloc, owner, a_tok), Seq(alloc, owner, b_tok)
+        slots = alloc.alloc_state_slots(3).tolist()
+        assert cache.insert(a_tok, a.pages, 5, checkpoints=dict(zip((3, 4, 5), slots)))[1] == []
+        hit = cache.match(b_tok, 5)
+        assert (hit.matched, hit.resume, hit.fork) == ((12, 12, 12) if la else (16, 16, 16))
+        mid = p[:14] + rng.integers(3, 300, 10).tolist()
+        assert cache.match(mid, 5).resume == 12 and cache.match(a_tok, 5).resume == 20
+        cache.insert(b_tok, b.pages, 5)
+        c_hit = cache.match(b_tok + [9], 5)
+        assert c_hit.matched == 20 and c_hit.resume == (12 if la else 16)  # B's path has no checkpoint of its own
+        want = b.pages[3] if la else a.pages[3]
+        assert cache.find(b_tok, 4).vid == want and cache.find(a_tok, 4).vid == a.pages[3]
+        assert cache.find(b_tok, 3) is cache.find(a_tok, 3)
+        if la:
+            with pytest.raises(ValueError, match="page 4 has 4 of its 5 key tokens"):
+                cache.insert(a_tok[:20], a.pages, 5)  # the token after page 4 is not known yet
+        check(alloc, owner, cache, a, b)
+        for x in (a, b):
+            x.advance(24)
+            x.free()
+        assert cache.clear() and alloc.live_token_pages().size == 0 and alloc.live_state_slots().size == 0

@@ -186,3 +186,25 @@ def test_penalties_are_refused_per_request():
               speculative_config={"model": _model("tiny-attention"), "num_speculative_tokens": K})
     with pytest.raises(ValueError, match="penalties with speculative decoding"):
         llm.generate([[5, 6, 7]], SamplingParams(repetition_penalty=1.2, max_tokens=4))
+
+
+def test_draft_model_hits_are_unchanged_by_speculation():
+    """A draft model's K/V at position i depends on tokens <= i, like the target's, so its cache
+    keys pages without the next token (cache_lookahead 0; an MTP head's keys hold it:
+    test_speculative_mtp.py).  A = P + [5, ...], B = P + [6, ...], C = P + [7, ...] (P: eight
+    pages, left exactly at its end), then A again, one at a time: the same hits as without
+    speculation -- none for B (no anchor near 32 kept A's window rows there), all of P for C
+    (B made 32 a branch point; keyed with the next token it would be 28), A's prompt up to its
+    last page boundary for A again."""
+    target = _model("tiny-attention")
+    vocab = target.config.vocab_size
+    p = [t % vocab for t in prompts(32, seed=11)[0]]
+    a, b, c = (p + [x] + [t % vocab for t in q] for x, q in zip((5, 6, 7), prompts(12, 7, 7, seed=12)))
+    hits = []
+    for spec in (None, {"method": "draft", "model": target, "num_speculative_tokens": K}):
+        llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
+        assert llm.llm_engine.scheduler.cache.lookahead == 0
+        params = SamplingParams(temperature=0, max_tokens=8)
+        hits.append([llm.generate([w], params)[0].num_cached_tokens for w in (a, b, c, a)])
+        assert_idle_clean(llm)
+    assert hits[0] == hits[1] == [0, 0, 32, 44], hits

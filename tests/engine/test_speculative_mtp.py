@@ -6,13 +6,14 @@ target's distribution (chi-square); refusals; invariants and the idle leak check
 
 The checkpoints are the committed family fixtures plus random `mtp.*` tensors (tests/_mtp_fixtures.py).
 A random head proposes what the target rarely takes, so the runs also use a harness: after every
-step, each running request's drafts -- the head's, carried on the host -- are first checked
-against a dense oracle (the cache-free target's final-normed hiddens, the head's cache-free
-forward chained as the engine chains it), then replaced by the target's greedy continuation with
+step, each running request's drafts -- the head's, carried on the host -- and the head's K/V
+rows it reads are first checked against a dense oracle (tests/_mtp_oracle.py: the cache-free
+target's final-normed hiddens, the head's cache-free forward chained as the engine chains it),
+then replaced by the target's greedy continuation with
 a seeded share corrupted, so the next verify accepts 0..k and the head's catch-up runs over every
-length.  Requests resumed from another request's cached prefix are left out of the oracle check:
-the head's K/V at the last cached position was made with the other request's next token
-(models/mtp.py: a draft-quality effect, outputs are verified).
+length.  Requests resumed from a cached prefix (another request's, or their own after a
+retraction) are checked too: with an MTP head the cache keys a page with the token after it
+(scheduler/radix_node.py), so every head entry a request reads was made with its own tokens.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _engine_utils import assert_idle_clean, prompts  # noqa: E402
 from _mtp_fixtures import FIXTURES, write_mtp_checkpoint  # noqa: E402
+from _mtp_oracle import DenseOracle, check_drafts, check_head_entries  # noqa: E402
 
 from umem_jax import LLM, SamplingParams  # noqa: E402
 
@@ -38,7 +39,6 @@ SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_
 K = 3
 MAX_TOKENS = 14
 WRONG = 0.3  # share of harness drafts made wrong
-DENSE = 160  # the oracle's padded length (one compile)
 ARENA = 300 << 10  # four long requests with the head's K/V beside the target's retract
 
 
@@ -55,68 +55,6 @@ def _workload(vocab: int):
     return [shared + ps[1], ps[0], shared + [7, 8, 9, 10], ps[2]]
 
 
-class DenseOracle:
-    """The drafts a request's head should carry: d_1 from (x_{i+1}, h_i) at its last computed
-    position, then chained on the head's own output, all cache-free (one padded shape)."""
-
-    def __init__(self, target, head=None):
-        tg, hg = target.graphdef, None if head is None else head.graphdef
-
-        def hiddens(tp, toks):
-            t = nnx.merge(tg, tp)
-            pos = jnp.broadcast_to(jnp.arange(DENSE, dtype=jnp.int32), toks.shape)
-            h = t.embed(toks)
-            for layer in t.layers:
-                h = layer.dense(h, pos, jnp.ones(toks.shape, bool))
-            return t.final_norm(h)
-
-        self.hiddens = jax.jit(hiddens)
-        self.logits = jax.jit(lambda tp, normed: nnx.merge(tg, tp).head_logits(normed))
-        self.head = jax.jit(lambda tp, hp, toks, hid: nnx.merge(hg, hp).dense(toks, hid, nnx.merge(tg, tp)))
-        self.target, self.head_model = target, head
-
-    def greedy(self, prompt: list[int], n: int) -> list[int]:
-        """The target's greedy continuation, cache-free: what the engine without speculation makes."""
-        toks = np.zeros((1, DENSE), np.int32)
-        seq = list(prompt)
-        for _ in range(n):
-            toks[0, :len(seq)] = seq
-            normed = self.hiddens(self.target.params, jnp.asarray(toks))[:, len(seq) - 1]
-            seq.append(int(np.asarray(self.logits(self.target.params, normed)).argmax()))
-        return seq[len(prompt):]
-
-    def drafts(self, seq: list[int], k: int):
-        """seq: the request's tokens, the pending one last -> (drafts [k], the logits each came from)."""
-        n = len(seq) - 1  # the pending token's position; the head's last entry is n - 1
-        toks = np.zeros((1, DENSE), np.int32)
-        toks[0, :n + 1] = seq
-        hid = np.asarray(self.hiddens(self.target.params, jnp.asarray(toks)))
-        nxt, h = np.zeros((1, DENSE), np.int32), np.zeros_like(hid)
-        nxt[0, :n] = seq[1:]
-        h[0, :n] = hid[0, :n]
-        out, logits = [], []
-        for j in range(k):
-            lg, y = self.head(self.target.params, self.head_model.params, jnp.asarray(nxt), jnp.asarray(h))
-            lg, y = np.asarray(lg[0, n - 1 + j]), np.asarray(y[0, n - 1 + j])
-            d = int(lg.argmax())
-            out.append(d)
-            logits.append(lg)
-            nxt[0, n + j], h[0, n + j] = d, y
-        return out, logits
-
-
-def _check_drafts(oracle, req, checked: list) -> None:
-    """req.drafts against the oracle: each equals its argmax (or ties it within 1e-3: fp32 on
-    other kernels), until a tie sends the chain elsewhere."""
-    seq = list(req.prompt_token_ids) + list(req.output_token_ids)
-    want, logits = oracle.drafts(seq, len(req.drafts))
-    for d, w, lg in zip(req.drafts, want, logits):
-        assert lg[d] >= lg.max() - 1e-3, (req.request_id, len(seq), req.drafts, want)
-        checked.append(len(req.drafts))
-        if d != w:
-            break
-
-
 def _harness(engine, expected: dict, oracle, checked: list, rng, given: dict):
     """After a step: check the drafts the head gave each running request this step (not the
     ones the harness gave it before: a request a prefill step left out still holds those), then
@@ -124,8 +62,9 @@ def _harness(engine, expected: dict, oracle, checked: list, rng, given: dict):
     for req in engine.scheduler.running:
         if not req.drafts or not req.decode_ready or req.drafts is given.get(req.request_id):
             continue
-        if oracle is not None and not req.num_cached_tokens:
-            _check_drafts(oracle, req, checked)
+        if oracle is not None:
+            check_drafts(oracle, req, checked)
+            check_head_entries(oracle, engine, req, SHAPES["page_buckets"][0])
         seq = expected[tuple(req.prompt_token_ids)]
         nxt = np.array(seq[req.num_computed + 1:req.num_computed + 1 + K], np.int64)
         bad = rng.random(nxt.shape) < WRONG
@@ -186,6 +125,50 @@ def test_greedy_with_mtp_is_greedy_without(ckpt, name):
     assert s["num_retractions"] > 0 and s["prefix_cache"]["hit_tokens"] > 0, s
     # the head's own drafts were checked after most steps, full chains among them
     assert len(checked) > 20 and max(checked) == K, checked
+
+
+def _branches(vocab: int):
+    """A 32-token prefix P (eight pages), then three prompts leaving it exactly at its last page
+    boundary with next tokens 5, 6, 7, then the first again."""
+    p = [t % vocab for t in prompts(32, seed=11)[0]]
+    tails = [[t % vocab for t in q] for q in prompts(12, 7, 7, seed=12)]
+    a, b, c = (p + [x] + t for x, t in zip((5, 6, 7), tails))
+    return [a, b, c, a]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "nemotron_h_moe_tiny"])
+def test_a_hit_shares_only_pages_made_with_its_own_next_token(ckpt, name):
+    """One request at a time.  A = P + [5, ...] caches P with checkpoints at 32 and 44 (its two
+    prefill passes).  The head's entry at 31 (P's last position) was made from A's token 5, so
+    B = P + [6, ...] must not share P's last page: its hit stops a page earlier, at the deepest
+    checkpoint there -- none (0 tokens; without the cut it resumed at 32 and read A's entry), and
+    B checkpoints its fork at 28.  C = P + [7, ...] resumes there (28).  A again resumes at 44,
+    as it would without MTP: its own next tokens.  After every step the head's K/V rows each
+    request reads equal the oracle's from its own tokens, its drafts the oracle's drafts; greedy
+    output is the target's greedy continuation; no leak at idle."""
+    from umem_jax.models.loader import load_model
+    from umem_jax.models.mtp import load_head
+
+    path = ckpt(name)
+    target = load_model(path)
+    oracle = DenseOracle(target, load_head(target))
+    work = _branches(target.config.vocab_size)
+    n = 8
+    want = [oracle.greedy(p, n) for p in work]
+    expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
+    llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+              **SHAPES)
+    eng = llm.llm_engine
+    assert eng.scheduler.cache.lookahead == 1
+    checked, rng, given = [], np.random.default_rng(0), {}
+    hook = lambda e: _harness(e, expected, oracle, checked, rng, given)  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = [_generate(eng, [p], params, None, hook)[0] for p in work]
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 28, 44]
+    assert len(checked) >= 4 * 2, checked  # every request's head checked after its prefill and decode steps
+    assert_idle_clean(llm)
 
 
 def test_sampling_with_mtp_runs_clean(ckpt):
