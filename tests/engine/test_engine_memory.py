@@ -13,11 +13,14 @@ from umem_jax import SamplingParams
 from umem_jax.engine.engine import BUDGET_MESSAGE
 
 LONG = prompts(5, 17, 40, 70, seed=4)
+# new_token_ratio=0: admission reserves whole prompts but no outputs, so decode outgrows the arena;
+# the requests here are fixed-length (ignore_eos), which reserve exactly by default and never
+# retract (test_exact_reservation.py), so these retraction tests use the ratio rule for them too
+RATIO_ONLY = dict(new_token_ratio=0.0, exact_fixed_length_reservation=False)
 
 
 def test_retraction_outputs_identical_to_unconstrained():
-    # new_token_ratio=0: admission reserves whole prompts but no outputs, so decode outgrows the arena
-    tight = llm(new_token_ratio=0.0)
+    tight = llm(**RATIO_ONLY)
     outs = tight.generate(LONG, SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
     e = tight.llm_engine
     assert e.scheduler.num_retractions > 0
@@ -31,7 +34,7 @@ def test_retraction_outputs_identical_to_unconstrained():
 
 def test_seeded_sampling_survives_retraction():
     sp = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=70, ignore_eos=True) for i in range(4)]
-    tight = llm(new_token_ratio=0.0)
+    tight = llm(**RATIO_ONLY)
     squeezed = tight.generate(LONG, sp)
     assert tight.llm_engine.scheduler.num_retractions > 0
     alone = [tight.generate(p, s)[0] for p, s in zip(LONG, sp)]  # one at a time: no pressure
@@ -41,7 +44,7 @@ def test_seeded_sampling_survives_retraction():
 
 
 def test_priority_preemption():
-    eng_llm = llm(new_token_ratio=0.0)
+    eng_llm = llm(**RATIO_ONLY)
     e = eng_llm.llm_engine
     low_p = prompts(40, 40, 40, seed=5)
     sp_low = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)

@@ -189,7 +189,8 @@ def test_engine_retraction_and_prefix_cache_hit(model):
     ps = [e[f"{n}_prompt"].tolist() for n in PROMPTS] + [rng.integers(3, 128, n).tolist() for n in (26, 17)]
     want = [e[f"{n}_greedy"].tolist() for n in PROMPTS] + _dense_greedy(model, ps[2:], 32)
     llm = LLM(model, arena_bytes=30 << 10, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, max_model_len=128,
-              batch_buckets=(4,), token_buckets=(8,), page_buckets=(32,), new_token_ratio=0.0)
+              batch_buckets=(4,), token_buckets=(8,), page_buckets=(32,), new_token_ratio=0.0,
+              exact_fixed_length_reservation=False)  # fixed-length requests retract only under the ratio rule
     g = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(ps, g)
     st = llm.llm_engine.stats()

@@ -35,6 +35,11 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None
     page_buckets: tuple[int, ...] | None = None
     new_token_ratio: float = 0.5
+    # fixed-length requests (ignore_eos, no stop strings / stop token ids) reserve exactly what they
+    # will take (DemandModel.decode_peak) instead of new_token_ratio of it: no retraction among them,
+    # never more than needed.  Off: the ratio rule for every request (to measure against, or to
+    # force retraction in tests).  Speculative decoding keeps the ratio either way.
+    exact_fixed_length_reservation: bool = True
     max_prefill_streak: int = 4
     extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
     enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)

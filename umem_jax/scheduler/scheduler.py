@@ -7,8 +7,9 @@ flood of long prompts cannot stall generation.
 
 Memory, all priced by the one DemandModel (memory/demand.py), held through RequestMemory:
   * admission: a waiting request is admitted if its pass plus the decode reservations of every
-    running request and its own (`new_token_ratio` x tokens left) fits the arena now; passes of
-    a batch are allocated as they are admitted, so two admissions never spend the same bytes.
+    running request and its own (`new_token_ratio` x tokens left; exact for fixed-length
+    requests: reservations.py) fits the arena now; passes of a batch are allocated as they are
+    admitted, so two admissions never spend the same bytes.
   * decode: the summed one-token demand must fit; if not (after the allocator's own
     flush/compaction), the least preferred running request is retracted, and so on.
   * priority: a waiting request that does not fit retracts running requests of lower priority,
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import math
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
-from . import held, speculation
+from . import held, reservations, speculation
 from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
@@ -64,6 +64,9 @@ class SchedulerConfig:
     max_checkpoints_per_path: int | None = 4  # state checkpoints kept on one cached path (None: no cap)
     checkpoint_interval: int = 0  # decode tokens between state checkpoints (0: only at prefill passes)
     num_speculative_tokens: int = 0  # draft tokens a decode row verifies per step (0: no speculation)
+    # fixed-length requests (ignore_eos, no stop) reserve exactly what they will take instead of the
+    # ratio, where valid (reservations.exact_applies); off: the ratio rule for every request
+    exact_fixed_length_reservation: bool = True
     cache_lookahead: int = 0  # tokens past a cached page its bytes depend on (1: an MTP head; radix_node.py)
 
 
@@ -89,6 +92,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.held: dict[str, Request] = {}  # memory a page transfer owns: never scheduled (held.py)
         self.ratio = config.new_token_ratio
+        self.exact = reservations.exact_applies(config)
         self._prefill_streak = 0
         self._reserved = None  # memo of _reservations(): (num_retractions, Demand)
         self.num_retractions = 0
@@ -342,13 +346,8 @@ class Scheduler:
         return make_room(need, req, self.running, batch.request_ids, self._fits, self.retract)
 
     def _reserve_tokens(self, req: Request, after: int | None = None) -> int:
-        """Tokens to keep free for `req` beyond `after` (default: what it has computed): the rest
-        of its prompt, all of it (a chunked prompt needs every page before its first output; left
-        out, later admissions take those pages and the prompt's next chunk retracts them), plus
-        the decaying ratio of the outputs it may still produce."""
-        a = req.num_computed if after is None else after
-        rest = 0 if req.decode_ready and after is None else max(0, req.num_tokens - a)
-        return rest + math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
+        """Tokens to keep free for `req` beyond `after` (default: what it has computed)."""
+        return reservations.reserve_tokens(req, self.ratio, self.exact, after)
 
     def _reservations(self) -> Demand:
         """Reservations of every running request: the rest of a chunked prompt and the decode
@@ -358,10 +357,8 @@ class Scheduler:
         key = self.num_retractions
         if self._reserved is not None and self._reserved[0] == key:
             return self._reserved[1]
-        total = Demand()
-        for r in self.running:  # decoding, or admitted with part of its prompt still to compute
-            if r.wants_step or not r.decode_ready:
-                total = total + self.demand.reservation(r, self._reserve_tokens(r))
+        total = reservations.reservations(self.running, self.running + list(self.held.values()), self.demand,
+                                          self._reserve_tokens, self.exact)
         self._reserved = (key, total)
         return total
 
