@@ -16,10 +16,11 @@ scheduler (admissions, retractions, peak running, utilization of the arena by li
 the times are the cost model's, so tok/s here is a model figure, not a measurement.
 
 `--rule before` prices a chunked prompt by its first chunk alone instead of reserving the rest
-of the prompt at admission, to show what that reservation does to retractions.  `--exact`
-reserves exactly for fixed-length requests (ignore_eos, no stop: every request here): decoders
-by DemandModel.decode_peak (finishing requests give back what they hold), the rest their whole
-remaining life, instead of the decaying ratio of the outputs left.
+of the prompt at admission, to show what that reservation does to retractions.  Every request
+here is fixed-length (ignore_eos, no stop), so the scheduler reserves for it exactly, as the
+engine does by default (scheduler/reservations.py: decoders by DemandModel.decode_peak, the
+others their whole remaining life); `--no-exact` turns that off
+(exact_fixed_length_reservation=False): the decaying ratio of the outputs left, the rule before.
 
 Utilization is reported twice: the mean over the samples with requests waiting while fewer than
 max_num_seqs run (what bench_serving's figure also counts), and the median over the samples where
@@ -34,7 +35,6 @@ times and tok/s are a cost model's (only ratios within one table mean anything),
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import numpy as np
@@ -47,9 +47,10 @@ from umem_jax.core.sampling_params import SamplingParams
 from umem_jax.core.scheduled_batch import Buckets
 from umem_jax.memory import ChainAllocator, size_arena, static_regions
 from umem_jax.memory import plan as make_plan
-from umem_jax.memory.demand import Demand, DemandModel
+from umem_jax.memory.demand import DemandModel
 from umem_jax.memory.sizing import budget_bytes
 from umem_jax.models.registry import build_random
+from umem_jax.scheduler.reservations import reserve_tokens
 from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from . import bench_serving as bs
@@ -61,39 +62,7 @@ KV_S_PER_TOKEN = 32 * 1024 / 3.3e12  # Qwen3.5-4B-like: 8 attention layers x 4 K
 
 
 def _first_chunk_only(self, req, after=None):  # --rule before: reserve outputs only, not the prompt's rest
-    return math.ceil(self.ratio * max(0, req.max_tokens - req.num_output))
-
-
-def _fixed(req) -> bool:
-    p = req.params
-    return bool(p.ignore_eos) and not p.stop and not p.stop_token_ids and not req.stop_ids
-
-
-def _exact_reservations(sch):
-    """--exact: fixed-length requests reserve exactly (see the module docstring)."""
-    ratio_tokens = sch._reserve_tokens
-
-    def reserve_tokens(req, after=None):
-        if not _fixed(req):
-            return ratio_tokens(req, after)
-        a = req.num_computed if after is None else after
-        rest = 0 if req.decode_ready and after is None else max(0, req.num_tokens - a)
-        return rest + max(0, req.max_tokens - req.num_output)
-
-    def reservations():
-        if sch._reserved is not None and sch._reserved[0] == sch.num_retractions:
-            return sch._reserved[1]
-        total, decoders = Demand(), []
-        for r in sch.running:
-            if r.decode_ready and r.wants_step and _fixed(r):
-                decoders.append(r)
-            elif r.wants_step or not r.decode_ready:
-                total = total + sch.demand.reservation(r, reserve_tokens(r))
-        total = total + sch.demand.decode_peak(decoders, [r.max_tokens - r.num_output for r in decoders])
-        sch._reserved = (sch.num_retractions, total)
-        return total
-
-    sch._reserve_tokens, sch._reservations = reserve_tokens, reservations
+    return reserve_tokens(req, self.ratio, self.exact, after=req.num_tokens)
 
 
 def _head_fits(sch, dm, alloc, chunk: int) -> bool:
@@ -106,7 +75,7 @@ def _head_fits(sch, dm, alloc, chunk: int) -> bool:
 
 
 def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
-             max_model_len: int, rule: str = "now", exact: bool = False, **sched_kw) -> dict:
+             max_model_len: int, rule: str = "now", **sched_kw) -> dict:
     regions = None
     if mem.mode == "static":
         regions = static_regions(plan, num_rows, swa_full_tokens_ratio=mem.swa_full_tokens_ratio,
@@ -118,8 +87,6 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     sch = Scheduler(SchedulerConfig(max_num_seqs, budget_tokens, buckets, **sched_kw), alloc, dm)
     if rule == "before":
         sch._reserve_tokens = _first_chunk_only.__get__(sch)
-    if exact:
-        _exact_reservations(sch)
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     t, i, out_tokens, steps, peak, util, refused, clipped, bound = 0.0, 0, 0, 0, 0, [], 0, 0, []
@@ -193,7 +160,8 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--min-ratio", type=float, default=None, help="SchedulerConfig.min_new_token_ratio")
     ap.add_argument("--decay", type=float, default=None, help="SchedulerConfig.new_token_ratio_decay")
     ap.add_argument("--rule", default="now,before", help="comma list: now (reserve a chunked prompt's rest), before")
-    ap.add_argument("--exact", action="store_true", help="fixed-length requests reserve exactly (decode_peak)")
+    ap.add_argument("--no-exact", action="store_true",
+                    help="the ratio rule for fixed-length requests too (exact_fixed_length_reservation=False)")
     a = ap.parse_args(argv)
     spec = dict(bs.MODELS[a.model])
     if a.long:
@@ -215,11 +183,13 @@ def run(argv=None) -> list[dict]:
           f"{DECODE_BASE_S * 1e3:.1f} ms + {DECODE_S_PER_ROW * 1e3:.2f} ms per row + K/V", flush=True)
     sched_kw = {k: v for k, v in (("new_token_ratio", a.ratio), ("min_new_token_ratio", a.min_ratio),
                                    ("new_token_ratio_decay", a.decay)) if v is not None}
+    if a.no_exact:
+        sched_kw["exact_fixed_length_reservation"] = False
     rows = []
     for rule in [r.strip() for r in a.rule.split(",") if r.strip()]:
         for mem in configs:
             rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
-                                 page_size=page_size, max_model_len=mml, rule=rule, exact=a.exact, **sched_kw))
+                                 page_size=page_size, max_model_len=mml, rule=rule, **sched_kw))
             r = rows[-1]
             print(f"  {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
                   f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  "

@@ -37,13 +37,16 @@ def test_utilization_split_tiles_the_arena_and_spread_trace_runs(capsys):
 
 
 def test_exact_reservation_never_retracts_fixed_lengths(capsys):
-    """--exact: every request here is fixed-length (ignore_eos), so decoders reserve their exact
-    worst step (decode_peak) and admission can never over-commit: no retraction, every request
-    to its last token; the memory-bound figure counts only samples where the head did not fit."""
-    argv = ["--model", "qwen3.5-4b-like", "--n-short", "16", "--short", "512,32", "--long", "16384,32",
-            "--static-ratios", "0.9", "--rule", "now", "--arena-gib", "2"]
-    for r in sim.run(argv + ["--exact"]):
+    """Every request here is fixed-length (ignore_eos), so by default the decoders reserve their
+    exact worst step (decode_peak) and admission never over-commits: no retraction, every
+    request to its last token.  --no-exact (the ratio rule, here at 0: no outputs reserved)
+    retracts on the same trace; the memory-bound figure counts only samples where the head did
+    not fit."""
+    argv = ["--model", "qwen3.5-4b-like", "--n-short", "16", "--short", "512,512", "--long", "8192,256",
+            "--static-ratios", "0.9", "--rule", "now", "--arena-gib", "1", "--ratio", "0", "--min-ratio", "0"]
+    for r in sim.run(argv):
         assert r["retractions"] == 0 and r["steps"] > 0
         if r["util_bound"] is not None:
             assert 0.0 < r["util_bound"] <= 1.0 and abs(sum(r["split_bound"].values()) - 1.0) < 1e-9
     assert "memory-bound median" in capsys.readouterr().out
+    assert all(r["retractions"] > 0 for r in sim.run(argv + ["--no-exact"]))
