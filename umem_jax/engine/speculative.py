@@ -13,6 +13,8 @@ is refused at startup naming what is missing.  The head's drafts ride on the hos
 (Request.drafts; runner/mtp.py): one jitted call per step verifies, catches the head up on the
 accepted tokens and proposes the next drafts.  Its attention layers are planned as model
 "draft" like a draft model's, so their K/V fuse into the target's full-attention envelopes.
+Its entry at a page's last position is made from the token after the page, so the prefix cache
+keys pages with that token (`cache_lookahead`; scheduler/radix_node.py says what a hit loses).
 
 The draft's layers are declared as model "draft" beside the target's (`plan_decls`), so the
 plan fuses them into the target's page envelopes where lifetime and geometry match and gives a
