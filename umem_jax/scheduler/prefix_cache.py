@@ -142,11 +142,10 @@ class PrefixCache:
     def insert(self, tokens, vids, n_pages: int, *, hint: Node | None = None,
                checkpoints: dict[int, int] | None = None, marks=()) -> tuple[Node, list[int]]:
         """Cache the first `n_pages` pages of a sequence: tokens (a list, or tokens(start, end)
-        giving a slice; at least n_pages * page_size of them) and its page ids `vids` (the
-        inserting request's own; where the tree already holds those tokens it keeps its page, or
-        adopts the request's when that one still has window pages the tree wants; the tokens
-        must reach n_pages * page_size + lookahead).  hint: a node
-        on this path already inserted (continue from it).  checkpoints {depth: slot}: state
+        giving a slice; at least n_pages * page_size + lookahead of them) and its page ids `vids`
+        (the inserting request's own; where the tree already holds those tokens it keeps its page,
+        or adopts the request's when that one still has window pages the tree wants).  hint: a
+        node on this path already inserted (continue from it).  checkpoints {depth: slot}: state
         slots to attach at those depths (the tree takes them).  marks: depths of prompt ends to
         keep resumable (models without state).
         -> (the node n_pages deep, the checkpoint slots NOT taken: the caller frees them)."""
