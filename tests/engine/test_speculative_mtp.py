@@ -9,9 +9,8 @@ A random head proposes what the target rarely takes, so the runs also use a harn
 step, each running request's drafts -- the head's, carried on the host -- and the head's K/V
 rows it reads are first checked against a dense oracle (tests/_mtp_oracle.py: the cache-free
 target's final-normed hiddens, the head's cache-free forward chained as the engine chains it),
-then replaced by the target's greedy continuation with
-a seeded share corrupted, so the next verify accepts 0..k and the head's catch-up runs over every
-length.  Requests resumed from a cached prefix (another request's, or their own after a
+then replaced by the target's greedy continuation with a seeded share corrupted, so the next
+verify accepts 0..k and the head's catch-up runs over every length.  Requests resumed from a cached prefix (another request's, or their own after a
 retraction) are checked too: with an MTP head the cache keys a page with the token after it
 (scheduler/radix_node.py), so every head entry a request reads was made with its own tokens.
 """
