@@ -1,0 +1,605 @@
+"""Speculative decoding (issue 16): the verify's cost, the draft's cost, and end to end with a
+HARNESS proposer at a set acceptance rate.
+
+Random weights accept nothing, so this measures the parts and one controlled case:
+
+  (1) verify   one verify of k+1 positions (the target over [t0, d_1..d_k], the acceptance rule,
+               the recurrent state after each position kept) against one plain decode step of the
+               engine without speculation, at B = 1, 8, 64 rows of a `--prompt`-token context.
+               Each jitted step's arguments are captured in a warm-up run and the step is then
+               replayed back to back on the device (the arena threaded through, donated): the
+               device's own time per step, the host out of the way (spec_harness.replay).
+  (2) draft    the draft model's k+1 decode passes (runner/speculative.jit_draft) at the same B,
+               and the MTP step (verify + the head's catch-up + k-1 chained passes, one jitted
+               call: runner/mtp.jit_decode) against a verify alone on the same plan; the head's
+               share is the difference.
+  (3) end to end  the offline engine (LLMEngine.step), greedy, ignore_eos, `--gen` tokens per
+               request, at B = 1 and 8: first without speculation (the peer; it records each
+               request's greedy continuation), with the engine's default async scheduling and
+               again with it off (speculation reads every step back, so it never overlaps), then
+               with the HARNESS proposer (spec_harness.py, a test harness: the peer's greedy
+               continuation with each draft position kept with probability a) for each a:
+                 method "draft": the draft's passes replaced by the harness: the engine's own
+                   cost with a draft that costs nothing (`est. w/ draft` adds the measured (2));
+                 method "mtp": the MTP head runs for real, only what it proposed is replaced.
+               Output tok/s over the decode window (from the last request's first token to the
+               last token: prefill outside), its ratio to the async peer's, accepted length.
+
+Correctness first: every speculative run's greedy output (warm-ups included) must equal the
+peer's token for token; a mismatch is printed with its first differing position and the run
+exits 1 after writing every figure.  Each configuration is warmed up before it is timed;
+XLA compilations inside every timed window are counted and a row that compiled is marked.
+Work is done in priority order (B=1, then 8, then 64, then the extra k of (1)) and none starts
+after --budget-s; the JSON is rewritten after every row.
+
+Target: qwen3.5-4b-like (gated DeltaNet state + full attention, random bf16 weights,
+registry.build_random) declaring one MTP layer, so the head attaches (random weights:
+models/mtp.random_head).  Draft for method "draft": a 0.4B-like Qwen3.5 of 8 full-attention
+layers (a draft with recurrent layers is refused), the target's vocabulary and K/V geometry.
+
+    python3 -m benchmarks.bench_speculative --out $OUT     # GPU: one H200, ~6 min
+    python3 -m benchmarks.bench_speculative --small        # CPU: a tiny Qwen3.5, reference kernels, ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from .report import RowLog, fmt, format_table
+from .spec_harness import LABEL, Harness, capture, expected_accepted, replay
+
+COMPILE_CACHE = Path(__file__).resolve().parents[1] / "out" / "jax_cache"
+GOAL_SPEEDUP = 2.0  # issue 16: a = 0.8, k = 3, B = 1: >= 2.0x the output tok/s without speculation
+GOAL_SLOWDOWN = 1.15  # ... and a = 0: at most 1.15x slower
+
+
+# ------------------------------------------------------------------------------ models
+
+
+def target_config(args):
+    """The target's config: qwen3.5-4b-like (or a tiny Qwen3.5 for --small) with one MTP layer."""
+    from umem_jax.models.config import FULL
+    from umem_jax.models.qwen3_5 import qwen3_5_4b_like, qwen3_5_config
+
+    if not args.small:
+        return dataclasses.replace(qwen3_5_4b_like(args.dtype), mtp_num_layers=1, mtp_layer_types=(FULL,))
+    return qwen3_5_config({
+        "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4, "tie_word_embeddings": True, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        "mtp_num_hidden_layers": 1, "dtype": args.dtype})
+
+
+def draft_config(cfg, args):
+    """The draft of method "draft": the target's family, vocabulary and K/V geometry (heads, head
+    dim: its pages fuse into the target's envelopes), full attention only, smaller."""
+    from umem_jax.models.config import FULL
+
+    layers, hidden, inter, heads = (2, 32, 64, cfg.num_heads) if args.small else (8, 1024, 3072, 8)
+    return dataclasses.replace(cfg, layer_types=(FULL,) * layers, hidden_size=hidden, intermediate_size=inter,
+                               num_heads=heads, mtp_num_layers=0, mtp_layer_types=())
+
+
+def build_models(args):
+    """(target, draft, MTP head), random weights on the default device, projections fused once
+    (engines on them then share every compilation)."""
+    from umem_jax.models import mtp
+    from umem_jax.models.registry import build_random
+
+    cfg = target_config(args)
+    target = build_random(cfg, args.dtype, seed=args.seed).fuse_projections()
+    draft = build_random(draft_config(cfg, args), args.dtype, seed=args.seed + 1).fuse_projections()
+    head = mtp.random_head(target, seed=args.seed + 2).fuse_projections()
+    return target, draft, head
+
+
+def param_count(model) -> int:
+    import jax
+
+    return sum(int(x.size) for x in jax.tree.leaves(model.params))
+
+
+# ------------------------------------------------------------------------------ engines and runs
+
+
+def engine_kwargs(args) -> dict:
+    """One set of shapes for every engine (equal arena bytes: engines of one plan share compiles):
+    prefill one prompt per step (T = --prompt), decode at the --batches buckets, one page width,
+    every prefill before any decode (max_prefill_streak), no prefix cache (each run prefills)."""
+    return dict(arena_bytes=int(args.arena_gib * 2**30), max_num_seqs=max(args.batches),
+                max_num_batched_tokens=args.prompt, token_buckets=(args.prompt,), batch_buckets=tuple(args.batches),
+                page_size=args.page_size, max_model_len=args.max_model_len,
+                page_buckets=(-(-args.max_model_len // args.page_size),), max_prefill_streak=1 << 30,
+                enable_prefix_caching=False, **({"kernel_impl": args.kernel_impl} if args.kernel_impl else {}))
+
+
+@contextlib.contextmanager
+def engine(model, args, spec: dict | None = None):
+    """An LLMEngine, dropped (its arena freed) on leaving."""
+    from umem_jax import LLM
+
+    llm = LLM(model, speculative_config=spec, **engine_kwargs(args))
+    eng = llm.llm_engine
+    try:
+        yield eng
+    finally:
+        # Free the arena now: a caller's frame (a traceback) may keep the engine alive, and the
+        # next engine's arena must not sit beside this one.
+        with contextlib.suppress(Exception):
+            eng.runner.arena.data.delete()
+        del llm, eng
+        gc.collect()
+
+
+def run(eng, prompts, gen: int, expected=None, harness: Harness | None = None, mtp: bool = False):
+    """All `prompts` at once to `gen` tokens each (greedy, ignore_eos) by LLMEngine.step ->
+    (figures of the run, each request's output tokens).  expected: each prompt + its greedy
+    continuation, for the harness; mtp: the harness replaces the head's drafts after each step.
+    Decode window: from the last request's first token (its prefill read back) to the last token
+    read back; tok_s = tokens after each request's first / window."""
+    from umem_jax import SamplingParams
+    from umem_jax.bench.driver import compile_count
+    from umem_jax.engine.speculative import SpecStats
+
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    if eng.spec_stats is not None:
+        eng.spec_stats = SpecStats(eng.spec_stats.k)  # this run's counters only
+    retractions, steps = eng.scheduler.num_retractions, eng.num_steps["decode"]
+    if harness is not None:
+        harness.seconds, harness.calls = 0.0, 0
+    c0 = compile_count()
+    t0 = time.perf_counter()
+    ids = []
+    for i, p in enumerate(prompts):
+        ids.append(eng.add_request(p, sp))
+        if harness is not None:
+            harness.expected[ids[-1]] = np.asarray(expected[i], np.int64)
+    outs = {}
+    while eng.has_unfinished_requests():  # (async: drains the last overlap row too)
+        outs.update((o.request_id, o) for o in eng.step())
+        if mtp:
+            harness.after_step(eng)
+    wall = time.perf_counter() - t0
+    compiles = compile_count() - c0
+    got = [outs[i] for i in ids]
+    errors = [o.error for o in got if o.error is not None]
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    tokens = [list(o.outputs[0].token_ids) for o in got]
+    start = max(o.metrics.first_token_time for o in got)
+    end = max(o.metrics.finished_time for o in got)
+    n = sum(len(t) for t in tokens)
+    tpot = [(o.metrics.finished_time - o.metrics.first_token_time) / max(len(t) - 1, 1) for o, t in zip(got, tokens)]
+    row = {"B": len(prompts), "gen": gen, "output_tokens": n, "window_s": end - start,
+           "tok_s": (n - len(prompts)) / (end - start) if end > start else float("nan"),
+           "wall_tok_s": n / wall, "tpot_ms": 1e3 * float(np.mean(tpot)),
+           "decode_steps": eng.num_steps["decode"] - steps, "compiles": compiles,
+           "retractions": eng.scheduler.num_retractions - retractions}
+    if eng.spec_stats is not None:
+        s = eng.spec_stats.as_dict()
+        rows = max(s["num_verify_rows"], 1)
+        steps = max(row["decode_steps"], 1)
+        row.update({k: s[k] for k in ("mean_accepted_length", "mean_tokens_per_step", "acceptance_rate",
+                                      "acceptance_per_position")}, verify_rows=rows,
+                   # per decode step: the proposer's call (the harness, its device_put and wait), the
+                   # verify's call to its result (an MTP step: all of it), and the rest of the window
+                   # (host: scheduling, packing, applying the verify; the mtp harness's hook)
+                   engine_draft_ms_per_step=1e3 * s["draft_time_s"] / steps,
+                   engine_verify_ms_per_step=1e3 * s["verify_time_s"] / steps,
+                   host_ms_per_step=1e3 * (row["window_s"] - s["draft_time_s"] - s["verify_time_s"]) / steps)
+    if harness is not None:
+        row["harness_us_per_call"] = 1e6 * harness.seconds / max(harness.calls, 1)
+    return row, tokens
+
+
+def timed(eng, prompts, gen: int, repeats: int, check, **kw):
+    """`repeats` runs of `run` back to back -> (the first run's figures with tok_s, wall_tok_s the
+    median over the runs and every run's tok_s in tok_s_runs, the first run's tokens); check(tokens)
+    is called on every run's output."""
+    rows = []
+    for _ in range(repeats):
+        row, toks = run(eng, prompts, gen, **kw)
+        check(toks)
+        rows.append((row, toks))
+    row, toks = rows[0]
+    runs = [r["tok_s"] for r, _ in rows]
+    row.update(tok_s=float(np.median(runs)), tok_s_runs=runs,
+               wall_tok_s=float(np.median([r["wall_tok_s"] for r, _ in rows])),
+               compiles=sum(r["compiles"] for r, _ in rows), retractions=sum(r["retractions"] for r, _ in rows))
+    return row, toks
+
+
+def compare(got: list[list[int]], want: list[list[int]]) -> list[dict]:
+    """Requests whose tokens differ -> [{request, first differing position, want, got there}]."""
+    bad = []
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            j = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
+            bad.append({"request": i, "position": j, "want": w[j:j + 4], "got": g[j:j + 4], "len": [len(w), len(g)]})
+    return bad
+
+
+# ------------------------------------------------------------------------------ the benchmark
+
+
+class Bench:
+    def __init__(self, args, log: RowLog, say):
+        self.args, self.log, self.say = args, log, say
+        self.t0 = time.perf_counter()
+        self.mismatches: list[dict] = []
+        self.errors: list[str] = []
+        self.skipped: list[str] = []
+
+    # budget and bookkeeping
+    def left(self) -> float:
+        return self.args.budget_s - (time.perf_counter() - self.t0)
+
+    def may(self, what: str) -> bool:
+        if self.left() > 0:
+            return True
+        self.skipped.append(what)
+        self.say(f"-- skipped (past --budget-s {self.args.budget_s:.0f} s): {what}")
+        return False
+
+    def add(self, row: dict) -> dict:
+        row["elapsed_s"] = round(time.perf_counter() - self.t0, 1)
+        self.log.add(row)
+        self.say(json.dumps({k: v for k, v in row.items() if k != "harness"}, default=str))
+        return row
+
+    def check(self, what: str, got, want) -> bool:
+        bad = compare(got, want)
+        if bad:
+            self.mismatches.append({"run": what, "requests": bad})
+            self.say(f"!! MISMATCH: {what}: greedy output with speculation differs from without in {len(bad)} of "
+                     f"{len(want)} requests; first: {bad[0]}")
+        return not bad
+
+    def guarded(self, what: str, fn, *a):
+        try:
+            return fn(*a)
+        except Exception as e:  # noqa: BLE001 - one configuration's failure; the others still run
+            self.errors.append(f"{what}: {e!r}")
+            self.say(f"!! ERROR in {what}: {e!r}\n{traceback.format_exc()}")
+            self.add({"part": "error", "what": what, "error": repr(e)})
+            gc.collect()
+            return None
+
+    # one batch size
+    def prompts(self, B: int, vocab: int):
+        rng = np.random.default_rng(self.args.seed * 1000 + B)
+        return [rng.integers(10, vocab - 1, self.args.prompt).tolist() for _ in range(B)]
+
+    def without(self, target, B: int, prompts) -> dict | None:
+        """The peer: warm-up (captures the decode step), then (e2e) async and sync runs, then
+        the decode step replayed -> {"warm": warm-up tokens, "tokens": e2e tokens, "decode_ms"}."""
+        a, e2e = self.args, B in self.args.e2e_batches
+        out = {}
+        with engine(target, a) as eng:
+            store = {}
+            with capture(eng.runner, "_step", B, store, meta_at=2):
+                _, out["warm"] = run(eng, prompts, a.capture_gen)
+            if e2e:
+                first = []
+                row, out["tokens"] = timed(eng, prompts, a.gen, a.repeats, lambda t: first.append(t) if not first
+                                           else self.check(f"B={B} without speculation, repeated", t, first[0]))
+                self.add({"part": "e2e", "method": "none", "scheduling": "async (default)", "a": None, **row})
+                out["peer"] = row
+                eng.config.async_scheduling = False  # speculation's mode: every step read back
+                row, _ = timed(eng, prompts, a.gen, a.repeats,
+                               lambda t: self.check(f"B={B} without speculation, sync vs async", t, out["tokens"]))
+                eng.config.async_scheduling = True
+                self.add({"part": "e2e", "method": "none", "scheduling": "sync", "a": None, **row})
+                out["peer_sync"] = row
+            if "args" in store:
+                r = replay(eng.runner, eng.runner._step, store, iters=a.iters, trials=a.trials)
+                out["decode"] = self.add({"part": "decode", "method": "none", "B": B, "ctx": a.prompt, **r})
+            else:
+                self.say(f"-- no decode step with {B} rows captured")
+        return out
+
+    @contextlib.contextmanager
+    def warmed(self, method: str, target, model, B: int, prompts, peer: dict):
+        """A speculative engine after its warm-up: B prompts to --capture-gen tokens with the
+        harness at a=1 (compiles the prefill and the step at B; captures the step's arguments,
+        checks the output) -> (engine, harness, captured step)."""
+        import umem_jax.runner.mtp as mtp_mod
+        import umem_jax.runner.speculative as spec_mod
+
+        a = self.args
+        spec = {"method": method, "model": model, "num_speculative_tokens": a.k}
+        with engine(target, a, spec) as eng:
+            h = Harness(a.k, target.config.vocab_size, 1.0, seed=a.seed)
+            if method == "draft":
+                h.install(eng.runner.speculator)
+            store = {}
+            owner, name, meta_at = (spec_mod, "jit_verify", 2) if method == "draft" else (mtp_mod, "jit_decode", 3)
+            with capture(owner, name, B, store, meta_at=meta_at):
+                _, toks = run(eng, prompts, a.capture_gen, [p + w for p, w in zip(prompts, peer["warm"])], h,
+                              mtp=method == "mtp")
+            self.check(f"B={B} {method} warm-up (harness a=1, {a.capture_gen} tokens)", toks, peer["warm"])
+            if "args" not in store:
+                self.say(f"-- no {method} step with {B} rows captured")
+            yield eng, h, store
+
+    def speculative(self, method: str, target, model, B: int, prompts, peer: dict) -> None:
+        """One method at B: warm-up, the e2e runs over a (B in --e2e-batches), then the step and
+        its parts replayed."""
+        import umem_jax.runner.mtp as mtp_mod
+        import umem_jax.runner.speculative as spec_mod
+
+        a = self.args
+        with self.warmed(method, target, model, B, prompts, peer) as (eng, h, store):
+            sp = eng.runner.speculator
+            rows = []
+            if B in a.e2e_batches and "tokens" in peer:
+                expected = [p + w for p, w in zip(prompts, peer["tokens"])]
+                for i, acc in enumerate(a.acceptance):
+                    h.a = acc
+                    h.reseed(a.seed * 100 + i)
+                    oks = []
+                    row, _ = timed(eng, prompts, a.gen, a.repeats,
+                                   lambda t: oks.append(self.check(f"B={B} {method} a={acc}", t, peer["tokens"])),
+                                   expected=expected, harness=h, mtp=method == "mtp")
+                    ok = all(oks)
+                    rows.append(self.add({
+                        "part": "e2e", "method": method, "harness": LABEL, "a": acc, "k": a.k, **row,
+                        "expected_accepted_length": expected_accepted(acc, a.k), "outputs_equal": ok,
+                        "ratio": row["tok_s"] / peer["peer"]["tok_s"],
+                        "ratio_vs_sync": row["tok_s"] / peer["peer_sync"]["tok_s"]}))
+            if "args" not in store:
+                return
+            over = lambda ms: ms / peer["decode"]["ms"] if "decode" in peer else None  # noqa: E731
+            lay = store["kw"]["layout"]
+            if method == "draft":
+                verify = replay(eng.runner, spec_mod.jit_verify, store, iters=a.iters, trials=a.trials)
+                self.add({"part": "verify", "method": "draft", "B": B, "k": a.k, "ctx": a.prompt, **verify,
+                          "decode_ms": peer.get("decode", {}).get("ms"), "verify_over_decode": over(verify["ms"])})
+                _, _, meta, prev, spec_lens, _, _, _ = store["args"]
+                dstore = {"args": (sp._draft_leaves(), None, meta, prev, spec_lens),
+                          "kw": {"layout": lay, "draft": sp._draft_model, "k": a.k}}
+                draft = replay(eng.runner, spec_mod.jit_draft, dstore, iters=a.iters, trials=a.trials)
+                self.add({"part": "draft", "method": "draft", "B": B, "k": a.k, "ctx": a.prompt,
+                          "what": f"the draft model's k+1 = {a.k + 1} decode passes (jit_draft)", **draft,
+                          "draft_over_decode": over(draft["ms"])})
+                for r in rows:  # the same run with this draft model proposing: an estimate (its passes added)
+                    r["tok_s_with_draft_est"] = (r["output_tokens"] - B) / (r["window_s"]
+                                                                             + r["decode_steps"] * draft["ms"] / 1e3)
+                    r["ratio_with_draft_est"] = r["tok_s_with_draft_est"] / peer["peer"]["tok_s"]
+                self.log.flush()
+            else:
+                step = replay(eng.runner, mtp_mod.jit_decode, store, iters=a.iters, trials=a.trials)
+                _, _, _, meta, prev, spec_lens, drafts, states = store["args"]
+                vstore = {"args": (eng.runner.params_leaves()[0], None, meta, prev, spec_lens, drafts, None, states),
+                          "kw": {"layout": lay, "model": sp._verify()}}
+                verify = replay(eng.runner, spec_mod.jit_verify, vstore, iters=a.iters, trials=a.trials)
+                self.add({"part": "draft", "method": "mtp", "B": B, "k": a.k, "ctx": a.prompt,
+                          "what": "MTP step (verify + head catch-up + k-1 chained passes) less a verify, one plan",
+                          "step_ms": step["ms"], "verify_ms": verify["ms"], "ms": step["ms"] - verify["ms"],
+                          "first_s": step["first_s"] + verify["first_s"],
+                          "compiles": step["compiles"] + verify["compiles"], "mtp_step_over_decode": over(step["ms"])})
+
+    def extra_ks(self, models, B: int) -> None:
+        """(1) at the other k of --extra-ks, last: the draft engine at B warmed up again (nothing
+        new compiles), then its verify with k' drafts per row.  Positions past the k+1 the rows
+        hold pages for land on their last page and the states past k go to their slots again
+        (j mod k): the bytes a verify of k' moves, written where no live request is."""
+        import umem_jax.runner.speculative as spec_mod
+
+        a = self.args
+        target, draft, _ = models
+        prompts, peer = self.done[B]
+        with self.warmed("draft", target, draft, B, prompts, peer) as (eng, _, store):
+            if "args" not in store:
+                return
+            params, _, meta, prev, spec_lens, drafts, q, states = store["args"]
+            for kk in [k for k in a.extra_ks if k != a.k]:
+                if not self.may(f"verify k={kk} B={B}"):
+                    return
+                cols = np.arange(kk) % a.k
+                s = np.where(np.asarray(spec_lens) > 0, kk, 0).astype(np.int32)
+                st = None
+                if states is not None:
+                    pos = np.where(s[:, None] > 0, np.arange(1, kk + 1)[None, :], -1).astype(np.int32)
+                    st = (pos, np.asarray(states[1])[:, cols].astype(np.int32))
+                kstore = {"args": (params, None, meta, prev, s, np.asarray(drafts)[:, cols], None, st),
+                          "kw": store["kw"]}
+                r = replay(eng.runner, spec_mod.jit_verify, kstore, iters=a.iters, trials=a.trials)
+                self.add({"part": "verify", "method": "draft", "B": B, "k": kk, "ctx": a.prompt, **r,
+                          "decode_ms": peer.get("decode", {}).get("ms"),
+                          "verify_over_decode": r["ms"] / peer["decode"]["ms"] if "decode" in peer else None})
+
+    def batch(self, models, B: int) -> None:
+        target, draft, head = models
+        prompts = self.prompts(B, target.config.vocab_size)
+        if not self.may(f"B={B} without speculation"):
+            return
+        peer = self.guarded(f"B={B} without speculation", self.without, target, B, prompts)
+        if peer is None:
+            return
+        self.done[B] = (prompts, peer)
+        for method in self.args.methods:
+            if self.may(f"B={B} method {method}"):
+                self.guarded(f"B={B} method {method}", self.speculative, method, target,
+                             draft if method == "draft" else head, B, prompts, peer)
+
+    def main(self, models) -> None:
+        """Priority order: each B (ascending) whole, then the extra k of (1)."""
+        self.done = {}
+        for B in self.args.batches:
+            self.batch(models, B)
+        if "draft" in self.args.methods:
+            for B in self.done:
+                if [k for k in self.args.extra_ks if k != self.args.k] and self.may(f"verify extra k at B={B}"):
+                    self.guarded(f"verify extra k at B={B}", self.extra_ks, models, B)
+
+
+# ------------------------------------------------------------------------------ report
+
+
+def print_tables(rows: list[dict], args, say) -> list[str]:
+    """The three tables and the goals' verdicts -> the verdict lines."""
+    peer = {r["B"]: r for r in rows if r.get("part") == "e2e" and r["method"] == "none" and r["scheduling"] != "sync"}
+    sync = {r["B"]: r for r in rows if r.get("part") == "e2e" and r["method"] == "none" and r["scheduling"] == "sync"}
+    mark = lambda r: "  COMPILED" if r.get("compiles") else ""  # noqa: E731
+    say(f"\n(1) verify of k+1 positions vs one decode step without speculation (device replay, ms per step, "
+        f"context {args.prompt})")
+    ver = [r for r in rows if r.get("part") == "verify"]
+    say(format_table(["B", "k", "decode ms", "verify ms", "verify/decode", ""],
+                     [[r["B"], r["k"], fmt(r["decode_ms"], ".3f"), fmt(r["ms"], ".3f"),
+                       fmt(r["verify_over_decode"], ".2f"), mark(r)] for r in ver]))
+    say(f"\n(2) draft cost per step, k={args.k} (device replay, ms)")
+    dr = [r for r in rows if r.get("part") == "draft"]
+    dec = {r["B"]: r["ms"] for r in rows if r.get("part") == "decode"}
+    say(format_table(["method", "B", "draft ms", "/ decode", "what", ""],
+                     [[r["method"], r["B"], fmt(r["ms"], ".3f"),
+                       fmt(r["ms"] / dec[r["B"]] if r["B"] in dec else None, ".2f"),
+                       r["what"] if r["method"] == "draft" else
+                       f"MTP step {r['step_ms']:.3f} - verify {r['verify_ms']:.3f}", mark(r)] for r in dr]))
+    say(f"\n(3) end to end, greedy, {args.gen} tokens per request, prompt {args.prompt}, k={args.k}; "
+        f"speculative rows: {LABEL}")
+    e2e = [r for r in rows if r.get("part") == "e2e"]
+    say(format_table(
+        ["method", "B", "a", "tok/s", "x async peer", "x sync peer", "accepted/step", "(a-model)", "tokens/step",
+         "steps", "est. w/ draft", "harness us/step", "outputs", ""],
+        [[r["method"] + ("" if r["method"] != "none" else f" ({r['scheduling'].split()[0]})"), r["B"],
+          fmt(r["a"], "g"), fmt(r["tok_s"], ".1f"),
+          fmt(r.get("ratio", r["tok_s"] / peer[r["B"]]["tok_s"] if r["B"] in peer else None), ".3f"),
+          fmt(r.get("ratio_vs_sync", r["tok_s"] / sync[r["B"]]["tok_s"] if r["B"] in sync else None), ".3f"),
+          fmt(r.get("mean_accepted_length"), ".2f"), fmt(r.get("expected_accepted_length"), ".2f"),
+          fmt(r.get("mean_tokens_per_step"), ".2f"), r["decode_steps"], fmt(r.get("ratio_with_draft_est"), ".3f"),
+          fmt(r.get("harness_us_per_call"), ".0f"),
+          {True: "equal", False: "DIFFER", None: "-"}[r.get("outputs_equal")], mark(r)] for r in e2e]))
+    verdicts = []
+    for method in args.methods:
+        got = {r["a"]: r for r in e2e if r["method"] == method and r["B"] == 1 and r["k"] == args.k}
+        hi, lo = got.get(0.8), got.get(0.0)
+        if hi is not None:
+            verdicts.append(f"{method} (harness), B=1, k={args.k}, a=0.8: {hi['ratio']:.2f}x the async peer's tok/s "
+                            f"(goal >= {GOAL_SPEEDUP}x: {'met' if hi['ratio'] >= GOAL_SPEEDUP else 'MISSED'})")
+        if lo is not None:
+            slow = 1 / lo["ratio"]
+            verdicts.append(f"{method} (harness), B=1, k={args.k}, a=0: {slow:.3f}x the async peer's time per output "
+                            f"token (goal <= {GOAL_SLOWDOWN}x: {'met' if slow <= GOAL_SLOWDOWN else 'MISSED'})")
+    return verdicts
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    ap.add_argument("--small", action="store_true", help="tiny Qwen3.5, reference kernels, CPU (~1 min)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="bench_speculative.json and .log here "
+                    "(default $OUT when set)")
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--batches", type=ints, default=None, help="B of (1) and (2), ascending (default 1,8,64)")
+    ap.add_argument("--e2e-batches", type=ints, default=None, help="B of (3) (default 1,8)")
+    ap.add_argument("--acceptance", default="0,0.5,0.8,1", help="the harness's a values")
+    ap.add_argument("--methods", default="draft,mtp")
+    ap.add_argument("--extra-ks", type=ints, default=None, help="(1) also at these k, last (default 1,5)")
+    ap.add_argument("--prompt", type=int, default=None, help="prompt tokens = the context of (1), (2) (default 2048)")
+    ap.add_argument("--gen", type=int, default=None, help="output tokens per request in (3) (default 256)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs of each (3) row, median tok/s (default 2)")
+    ap.add_argument("--kernel-impl", default=None, help="pallas | reference (default: the engine's: pallas on a GPU)")
+    ap.add_argument("--iters", type=int, default=None, help="back-to-back calls per replay trial (default 20)")
+    ap.add_argument("--trials", type=int, default=None, help="replay trials, median (default 3)")
+    ap.add_argument("--arena-gib", type=float, default=None, help="every engine's arena (default 28: B=64 with "
+                    "4 state slots of 51.5 MB each per request and the draft's K/V)")
+    ap.add_argument("--page-size", type=int, default=None)
+    ap.add_argument("--dtype", default=None, help="weights (default bfloat16; --small float32)")
+    ap.add_argument("--budget-s", type=float, default=None, help="no new part starts after this (default 400 s; "
+                    "a part takes up to ~1 min on the GPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    big = dict(batches=[1, 8, 64], e2e_batches=[1, 8], extra_ks=[1, 5], prompt=2048, gen=256, repeats=2, iters=20,
+               trials=3, arena_gib=28.0, page_size=16, dtype="bfloat16", budget_s=400.0)
+    small = dict(batches=[1, 2], e2e_batches=[1], extra_ks=[], prompt=24, gen=16, repeats=1, iters=3, trials=2,
+                 arena_gib=0.004, page_size=4, dtype="float32", budget_s=600.0)
+    for key, value in (small if args.small else big).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.small and args.kernel_impl is None:
+        args.kernel_impl = "reference"
+    args.batches = sorted(set(args.batches))
+    args.e2e_batches = [b for b in args.e2e_batches if b in args.batches]
+    args.acceptance = [float(x) for x in args.acceptance.split(",") if x.strip()]
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.capture_gen = 2 * args.k + 2  # warm-up: a few verify steps after the prefill
+    args.max_model_len = args.prompt + max(args.gen, args.capture_gen) + 2 * max([args.k, *args.extra_ks]) + 8
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import jax
+
+    if not args.small:  # a later call on the same machine loads the compiled steps
+        from umem_jax.bench.driver import enable_compile_cache
+
+        enable_compile_cache(str(COMPILE_CACHE))
+    out = Path(args.out) if args.out else None
+    logf = None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        logf = open(out / "bench_speculative.log", "w")
+
+    def say(msg: str) -> None:
+        print(msg, flush=True)
+        if logf is not None:
+            logf.write(msg + "\n")
+            logf.flush()
+
+    t0 = time.perf_counter()
+    models = build_models(args)
+    target, draft, head = models
+    name = "qwen3.5-tiny (--small)" if args.small else "qwen3.5-4b-like + 1 MTP layer"
+    meta = {"jax": jax.__version__, "device": str(jax.devices()[0]), "target": name, "dtype": args.dtype,
+            "target_params": param_count(target), "draft": f"Qwen3.5 full attention only, {draft.config.num_layers} "
+            f"layers, hidden {draft.config.hidden_size}", "draft_params": param_count(draft),
+            "mtp_head_params": param_count(head), "k": args.k, "prompt": args.prompt, "gen": args.gen,
+            "harness": LABEL, "command": " ".join(["python3 -m benchmarks.bench_speculative", *(argv or sys.argv[1:])]),
+            "models_built_s": round(time.perf_counter() - t0, 1)}
+    say(f"== bench_speculative: {name} ({meta['target_params'] / 1e9:.2f}B, {args.dtype}, random weights), draft "
+        f"{meta['draft_params'] / 1e9:.3f}B, MTP head {meta['mtp_head_params'] / 1e9:.3f}B, k={args.k}, "
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind}; models built in {meta['models_built_s']} s")
+    log = RowLog(str(out / "bench_speculative.json") if out else None, **meta)
+    bench = Bench(args, log, say)
+    bench.main(models)
+    verdicts = print_tables(log.rows, args, say)
+    from umem_jax.bench.driver import compile_count
+
+    log.meta.update(verdicts=verdicts, compiles_total=compile_count(), mismatches=bench.mismatches,
+                    errors=bench.errors, skipped=bench.skipped,
+                    total_s=round(time.perf_counter() - t0, 1))
+    log.flush()
+    for v in verdicts:
+        say(v)
+    if bench.skipped:
+        say(f"skipped (budget): {', '.join(bench.skipped)}")
+    say(f"total {time.perf_counter() - t0:.0f} s")
+    status = 0
+    if bench.mismatches:
+        say(f"!! CORRECTNESS: {len(bench.mismatches)} speculative runs differ from greedy without speculation "
+            f"(details above and in the JSON's 'mismatches')")
+        status = 1
+    if bench.errors:
+        say(f"!! {len(bench.errors)} configurations failed: {bench.errors}")
+        status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
