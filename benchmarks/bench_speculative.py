@@ -23,21 +23,26 @@ Random weights accept nothing, so this measures the parts and one controlled cas
                    cost with a draft that costs nothing (`est. w/ draft` adds the measured (2));
                  method "mtp": the MTP head runs for real, only what it proposed is replaced.
                Output tok/s over the decode window (from the last request's first token to the
-               last token: prefill outside), its ratio to the async peer's, accepted length.
+               last token: prefill outside), the median of --repeats runs; its ratio to the async
+               peer's; accepted length against a(1 - a^k)/(1 - a); per decode step the proposer's,
+               the verify's and the host's share of the window.
 
 Correctness first: every speculative run's greedy output (warm-ups included) must equal the
-peer's token for token; a mismatch is printed with its first differing position and the run
-exits 1 after writing every figure.  Each configuration is warmed up before it is timed;
-XLA compilations inside every timed window are counted and a row that compiled is marked.
-Work is done in priority order (B=1, then 8, then 64, then the extra k of (1)) and none starts
-after --budget-s; the JSON is rewritten after every row.
+peer's token for token; a mismatch is printed with its first differing position, the peer is run
+again with its top-2 log probabilities there (a near tie that bf16 rounding in the verify's
+(k+1)-token pass may flip, or a real disagreement?), and the run exits 1 after writing every
+figure.  Each configuration is warmed up before it is timed; XLA compilations inside every timed
+window are counted and a row that compiled is marked.  Work goes in priority order (B=1, then 8,
+then 64, then the extra k of (1)); no part starts after --budget-s from the process's start, and
+the JSON is rewritten after every row, so a run cut short keeps what it measured.
 
 Target: qwen3.5-4b-like (gated DeltaNet state + full attention, random bf16 weights,
 registry.build_random) declaring one MTP layer, so the head attaches (random weights:
-models/mtp.random_head).  Draft for method "draft": a 0.4B-like Qwen3.5 of 8 full-attention
-layers (a draft with recurrent layers is refused), the target's vocabulary and K/V geometry.
+models/mtp.random_head; 0.12B besides the target's embedding and LM head).  Draft for method
+"draft": a 0.40B Qwen3.5 of 8 full-attention layers, hidden 1024 (a draft with recurrent layers
+is refused), the target's vocabulary and K/V geometry.
 
-    python3 -m benchmarks.bench_speculative --out $OUT     # GPU: one H200, ~6 min
+    python3 -m benchmarks.bench_speculative --out $OUT     # GPU: one H200, ~6-7 min
     python3 -m benchmarks.bench_speculative --small        # CPU: a tiny Qwen3.5, reference kernels, ~1 min
 """
 
@@ -237,9 +242,9 @@ def compare(got: list[list[int]], want: list[list[int]]) -> list[dict]:
 
 
 class Bench:
-    def __init__(self, args, log: RowLog, say):
+    def __init__(self, args, log: RowLog, say, t0: float):
         self.args, self.log, self.say = args, log, say
-        self.t0 = time.perf_counter()
+        self.t0 = t0  # the process's start: --budget-s counts the model build too
         self.mismatches: list[dict] = []
         self.errors: list[str] = []
         self.skipped: list[str] = []
@@ -261,12 +266,13 @@ class Bench:
         self.say(json.dumps({k: v for k, v in row.items() if k != "harness"}, default=str))
         return row
 
-    def check(self, what: str, got, want) -> bool:
+    def check(self, what: str, got, want, B: int) -> bool:
+        """got == want token for token, else the mismatch is recorded and printed -> equal."""
         bad = compare(got, want)
         if bad:
-            self.mismatches.append({"run": what, "requests": bad})
-            self.say(f"!! MISMATCH: {what}: greedy output with speculation differs from without in {len(bad)} of "
-                     f"{len(want)} requests; first: {bad[0]}")
+            self.mismatches.append({"run": what, "B": B, "requests": bad})
+            self.say(f"!! MISMATCH: {what}: greedy output differs from the run without speculation in {len(bad)} "
+                     f"of {len(want)} requests; first: {bad[0]}")
         return not bad
 
     def guarded(self, what: str, fn, *a):
@@ -296,12 +302,12 @@ class Bench:
             if e2e:
                 first = []
                 row, out["tokens"] = timed(eng, prompts, a.gen, a.repeats, lambda t: first.append(t) if not first
-                                           else self.check(f"B={B} without speculation, repeated", t, first[0]))
+                                           else self.check(f"B={B} without speculation, repeated", t, first[0], B))
                 self.add({"part": "e2e", "method": "none", "scheduling": "async (default)", "a": None, **row})
                 out["peer"] = row
                 eng.config.async_scheduling = False  # speculation's mode: every step read back
                 row, _ = timed(eng, prompts, a.gen, a.repeats,
-                               lambda t: self.check(f"B={B} without speculation, sync vs async", t, out["tokens"]))
+                               lambda t: self.check(f"B={B} without speculation, sync vs async", t, out["tokens"], B))
                 eng.config.async_scheduling = True
                 self.add({"part": "e2e", "method": "none", "scheduling": "sync", "a": None, **row})
                 out["peer_sync"] = row
@@ -331,7 +337,7 @@ class Bench:
             with capture(owner, name, B, store, meta_at=meta_at):
                 _, toks = run(eng, prompts, a.capture_gen, [p + w for p, w in zip(prompts, peer["warm"])], h,
                               mtp=method == "mtp")
-            self.check(f"B={B} {method} warm-up (harness a=1, {a.capture_gen} tokens)", toks, peer["warm"])
+            self.check(f"B={B} {method} warm-up (harness a=1, {a.capture_gen} tokens)", toks, peer["warm"], B)
             if "args" not in store:
                 self.say(f"-- no {method} step with {B} rows captured")
             yield eng, h, store
@@ -353,7 +359,7 @@ class Bench:
                     h.reseed(a.seed * 100 + i)
                     oks = []
                     row, _ = timed(eng, prompts, a.gen, a.repeats,
-                                   lambda t: oks.append(self.check(f"B={B} {method} a={acc}", t, peer["tokens"])),
+                                   lambda t: oks.append(self.check(f"B={B} {method} a={acc}", t, peer["tokens"], B)),
                                    expected=expected, harness=h, mtp=method == "mtp")
                     ok = all(oks)
                     rows.append(self.add({
@@ -423,6 +429,32 @@ class Bench:
                           "decode_ms": peer.get("decode", {}).get("ms"),
                           "verify_over_decode": r["ms"] / peer["decode"]["ms"] if "decode" in peer else None})
 
+    def diagnose(self, target) -> None:
+        """After a mismatch: the run without speculation again with the top-2 log probabilities, at
+        the first differing position of up to 4 mismatched requests.  A speculative token that is
+        the runner-up of a near tie is bf16 rounding in another kernel (the verify computes k+1
+        positions in one pass, the decode one), not a wrong acceptance."""
+        from umem_jax import SamplingParams
+
+        cases = []
+        for m in self.mismatches:
+            for r in m["requests"]:
+                key = (m["B"], r["request"], r["position"], r["got"][0] if r["got"] else None)
+                if m["B"] in self.done and key not in cases:
+                    cases.append(key)
+        with engine(target, self.args) as eng:
+            for B, i, pos, spec_tok in cases[:4]:
+                sp = SamplingParams(temperature=0.0, max_tokens=pos + 1, ignore_eos=True, logprobs=2)
+                rid = eng.add_request(self.done[B][0][i], sp)
+                outs = {}
+                while eng.has_unfinished_requests():
+                    outs.update((o.request_id, o) for o in eng.step())
+                lp = outs[rid].outputs[0].logprobs[pos]
+                top = sorted(((t, v.logprob) for t, v in lp.items() if v.rank is not None), key=lambda x: -x[1])[:2]
+                self.add({"part": "diagnosis", "B": B, "request": i, "position": pos, "spec_token": spec_tok,
+                          "peer_top2": top, "margin_nats": top[0][1] - top[1][1] if len(top) > 1 else None,
+                          "spec_token_is_runner_up": len(top) > 1 and top[1][0] == spec_tok})
+
     def batch(self, models, B: int) -> None:
         target, draft, head = models
         prompts = self.prompts(B, target.config.vocab_size)
@@ -446,6 +478,8 @@ class Bench:
             for B in self.done:
                 if [k for k in self.args.extra_ks if k != self.args.k] and self.may(f"verify extra k at B={B}"):
                     self.guarded(f"verify extra k at B={B}", self.extra_ks, models, B)
+        if self.mismatches and self.may("diagnosis of the mismatches"):
+            self.guarded("diagnosis of the mismatches", self.diagnose, models[0])
 
 
 # ------------------------------------------------------------------------------ report
@@ -484,6 +518,13 @@ def print_tables(rows: list[dict], args, say) -> list[str]:
           fmt(r.get("mean_tokens_per_step"), ".2f"), r["decode_steps"], fmt(r.get("ratio_with_draft_est"), ".3f"),
           fmt(r.get("harness_us_per_call"), ".0f"),
           {True: "equal", False: "DIFFER", None: "-"}[r.get("outputs_equal")], mark(r)] for r in e2e]))
+    diag = [r for r in rows if r.get("part") == "diagnosis"]
+    if diag:
+        say("\n(!) mismatches: the run without speculation's top-2 log probabilities where the outputs first differ")
+        say(format_table(["B", "request", "position", "spec token", "peer top-2 (token, logprob)", "margin nats",
+                          "spec = runner-up"],
+                         [[r["B"], r["request"], r["position"], r["spec_token"], r["peer_top2"],
+                           fmt(r["margin_nats"], ".4f"), r["spec_token_is_runner_up"]] for r in diag]))
     verdicts = []
     for method in args.methods:
         got = {r["a"]: r for r in e2e if r["method"] == method and r["B"] == 1 and r["k"] == args.k}
@@ -520,12 +561,12 @@ def parse(argv):
                     "4 state slots of 51.5 MB each per request and the draft's K/V)")
     ap.add_argument("--page-size", type=int, default=None)
     ap.add_argument("--dtype", default=None, help="weights (default bfloat16; --small float32)")
-    ap.add_argument("--budget-s", type=float, default=None, help="no new part starts after this (default 400 s; "
-                    "a part takes up to ~1 min on the GPU)")
+    ap.add_argument("--budget-s", type=float, default=None, help="no new part starts this many seconds after the "
+                    "process started (default 380; a part takes up to ~1-2 min on the GPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     big = dict(batches=[1, 8, 64], e2e_batches=[1, 8], extra_ks=[1, 5], prompt=2048, gen=256, repeats=2, iters=20,
-               trials=3, arena_gib=28.0, page_size=16, dtype="bfloat16", budget_s=400.0)
+               trials=3, arena_gib=28.0, page_size=16, dtype="bfloat16", budget_s=380.0)
     small = dict(batches=[1, 2], e2e_batches=[1], extra_ks=[], prompt=24, gen=16, repeats=1, iters=3, trials=2,
                  arena_gib=0.004, page_size=4, dtype="float32", budget_s=600.0)
     for key, value in (small if args.small else big).items():
@@ -543,6 +584,7 @@ def parse(argv):
 
 
 def main(argv=None) -> int:
+    t0 = time.perf_counter()  # --budget-s counts JAX's start-up and the model build too
     args = parse(argv)
     import jax
 
@@ -562,7 +604,6 @@ def main(argv=None) -> int:
             logf.write(msg + "\n")
             logf.flush()
 
-    t0 = time.perf_counter()
     models = build_models(args)
     target, draft, head = models
     name = "qwen3.5-tiny (--small)" if args.small else "qwen3.5-4b-like + 1 MTP layer"
@@ -576,7 +617,8 @@ def main(argv=None) -> int:
         f"{meta['draft_params'] / 1e9:.3f}B, MTP head {meta['mtp_head_params'] / 1e9:.3f}B, k={args.k}, "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}; models built in {meta['models_built_s']} s")
     log = RowLog(str(out / "bench_speculative.json") if out else None, **meta)
-    bench = Bench(args, log, say)
+    bench = Bench(args, log, say, t0)
+    log.meta.update(mismatches=bench.mismatches, errors=bench.errors, skipped=bench.skipped)  # in every flush
     bench.main(models)
     verdicts = print_tables(log.rows, args, say)
     from umem_jax.bench.driver import compile_count
