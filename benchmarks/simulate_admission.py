@@ -65,13 +65,26 @@ def _first_chunk_only(self, req, after=None):  # --rule before: reserve outputs 
     return reserve_tokens(req, self.ratio, self.exact, after=req.num_tokens)
 
 
-def _head_fits(sch, dm, alloc, chunk: int) -> bool:
-    """Whether the first waiting request's first pass and reservations fit the arena now."""
+def _head_fits(sch, dm, alloc, chunk: int, batch) -> bool:
+    """Whether the first waiting request's first pass and reservations fit the arena now, priced
+    as the next schedule prices them: with the tokens `batch` sampled pending (as under async
+    scheduling), so its rows are decode-ready, and those that took their last token reserve
+    nothing.  (Read before the tokens are appended, a decode row looks like a prompt with one
+    token to compute: its exact reservation would be its own whole rest, not the decoders'
+    joint peak.)"""
     head = sch.waiting[0]
     end = min(head.num_tokens, chunk)
-    sch._reserved = None
-    need = dm.span(0, end) + dm.reservation(head, sch._reserve_tokens(head, after=end), after=end) + sch._reservations()
-    return dm.fits(alloc, need)
+    sampled = [row.req for row in batch.rows if row.sample]
+    for r in sampled:
+        r.num_pending += 1
+    try:
+        sch._reserved = None
+        need = dm.span(0, end) + dm.reservation(head, sch._reserve_tokens(head, after=end), after=end)
+        return dm.fits(alloc, need + sch._reservations())
+    finally:
+        for r in sampled:
+            r.num_pending -= 1
+        sch._reserved = None
 
 
 def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
@@ -117,7 +130,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
             util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
-            if not _head_fits(sch, dm, alloc, dm.chunk):
+            if not _head_fits(sch, dm, alloc, dm.chunk, b):
                 bound.append(util[-1])
         for row in b.rows:
             if row.sample:

@@ -268,3 +268,27 @@ def test_decode_peak_counts_what_finishing_requests_give_back():
     # the short one's 4 pages come back after step 1 (it takes none: its last token is on page 4)
     assert both.token_pages == alone.token_pages - 4
     assert dm.decode_peak([], []).empty
+
+
+def test_window_pages_beyond_token_pages_are_priced():
+    """decode_peak takes each sub-pool's peak on its own, so a window may need more new pages than
+    the full sub-pool (a finishing request gives back many full pages, few window pages): fits()
+    must ask the window band for all of them, as binding window pages to existing ids takes them."""
+    def filled():
+        """An arena full of token pages without window pages, 20 of them freed again."""
+        _p, live, dm = arena(1 << 19)
+        none = {n: 0 for n, _ in dm.windows}
+        vids = []
+        for n in (8, 1):
+            while (v := live.alloc_token_pages(n, none)) is not None:
+                vids += v.tolist()
+        live.free_token_pages(vids[:20])
+        return live, dm, vids[20:], dm.windows[0][0]
+
+    answers = []
+    for k in range(1, 16):
+        live, dm, vids, name = filled()
+        d = Demand(0, {n: (k if n == name else 0) for n, _ in dm.windows}, 0)
+        answers.append(dm.fits(live, d))
+        assert answers[-1] == live.bind_window_pages(vids[:k], name), k
+    assert answers[0] and not answers[-1]  # both answers occur

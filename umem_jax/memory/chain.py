@@ -162,8 +162,15 @@ class ChainAllocator:
 
     def can_fit(self, token_pages: int = 0, state_slots: int = 0, window_pages: dict[str, int] | None = None) -> bool:
         """Whether allocating token_pages (with window_pages as in alloc_token_pages) and
-        state_slots together succeeds now, through the shortfall ladder if needed."""
+        state_slots together succeeds now, through the shortfall ladder if needed.  A window may
+        ask more pages than token_pages: the rest are pages for ids that exist now (a priced
+        future demand, DemandModel.decode_peak, whose window pages outgrow what finishing
+        requests give back while their full pages do not)."""
         demands = self._token_demands(token_pages, window_pages) if token_pages > 0 else {}
+        for name, pages in (window_pages or {}).items():
+            i = self._window_index(name)
+            if pages > demands.get(i, 0):
+                demands[i] = int(pages)
         if state_slots > 0:
             if self._state is None:
                 return False
