@@ -242,6 +242,9 @@ def compare(got: list[list[int]], want: list[list[int]]) -> list[dict]:
 
 
 class Bench:
+    """The parts in priority order under one time budget; each row goes to the RowLog (and the
+    console) as soon as it is measured, each configuration's failure is caught and recorded."""
+
     def __init__(self, args, log: RowLog, say, t0: float):
         self.args, self.log, self.say = args, log, say
         self.t0 = t0  # the process's start: --budget-s counts the model build too
@@ -271,8 +274,8 @@ class Bench:
         bad = compare(got, want)
         if bad:
             self.mismatches.append({"run": what, "B": B, "requests": bad})
-            self.say(f"!! MISMATCH: {what}: greedy output differs from the run without speculation in {len(bad)} "
-                     f"of {len(want)} requests; first: {bad[0]}")
+            self.say(f"!! MISMATCH: {what}: greedy output differs from the reference run in {len(bad)} of "
+                     f"{len(want)} requests; first: {bad[0]}")
         return not bad
 
     def guarded(self, what: str, fn, *a):
@@ -291,8 +294,9 @@ class Bench:
         return [rng.integers(10, vocab - 1, self.args.prompt).tolist() for _ in range(B)]
 
     def without(self, target, B: int, prompts) -> dict | None:
-        """The peer: warm-up (captures the decode step), then (e2e) async and sync runs, then
-        the decode step replayed -> {"warm": warm-up tokens, "tokens": e2e tokens, "decode_ms"}."""
+        """The peer: warm-up (captures the decode step), then (B in --e2e-batches) the timed runs
+        with async scheduling and without, then the decode step replayed -> {"warm": the warm-up's
+        tokens, "tokens": the e2e tokens, "peer" / "peer_sync": their rows, "decode": the replay's}."""
         a, e2e = self.args, B in self.args.e2e_batches
         out = {}
         with engine(target, a) as eng:
@@ -553,7 +557,7 @@ def parse(argv):
     ap.add_argument("--extra-ks", type=ints, default=None, help="(1) also at these k, last (default 1,5)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens = the context of (1), (2) (default 2048)")
     ap.add_argument("--gen", type=int, default=None, help="output tokens per request in (3) (default 256)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs of each (3) row, median tok/s (default 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs of each (3) row, median tok/s (default 3)")
     ap.add_argument("--kernel-impl", default=None, help="pallas | reference (default: the engine's: pallas on a GPU)")
     ap.add_argument("--iters", type=int, default=None, help="back-to-back calls per replay trial (default 20)")
     ap.add_argument("--trials", type=int, default=None, help="replay trials, median (default 3)")
@@ -565,7 +569,7 @@ def parse(argv):
                     "process started (default 380; a part takes up to ~1-2 min on the GPU)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    big = dict(batches=[1, 8, 64], e2e_batches=[1, 8], extra_ks=[1, 5], prompt=2048, gen=256, repeats=2, iters=20,
+    big = dict(batches=[1, 8, 64], e2e_batches=[1, 8], extra_ks=[1, 5], prompt=2048, gen=256, repeats=3, iters=20,
                trials=3, arena_gib=28.0, page_size=16, dtype="bfloat16", budget_s=380.0)
     small = dict(batches=[1, 2], e2e_batches=[1], extra_ks=[], prompt=24, gen=16, repeats=1, iters=3, trials=2,
                  arena_gib=0.004, page_size=4, dtype="float32", budget_s=600.0)
