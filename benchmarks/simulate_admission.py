@@ -25,7 +25,9 @@ others their whole remaining life); `--no-exact` turns that off
 Utilization is reported twice: the mean over the samples with requests waiting while fewer than
 max_num_seqs run (what bench_serving's figure also counts), and the median over the samples where
 the first waiting request's admission does not fit the arena -- only there is memory what holds
-it back; at the others the prefill token budget or the prefill streak does.
+it back; at the others the prefill token budget or the prefill streak does.  "reserved" is the
+mean, over those samples, of the running requests' reservations (fraction of the arena): free
+bytes already spoken for.
 
 This is a script of its own, not a mode of bench_serving: it runs no model and no device, its
 times and tok/s are a cost model's (only ratios within one table mean anything), and its flags
@@ -65,8 +67,9 @@ def _first_chunk_only(self, req, after=None):  # --rule before: reserve outputs 
     return reserve_tokens(req, self.ratio, self.exact, after=req.num_tokens)
 
 
-def _head_fits(sch, dm, alloc, chunk: int, batch) -> bool:
-    """Whether the first waiting request's first pass and reservations fit the arena now, priced
+def _head_fits(sch, dm, alloc, chunk: int, batch) -> tuple[bool, int]:
+    """Whether the first waiting request's first pass and reservations fit the arena now, and
+    the bytes the running requests' reservations hold back (what is free but spoken for), priced
     as the next schedule prices them: with the tokens `batch` sampled pending (as under async
     scheduling), so its rows are decode-ready, and those that took their last token reserve
     nothing.  (Read before the tokens are appended, a decode row looks like a prompt with one
@@ -80,7 +83,8 @@ def _head_fits(sch, dm, alloc, chunk: int, batch) -> bool:
     try:
         sch._reserved = None
         need = dm.span(0, end) + dm.reservation(head, sch._reserve_tokens(head, after=end), after=end)
-        return dm.fits(alloc, need + sch._reservations())
+        reserved = sch._reservations()
+        return dm.fits(alloc, need + reserved), dm.bytes(reserved)
     finally:
         for r in sampled:
             r.num_pending -= 1
@@ -102,7 +106,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         sch._reserve_tokens = _first_chunk_only.__get__(sch)
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
-    t, i, out_tokens, steps, peak, util, refused, clipped, bound = 0.0, 0, 0, 0, 0, [], 0, 0, []
+    t, i, out_tokens, steps, peak, util, refused, clipped, bound, reserved = 0.0, 0, 0, 0, 0, [], 0, 0, [], []
     while i < len(pending) or sch.has_work():
         while i < len(pending) and pending[i].arrival_s <= t:
             r = pending[i]
@@ -130,8 +134,10 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
             util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
-            if not _head_fits(sch, dm, alloc, dm.chunk, b):
+            fits, held_back = _head_fits(sch, dm, alloc, dm.chunk, b)
+            if not fits:
                 bound.append(util[-1])
+                reserved.append(held_back / u.total_bytes)
         for row in b.rows:
             if row.sample:
                 row.req.output_token_ids.append(7)
@@ -145,7 +151,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 split=dict(zip(("live", "holes", "free", "sink"), np.mean(util, axis=0).tolist())) if util else None,
                 refused=refused, clipped=clipped,
                 util_bound=float(np.median([b[0] for b in bound])) if bound else None,
-                split_bound=dict(zip(("live", "holes", "free", "sink"), np.mean(bound, axis=0).tolist())) if bound else None)
+                split_bound=dict(zip(("live", "holes", "free", "sink"), np.mean(bound, axis=0).tolist())) if bound else None,
+                reserved_bound=float(np.mean(reserved)) if bound else None)
 
 
 def main(argv=None) -> int:
@@ -210,8 +217,8 @@ def run(argv=None) -> list[dict]:
                   f"{'-' if r['util'] is None else format(r['util'], '.2f')}"
                   + ("" if r["split"] is None else " (holes {holes:.3f}, free gap {free:.3f}, sink {sink:.3f})"
                      .format(**r["split"]))
-                  + ("" if r["util_bound"] is None else "; memory-bound median {:.3f} (sink {:.3f})"
-                     .format(r["util_bound"], r["split_bound"]["sink"]))
+                  + ("" if r["util_bound"] is None else "; memory-bound median {:.3f} (sink {:.3f}, reserved {:.3f})"
+                     .format(r["util_bound"], r["split_bound"]["sink"], r["reserved_bound"]))
                   + (f"  refused {r['refused']} (too long for the split)" if r["refused"] else "")
                   + (f"  clipped {r['clipped']}" if r["clipped"] else ""), flush=True)
     return rows
