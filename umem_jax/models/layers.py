@@ -98,7 +98,11 @@ class Embedding(nnx.Module):
         return jnp.take(self.weight[...], ids, axis=0)
 
     def attend(self, h: jax.Array) -> jax.Array:
-        return jnp.einsum("...d,vd->...v", h, self.weight[...])
+        """h [..., d] -> fp32 logits [..., V], accumulated and returned in fp32: logits rounded to
+        bf16 tie exactly (8 mantissa bits: steps of 1/32 near |8|), and a tie's winner then
+        depends on which kernel computed the hidden state (a speculative verify and a decode step
+        picked different tokens of a bf16 tie on the H200, benchmarks/RESULTS.md)."""
+        return jnp.einsum("...d,vd->...v", h, self.weight[...], preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):
