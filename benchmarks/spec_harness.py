@@ -65,7 +65,7 @@ class Harness:
 
         k = self.k
 
-        def propose(batch, lay, meta, prev, spec_lens, dparams):
+        def propose(batch, lay, meta, prev, spec_lens):
             t0 = time.perf_counter()
             d = np.zeros((lay.B, k), np.int32)
             for i, row in enumerate(batch.rows):

@@ -33,6 +33,26 @@ def compile_count() -> int:
     return len(_compiles)
 
 
+def compiled_steps(caplog, run) -> list[str]:
+    """run() with JAX's compile log on -> the names of the jitted functions it compiled, the
+    allocator's page moves left out (a small jit of its own, compiled per move count)."""
+    import logging
+    import re
+
+    old = jax.config.jax_log_compiles
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            caplog.clear()
+            outs = run()
+    finally:
+        jax.config.update("jax_log_compiles", old)
+    pattern = re.compile(r"Compiling (?:jit\()?([\w.<>]+)")
+    names = [m.group(1) for r in caplog.records if (m := pattern.match(r.getMessage()))]
+    assert outs is not None
+    return [n for n in names if n != "move_pages"]
+
+
 def llm(**overrides):
     from umem_jax import LLM
 

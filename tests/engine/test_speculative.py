@@ -16,7 +16,7 @@ import pytest
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _engine_utils import assert_idle_clean, prompts  # noqa: E402
+from _engine_utils import assert_idle_clean, compiled_steps, prompts  # noqa: E402
 
 from umem_jax import LLM, SamplingParams  # noqa: E402
 from umem_jax.runner.acceptance import accept, row_probs  # noqa: E402
@@ -208,3 +208,20 @@ def test_draft_model_hits_are_unchanged_by_speculation():
         hits.append([llm.generate([w], params)[0].num_cached_tokens for w in (a, b, c, a)])
         assert_idle_clean(llm)
     assert hits[0] == hits[1] == [0, 0, 32, 44], hits
+
+
+def test_warmup_compiles_what_speculation_launches(caplog):
+    """After LLMEngine.warmup a speculative run compiles no step: the warm-up lowers what the
+    Speculator launches (the draft's jit_draft and the target's jit_verify for a decode shape,
+    jit_prefill for a prefill shape), not the plain step.  (The allocator's page moves are a
+    separate small jit that may compile for a new move count.)"""
+    target = _model("tiny-attention")
+    spec = {"method": "draft", "model": _perturbed("tiny-attention"), "num_speculative_tokens": K}
+    llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
+    eng = llm.llm_engine
+    shapes = eng.reachable_shapes()
+    assert eng.warmup() == len(shapes) + sum(s[1] == 1 for s in shapes)  # a decode shape: two executables
+    assert compiled_steps(caplog, lambda: llm.generate(_workload(target.config.vocab_size)[:3],
+                                                       SamplingParams(temperature=0, max_tokens=8))) == []
+    assert eng.stats()["speculative"]["num_verify_rows"] > 0
+    assert_idle_clean(llm)

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _engine_utils import assert_idle_clean, prompts  # noqa: E402
+from _engine_utils import assert_idle_clean, compiled_steps, prompts  # noqa: E402
 from _mtp_fixtures import FIXTURES, write_mtp_checkpoint  # noqa: E402
 from _mtp_oracle import DenseOracle, check_drafts, check_head_entries  # noqa: E402
 
@@ -322,3 +322,17 @@ def test_decode_step_updates_the_arena_in_place(ckpt):
                                     np.zeros((B, K), np.int32), states, layout=lay, target=verify, head=head).compile()
         temps.append(check_in_place(compiled, r.arena, max_temp_bytes=1 << 30)["temp_bytes"])
     assert temps[1] == temps[0], temps
+
+
+def test_warmup_compiles_what_mtp_launches(ckpt, caplog):
+    """After LLMEngine.warmup an MTP run compiles no step: the warm-up lowers the MTP speculator's
+    jit_prefill (target + head chain) and jit_decode (verify + head catch-up), not the plain step."""
+    llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, speculative_config={"method": "mtp",
+              "num_speculative_tokens": K}, **SHAPES)
+    eng = llm.llm_engine
+    assert eng.warmup() == len(eng.reachable_shapes())
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    work = _workload(eng.model.config.vocab_size)[:3]
+    assert compiled_steps(caplog, lambda: _generate(eng, work, params)) == []
+    assert eng.stats()["speculative"]["num_verify_rows"] > 0
+    assert_idle_clean(llm)

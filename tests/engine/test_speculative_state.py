@@ -60,7 +60,7 @@ def _oracle(speculator, expected: dict, vocab: int, seed: int = 0):
     """A harness proposer: the target's greedy continuation of each row, WRONG of it corrupted."""
     rng = np.random.default_rng(seed)
 
-    def propose(batch, lay, meta, prev, spec_lens, dparams):
+    def propose(batch, lay, meta, prev, spec_lens):
         drafts = np.zeros((lay.B, K), np.int32)
         for i, row in enumerate(batch.rows):
             seq = expected[tuple(row.req.prompt_token_ids)]

@@ -48,6 +48,7 @@ from .acceptance import ONEHOT
 from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel
 from .sampler import sample
 from .speculative import SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch
+from .xla_log import quiet_xla_alarms
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -182,16 +183,15 @@ class MTPSpeculator(Speculator):
     def launch(self, batch: ScheduledBatch, prev) -> Launched:
         r = self.runner
         lay, meta, _ = r.prepare(batch)
-        tleaves, hleaves, prefill, verify, head = self._leaves()
         prev = r.prev_tokens if prev is None else prev
         if batch.kind == "decode":
-            return self._decode_mtp(batch, lay, meta, prev, tleaves, hleaves, verify, head)
+            return self._decode_mtp(batch, lay, meta, prev)
         nxt = np.full(lay.B, -1, np.int32)
         for i, row in enumerate(batch.rows):
             if not row.sample:  # a prompt's chunk before its last: the next token is the prompt's
                 nxt[i] = row.req.token_ids(row.end, row.end + 1)[0]
-        tokens, drafts, r.arena = jit_prefill(tleaves, hleaves, r.arena, meta, prev, nxt, layout=lay, target=prefill,
-                                              head=head, k=self.k)
+        with quiet_xla_alarms(r._compiles):  # a shape warm-up left out compiles here, on demand
+            tokens, drafts, r.arena = self._prefill_mtp(jit_prefill, lay, meta, prev, nxt)
         r.prev_tokens = tokens
         drafts = np.asarray(drafts)  # speculation reads every step back at once anyway
         for i, row in enumerate(batch.rows):
@@ -200,7 +200,28 @@ class MTPSpeculator(Speculator):
                 row.req.mark_pending(i)
         return Launched(batch, tokens)
 
-    def _decode_mtp(self, batch, lay, meta, prev, tleaves, hleaves, verify, head) -> SpecLaunched:
+    def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
+        """What `launch` runs for a batch of layout `lay`, traced and lowered for the runner's
+        arena (Runner.precompile compiles it): one jit_prefill or one jit_decode."""
+        prev = self.runner.prev_tokens
+        if not decode:
+            return [self._prefill_mtp(jit_prefill.lower, lay, lay.template, prev, np.full(lay.B, -1, np.int32))]
+        zeros = np.zeros(lay.B, np.int32)
+        return [self._decode_call(jit_decode.lower, lay, lay.template, prev, zeros,
+                                  np.zeros((lay.B, self.k), np.int32), self._states(lay))]
+
+    # The jitted calls' arguments in one place for the launch (fn: the jitted function) and for
+    # `lower` (fn: its .lower): a warm-up compiles exactly what a launch finds in the cache.
+    def _prefill_mtp(self, fn, lay, meta, prev, nxt):
+        tleaves, hleaves, prefill, _, head = self._leaves()
+        return fn(tleaves, hleaves, self.runner.arena, meta, prev, nxt, layout=lay, target=prefill, head=head, k=self.k)
+
+    def _decode_call(self, fn, lay, meta, prev, spec, drafts, states):
+        tleaves, hleaves, _, verify, head = self._leaves()
+        return fn(tleaves, hleaves, self.runner.arena, meta, prev, spec, drafts, states, layout=lay, target=verify,
+                  head=head)
+
+    def _decode_mtp(self, batch, lay, meta, prev) -> SpecLaunched:
         """The rows verify the drafts they carry, at most their scheduled spec_lens (batch.spec_lens
         is lowered to what is verified: the state commit and the stats read it)."""
         r = self.runner
@@ -212,9 +233,9 @@ class MTPSpeculator(Speculator):
             spec[i], drafts[i, :s] = s, held[:s]
             batch.spec_lens[i] = s
         t0 = time.perf_counter()
-        out, r.arena = jit_decode(tleaves, hleaves, r.arena, meta, prev, spec, drafts, self._states(batch, lay),
-                                  layout=lay, target=verify, head=head)
-        out.block_until_ready()
+        with quiet_xla_alarms(r._compiles):
+            out, r.arena = self._decode_call(jit_decode, lay, meta, prev, spec, drafts, self._states(lay, batch))
+            out.block_until_ready()
         dt = time.perf_counter() - t0
         self.verify_s += dt
         for i, row in enumerate(batch.rows):

@@ -180,10 +180,11 @@ class Runner:
                               model=self._step_model)
 
     def precompile(self, shapes, threads: int = 8, sampling=("greedy",)) -> int:
-        """Compile step shapes ahead of use -> how many.  shapes: (B, T, P, checkpoints per row)
-        tuples, each compiled in every sampler mode of `sampling` (sampler.MODES; a step whose
-        rows need a mode that was not compiled runs in a compiled mode that covers it, else
-        compiles).
+        """Compile step shapes ahead of use -> how many executables.  shapes: (B, T, P,
+        checkpoints per row) tuples (T=1: decode), each compiled in every sampler mode of
+        `sampling` (sampler.MODES; a step whose rows need a mode that was not compiled runs in a
+        compiled mode that covers it, else compiles).  With a speculator, what it launches for
+        the shape instead (`Speculator.lower`: a draft model's decode is two jitted calls).
 
         Each shape is traced and lowered here (Python, one at a time), then XLA compiles them on
         `threads` threads at once (compilation releases the GIL; a 4B model's step takes tens of
@@ -196,7 +197,10 @@ class Runner:
         for b, t, p, checkpoints_per_row in shapes:
             for mode in sampling:
                 lay = self.layout(b, t, p, False, checkpoints_per_row, mode)
-                lowered.append(self.lower(lay))
+                if self.speculator is not None:  # as `launch` hands it every batch
+                    lowered += self.speculator.lower(lay, decode=t == 1)
+                else:
+                    lowered.append(self.lower(lay))
                 self._ready.add(lay)
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))

@@ -36,6 +36,7 @@ from ..core.batch import Batch
 from ..core.scheduled_batch import ScheduledBatch
 from .acceptance import accept, draw, row_probs
 from .runner import Launched, Runner, StepModel, step
+from .xla_log import quiet_xla_alarms
 
 _DRAFT_TAG, _ACCEPT_TAG, _RESIDUAL_TAG = 0x5EED01, 0x5EED02, 0x5EED03
 
@@ -193,51 +194,78 @@ class Speculator:
         r = self.runner
         rows = batch.rows
         lay, meta, counts = r.prepare(batch)
-        (params, target), dparams = r.params_leaves(), self._draft_leaves()
         prev = r.prev_tokens if prev is None else prev
         if batch.kind != "decode":
-            tokens, r.arena = jit_prefill(params, dparams, r.arena, meta, prev, counts, layout=lay,
-                                          model=target, draft=self._draft_model)
+            with quiet_xla_alarms(r._compiles):  # a shape warm-up left out compiles here, on demand
+                tokens, r.arena = self._prefill(jit_prefill, lay, meta, prev, counts)
             r.prev_tokens = tokens
             for i, row in enumerate(rows):
                 if row.sample:
                     row.req.mark_pending(i)
             return Launched(batch, tokens)
-        return self._decode(batch, lay, meta, prev, params, dparams)
+        return self._decode(batch, lay, meta, prev)
 
-    def propose(self, batch, lay, meta, prev, spec_lens, dparams):
+    def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
+        """What `launch` runs for a batch of layout `lay`, traced and lowered (not compiled) for
+        the runner's arena, as Runner.lower is for the plain step (Runner.precompile compiles
+        them): a prefill's jit_prefill, or a decode's jit_draft (as `propose` launches it) and
+        jit_verify (given the draft's output shapes).  Nothing runs: the arena is donated."""
+        prev, spec = self.runner.prev_tokens, np.zeros(lay.B, np.int32)
+        if not decode:
+            return [self._prefill(jit_prefill.lower, lay, lay.template, prev, None)]
+        draft = self._draft_call(jit_draft.lower, lay, lay.template, prev, spec)
+        drafts, q, _ = draft.out_info
+        return [draft, self._verify_call(jit_verify.lower, lay, lay.template, prev, spec, drafts, q, self._states(lay))]
+
+    # The jitted calls' arguments, each in one place for the launch (fn: the jitted function) and
+    # for `lower` (fn: its .lower): a warm-up compiles exactly what a launch finds in the cache.
+    def _prefill(self, fn, lay, meta, prev, counts):
+        (params, target), dparams = self.runner.params_leaves(), self._draft_leaves()
+        return fn(params, dparams, self.runner.arena, meta, prev, counts, layout=lay, model=target,
+                  draft=self._draft_model)
+
+    def _draft_call(self, fn, lay, meta, prev, spec_lens):
+        dparams = self._draft_leaves()
+        return fn(dparams, self.runner.arena, meta, prev, spec_lens, layout=lay, draft=self._draft_model, k=self.k)
+
+    def _verify_call(self, fn, lay, meta, prev, spec_lens, drafts, q, states):
+        params, _ = self.runner.params_leaves()
+        return fn(params, self.runner.arena, meta, prev, spec_lens, drafts, q, states, layout=lay, model=self._verify())
+
+    def propose(self, batch, lay, meta, prev, spec_lens):
         """The draft's k tokens per row -> (drafts [B, k] int32, q [B, k, V] or None); the draft's
         K/V of t0, d_1..d_k is written.  (A test harness may stand in for it.)"""
-        drafts, q, self.runner.arena = jit_draft(dparams, self.runner.arena, meta, prev, spec_lens, layout=lay,
-                                                 draft=self._draft_model, k=self.k)
+        drafts, q, self.runner.arena = self._draft_call(jit_draft, lay, meta, prev, spec_lens)
         return drafts, q
 
-    def _states(self, batch, lay):
+    def _states(self, lay, batch=None):
         """Where the verify keeps the state after each verified position (target with recurrent
         state): (positions, physical slots) [B, k], row b's j-th in its slot slots[1 + j] (the
-        request's speculative slots, priced by the demand model); None without state."""
+        request's speculative slots, priced by the demand model; batch None: all padding, -1 /
+        the sink); None without state."""
         r = self.runner
         if not r.has_state:
             return None
         pos = np.full((lay.B, self.k), -1, np.int32)
         ids = np.full((lay.B, self.k), -1, np.int32)
-        for i, (row, s) in enumerate(zip(batch.rows, batch.spec_lens or [0] * len(batch.rows))):
+        rows = batch.rows if batch is not None else []
+        for i, (row, s) in enumerate(zip(rows, (batch.spec_lens if batch is not None else None) or [0] * len(rows))):
             if s:
                 pos[i, :s] = np.arange(1, s + 1)
                 ids[i, :s] = row.req.slots[1:1 + s]
         return pos, r.allocator.translate_slots(ids.reshape(-1)).reshape(lay.B, self.k).astype(np.int32)
 
-    def _decode(self, batch, lay, meta, prev, params, dparams) -> SpecLaunched:
+    def _decode(self, batch, lay, meta, prev) -> SpecLaunched:
         r = self.runner
         spec = np.zeros(lay.B, np.int32)
         spec[: len(batch.rows)] = batch.spec_lens or 0
         t0 = time.perf_counter()
-        drafts, q = self.propose(batch, lay, meta, prev, spec, dparams)
-        drafts.block_until_ready()
-        t1 = time.perf_counter()
-        out, r.arena = jit_verify(params, r.arena, meta, prev, spec, drafts, q, self._states(batch, lay), layout=lay,
-                                  model=self._verify())
-        out.block_until_ready()
+        with quiet_xla_alarms(r._compiles):
+            drafts, q = self.propose(batch, lay, meta, prev, spec)
+            drafts.block_until_ready()
+            t1 = time.perf_counter()
+            out, r.arena = self._verify_call(jit_verify, lay, meta, prev, spec, drafts, q, self._states(lay, batch))
+            out.block_until_ready()
         t2 = time.perf_counter()
         self.draft_s += t1 - t0
         self.verify_s += t2 - t1
