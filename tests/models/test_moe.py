@@ -331,9 +331,11 @@ def test_rows_path_padding_rows_do_not_touch_valid_rows(monkeypatch):
 
 
 def test_few_rows_dispatch_default_and_rows(monkeypatch):
-    """The default stays "gather" (the rows kernel is not yet measured on the GPU); with
-    FEW_ROWS_PATH = "rows" up to ROWS_MAX rows run the kernel, then gather, then the sort."""
-    assert moe_lib.FEW_ROWS_PATH == "gather"
+    """The default is the backend's choice (None: the rows kernel on a GPU, where it beat the
+    gather at every measured row count up to ROWS_MAX, gather elsewhere); with FEW_ROWS_PATH =
+    "rows" up to ROWS_MAX rows run the kernel, then gather, then the sort."""
+    assert moe_lib.FEW_ROWS_PATH is None and moe_lib.ROWS_MAX == 16
+    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "gather")
     m = build(CONFIGS["qwen_softmax"], seed=81)  # top_k 2
     graphdef, state = nnx.split(m)
 

@@ -49,9 +49,12 @@ GATHER_ROWS = 8
 # The few-rows path: "gather" (above), "rows" (the Pallas expert GEMV of
 # pallas_kernels/expert_gemv.py: each chosen expert's matrices read once, in place, on a grid wide
 # enough to keep HBM busy; interpreted off the GPU), or None: "rows" on a GPU, "gather" elsewhere.
-# Default "gather" on every backend, the GPU included: "rows" is NOT YET MEASURED on the H200
-# (benchmarks/RESULTS.md, MoE, "to run next").  Set None only once it beats gather there.
-FEW_ROWS_PATH = "gather"
+# Measured on the H200 (bench_moe --only decode, 2026-12-04, whole MoE block): up to 16 rows the
+# kernel was fastest at every row count, gpt-oss-20b 97 / 100 / 162 us at 1 / 2 / 4 tokens (gather
+# 190 / 298 / 563, the Pallas grouped matmul 112 / 124 / 190), Qwen3.5-35B-A3B-like 93 / 74 us at
+# 1 / 2 tokens (gather 93 / 87, grouped 123 / 227); at 32 rows it was 3-4x slower than both
+# (403 us vs 122 / 101), hence ROWS_MAX.
+FEW_ROWS_PATH = None
 # With FEW_ROWS_PATH = "rows": the rows path serves up to this many (token, expert) rows (the
 # kernel takes up to expert_gemv.MAX_ROWS; it reads only the distinct experts, where gather's
 # copies grow with every row).
