@@ -181,6 +181,49 @@ def test_unsupported_pairs_are_refused_with_the_reason():
             speculative_config={"model": "tiny-attention"})
 
 
+def _logprob_table(out):
+    """Per output token: (token, its logprob, its rank, [(id, logprob) of the top ones by rank])."""
+    rows = []
+    for t, d in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        top = sorted((v.rank, i, v.logprob) for i, v in d.items() if i != t or v.rank is not None)
+        rows.append((t, d[t].logprob, d[t].rank, [(i, lp) for _, i, lp in top]))
+    return rows
+
+
+@pytest.mark.parametrize("draft", ["self", "perturbed"])
+def test_logprobs_with_speculation_are_logprobs_without(draft):
+    """Every emitted token's logprobs (the chosen one, its rank, the top 3) equal the run without
+    speculation's: accepted drafts, corrections and bonus tokens alike, the prefill's first token too."""
+    target = _model("tiny-attention")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
+    work = _workload(target.config.vocab_size)[:3]
+    want = LLM(target, arena_bytes=250 << 10, **SPEC).generate(work, params)
+    d = target if draft == "self" else _perturbed("tiny-attention")
+    llm = LLM(target, arena_bytes=250 << 10, **SPEC,
+              speculative_config={"model": d, "num_speculative_tokens": K})
+    got = llm.generate(work, params)
+    s = llm.llm_engine.stats()["speculative"]
+    assert s["mean_accepted_length"] > (2.5 if draft == "self" else 0.0), s
+    for g, w in zip(got, want):
+        assert g.error is None and g.outputs[0].token_ids == w.outputs[0].token_ids
+        gl, wl = _logprob_table(g), _logprob_table(w)
+        assert len(gl) == MAX_TOKENS == len(wl)
+        for (gt, glp, grank, gtop), (wt, wlp, wrank, wtop) in zip(gl, wl):
+            assert gt == wt and grank == wrank == 1 and [i for i, _ in gtop] == [i for i, _ in wtop]
+            np.testing.assert_allclose([glp] + [v for _, v in gtop], [wlp] + [v for _, v in wtop], rtol=1e-4, atol=1e-4)
+        assert g.outputs[0].cumulative_logprob == pytest.approx(w.outputs[0].cumulative_logprob, abs=1e-3)
+    assert_idle_clean(llm)
+
+
+def test_best_of_is_refused_per_request():
+    llm = LLM(_model("tiny-attention"), arena_bytes=160 << 10, **SPEC,
+              speculative_config={"model": _model("tiny-attention"), "num_speculative_tokens": K})
+    with pytest.raises(ValueError, match="best_of=3: not supported with speculative decoding"):
+        llm.generate([[5, 6, 7]], SamplingParams(best_of=3, temperature=0.8, max_tokens=4))
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # the engine goes on
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
 def test_penalties_are_refused_per_request():
     llm = LLM(_model("tiny-attention"), arena_bytes=160 << 10, **SPEC,
               speculative_config={"model": _model("tiny-attention"), "num_speculative_tokens": K})

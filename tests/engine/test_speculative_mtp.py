@@ -336,3 +336,31 @@ def test_warmup_compiles_what_mtp_launches(ckpt, caplog):
     assert compiled_steps(caplog, lambda: _generate(eng, work, params)) == []
     assert eng.stats()["speculative"]["num_verify_rows"] > 0
     assert_idle_clean(llm)
+
+
+def test_logprobs_with_mtp_are_logprobs_without(ckpt):
+    """Every emitted token's logprobs under method mtp (prefill and verify steps) equal the run
+    without speculation's, through chunked prefill; the harness makes most drafts right."""
+    from umem_jax.models.loader import load_model
+    from umem_jax.models.mtp import load_head
+
+    path = ckpt("qwen3_5_tiny")
+    target = load_model(path)
+    oracle = DenseOracle(target, load_head(target))
+    work = _workload(target.config.vocab_size)[:2]
+    want_tokens = [oracle.greedy(p, MAX_TOKENS) for p in work]
+    expected = {tuple(p): list(p) + w for p, w in zip(work, want_tokens)}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    plain = LLM(str(path), arena_bytes=1 << 20, **SHAPES).llm_engine
+    want = _generate(plain, work, params)
+    llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+              **SHAPES)
+    rng, given = np.random.default_rng(1), {}
+    got = _generate(llm.llm_engine, work, params, None, lambda e: _harness(e, expected, None, [], rng, given))
+    assert llm.llm_engine.stats()["speculative"]["mean_accepted_length"] > 0.5
+    for g, w in zip(got, want):
+        assert g.error is None and list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids)
+        for t, gd, wd in zip(g.outputs[0].token_ids, g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert set(gd) == set(wd) and gd[t].rank == wd[t].rank
+            np.testing.assert_allclose([gd[i].logprob for i in wd], [wd[i].logprob for i in wd], rtol=1e-4, atol=1e-4)
+    assert_idle_clean(llm)

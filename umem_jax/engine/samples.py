@@ -75,10 +75,9 @@ class Samples:
         ValueError, changing nothing, for what the engine cannot do."""
         eng, p = self.engine, req.params
         wants = num_logprobs(p)
-        if wants is not None and getattr(eng, "spec_stats", None) is not None:
-            field = "logprobs" if p.logprobs is not None else "best_of"
-            raise ValueError(f"{field}={getattr(p, field)}: not supported with speculative decoding yet (a verify "
-                             "step emits several tokens per row)")
+        if (p.best_of or 1) > 1 and getattr(eng, "spec_stats", None) is not None:
+            raise ValueError(f"best_of={p.best_of}: not supported with speculative decoding yet (it samples "
+                             "several sequences per request)")
         req.record_logprobs(wants)
         req.siblings = []
         for i in range(1, p.num_samples):

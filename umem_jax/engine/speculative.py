@@ -35,7 +35,8 @@ whose vocabulary differs from the target's, a draft layer whose geometry differs
 target's sub-pool of the same lifetime, method "mtp" on a target without MTP layers (or a
 checkpoint without their weights, or with more than one), tensor parallelism,
 max_num_batched_tokens < k+1.  Per request: penalties (they count every output token, verified
-positions included), logprobs, n > 1.
+positions included), n > 1 and best_of.  Logprobs are every emitted token's, from the verify's
+raw logits at its position (as a plain step reports them: before bans and sampling).
 """
 
 from __future__ import annotations
@@ -147,8 +148,6 @@ def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]
 
 def check_request(req_params, spec) -> None:
     """Per-request refusals under speculation (ValueError, nothing queued)."""
-    if spec is not None and getattr(req_params, "logprobs", None) is not None:
-        raise ValueError("logprobs with speculative decoding are not supported yet")
     if spec is not None and getattr(req_params, "n", 1) > 1:
         raise ValueError("n > 1 with speculative decoding is not supported yet")
     if spec is not None and req_params.has_penalties:
@@ -200,6 +199,7 @@ def apply_verify(engine, launched) -> list:
     the requests that finished."""
     try:
         out = np.asarray(launched.tokens)
+        lp = None if launched.logprobs is None else [np.asarray(x) for x in launched.logprobs]  # [B, k+1, ...]
     except Exception as e:
         raise EngineDeadError(f"a step's tokens could not be read back (a device error): {e!r}") from e
     st = engine.spec_stats
@@ -223,7 +223,9 @@ def apply_verify(engine, launched) -> list:
             req.metrics.first_token_time = now
         start = row.start
         try:
-            for t in out[i, 1:n + 2].tolist():
+            for j, t in enumerate(out[i, 1:n + 2].tolist()):
+                if req.logprobs is not None:  # the logprobs of emitted token j (verify position j)
+                    req.add_logprobs([x[:, j] for x in lp], i)
                 engine._append(req, t)
                 st.emitted += 1
                 if req.finished:

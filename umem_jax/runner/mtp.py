@@ -46,8 +46,9 @@ from ..core.scheduled_batch import ScheduledBatch
 from ..models import mtp
 from .acceptance import ONEHOT
 from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel
-from .sampler import sample
-from .speculative import SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch
+from .sampler import sample, token_logprobs
+from .speculative import (SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch,
+                          verify_logprobs)
 from .xla_log import quiet_xla_alarms
 
 
@@ -121,7 +122,10 @@ def prefill_step(params, hparams, arena, meta, prev, next_tokens, *, layout, tar
     live = samples & (batch.q_lens > 0)
     drafts, arena = _chain(head, tp, hp, arena, batch, jnp.argmax(lg, axis=-1).astype(jnp.int32), y,
                            batch.kv_lens - 1, live, k)
-    return jnp.zeros((layout.max_batch,), jnp.int32).at[: layout.B].set(toks), drafts, arena
+    out = jnp.zeros((layout.max_batch,), jnp.int32).at[: layout.B].set(toks)
+    if layout.logprobs is not None:  # the sampled tokens' (runner.step's third item)
+        return out, drafts, arena, token_logprobs(logits, toks, layout.logprobs)
+    return out, drafts, arena
 
 
 def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, *, layout, target: StepModel,
@@ -142,7 +146,10 @@ def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, *
     nxt, arena = _chain(head, tp, hp, arena, base, jnp.argmax(lg, axis=-1).astype(jnp.int32), y,
                         base.kv_lens - 1 + m, live, k)
     out = jnp.concatenate([m[:, None], toks, nxt], axis=1)
-    return jnp.zeros((layout.max_batch, 2 * k + 2), jnp.int32).at[: layout.B].set(out), arena
+    out = jnp.zeros((layout.max_batch, 2 * k + 2), jnp.int32).at[: layout.B].set(out)
+    if layout.logprobs is not None:  # of every emitted token (SpecLaunched.logprobs)
+        return out, arena, verify_logprobs(logits, toks, layout.logprobs)
+    return out, arena
 
 
 jit_prefill = jax.jit(prefill_step, donate_argnums=(2,), static_argnames=("layout", "target", "head", "k"))
@@ -191,14 +198,14 @@ class MTPSpeculator(Speculator):
             if not row.sample:  # a prompt's chunk before its last: the next token is the prompt's
                 nxt[i] = row.req.token_ids(row.end, row.end + 1)[0]
         with quiet_xla_alarms(r._compiles):  # a shape warm-up left out compiles here, on demand
-            tokens, drafts, r.arena = self._prefill_mtp(jit_prefill, lay, meta, prev, nxt)
+            tokens, drafts, r.arena, *lp = self._prefill_mtp(jit_prefill, lay, meta, prev, nxt)
         r.prev_tokens = tokens
         drafts = np.asarray(drafts)  # speculation reads every step back at once anyway
         for i, row in enumerate(batch.rows):
             row.req.drafts = valid_drafts(drafts[i]) if row.sample else []
             if row.sample:
                 row.req.mark_pending(i)
-        return Launched(batch, tokens)
+        return Launched(batch, tokens, logprobs=lp[0] if lp else None)
 
     def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
         """What `launch` runs for a batch of layout `lay`, traced and lowered for the runner's
@@ -234,13 +241,14 @@ class MTPSpeculator(Speculator):
             batch.spec_lens[i] = s
         t0 = time.perf_counter()
         with quiet_xla_alarms(r._compiles):
-            out, r.arena = self._decode_call(jit_decode, lay, meta, prev, spec, drafts, self._states(lay, batch))
+            out, r.arena, *lp = self._decode_call(jit_decode, lay, meta, prev, spec, drafts,
+                                                  self._states(lay, batch))
             out.block_until_ready()
         dt = time.perf_counter() - t0
         self.verify_s += dt
         for i, row in enumerate(batch.rows):
             row.req.mark_pending(i)
-        return SpecLaunched(batch, out, 0.0, dt, next_drafts=self.k)
+        return SpecLaunched(batch, out, 0.0, dt, next_drafts=self.k, logprobs=lp[0] if lp else None)
 
 
 __all__ = ["HeadModel", "MTPSpeculator", "decode_step", "prefill_step", "valid_drafts"]

@@ -36,6 +36,7 @@ from ..core.batch import Batch
 from ..core.scheduled_batch import ScheduledBatch
 from .acceptance import accept, draw, row_probs
 from .runner import Launched, Runner, StepModel, step
+from .sampler import token_logprobs
 from .xla_log import quiet_xla_alarms
 
 _DRAFT_TAG, _ACCEPT_TAG, _RESIDUAL_TAG = 0x5EED01, 0x5EED02, 0x5EED03
@@ -59,11 +60,21 @@ def _batch(f: dict, layout, prev) -> Batch:
 
 
 def prefill_step(params, draft_params, arena, meta, prev, counts, *, layout, model: StepModel, draft: StepModel):
-    """The target's step, then the draft over the same rows (its K/V only)."""
-    out, arena = step(params, arena, meta, prev, counts, layout=layout, model=model)
+    """The target's step, then the draft over the same rows (its K/V only) -> (tokens, arena,
+    and with layout.logprobs the sampled tokens' logprobs: runner.step's third item)."""
+    out, arena, *lp = step(params, arena, meta, prev, counts, layout=layout, model=model)
     batch = _batch(layout.unpack(meta), layout, prev)
     _, arena = draft.forward(jax.tree.unflatten(draft.treedef, draft_params), arena, batch)
-    return out, arena
+    return (out, arena, *lp)
+
+
+def verify_logprobs(logits, toks, n: int):
+    """sampler.token_logprobs at every verified position: logits [B, T, V] (raw: before bans and
+    sampling, as a plain step reports), toks [B, T] the emitted tokens (-1 past them) -> chosen
+    logprob [B, T], rank [B, T], top ids [B, T, n], top logprobs [B, T, n]."""
+    B, T, V = logits.shape
+    lp = token_logprobs(logits.reshape(B * T, V), jnp.maximum(toks, 0).reshape(-1), n)
+    return tuple(x.reshape(B, T, *x.shape[1:]) for x in lp)
 
 
 def _keys(seed, step_, tag, j=0):
@@ -110,7 +121,10 @@ def verify_step(params, arena, meta, prev, spec_lens, drafts, q, states, *, layo
     logits, arena = model.forward(jax.tree.unflatten(model.treedef, params), arena, b)  # [B, k+1, V]
     n, toks = accept_verified(f, layout, logits, drafts, q, spec_lens)
     out = jnp.concatenate([n[:, None], toks], axis=1)
-    return jnp.zeros((layout.max_batch, drafts.shape[1] + 2), jnp.int32).at[: layout.B].set(out), arena
+    out = jnp.zeros((layout.max_batch, drafts.shape[1] + 2), jnp.int32).at[: layout.B].set(out)
+    if layout.logprobs is not None:  # of every emitted token (SpecLaunched.logprobs)
+        return out, arena, verify_logprobs(logits, toks, layout.logprobs)
+    return out, arena
 
 
 def verify_batch(base: Batch, spec_lens, drafts, states) -> Batch:
@@ -197,12 +211,12 @@ class Speculator:
         prev = r.prev_tokens if prev is None else prev
         if batch.kind != "decode":
             with quiet_xla_alarms(r._compiles):  # a shape warm-up left out compiles here, on demand
-                tokens, r.arena = self._prefill(jit_prefill, lay, meta, prev, counts)
+                tokens, r.arena, *lp = self._prefill(jit_prefill, lay, meta, prev, counts)
             r.prev_tokens = tokens
             for i, row in enumerate(rows):
                 if row.sample:
                     row.req.mark_pending(i)
-            return Launched(batch, tokens)
+            return Launched(batch, tokens, logprobs=lp[0] if lp else None)
         return self._decode(batch, lay, meta, prev)
 
     def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
@@ -264,14 +278,15 @@ class Speculator:
             drafts, q = self.propose(batch, lay, meta, prev, spec)
             drafts.block_until_ready()
             t1 = time.perf_counter()
-            out, r.arena = self._verify_call(jit_verify, lay, meta, prev, spec, drafts, q, self._states(lay, batch))
+            out, r.arena, *lp = self._verify_call(jit_verify, lay, meta, prev, spec, drafts, q,
+                                                  self._states(lay, batch))
             out.block_until_ready()
         t2 = time.perf_counter()
         self.draft_s += t1 - t0
         self.verify_s += t2 - t1
         for i, row in enumerate(batch.rows):
             row.req.mark_pending(i)
-        return SpecLaunched(batch, out, t1 - t0, t2 - t1)
+        return SpecLaunched(batch, out, t1 - t0, t2 - t1, logprobs=lp[0] if lp else None)
 
 
 __all__ = ["SpecLaunched", "Speculator", "accept", "draft_step", "prefill_step", "verify_step"]
