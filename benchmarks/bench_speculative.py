@@ -379,7 +379,7 @@ class Bench:
                 verify = replay(eng.runner, spec_mod.jit_verify, store, iters=a.iters, trials=a.trials)
                 self.add({"part": "verify", "method": "draft", "B": B, "k": a.k, "ctx": a.prompt, **verify,
                           "decode_ms": peer.get("decode", {}).get("ms"), "verify_over_decode": over(verify["ms"])})
-                _, _, meta, prev, spec_lens, _, _, _ = store["args"]
+                _, _, meta, prev, spec_lens, *_ = store["args"]
                 dstore = {"args": (sp._draft_leaves(), None, meta, prev, spec_lens),
                           "kw": {"layout": lay, "draft": sp._draft_model, "k": a.k}}
                 draft = replay(eng.runner, spec_mod.jit_draft, dstore, iters=a.iters, trials=a.trials)
@@ -393,8 +393,9 @@ class Bench:
                 self.log.flush()
             else:
                 step = replay(eng.runner, mtp_mod.jit_decode, store, iters=a.iters, trials=a.trials)
-                _, _, _, meta, prev, spec_lens, drafts, states = store["args"]
-                vstore = {"args": (eng.runner.params_leaves()[0], None, meta, prev, spec_lens, drafts, None, states),
+                _, _, _, meta, prev, spec_lens, drafts, states, counts = store["args"]
+                vstore = {"args": (eng.runner.params_leaves()[0], None, meta, prev, spec_lens, drafts, None, states,
+                                   counts),
                           "kw": {"layout": lay, "model": sp._verify()}}
                 verify = replay(eng.runner, spec_mod.jit_verify, vstore, iters=a.iters, trials=a.trials)
                 self.add({"part": "draft", "method": "mtp", "B": B, "k": a.k, "ctx": a.prompt,
@@ -416,7 +417,7 @@ class Bench:
         with self.warmed("draft", target, draft, B, prompts, peer) as (eng, _, store):
             if "args" not in store:
                 return
-            params, _, meta, prev, spec_lens, drafts, q, states = store["args"]
+            params, _, meta, prev, spec_lens, drafts, q, states, counts = store["args"]
             for kk in [k for k in a.extra_ks if k != a.k]:
                 if not self.may(f"verify k={kk} B={B}"):
                     return
@@ -426,7 +427,7 @@ class Bench:
                 if states is not None:
                     pos = np.where(s[:, None] > 0, np.arange(1, kk + 1)[None, :], -1).astype(np.int32)
                     st = (pos, np.asarray(states[1])[:, cols].astype(np.int32))
-                kstore = {"args": (params, None, meta, prev, s, np.asarray(drafts)[:, cols], None, st),
+                kstore = {"args": (params, None, meta, prev, s, np.asarray(drafts)[:, cols], None, st, counts),
                           "kw": store["kw"]}
                 r = replay(eng.runner, spec_mod.jit_verify, kstore, iters=a.iters, trials=a.trials)
                 self.add({"part": "verify", "method": "draft", "B": B, "k": kk, "ctx": a.prompt, **r,

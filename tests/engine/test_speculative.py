@@ -215,20 +215,76 @@ def test_logprobs_with_speculation_are_logprobs_without(draft):
     assert_idle_clean(llm)
 
 
-def test_best_of_is_refused_per_request():
-    llm = LLM(_model("tiny-attention"), arena_bytes=160 << 10, **SPEC,
-              speculative_config={"model": _model("tiny-attention"), "num_speculative_tokens": K})
-    with pytest.raises(ValueError, match="best_of=3: not supported with speculative decoding"):
-        llm.generate([[5, 6, 7]], SamplingParams(best_of=3, temperature=0.8, max_tokens=4))
-    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # the engine goes on
-    assert len(out[0].outputs[0].token_ids) == 4
+def test_n_and_best_of_with_speculation():
+    """n > 1 and best_of samples are requests of their own, each speculating alone: greedy n = 3
+    gives the run without speculation's output three times; sampled n = 3 and best_of = 3 finish
+    with distinct, in-vocabulary samples; nothing leaks."""
+    target = _model("tiny-attention")
+    work = _workload(target.config.vocab_size)[:2]
+    want = [o.outputs[0].token_ids for o in LLM(target, arena_bytes=400 << 10, **SPEC).generate(
+        work, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
+    llm = LLM(target, arena_bytes=400 << 10, **SPEC,
+              speculative_config={"model": _perturbed("tiny-attention"), "num_speculative_tokens": K})
+    got = llm.generate(work, SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS))
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[w] * 3 for w in want]
+    got = llm.generate(work, [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=MAX_TOKENS),
+                              SamplingParams(best_of=3, temperature=0.9, seed=6, max_tokens=MAX_TOKENS, logprobs=1)])
+    assert [len(o.outputs) for o in got] == [3, 1] and all(o.error is None for o in got)
+    samples = [c.token_ids for c in got[0].outputs]
+    assert all(len(t) == MAX_TOKENS and all(0 <= x < target.config.vocab_size for x in t) for t in samples)
+    assert len({tuple(t) for t in samples}) > 1
+    assert len(got[1].outputs[0].logprobs) == MAX_TOKENS
+    assert llm.llm_engine.stats()["speculative"]["num_verify_rows"] > 0
+    assert_idle_clean(llm)
 
 
-def test_penalties_are_refused_per_request():
-    llm = LLM(_model("tiny-attention"), arena_bytes=160 << 10, **SPEC,
-              speculative_config={"model": _model("tiny-attention"), "num_speculative_tokens": K})
-    with pytest.raises(ValueError, match="penalties with speculative decoding"):
-        llm.generate([[5, 6, 7]], SamplingParams(repetition_penalty=1.2, max_tokens=4))
+def test_verify_penalties_match_the_plain_rule_at_each_position():
+    """Position j's penalized logits equal apply_penalties with the output counts plus d_1..d_j
+    (drafts repeat tokens, and some were in the prompt / output already)."""
+    from umem_jax.runner.sampler import apply_penalties
+    from umem_jax.runner.speculative import verify_penalties
+
+    rng = np.random.default_rng(np.random.randint(1 << 30))
+    B, k, V = 5, 4, 37
+    logits = jnp.asarray(rng.normal(size=(B, k + 1, V)) * 3, jnp.float32)
+    prompt = jnp.asarray(rng.integers(0, 2, (B, V)), jnp.float32)
+    output = jnp.asarray(rng.integers(0, 3, (B, V)) * (rng.random((B, V)) < 0.3), jnp.float32)
+    drafts = rng.integers(0, 6, (B, k)).astype(np.int32)  # few distinct ids: repeats within a row
+    f = {"repetition_penalty": jnp.asarray(rng.uniform(1.0, 2.0, B), jnp.float32),
+         "presence_penalty": jnp.asarray(rng.uniform(-1, 1, B), jnp.float32),
+         "frequency_penalty": jnp.asarray(rng.uniform(-1, 1, B), jnp.float32)}
+    got = np.asarray(verify_penalties(logits, (prompt, output), jnp.asarray(drafts), f))
+    for j in range(k + 1):
+        seen = np.zeros((B, V), np.float32)
+        for b in range(B):
+            for d in drafts[b, :j]:
+                seen[b, d] += 1
+        want = apply_penalties(logits[:, j], prompt, output + seen, f["repetition_penalty"], f["presence_penalty"],
+                               f["frequency_penalty"])
+        np.testing.assert_allclose(got[:, j], np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+PENALTIES = dict(repetition_penalty=1.6, presence_penalty=0.5, frequency_penalty=0.4)
+
+
+@pytest.mark.parametrize("draft", ["self", "perturbed"])
+def test_greedy_with_penalties_and_speculation_is_greedy_without(draft):
+    """Penalties change the output here, and the speculative run makes the same tokens: each
+    verified position is penalized with the counts it follows, the prefill's first token too."""
+    target = _model("tiny-attention")
+    work = _workload(target.config.vocab_size)[:4]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **PENALTIES)
+    plain = LLM(target, arena_bytes=250 << 10, **SPEC)
+    want = [o.outputs[0].token_ids for o in plain.generate(work, params)]
+    assert want != [o.outputs[0].token_ids for o in plain.generate(work, SamplingParams(temperature=0,
+                                                                                          max_tokens=MAX_TOKENS))]
+    d = target if draft == "self" else _perturbed("tiny-attention")
+    llm = LLM(target, arena_bytes=250 << 10, **SPEC, speculative_config={"model": d, "num_speculative_tokens": K})
+    got = llm.generate(work, params)
+    assert [o.outputs[0].token_ids for o in got] == want
+    s = llm.llm_engine.stats()["speculative"]
+    assert s["mean_accepted_length"] > 0.0 and s["num_verify_rows"] > 0, s
+    assert_idle_clean(llm)
 
 
 def test_draft_model_hits_are_unchanged_by_speculation():

@@ -307,19 +307,15 @@ def test_decode_step_updates_the_arena_in_place(ckpt):
     """The MTP decode step (verify, catch-up, the chain's loop) compiled at two arena sizes: the
     arena is donated and aliased, no arena-shaped copy, and its temporaries do not grow with it."""
     from umem_jax.arena import check_in_place
-    from umem_jax.runner.mtp import jit_decode
 
     temps = []
     for arena in (ARENA, 2 * ARENA):
         llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=arena, speculative_config={"method": "mtp",
                   "num_speculative_tokens": K}, **SHAPES)
         r = llm.llm_engine.runner
-        tleaves, hleaves, _, verify, head = r.speculator._leaves()
         lay = r.layout(SHAPES["batch_buckets"][0], 1, SHAPES["page_buckets"][0])
-        B = lay.B
-        states = (np.full((B, K), -1, np.int32), np.zeros((B, K), np.int32))
-        compiled = jit_decode.lower(tleaves, hleaves, r.arena, lay.template, r.prev_tokens, np.zeros(B, np.int32),
-                                    np.zeros((B, K), np.int32), states, layout=lay, target=verify, head=head).compile()
+        (lowered,) = r.speculator.lower(lay, decode=True)  # runner/mtp.jit_decode, as a launch calls it
+        compiled = lowered.compile()
         temps.append(check_in_place(compiled, r.arena, max_temp_bytes=1 << 30)["temp_bytes"])
     assert temps[1] == temps[0], temps
 
@@ -363,4 +359,26 @@ def test_logprobs_with_mtp_are_logprobs_without(ckpt):
         for t, gd, wd in zip(g.outputs[0].token_ids, g.outputs[0].logprobs, w.outputs[0].logprobs):
             assert set(gd) == set(wd) and gd[t].rank == wd[t].rank
             np.testing.assert_allclose([gd[i].logprob for i in wd], [wd[i].logprob for i in wd], rtol=1e-4, atol=1e-4)
+    assert_idle_clean(llm)
+
+
+def test_penalties_with_mtp_are_penalties_without(ckpt):
+    """Greedy with repetition / presence / frequency penalties under method mtp equals the run
+    without speculation (which the penalties change); the harness proposes that run's tokens with
+    a share corrupted, so verifies accept 0..k with the counts of what they accept."""
+    path = ckpt("qwen3_5_tiny")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.6,
+                            presence_penalty=0.5, frequency_penalty=0.4)
+    plain = LLM(str(path), arena_bytes=1 << 20, **SHAPES).llm_engine
+    work = _workload(plain.model.config.vocab_size)[:3]
+    want = [list(o.outputs[0].token_ids) for o in _generate(plain, work, params)]
+    unpenalized = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert want != [list(o.outputs[0].token_ids) for o in _generate(plain, work, unpenalized)]
+    expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
+    llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+              **SHAPES)
+    rng, given = np.random.default_rng(2), {}
+    got = _generate(llm.llm_engine, work, params, None, lambda e: _harness(e, expected, None, [], rng, given))
+    assert [list(o.outputs[0].token_ids) for o in got] == want
+    assert llm.llm_engine.stats()["speculative"]["mean_accepted_length"] > 0.5
     assert_idle_clean(llm)

@@ -51,7 +51,7 @@ from .detokenizer import IncrementalDetokenizer, find_stop
 from .handoff import Handoff
 from .isolation import EngineDeadError, FailureIsolation
 from .samples import Samples
-from .speculative import SpecStats, apply_verify, check_request
+from .speculative import SpecStats, apply_verify
 from .warmup import warm_up
 from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
 
@@ -109,7 +109,6 @@ class LLMEngine:
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
             raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids is not supported")
         check_priority(priority, self.config.priority_range)
-        check_request(params, self.config.speculative_config)
         if request_id is not None and str(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)

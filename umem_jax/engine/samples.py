@@ -75,9 +75,6 @@ class Samples:
         ValueError, changing nothing, for what the engine cannot do."""
         eng, p = self.engine, req.params
         wants = num_logprobs(p)
-        if (p.best_of or 1) > 1 and getattr(eng, "spec_stats", None) is not None:
-            raise ValueError(f"best_of={p.best_of}: not supported with speculative decoding yet (it samples "
-                             "several sequences per request)")
         req.record_logprobs(wants)
         req.siblings = []
         for i in range(1, p.num_samples):

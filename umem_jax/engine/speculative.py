@@ -34,8 +34,10 @@ advance its state in place; keeping the draft's state after each pass is not bui
 whose vocabulary differs from the target's, a draft layer whose geometry differs from the
 target's sub-pool of the same lifetime, method "mtp" on a target without MTP layers (or a
 checkpoint without their weights, or with more than one), tensor parallelism,
-max_num_batched_tokens < k+1.  Per request: penalties (they count every output token, verified
-positions included), n > 1 and best_of.  Logprobs are every emitted token's, from the verify's
+max_num_batched_tokens < k+1.  Nothing per request: n > 1 and best_of samples are requests of
+their own (engine/samples.py), each speculating alone.  Penalties apply at each verified
+position with the counts it follows (runner/speculative.verify_penalties; the draft proposes
+without them, which the acceptance rule allows).  Logprobs are every emitted token's, from the verify's
 raw logits at its position (as a plain step reports them: before bans and sampling).
 """
 
@@ -146,15 +148,6 @@ def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]
     return list(target_decls) + [dataclasses.replace(d, model="draft") for d in draft.decls(kv)]
 
 
-def check_request(req_params, spec) -> None:
-    """Per-request refusals under speculation (ValueError, nothing queued)."""
-    if spec is not None and getattr(req_params, "n", 1) > 1:
-        raise ValueError("n > 1 with speculative decoding is not supported yet")
-    if spec is not None and req_params.has_penalties:
-        raise ValueError("repetition / presence / frequency penalties with speculative decoding are not supported "
-                         "yet (they count every output token, so each verified position would need its own counts)")
-
-
 @dataclasses.dataclass
 class SpecStats:
     """Speculation counters: verify rows, drafts proposed / accepted, per position, times (an MTP
@@ -244,5 +237,5 @@ def apply_verify(engine, launched) -> list:
     return outs
 
 
-__all__ = ["SpecStats", "SpeculationError", "apply_verify", "cache_lookahead", "check_config", "check_request",
-           "load_draft", "plan_decls", "speculative_demand"]
+__all__ = ["SpecStats", "SpeculationError", "apply_verify", "cache_lookahead", "check_config", "load_draft",
+           "plan_decls", "speculative_demand"]

@@ -46,7 +46,7 @@ from ..core.scheduled_batch import ScheduledBatch
 from ..models import mtp
 from .acceptance import ONEHOT
 from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel
-from .sampler import sample, token_logprobs
+from .sampler import sample, sample_with_penalties, token_logprobs
 from .speculative import (SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch,
                           verify_logprobs)
 from .xla_log import quiet_xla_alarms
@@ -101,8 +101,8 @@ def _chain(head: HeadModel, tp, hp, arena, batch, first, y, last, live, k: int):
     return drafts, arena
 
 
-def prefill_step(params, hparams, arena, meta, prev, next_tokens, *, layout, target: StepModel, head: HeadModel,
-                 k: int):
+def prefill_step(params, hparams, arena, meta, prev, next_tokens, counts, *, layout, target: StepModel,
+                 head: HeadModel, k: int):
     """The target's prefill step, then the head over the chunk -> (sampled tokens [max_batch],
     drafts [B, k] (-1 where none; sampling rows only), arena).  next_tokens [B]: the token after
     each row's chunk, -1 for a row that samples it (module doc)."""
@@ -112,7 +112,12 @@ def prefill_step(params, hparams, arena, meta, prev, next_tokens, *, layout, tar
     (logits, hidden), arena = target.forward(tp, arena, batch)
     ban = f["ban"]
     banned = logits.at[jnp.arange(layout.B)[:, None], jnp.maximum(ban, 0)].min(jnp.where(ban >= 0, -jnp.inf, jnp.inf))
-    toks = sample(banned, *[f[n] for n in _SAMPLER_ARGS], mode=layout.sampling).astype(jnp.int32)
+    sampling = [f[n] for n in _SAMPLER_ARGS]
+    if layout.penalties:  # counts: runner.step's
+        toks = sample_with_penalties(banned, counts[0], counts[1], *sampling, mode=layout.sampling)
+    else:
+        toks = sample(banned, *sampling, mode=layout.sampling)
+    toks = toks.astype(jnp.int32)
     rows, last = jnp.arange(layout.B), batch.last_index()
     samples = next_tokens < 0
     shifted = jnp.concatenate([batch.tokens[:, 1:], jnp.zeros_like(batch.tokens[:, :1])], axis=1)
@@ -128,7 +133,7 @@ def prefill_step(params, hparams, arena, meta, prev, next_tokens, *, layout, tar
     return out, drafts, arena
 
 
-def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, *, layout, target: StepModel,
+def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, counts, *, layout, target: StepModel,
                 head: HeadModel):
     """Verify, the head's catch-up and its chain (module doc) -> (out [max_batch, 2k+2], arena).
     drafts [B, k]: the host's drafts (row b verifies its first spec_lens[b]); states: as
@@ -138,7 +143,7 @@ def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, *
     k = drafts.shape[1]
     tp, hp = jax.tree.unflatten(target.treedef, params), jax.tree.unflatten(head.treedef, hparams)
     (logits, hidden), arena = target.forward(tp, arena, verify_batch(base, spec_lens, drafts, states))
-    m, toks = accept_verified(f, layout, logits, drafts, ONEHOT, spec_lens)
+    m, toks = accept_verified(f, layout, logits, drafts, ONEHOT, spec_lens, counts)
     live = base.q_lens > 0
     catch = dataclasses.replace(base, tokens=jnp.maximum(toks, 0), q_lens=jnp.where(live, m + 1, 0),
                                 kv_lens=jnp.where(live, base.kv_lens + m, 0))
@@ -189,16 +194,16 @@ class MTPSpeculator(Speculator):
 
     def launch(self, batch: ScheduledBatch, prev) -> Launched:
         r = self.runner
-        lay, meta, _ = r.prepare(batch)
+        lay, meta, counts = r.prepare(batch)
         prev = r.prev_tokens if prev is None else prev
         if batch.kind == "decode":
-            return self._decode_mtp(batch, lay, meta, prev)
+            return self._decode_mtp(batch, lay, meta, prev, counts)
         nxt = np.full(lay.B, -1, np.int32)
         for i, row in enumerate(batch.rows):
             if not row.sample:  # a prompt's chunk before its last: the next token is the prompt's
                 nxt[i] = row.req.token_ids(row.end, row.end + 1)[0]
         with quiet_xla_alarms(r._compiles):  # a shape warm-up left out compiles here, on demand
-            tokens, drafts, r.arena, *lp = self._prefill_mtp(jit_prefill, lay, meta, prev, nxt)
+            tokens, drafts, r.arena, *lp = self._prefill_mtp(jit_prefill, lay, meta, prev, nxt, counts)
         r.prev_tokens = tokens
         drafts = np.asarray(drafts)  # speculation reads every step back at once anyway
         for i, row in enumerate(batch.rows):
@@ -212,23 +217,24 @@ class MTPSpeculator(Speculator):
         arena (Runner.precompile compiles it): one jit_prefill or one jit_decode."""
         prev = self.runner.prev_tokens
         if not decode:
-            return [self._prefill_mtp(jit_prefill.lower, lay, lay.template, prev, np.full(lay.B, -1, np.int32))]
+            return [self._prefill_mtp(jit_prefill.lower, lay, lay.template, prev, np.full(lay.B, -1, np.int32), None)]
         zeros = np.zeros(lay.B, np.int32)
         return [self._decode_call(jit_decode.lower, lay, lay.template, prev, zeros,
-                                  np.zeros((lay.B, self.k), np.int32), self._states(lay))]
+                                  np.zeros((lay.B, self.k), np.int32), self._states(lay), None)]
 
     # The jitted calls' arguments in one place for the launch (fn: the jitted function) and for
     # `lower` (fn: its .lower): a warm-up compiles exactly what a launch finds in the cache.
-    def _prefill_mtp(self, fn, lay, meta, prev, nxt):
+    def _prefill_mtp(self, fn, lay, meta, prev, nxt, counts):
         tleaves, hleaves, prefill, _, head = self._leaves()
-        return fn(tleaves, hleaves, self.runner.arena, meta, prev, nxt, layout=lay, target=prefill, head=head, k=self.k)
+        return fn(tleaves, hleaves, self.runner.arena, meta, prev, nxt, counts, layout=lay, target=prefill, head=head,
+                  k=self.k)
 
-    def _decode_call(self, fn, lay, meta, prev, spec, drafts, states):
+    def _decode_call(self, fn, lay, meta, prev, spec, drafts, states, counts):
         tleaves, hleaves, _, verify, head = self._leaves()
-        return fn(tleaves, hleaves, self.runner.arena, meta, prev, spec, drafts, states, layout=lay, target=verify,
-                  head=head)
+        return fn(tleaves, hleaves, self.runner.arena, meta, prev, spec, drafts, states, counts, layout=lay,
+                  target=verify, head=head)
 
-    def _decode_mtp(self, batch, lay, meta, prev) -> SpecLaunched:
+    def _decode_mtp(self, batch, lay, meta, prev, counts) -> SpecLaunched:
         """The rows verify the drafts they carry, at most their scheduled spec_lens (batch.spec_lens
         is lowered to what is verified: the state commit and the stats read it)."""
         r = self.runner
@@ -242,7 +248,7 @@ class MTPSpeculator(Speculator):
         t0 = time.perf_counter()
         with quiet_xla_alarms(r._compiles):
             out, r.arena, *lp = self._decode_call(jit_decode, lay, meta, prev, spec, drafts,
-                                                  self._states(lay, batch))
+                                                  self._states(lay, batch), counts)
             out.block_until_ready()
         dt = time.perf_counter() - t0
         self.verify_s += dt

@@ -36,7 +36,7 @@ from ..core.batch import Batch
 from ..core.scheduled_batch import ScheduledBatch
 from .acceptance import accept, draw, row_probs
 from .runner import Launched, Runner, StepModel, step
-from .sampler import token_logprobs
+from .sampler import apply_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
 
 _DRAFT_TAG, _ACCEPT_TAG, _RESIDUAL_TAG = 0x5EED01, 0x5EED02, 0x5EED03
@@ -109,17 +109,18 @@ def draft_step(draft_params, arena, meta, prev, spec_lens, *, layout, draft: Ste
     return jnp.stack(drafts, 1), (jnp.stack(qs, 1) if qs else None), arena
 
 
-def verify_step(params, arena, meta, prev, spec_lens, drafts, q, states, *, layout, model: StepModel):
+def verify_step(params, arena, meta, prev, spec_lens, drafts, q, states, counts, *, layout, model: StepModel):
     """The target over [t0, d_1..d_k] in one forward, then acceptance -> (out [max_batch, k+2], arena).
     model: the target's StepModel with logits at every position (Speculator._verify_model).
     states: None, or for a target with recurrent state (positions, slots) [B, k] int32: the
     state after the first j+1 verified tokens of row b also goes to physical slot slots[b, j]
     (the prefill kernels' checkpoint writes; position -1 / slot 0 is padding), so the state of
-    whichever prefix is accepted is kept (Speculator doc)."""
+    whichever prefix is accepted is kept (Speculator doc).  counts: runner.step's, for a layout
+    with penalties (verify_penalties), else None."""
     f = layout.unpack(meta)
     b = verify_batch(_batch(f, layout, prev), spec_lens, drafts, states)
     logits, arena = model.forward(jax.tree.unflatten(model.treedef, params), arena, b)  # [B, k+1, V]
-    n, toks = accept_verified(f, layout, logits, drafts, q, spec_lens)
+    n, toks = accept_verified(f, layout, logits, drafts, q, spec_lens, counts)
     out = jnp.concatenate([n[:, None], toks], axis=1)
     out = jnp.zeros((layout.max_batch, drafts.shape[1] + 2), jnp.int32).at[: layout.B].set(out)
     if layout.logprobs is not None:  # of every emitted token (SpecLaunched.logprobs)
@@ -138,15 +139,39 @@ def verify_batch(base: Batch, spec_lens, drafts, states) -> Batch:
                                checkpoint_slots=None if states is None else states[1])
 
 
-def accept_verified(f: dict, layout, logits, drafts, q, spec_lens):
-    """The acceptance rule over a verify's logits [B, k+1, V] with each row's bans and sampling
-    -> (accepted [B], tokens [B, k+1]: acceptance.accept).  q: the draft distributions [B, k, V],
-    None (greedy drafts) or acceptance.ONEHOT (deterministic drafts)."""
+def verify_penalties(logits, counts, drafts, f: dict):
+    """Penalties at every verified position as a plain step applies them to its one: position j
+    follows [t0, d_1..d_j], so its output counts also hold d_1..d_j.  logits [B, k+1, V], counts
+    (prompt, output) [B, V] f32 as of t0, drafts [B, k] -> penalized logits [B, k+1, V]: every
+    position with the step's counts, then at j >= 1 the few tokens d_1..d_j again with theirs."""
+    prompt, output = counts
+    rep, presence, freq = f["repetition_penalty"], f["presence_penalty"], f["frequency_penalty"]
+    out = jax.vmap(apply_penalties, in_axes=(1, None, None, None, None, None), out_axes=1)(
+        logits, prompt, output, rep, presence, freq)
+    B, k = drafts.shape
+    rows = jnp.arange(B)[:, None]
+    for j in range(1, k + 1):
+        d = jnp.maximum(drafts[:, :j], 0)  # [B, j]
+        c = jnp.take_along_axis(output, d, axis=1) + (d[:, :, None] == d[:, None, :]).sum(-1)  # count after d_j
+        raw = jnp.take_along_axis(logits[:, j], d, axis=1)  # seen: every d_i was
+        val = (jnp.where(raw > 0, raw / rep[:, None], raw * rep[:, None]) - freq[:, None] * c
+               - presence[:, None] * (c > 0))
+        out = out.at[rows, j, d].set(val)
+    return out
+
+
+def accept_verified(f: dict, layout, logits, drafts, q, spec_lens, counts=None):
+    """The acceptance rule over a verify's logits [B, k+1, V] with each row's bans, penalties
+    (counts, a layout with penalties: verify_penalties) and sampling -> (accepted [B], tokens
+    [B, k+1]: acceptance.accept).  q: the draft distributions [B, k, V], None (greedy drafts) or
+    acceptance.ONEHOT (deterministic drafts)."""
     k = drafts.shape[1]
     ban = f["ban"]  # rows that ban tokens speculate nothing (spec_len 0): only position 0 counts
     rows = jnp.arange(layout.B)[:, None, None]
     logits = logits.at[rows, jnp.arange(k + 1)[None, :, None], jnp.maximum(ban, 0)[:, None, :]].min(
         jnp.where(ban >= 0, -jnp.inf, jnp.inf)[:, None, :])
+    if layout.penalties:  # after the bans, as runner.step
+        logits = verify_penalties(logits.astype(jnp.float32), counts, drafts, f)
     greedy = f["temperature"] <= 0
     if layout.sampling == "greedy":
         return accept(drafts, None, logits, None, None, spec_lens, greedy)
@@ -217,7 +242,7 @@ class Speculator:
                 if row.sample:
                     row.req.mark_pending(i)
             return Launched(batch, tokens, logprobs=lp[0] if lp else None)
-        return self._decode(batch, lay, meta, prev)
+        return self._decode(batch, lay, meta, prev, counts)
 
     def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
         """What `launch` runs for a batch of layout `lay`, traced and lowered (not compiled) for
@@ -229,7 +254,8 @@ class Speculator:
             return [self._prefill(jit_prefill.lower, lay, lay.template, prev, None)]
         draft = self._draft_call(jit_draft.lower, lay, lay.template, prev, spec)
         drafts, q, _ = draft.out_info
-        return [draft, self._verify_call(jit_verify.lower, lay, lay.template, prev, spec, drafts, q, self._states(lay))]
+        return [draft, self._verify_call(jit_verify.lower, lay, lay.template, prev, spec, drafts, q, self._states(lay),
+                                         None)]
 
     # The jitted calls' arguments, each in one place for the launch (fn: the jitted function) and
     # for `lower` (fn: its .lower): a warm-up compiles exactly what a launch finds in the cache.
@@ -242,9 +268,10 @@ class Speculator:
         dparams = self._draft_leaves()
         return fn(dparams, self.runner.arena, meta, prev, spec_lens, layout=lay, draft=self._draft_model, k=self.k)
 
-    def _verify_call(self, fn, lay, meta, prev, spec_lens, drafts, q, states):
+    def _verify_call(self, fn, lay, meta, prev, spec_lens, drafts, q, states, counts):
         params, _ = self.runner.params_leaves()
-        return fn(params, self.runner.arena, meta, prev, spec_lens, drafts, q, states, layout=lay, model=self._verify())
+        return fn(params, self.runner.arena, meta, prev, spec_lens, drafts, q, states, counts, layout=lay,
+                  model=self._verify())
 
     def propose(self, batch, lay, meta, prev, spec_lens):
         """The draft's k tokens per row -> (drafts [B, k] int32, q [B, k, V] or None); the draft's
@@ -269,7 +296,7 @@ class Speculator:
                 ids[i, :s] = row.req.slots[1:1 + s]
         return pos, r.allocator.translate_slots(ids.reshape(-1)).reshape(lay.B, self.k).astype(np.int32)
 
-    def _decode(self, batch, lay, meta, prev) -> SpecLaunched:
+    def _decode(self, batch, lay, meta, prev, counts) -> SpecLaunched:
         r = self.runner
         spec = np.zeros(lay.B, np.int32)
         spec[: len(batch.rows)] = batch.spec_lens or 0
@@ -279,7 +306,7 @@ class Speculator:
             drafts.block_until_ready()
             t1 = time.perf_counter()
             out, r.arena, *lp = self._verify_call(jit_verify, lay, meta, prev, spec, drafts, q,
-                                                  self._states(lay, batch))
+                                                  self._states(lay, batch), counts)
             out.block_until_ready()
         t2 = time.perf_counter()
         self.draft_s += t1 - t0
