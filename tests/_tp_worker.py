@@ -17,6 +17,10 @@ JSON summary.  Sections:
   engine-fixtures  the two fixtures through the engine, TP=2 against TP=1
   moe              a tiny MoE layer (gpt-oss, Qwen3-Next and Nemotron-H style) at TP=2 and 4
                    against TP=1, sort + ragged_dot and gather dispatch
+  speculative      a draft model split as the target, at TP=2: the tiny hybrid (Mamba2 state)
+                   with an attention-only draft, greedy equal to TP=1 without speculation,
+                   penalties and logprobs too; the attention-only model drafting for itself
+                   (every draft accepted); method mtp at TP=2 is refused with the reason
 """
 
 from __future__ import annotations
@@ -236,8 +240,43 @@ def moe() -> dict:
     return out
 
 
+def speculative() -> dict:
+    from umem_jax import LLM, SamplingParams
+    from umem_jax.models.loader import load_model
+
+    target, draft = load_model("tiny"), load_model("tiny-attention")
+    spec = {"method": "draft", "model": draft, "num_speculative_tokens": 3}
+    _, want = _greedy(target, 1, n=12)
+    llm, got = _greedy(target, 2, n=12, speculative_config=spec)
+    assert got == want, f"speculative TP=2 {got} != TP=1 {want}"
+    st = llm.llm_engine.stats()["speculative"]
+    assert st["num_verify_rows"] > 0, st
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, repetition_penalty=1.5, logprobs=2)
+    plain = LLM(target, tensor_parallel_size=1, **SETTINGS).generate(PROMPTS, params)
+    spec_out = llm.generate(PROMPTS, params)
+    for a, b in zip(spec_out, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.outputs[0].token_ids, b.outputs[0].token_ids)
+        for t, da, db in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(da[t].logprob - db[t].logprob) < 1e-4, (da[t], db[t])
+    llm.llm_engine.check_idle()
+    # An attention-only target drafting for itself: every draft accepted, the rollback never needed.
+    attn = draft
+    _, want = _greedy(attn, 1, n=12)
+    same, got = _greedy(attn, 2, n=12, speculative_config={**spec, "model": attn})
+    assert got == want, f"self-drafted TP=2 {got} != TP=1 {want}"
+    own = same.llm_engine.stats()["speculative"]
+    assert own["acceptance_rate"] == 1.0, own
+    try:
+        LLM(target, tensor_parallel_size=2, **SETTINGS, speculative_config={"method": "mtp"})
+    except ValueError as e:
+        assert "mtp' with tensor_parallel_size > 1" in str(e), e
+    else:
+        raise AssertionError("method mtp at TP=2 was not refused")
+    return {"acceptance_rate": st["acceptance_rate"], "mean_accepted_length": st["mean_accepted_length"]}
+
+
 SECTIONS = {"tiny": tiny, "dense": dense, "arena-fixtures": arena_fixtures, "engine-fixtures": engine_fixtures,
-            "moe": moe}
+            "moe": moe, "speculative": speculative}
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))

@@ -173,6 +173,13 @@ def test_tp2_and_tp4_match_tp1_on_several_devices(request):
     assert set(got["dense"]) == {"nemotron_h_tp2", "nemotron_h_tp4", "qwen3_5_tp2"}
 
 
+def test_speculation_with_a_split_draft_matches_tp1():
+    """Method draft at TP=2: the draft split over the devices as the target (the worker's
+    `speculative` section says what is checked)."""
+    got = _run_worker(["speculative"], timeout=900)["speculative"]
+    assert 0.0 < got["acceptance_rate"] < 1.0, got
+
+
 # ----------------------------------------------------------------------------- MoE
 
 

@@ -33,7 +33,8 @@ Refused at startup, with the reason: a draft with recurrent layers (its k+1 deco
 advance its state in place; keeping the draft's state after each pass is not built), a draft
 whose vocabulary differs from the target's, a draft layer whose geometry differs from the
 target's sub-pool of the same lifetime, method "mtp" on a target without MTP layers (or a
-checkpoint without their weights, or with more than one), tensor parallelism,
+checkpoint without their weights, or with more than one), method "mtp" with tensor parallelism
+(a draft model is split over the devices as the target),
 max_num_batched_tokens < k+1.  Nothing per request: n > 1 and best_of samples are requests of
 their own (engine/samples.py), each speculating alone.  Penalties apply at each verified
 position with the counts it follows (runner/speculative.verify_penalties; the draft proposes
@@ -63,9 +64,9 @@ class SpeculationError(ValueError):
 def check_config(cfg) -> None:
     """Refusals that need no model (called before the target is loaded or split)."""
     spec = cfg.speculative_config
-    if cfg.tensor_parallel_size > 1:
-        raise SpeculationError(f"speculative decoding (method {spec.method!r}) with tensor_parallel_size > 1 is not "
-                               "supported yet (the draft is not split over the devices)")
+    if cfg.tensor_parallel_size > 1 and spec.method == "mtp":
+        raise SpeculationError("speculative method 'mtp' with tensor_parallel_size > 1 is not supported yet (the MTP "
+                               "head is not split over the devices; method 'draft' is)")
     if cfg.max_num_batched_tokens < spec.num_speculative_tokens + 1:
         raise SpeculationError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is below num_speculative_tokens"
                                f"+1={spec.num_speculative_tokens + 1}: a verify is a pass of k+1 tokens")
@@ -87,6 +88,13 @@ def load_draft(cfg, target):
     if draft.config.vocab_size != target.config.vocab_size:
         raise SpeculationError(f"the draft's vocabulary ({draft.config.vocab_size} tokens) differs from the "
                                f"target's ({target.config.vocab_size}): a draft must share the target's tokenizer")
+    if cfg.tensor_parallel_size > 1:  # split as the target: its layers live in the same per-device arena
+        from ..models.sharded_model import shard_model
+
+        try:
+            draft = shard_model(draft, cfg.tensor_parallel_size)
+        except ValueError as e:
+            raise SpeculationError(f"the draft cannot be split over {cfg.tensor_parallel_size} devices: {e}") from None
     if cfg.fuse_projections:
         draft = draft.fuse_projections(donate=draft is not m)
     return draft

@@ -76,10 +76,13 @@ class ShardedModel(Model):
         """Inside shard_map: [1, *local] split leaves -> [*local]; the per-device params pytree."""
         return jax.tree.unflatten(treedef, [x[0] if s else x for x, s in zip(leaves, self.stacked)])
 
-    def forward_fn(self, plan: Plan | None = None, *, impl: str | None = None, interpret: bool = False) -> Callable:
+    def forward_fn(self, plan: Plan | None = None, *, impl: str | None = None, interpret: bool = False,
+                   **model_kw) -> Callable:
         """Pure `forward(params, arena, batch) -> (logits [B, V] fp32, arena)`, as Model's, over
         the sharded arena: an Arena made with mesh=self.mesh, or a raw [tp, rows, words] array
-        laid out by `plan`."""
+        laid out by `plan`.  model_kw: the module's forward options, as Model.forward_fn's (a
+        draft's memory_model, a verify's all_positions / decode_rows); what the module returns
+        first (logits, or a tuple with hiddens) leaves replicated."""
         mesh = self.mesh
 
         def forward(params, arena, batch):
@@ -88,7 +91,8 @@ class ShardedModel(Model):
                 raise ValueError("a raw arena array needs the plan: forward_fn(plan)")
             if isinstance(arena, Arena) and arena.mesh != mesh:
                 raise ValueError("the arena is not sharded over this model's mesh: Arena.create(..., mesh=model.mesh)")
-            local = Model.forward_fn(self, layout, impl=impl, interpret=interpret)  # the unsplit math, per device
+            # the unsplit math, per device
+            local = Model.forward_fn(self, layout, impl=impl, interpret=interpret, **model_kw)
             leaves, treedef = jax.tree.flatten(params)
 
             def body(leaves, data, batch):
