@@ -20,7 +20,8 @@ JSON summary.  Sections:
   speculative      a draft model split as the target, at TP=2: the tiny hybrid (Mamba2 state)
                    with an attention-only draft, greedy equal to TP=1 without speculation,
                    penalties and logprobs too; the attention-only model drafting for itself
-                   (every draft accepted); method mtp at TP=2 is refused with the reason
+                   (every draft accepted); Qwen3.5's MTP head split as the target at TP=2,
+                   greedy equal to TP=1 with and without it
 """
 
 from __future__ import annotations
@@ -266,13 +267,36 @@ def speculative() -> dict:
     assert got == want, f"self-drafted TP=2 {got} != TP=1 {want}"
     own = same.llm_engine.stats()["speculative"]
     assert own["acceptance_rate"] == 1.0, own
-    try:
-        LLM(target, tensor_parallel_size=2, **SETTINGS, speculative_config={"method": "mtp"})
-    except ValueError as e:
-        assert "mtp' with tensor_parallel_size > 1" in str(e), e
-    else:
-        raise AssertionError("method mtp at TP=2 was not refused")
-    return {"acceptance_rate": st["acceptance_rate"], "mean_accepted_length": st["mean_accepted_length"]}
+    # Method mtp: Qwen3.5's head (its attention layer split as the target's) at TP=2 and 1.
+    import tempfile
+
+    from _mtp_fixtures import write_mtp_checkpoint
+
+    path = str(write_mtp_checkpoint(Path(tempfile.mkdtemp()), "qwen3_5_tiny"))
+    mtp = {"method": "mtp", "num_speculative_tokens": 3}
+    _, want = _greedy(path, 1, n=12)
+    _, one = _greedy(path, 1, n=12, speculative_config=mtp)
+    two, got = _greedy(path, 2, n=12, speculative_config=mtp)
+    assert one == want and got == want, f"mtp TP=2 {got} / TP=1 {one} != without speculation {want}"
+    # Again with the head's drafts replaced by the right continuation (a random head proposes
+    # what the target never takes): verifies that accept, at TP=2.
+    eng = two.llm_engine
+    before = eng.stats()["speculative"]["num_accepted_tokens"]
+    expected = {tuple(p): list(p) + list(w) for p, w in zip(PROMPTS, want)}
+    ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in PROMPTS]
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update((o.request_id, o) for o in eng.step())
+        for req in eng.scheduler.running:
+            if req.drafts and req.decode_ready:
+                seq = expected[tuple(req.prompt_token_ids)]
+                req.drafts = seq[req.num_computed + 1:req.num_computed + 4]
+    assert [outs[i].outputs[0].token_ids for i in ids] == want
+    heads = eng.stats()["speculative"]
+    assert heads["num_accepted_tokens"] - before > 12, (before, heads)
+    eng.check_idle()
+    return {"acceptance_rate": st["acceptance_rate"], "mean_accepted_length": st["mean_accepted_length"],
+            "mtp_acceptance_rate": heads["acceptance_rate"]}
 
 
 SECTIONS = {"tiny": tiny, "dense": dense, "arena-fixtures": arena_fixtures, "engine-fixtures": engine_fixtures,

@@ -249,8 +249,6 @@ def test_refusals_name_the_reason(ckpt, tmp_path):
         LLM(str(d), arena_bytes=ARENA, speculative_config=spec, **SHAPES)
     with pytest.raises(ValueError, match="declares no MTP layers"):
         LLM(str(FIXTURES / "qwen3_5_tiny"), arena_bytes=ARENA, speculative_config=spec, **SHAPES)
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported"):
-        LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, tensor_parallel_size=2, speculative_config=spec, **SHAPES)
 
 
 def test_the_heads_kv_is_priced_in_the_targets_envelope(ckpt):

@@ -173,11 +173,11 @@ def test_tp2_and_tp4_match_tp1_on_several_devices(request):
     assert set(got["dense"]) == {"nemotron_h_tp2", "nemotron_h_tp4", "qwen3_5_tp2"}
 
 
-def test_speculation_with_a_split_draft_matches_tp1():
-    """Method draft at TP=2: the draft split over the devices as the target (the worker's
-    `speculative` section says what is checked)."""
+def test_speculation_with_a_split_draft_or_head_matches_tp1():
+    """Methods draft and mtp at TP=2: the draft model or the MTP head split over the devices as
+    the target (the worker's `speculative` section says what is checked)."""
     got = _run_worker(["speculative"], timeout=900)["speculative"]
-    assert 0.0 < got["acceptance_rate"] < 1.0, got
+    assert 0.0 < got["acceptance_rate"] < 1.0 and got["mtp_acceptance_rate"] > 0.0, got
 
 
 # ----------------------------------------------------------------------------- MoE

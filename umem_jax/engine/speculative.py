@@ -33,8 +33,8 @@ Refused at startup, with the reason: a draft with recurrent layers (its k+1 deco
 advance its state in place; keeping the draft's state after each pass is not built), a draft
 whose vocabulary differs from the target's, a draft layer whose geometry differs from the
 target's sub-pool of the same lifetime, method "mtp" on a target without MTP layers (or a
-checkpoint without their weights, or with more than one), method "mtp" with tensor parallelism
-(a draft model is split over the devices as the target),
+checkpoint without their weights, or with more than one), a draft or head whose heads do not
+split over tensor_parallel_size devices (each is split as the target is),
 max_num_batched_tokens < k+1.  Nothing per request: n > 1 and best_of samples are requests of
 their own (engine/samples.py), each speculating alone.  Penalties apply at each verified
 position with the counts it follows (runner/speculative.verify_penalties; the draft proposes
@@ -64,9 +64,6 @@ class SpeculationError(ValueError):
 def check_config(cfg) -> None:
     """Refusals that need no model (called before the target is loaded or split)."""
     spec = cfg.speculative_config
-    if cfg.tensor_parallel_size > 1 and spec.method == "mtp":
-        raise SpeculationError("speculative method 'mtp' with tensor_parallel_size > 1 is not supported yet (the MTP "
-                               "head is not split over the devices; method 'draft' is)")
     if cfg.max_num_batched_tokens < spec.num_speculative_tokens + 1:
         raise SpeculationError(f"max_num_batched_tokens={cfg.max_num_batched_tokens} is below num_speculative_tokens"
                                f"+1={spec.num_speculative_tokens + 1}: a verify is a pass of k+1 tokens")
@@ -107,14 +104,20 @@ def _load_mtp(cfg, target):
     from ..models.model import Model
 
     m = cfg.speculative_config.model
+    full = getattr(target, "full_config", None)  # a split target: the head is read at the full shapes, then split
+    base = target if full is None else dataclasses.replace(target, config=full)
     try:
         if isinstance(m, Model):
-            mtp.head_class(target.config)
+            mtp.head_class(base.config)
             head = m
         elif cfg.load_format == "dummy" and m is None:
-            head = mtp.random_head(target, cfg.seed)
+            head = mtp.random_head(base, cfg.seed)
         else:
-            head = mtp.load_head(target, m)
+            head = mtp.load_head(base, m)
+        if full is not None:
+            from ..models.sharded_model import shard_model
+
+            head = shard_model(head, cfg.tensor_parallel_size)
     except ValueError as e:
         raise SpeculationError(f"speculative method 'mtp': {e}") from None
     return head.fuse_projections(donate=head is not m) if cfg.fuse_projections else head

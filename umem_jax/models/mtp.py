@@ -222,12 +222,40 @@ def load_head(target: Model, source: str | Path | None = None) -> Model:
 
 def forward_fn(target: Model, head: Model, *, impl: str | None = None, interpret: bool = False):
     """Pure `forward(target_params, head_params, arena, batch, hidden) -> (logits [B, V], the
-    head's output [B, d], arena)` over an umem_jax.arena.Arena (MTPHead.__call__)."""
+    head's output [B, d], arena)` over an umem_jax.arena.Arena (MTPHead.__call__).  With a
+    target and head split over a tp mesh (ShardedModel), the head runs under shard_map as the
+    target's forward does: each device its weight slices and arena shard, the batch and the
+    target's hidden replicated, logits and output leaving replicated."""
     tg, hg = target.graphdef, head.graphdef
 
-    def forward(tparams, hparams, arena, batch: Batch, hidden):
+    def local(tparams, hparams, data, plan, batch, hidden):
         t, h = nnx.merge(tg, tparams), nnx.merge(hg, hparams)
-        logits, y, data = h(arena.data, batch, arena.plan, hidden, t, impl=impl, interpret=interpret)
+        return h(data, batch, plan, hidden, t, impl=impl, interpret=interpret)
+
+    mesh = getattr(target, "mesh", None)
+    if mesh is None:
+        def forward(tparams, hparams, arena, batch: Batch, hidden):
+            logits, y, data = local(tparams, hparams, arena.data, arena.plan, batch, hidden)
+            return logits, y, arena.replace(data)
+
+        return forward
+
+    from jax.sharding import PartitionSpec as P
+
+    from ..parallel.collectives import TP_AXIS
+    from ..parallel.mesh import shard_map
+
+    def forward(tparams, hparams, arena, batch: Batch, hidden):
+        (tl, tt), (hl, ht) = jax.tree.flatten(tparams), jax.tree.flatten(hparams)
+
+        def body(tl, hl, data, batch, hidden):
+            logits, y, data = local(target._local_params(tl, tt), head._local_params(hl, ht), data[0], arena.plan,
+                                    batch, hidden)
+            return logits, y, data[None]
+
+        sharded = shard_map(body, mesh, in_specs=(target._specs(), head._specs(), P(TP_AXIS), P(), P()),
+                            out_specs=(P(), P(), P(TP_AXIS)))
+        logits, y, data = sharded(tl, hl, arena.data, batch, hidden)
         return logits, y, arena.replace(data)
 
     return forward

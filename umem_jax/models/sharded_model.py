@@ -162,8 +162,8 @@ def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
         leaves.append(out)
         stacked.append(rule is not None)
     params = jax.tree.unflatten(treedef, leaves)
-    return ShardedModel(cfg, graphdef, params, model.module_cls, tokenizer_path=model.tokenizer_path, mesh=mesh,
-                        stacked=tuple(stacked), full_config=model.config)
+    return ShardedModel(cfg, graphdef, params, model.module_cls, tokenizer_path=model.tokenizer_path,
+                        source=model.source, mesh=mesh, stacked=tuple(stacked), full_config=model.config)
 
 
 def _name(path) -> tuple:
