@@ -376,7 +376,10 @@ class Bench:
             over = lambda ms: ms / peer["decode"]["ms"] if "decode" in peer else None  # noqa: E731
             lay = store["kw"]["layout"]
             if method == "draft":
-                verify = replay(eng.runner, spec_mod.jit_verify, store, iters=a.iters, trials=a.trials)
+                prof = (str(Path(a.out) / f"profile_verify_B{B}") if a.profile_verify and B in a.profile_verify
+                        and a.out else None)
+                verify = replay(eng.runner, spec_mod.jit_verify, store, iters=a.iters, trials=a.trials,
+                                profile_dir=prof)
                 self.add({"part": "verify", "method": "draft", "B": B, "k": a.k, "ctx": a.prompt, **verify,
                           "decode_ms": peer.get("decode", {}).get("ms"), "verify_over_decode": over(verify["ms"])})
                 _, _, meta, prev, spec_lens, *_ = store["args"]
@@ -575,6 +578,8 @@ def parse(argv):
     ap.add_argument("--budget-s", type=float, default=None, help="no new part starts this many seconds after the "
                     "process started (default 380; a part takes up to ~1-2 min on the GPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-verify", type=ints, default=None, help="at these B, 3 more verify calls under "
+                    "jax.profiler.trace into <out>/profile_verify_B<B> (where the verify's time goes)")
     args = ap.parse_args(argv)
     big = dict(batches=[1, 8, 64], e2e_batches=[1, 8], extra_ks=[1, 5], prompt=2048, gen=256, repeats=3, iters=20,
                trials=3, arena_gib=28.0, page_size=16, dtype="bfloat16", budget_s=380.0)

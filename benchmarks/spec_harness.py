@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+from pathlib import Path
+
 import numpy as np
 
 LABEL = ("HARNESS proposer (a test harness, not a draft model): the target's own greedy continuation from the run "
@@ -135,7 +137,8 @@ def _is_arena(x) -> bool:
     return isinstance(x, Arena)
 
 
-def replay(runner, fn, store: dict, *, iters: int, trials: int, replace: dict | None = None) -> dict:
+def replay(runner, fn, store: dict, *, iters: int, trials: int, replace: dict | None = None,
+           profile_dir: str | None = None) -> dict:
     """Time fn(*store["args"], **store["kw"]) with the runner's arena threaded through (donated,
     as the engine threads it), `iters` calls back to back per trial, synchronised once per trial
     (benchmarks.timing.time_calls) -> {"ms": median ms per call, "best_ms", "first_s": the first
@@ -166,7 +169,30 @@ def replay(runner, fn, store: dict, *, iters: int, trials: int, replace: dict | 
     first_s = time.perf_counter() - t0
     c0 = compile_count()
     t = time_calls(call, iters=iters, trials=trials)
-    return {"ms": t.median * 1e3, "best_ms": t.best * 1e3, "first_s": first_s, "compiles": compile_count() - c0}
+    out = {"ms": t.median * 1e3, "best_ms": t.best * 1e3, "first_s": first_s, "compiles": compile_count() - c0}
+    if profile_dir:  # a few more calls under the JAX profiler (TensorBoard / Perfetto trace), after the timing
+        out["profile"] = _profile(call, profile_dir)
+    return out
+
+
+def _profile(call, path: str) -> list[str]:
+    """3 calls under jax.profiler.trace; the files it writes (nested under plugins/profile/<run>)
+    copied flat to `path`.<name> beside it (the device machine returns files <= 2 folders deep)."""
+    import shutil
+
+    import jax
+
+    with jax.profiler.trace(path, create_perfetto_trace=True):
+        for _ in range(3):
+            jax.block_until_ready(call())
+    flat = []
+    for f in sorted(Path(path).rglob("*")):
+        if f.is_file():
+            dst = Path(f"{path}.{f.name}")
+            shutil.copyfile(f, dst)
+            flat.append(str(dst))
+    shutil.rmtree(path, ignore_errors=True)
+    return flat
 
 
 __all__ = ["LABEL", "Harness", "capture", "expected_accepted", "live_rows", "replay"]

@@ -43,7 +43,8 @@ def test_harness_keeps_each_position_with_probability_a():
 
 def test_small_end_to_end(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "benchmarks.bench_speculative", "--small", "--batches", "1", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_speculative", "--small", "--batches", "1", "--out", str(tmp_path),
+           "--profile-verify", "1"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     res = json.loads((tmp_path / "bench_speculative.json").read_text())
@@ -64,6 +65,7 @@ def test_small_end_to_end(tmp_path):
         assert all(r["ratio"] > 0 and r["harness_us_per_call"] > 0 for r in got.values())
     verify = [r for r in rows if r["part"] == "verify"]
     assert [(r["B"], r["k"]) for r in verify] == [(1, 3)] and verify[0]["ms"] > 0 and verify[0]["decode_ms"] > 0
+    assert (tmp_path / "profile_verify_B1.perfetto_trace.json.gz").stat().st_size > 0  # flat: the device returns it
     assert {r["method"] for r in rows if r["part"] == "draft"} == {"draft", "mtp"}
     assert all(r["compiles"] == 0 for r in rows if r["part"] in ("verify", "draft", "decode"))
     assert len(res["verdicts"]) == 4  # a=0.8 and a=0 for each method: figures from this CPU mean nothing
