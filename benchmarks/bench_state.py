@@ -12,6 +12,7 @@ DeltaNet (Hk=16, Hv=32, Dk=Dv=128, conv 4); 1024-word arena rows; bf16 activatio
 
     python3 -m benchmarks.bench_state                 # GPU: full shapes
     python3 -m benchmarks.bench_state --small         # CPU: tiny shapes in interpret mode, seconds
+    python3 -m benchmarks.bench_state --state-dtype bfloat16   # the 16-bit state (mamba_ssm_dtype)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from umem_jax.memory import full_attention, gated_deltanet_state_tensors, mamba2_state_tensors, plan, recurrent_state
+from umem_jax.memory.declarations import with_ssm_dtype
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.gated_deltanet import gdn_decode, gdn_dims
 from umem_jax.pallas_kernels.mamba2 import mamba2_decode, mamba2_dims
@@ -43,8 +45,9 @@ SMALL = {
 }
 
 
-def _view(tensors, row_words):
-    p = plan([full_attention(0, 1, row_words), recurrent_state(1, tensors)], page_size=16, row_words=row_words)
+def _view(tensors, row_words, state_dtype: str = "float32"):
+    decls = with_ssm_dtype([full_attention(0, 1, row_words), recurrent_state(1, tensors)], state_dtype)
+    p = plan(decls, page_size=16, row_words=row_words)
     return p.state.state_view(1)
 
 
@@ -68,10 +71,12 @@ def _inputs(kind, view, B, rng, dtype):
             f32(d.v_heads, sc=0.5), f32(d.v_heads, sc=0.5))
 
 
-def bench_decode(kind, B, *, small=False, iters=20, impl="pallas", tuning=None, check=True, rng=None):
-    """Time one layer's decode step for B lanes (B-1 real, one padding lane). Returns a dict."""
+def bench_decode(kind, B, *, small=False, iters=20, impl="pallas", tuning=None, check=True, rng=None,
+                 state_dtype="float32"):
+    """Time one layer's decode step for B lanes (B-1 real, one padding lane), the recurrent
+    tensor stored as `state_dtype`. Returns a dict."""
     cfg = (SMALL if small else FULL)[kind]
-    view = _view(cfg["tensors"](), cfg["row_words"])
+    view = _view(cfg["tensors"](), cfg["row_words"], state_dtype)
     rng = rng or np.random.default_rng(0)
     slots = np.concatenate([rng.permutation(np.arange(1, B)), [0]]).astype(np.int32)
     rng.shuffle(slots)
@@ -92,18 +97,20 @@ def bench_decode(kind, B, *, small=False, iters=20, impl="pallas", tuning=None, 
     dt, arena = _time(lambda a: step(a, slots, *x)[1], arena, iters)
     state_bytes = sum(t.planes * t.rows_per_plane for t in view.tensors) * view.row_words * 2
     moved = 2 * (B - 1) * state_bytes
-    return dict(kind=kind, B=B, impl=impl, tuning=tuning or {}, step_us=dt * 1e6, bytes_moved=moved,
+    return dict(kind=kind, B=B, impl=impl, state_dtype=state_dtype, tuning=tuning or {}, step_us=dt * 1e6,
+                bytes_moved=moved,
                 gbps=moved / dt / 1e9, max_rel_err=err)
 
 
 def run(results, args):
     """Append one dict per (kind, B) (the best of the sweep, plus the reference) to `results` (a
     list) and return it.  args: argparse-like with optional attributes small (bool), batches
-    (list of int), iters (int), no_sweep (bool)."""
+    (list of int), iters (int), no_sweep (bool), state_dtype (str)."""
     small = bool(getattr(args, "small", False))
     batches = getattr(args, "batches", None) or ([4] if small else [64, 256])
     iters = getattr(args, "iters", None) or (2 if small else 20)
     sweep = not getattr(args, "no_sweep", False)
+    sd = getattr(args, "state_dtype", None) or "float32"
     silence_triton_deprecation()
     table = SMALL if small else FULL
     for kind in ("mamba2", "gdn"):
@@ -112,15 +119,18 @@ def run(results, args):
             configs = table[kind]["sweep"] if sweep else [{}]
             for i, tuning in enumerate(configs):
                 try:
-                    tried.append(bench_decode(kind, B, small=small, iters=iters, tuning=tuning, check=i == 0))
+                    tried.append(bench_decode(kind, B, small=small, iters=iters, tuning=tuning, check=i == 0,
+                                              state_dtype=sd))
                 except Exception as e:  # a config that does not compile is reported, not fatal
                     tried.append(dict(kind=kind, B=B, impl="pallas", tuning=tuning, error=f"{type(e).__name__}: {e}"[:300]))
             ok = [r for r in tried if "gbps" in r]
             best = max(ok, key=lambda r: r["gbps"]) if ok else tried[0]
-            ref = bench_decode(kind, B, small=small, iters=max(1, iters // 2), impl="reference", check=False)
+            ref = bench_decode(kind, B, small=small, iters=max(1, iters // 2), impl="reference", check=False,
+                               state_dtype=sd)
             copy = copy_rate(best.get("bytes_moved", ref["bytes_moved"]) // 2, iters=iters, trials=1,
                              donate=True).bytes_per_s
-            row = dict(bench="state_decode", kind=kind, B=B, best=best, reference=ref, copy_gbps=copy / 1e9,
+            row = dict(bench="state_decode", kind=kind, B=B, state_dtype=sd, best=best, reference=ref,
+                       copy_gbps=copy / 1e9,
                        frac_of_copy=(best.get("gbps", 0.0) * 1e9) / copy, sweep=tried)
             results.append(row)
             _print_row(row)
@@ -130,7 +140,8 @@ def run(results, args):
 def _print_row(r):
     b, ref = r["best"], r["reference"]
     if "gbps" in b:
-        print(f"{r['kind']:7s} B={r['B']:4d}  pallas {b['gbps']:8.1f} GB/s ({b['step_us']:9.1f} us, {b['tuning']}, "
+        print(f"{r['kind']:7s} {r['state_dtype']:8s} B={r['B']:4d}  pallas {b['gbps']:8.1f} GB/s "
+              f"({b['step_us']:9.1f} us, {b['tuning']}, "
               f"err {b['max_rel_err']})  reference {ref['gbps']:8.1f} GB/s  copy {r['copy_gbps']:8.1f} GB/s  "
               f"-> {100 * r['frac_of_copy']:5.1f}% of copy", flush=True)
     else:
@@ -148,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--no-sweep", dest="no_sweep", action="store_true")
+    ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="the recurrent tensor's stored dtype (engine option mamba_ssm_dtype)")
     ap.add_argument("--json", default=None, help="rows here (default $OUT/bench_state.json if $OUT is set)")
     args = ap.parse_args(argv)
     print("jax", jax.__version__, "backend", jax.default_backend(), flush=True)
