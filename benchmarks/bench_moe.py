@@ -108,6 +108,22 @@ def sample_reference(xs, w, group_sizes, n: int = 32):
 PALLAS_TUNINGS = ({}, {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3})
 
 
+def best_tuning(label: str, configs, attempt):
+    """Each config through attempt(config) -> (seconds, relative error, what to print), printed
+    (a config that fails is printed, not fatal) -> (seconds, config, error) of the fastest with
+    error < 2e-2, or None."""
+    best = None
+    for cfg in configs:
+        try:
+            t, err, say = attempt(cfg)
+            print(f"    {label} {cfg}: {say} err={err:.2e}", flush=True)
+            if err < 2e-2 and (best is None or t < best[0]):
+                best = (t, cfg, err)
+        except Exception as e:  # noqa: BLE001 - one failing tuning must not end a one-shot GPU run
+            print(f"    {label} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return best
+
+
 def bench_matmul_pair(a, shape: Shape, tokens: int, which: str, xs, w, group_sizes):
     """One grouped matmul (ragged_dot and the Pallas kernel, bf16 out) vs the dense matmul of
     the same FLOPs ([R, K] @ [K, F] with one group's matrix)."""
@@ -129,17 +145,13 @@ def bench_matmul_pair(a, shape: Shape, tokens: int, which: str, xs, w, group_siz
     except Exception as e:  # noqa: BLE001 - one failing variant must not end a one-shot GPU run
         traceback.print_exc()
         row(a, case=f"prefill_{which}_ragged_dot", note=f"FAILED {type(e).__name__}: {e}"[:200], **out)
-    best = None
-    for tune in PALLAS_TUNINGS if not a.small else ({},):
-        try:
-            fn = jax.jit(functools.partial(grouped_matmul, interpret=a.interpret, **tune))
-            err = rel_err(fn(xs, w, group_sizes)[rows_checked], want)
-            t = timed(a, lambda fn=fn: fn(xs, w, group_sizes))
-            print(f"    pallas {tune}: {t * 1e6:.1f} us {flops / t / 1e12:.1f} TFLOP/s err={err:.2e}", flush=True)
-            if err < 2e-2 and (best is None or t < best[0]):
-                best = (t, tune, err)
-        except Exception as e:  # noqa: BLE001
-            print(f"    pallas {tune}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    def attempt(tune):
+        fn = jax.jit(functools.partial(grouped_matmul, interpret=a.interpret, **tune))
+        err = rel_err(fn(xs, w, group_sizes)[rows_checked], want)
+        t = timed(a, lambda: fn(xs, w, group_sizes))
+        return t, err, f"{t * 1e6:.1f} us {flops / t / 1e12:.1f} TFLOP/s"
+
+    best = best_tuning("pallas", PALLAS_TUNINGS if not a.small else ({},), attempt)
     if best:
         t, tune, err = best
         row(a, case=f"prefill_{which}_pallas", us=t * 1e6, tflops=flops / t / 1e12, ratio=t_dense / t, err=err,
@@ -232,18 +244,15 @@ def bench_rows_kernel(a, shape: Shape, n: int, which: str, x, ids, w, rate, repe
     bound = nbytes / rate.bytes_per_s
     want = jax.jit(functools.partial(expert_gemv_reference, repeat=repeat))(x, ids, w)
     label = f"{shape.name} N={n} R={rows} K={kdim} F={f}"
-    best = None
-    for tune in ROWS_TUNINGS if not a.small else ROWS_TUNINGS[:2]:
-        cfg = {**default_config(rows, kdim, f, w.dtype), **tune}
+    def attempt(cfg):
         fn = jax.jit(functools.partial(expert_gemv, repeat=repeat, interpret=a.interpret, **cfg))
-        try:
-            err = rel_err(fn(x, ids, w), want)
-            t = timed(a, lambda fn=fn: fn(x, ids, w), decode_iters(a))
-            print(f"    rows {which} {cfg}: {t * 1e6:.1f} us ({bound / t:.2f} of bound) err={err:.2e}", flush=True)
-            if err < 2e-2 and (best is None or t < best[0]):
-                best = (t, cfg, err)
-        except Exception as e:  # noqa: BLE001
-            print(f"    rows {which} {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        err = rel_err(fn(x, ids, w), want)
+        t = timed(a, lambda: fn(x, ids, w), decode_iters(a))
+        return t, err, f"{t * 1e6:.1f} us ({bound / t:.2f} of bound)"
+
+    base = default_config(rows, kdim, f, w.dtype)
+    tunings = ROWS_TUNINGS if not a.small else ROWS_TUNINGS[:2]
+    best = best_tuning(f"rows {which}", [{**base, **tune} for tune in tunings], attempt)
     if best:
         t, cfg, err = best
         row(a, case=f"decode_rows_{which}", shape=label, us=t * 1e6, touched_mib=nbytes / 2**20, bound_us=bound * 1e6,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 from _engine_utils import assert_idle_clean, dense_greedy, llm, prompts
+from _scheduler_drive import emit, finish
 
 from umem_jax import SamplingParams
-from umem_jax.core.request import Request, RequestStatus
+from umem_jax.core.request import Request
 from umem_jax.core.scheduled_batch import Buckets
 from umem_jax.memory import ChainAllocator, size_arena
 from umem_jax.memory import plan as make_plan
@@ -53,21 +54,13 @@ def run(sch: Scheduler, reqs: list[Request], lag: int = 1) -> list:
     steps, done = [], []
     while sch.has_work() or done:
         b = sch.schedule()
-        for r in done:
-            sch.finish(r, RequestStatus.FINISHED_LENGTH)
-        done.clear()
+        finish(sch, done)
         if b is None:
             continue
         steps.append((b.kind, [(row.req.request_id, row.start, row.end) for row in b.rows]))
-        for row in b.rows:
-            if row.sample:
-                row.req.output_token_ids.append(7)
-                if row.req.num_output >= row.req.max_tokens:
-                    done.append(row.req)
+        emit(b, done)
         if not lag:
-            for r in done:
-                sch.finish(r, RequestStatus.FINISHED_LENGTH)
-            done.clear()
+            finish(sch, done)
         sch.allocator.check_invariants()
         sch.allocator.take_moves()
     assert all(r.num_output == r.max_tokens for r in reqs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _scheduler_drive import emit, finish
 
 from umem_jax.core.request import Request
 from umem_jax.core.sampling_params import SamplingParams
@@ -171,20 +172,11 @@ def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed, lag):
         b = sch.schedule()
         assert b is not None
         measure()  # what the step's rows hold, before those finishing give it back
-        finish()  # lag 1: what finished a step ago gives back only now, after this schedule
-        for row in b.rows:
-            if row.sample:
-                row.req.output_token_ids.append(7)
-                if row.req.num_output >= row.req.max_tokens:
-                    done.append(row.req)
+        finish(sch, done)  # lag 1: what finished a step ago gives back only now, after this schedule
+        emit(b, done)
         if not lag:
-            finish()
+            finish(sch, done)
         return b
-
-    def finish():
-        for r in done:
-            sch.finish(r, type(r.status).FINISHED_LENGTH)
-        done.clear()
 
     assert step().kind == "prefill" and all(r.decode_ready for r in reqs)  # one pass admits all six
     start = _held_total(dm, reqs)
@@ -201,7 +193,7 @@ def test_decode_peak_is_the_real_peak_of_fixed_lengths(seed, lag):
 
     while any(r.wants_step for r in reqs):
         assert step(measure).kind == "decode"
-    finish()
+    finish(sch, done)
     assert seen["token"] == peak.token_pages
     assert seen["state"] <= peak.state_slots == 0
     for n, _ in dm.windows:

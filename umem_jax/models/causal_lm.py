@@ -139,7 +139,7 @@ class CausalLM(nnx.Module):
         """The LM head alone: a normed hidden [..., d] -> fp32 logits [..., V] (an MTP head
         normalises its own output and shares this head: models/mtp.py)."""
         head = self.lm_head if self.lm_head is not None else self.embedding
-        out = head.attend(normed).astype(jnp.float32)
+        out = head.attend(normed)  # fp32 (Embedding.attend)
         cap = self.config.final_logit_softcapping
         return out if cap is None else cap * jnp.tanh(out / cap)
 

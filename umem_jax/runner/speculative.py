@@ -153,9 +153,8 @@ def verify_penalties(logits, counts, drafts, f: dict):
     for j in range(1, k + 1):
         d = jnp.maximum(drafts[:, :j], 0)  # [B, j]
         c = jnp.take_along_axis(output, d, axis=1) + (d[:, :, None] == d[:, None, :]).sum(-1)  # count after d_j
-        raw = jnp.take_along_axis(logits[:, j], d, axis=1)  # seen: every d_i was
-        val = (jnp.where(raw > 0, raw / rep[:, None], raw * rep[:, None]) - freq[:, None] * c
-               - presence[:, None] * (c > 0))
+        raw = jnp.take_along_axis(logits[:, j], d, axis=1)
+        val = apply_penalties(raw, jnp.take_along_axis(prompt, d, axis=1), c, rep, presence, freq)  # [B, j]
         out = out.at[rows, j, d].set(val)
     return out
 
@@ -289,11 +288,11 @@ class Speculator:
             return None
         pos = np.full((lay.B, self.k), -1, np.int32)
         ids = np.full((lay.B, self.k), -1, np.int32)
-        rows = batch.rows if batch is not None else []
-        for i, (row, s) in enumerate(zip(rows, (batch.spec_lens if batch is not None else None) or [0] * len(rows))):
-            if s:
-                pos[i, :s] = np.arange(1, s + 1)
-                ids[i, :s] = row.req.slots[1:1 + s]
+        if batch is not None and batch.spec_lens:
+            for i, (row, s) in enumerate(zip(batch.rows, batch.spec_lens)):
+                if s:
+                    pos[i, :s] = np.arange(1, s + 1)
+                    ids[i, :s] = row.req.slots[1:1 + s]
         return pos, r.allocator.translate_slots(ids.reshape(-1)).reshape(lay.B, self.k).astype(np.int32)
 
     def _decode(self, batch, lay, meta, prev, counts) -> SpecLaunched:
