@@ -83,6 +83,32 @@ def fill_kv(arena, view, page_table, lengths, rng, dtype=None, scale=1.0):
     return arena, kk, vv
 
 
+def decode_case(seed, *, B, Hkv, G, D, ps, ctx_max, planes=1, window=None, arena_dtype=jnp.uint16, Dv=None,
+                 min_len=0):
+    """A decode batch over a poisoned arena: random K/V written for [0, len) of each row (row 0 at
+    ctx_max; with B > 2 row 1 at length 1 and row 2 a padding lane), pages past a row's length and,
+    with a window, pages wholly before it pointing at the poisoned sink page 0.
+    -> (view, arena, page_table, lengths, q)."""
+    rng = np.random.default_rng(seed)
+    view = make_view(Hkv, D, Dv, ps, layers=3, layer=2, planes=planes)
+    P = -(-ctx_max // ps)
+    lengths = rng.integers(min_len, ctx_max + 1, size=B).astype(np.int32)
+    lengths[0] = ctx_max
+    if B > 2:
+        lengths[1], lengths[2] = 1, 0
+    npages = B * P + 2
+    arena = poisoned_arena(npages * view.rows_per_page, view.row_words, arena_dtype)
+    pt = random_page_tables(rng, B, P, 1, npages)
+    for b in range(B):
+        pt[b, -(-int(lengths[b]) // ps):] = 0
+    arena, _, _ = fill_kv(arena, view, pt, lengths, rng)
+    if window is not None:
+        for b in range(B):
+            pt[b, :max(0, int(lengths[b]) - window) // ps] = 0
+    q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.bfloat16 if planes == 1 else jnp.float32)
+    return view, arena, jnp.asarray(pt), jnp.asarray(lengths), q
+
+
 def naive_decode(q, k, v, lengths, window=None, softcap=None, sinks=None, scale=None):
     """Independent numpy float64 decode attention over gathered k/v [B, S, Hkv, D]."""
     q = np.asarray(q, np.float64)

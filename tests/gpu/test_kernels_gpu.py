@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _kernel_utils import fill_kv, make_view, poisoned_arena, random_page_tables, random_words
+from _kernel_utils import decode_case, make_view, random_words
 
 from umem_jax.pallas_kernels.kv_write import read_kv_reference, write_kv, write_kv_reference
 from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
@@ -22,28 +22,6 @@ BIG_BYTES = 4 << 30  # the "over 4 GiB" arena is this + 64 MiB (smaller only for
 pytestmark = [pytest.mark.gpu,
               pytest.mark.filterwarnings("ignore:.*Pallas Triton.*:DeprecationWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-
-def _decode_case(seed, *, B, Hkv, G, D, ps, ctx_max, planes=1, window=None, arena_dtype=jnp.uint16, Dv=None,
-                 min_len=0):
-    rng = np.random.default_rng(seed)
-    view = make_view(Hkv, D, Dv, ps, layers=3, layer=2, planes=planes)
-    P = -(-ctx_max // ps)
-    lengths = rng.integers(min_len, ctx_max + 1, size=B).astype(np.int32)
-    lengths[0] = ctx_max
-    if B > 2:
-        lengths[1], lengths[2] = 1, 0
-    npages = B * P + 2
-    arena = poisoned_arena(npages * view.rows_per_page, view.row_words, arena_dtype)
-    pt = random_page_tables(rng, B, P, 1, npages)
-    for b in range(B):
-        pt[b, -(-int(lengths[b]) // ps):] = 0
-    arena, _, _ = fill_kv(arena, view, pt, lengths, rng)
-    if window is not None:
-        for b in range(B):
-            pt[b, :max(0, int(lengths[b]) - window) // ps] = 0
-    q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.bfloat16 if planes == 1 else jnp.float32)
-    return view, arena, jnp.asarray(pt), jnp.asarray(lengths), q
 
 
 DECODE = [
@@ -60,7 +38,7 @@ DECODE = [
 
 @pytest.mark.parametrize("G,D,ps,planes,window,softcap,sinks", DECODE)
 def test_decode_matches_reference(G, D, ps, planes, window, softcap, sinks):
-    view, arena, pt, ln, q = _decode_case(G * 1000 + D + ps, B=8, Hkv=4, G=G, D=D, ps=ps, ctx_max=1500,
+    view, arena, pt, ln, q = decode_case(G * 1000 + D + ps, B=8, Hkv=4, G=G, D=D, ps=ps, ctx_max=1500,
                                           planes=planes, window=window)
     sk = jnp.asarray(np.random.default_rng(0).standard_normal(q.shape[1]) * 2, jnp.float32) if sinks else None
     kw = dict(view=view, window=window, softcap=softcap, sinks=sk)
@@ -95,7 +73,7 @@ def test_decode_gqa_ratios_and_head_dims(G, D, ps, planes, window, softcap, sink
 
 @pytest.mark.parametrize("num_splits,block_tokens", [(1, 128), (7, 64), (32, 256), (None, None)])
 def test_decode_splits_and_blocks(num_splits, block_tokens):
-    view, arena, pt, ln, q = _decode_case(11, B=4, Hkv=8, G=4, D=128, ps=16, ctx_max=4000, min_len=1)
+    view, arena, pt, ln, q = decode_case(11, B=4, Hkv=8, G=4, D=128, ps=16, ctx_max=4000, min_len=1)
     tune = {k: v for k, v in dict(num_splits=num_splits, block_tokens=block_tokens).items() if v is not None}
     got = paged_decode_attention(q, arena, pt, ln, view=view, impl="pallas", **tune)
     ref = paged_decode_attention_reference(q, arena, pt, ln, view=view)

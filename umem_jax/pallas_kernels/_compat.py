@@ -35,3 +35,14 @@ def silence_triton_deprecation():
     runs."""
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
     warnings.filterwarnings("ignore", message=".*jax-pallas-triton.*")
+
+
+def mgpu_load(plgpu, ref, layout):
+    """`plgpu.load` of a whole shared-memory ref in `layout`: jax 0.11 takes (ref, *, layout), jax 0.10
+    also wants an index (the kernels are compiled on 0.11; 0.10 machines cross-lower them in tests)."""
+    import inspect
+
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    if idx is not None and idx.default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)

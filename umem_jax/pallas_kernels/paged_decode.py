@@ -54,17 +54,19 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
 from .kv_write import check_view, kv_scales, read_kv_reference
+from .backend import DeviceInfo, device_info, hopper_refusal, requested_backend
 from .launch import ANY, pow2_ceil, pow2_divisor, resolve_impl
 from .words import (FP8_BITS_SCALE, fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16,
                     unpack_fp8, unpack_fp8_asm, unpack_fp8_bits)
 
-__all__ = ["choose_num_splits", "paged_decode_attention", "paged_decode_attention_reference"]
+__all__ = ["DECODE_ENV", "check_decode_args", "choose_num_splits", "decode_backend", "paged_decode_attention",
+           "paged_decode_attention_reference"]
 
 _NEG = -1e30  # finite "minus infinity" for the running max: exp(NEG - NEG) stays 1, never NaN
 SMEM_BUDGET = 200 * 1024  # bytes of K/V tiles per program across pipeline stages (SM: 227 KiB)
 
 
-def _check(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
+def check_decode_args(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
     check_view(arena, view)
     if window is not None and (int(window) != window or window <= 0):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
@@ -90,7 +92,7 @@ def _check(q, arena, page_table, lengths, view, sinks, window=None, softcap=None
 def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, window=None, softcap=None,
                                      sinks=None, scale=None, kv_dtype=None, k_scale=None, v_scale=None):
     """Plain-JAX decode attention: gather every mapped token (fp8: dequantised), mask, softmax in fp32."""
-    _check(q, arena, page_table, lengths, view, sinks, window, softcap)
+    check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, G = view.num_kv_heads, Hq // view.num_kv_heads
     P = page_table.shape[1]
@@ -275,7 +277,7 @@ def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: i
 def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None, v_scale=None, *, view,
                          window=None, softcap=None, scale=None, kv_dtype=None, interpret=False, block_tokens=None,
                          num_splits=None, num_warps=4, num_stages=None, fp8_dot=None):
-    _check(q, arena, page_table, lengths, view, sinks, window, softcap)
+    check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     B, Hq, D = q.shape
     Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
     G = Hq // Hkv
@@ -423,12 +425,49 @@ def _combine(acc, m, l, lengths, sinks, dtype):
     return o.astype(dtype)
 
 
+# --------------------------------------------------------------------------- kernel choice
+
+DECODE_ENV = "UMEM_JAX_DECODE"
+# With $UMEM_JAX_DECODE unset, impl="pallas" runs the Triton kernel above: it covers every case of
+# the contract (fp8 and fp32 K/V, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The
+# Mosaic GPU kernel (paged_decode_mgpu.py) covers bf16/fp16 K/V on Hopper: "auto" takes it where it
+# covers the case, "mgpu" insists on it.
+DEFAULT_DECODE_BACKEND = "triton"
+_TRITON_TUNING = ("block_tokens", "num_warps", "num_stages", "fp8_dot")
+
+
+def decode_backend(q, view, *, kv_dtype=None, backend: str | None = None,
+                   device: DeviceInfo | None = None) -> tuple[str, str]:
+    """Which kernel impl="pallas" runs for q (anything with .shape: [B, Hq, D]) over `view`: ("mgpu",
+    "") or ("triton", why not mgpu), from static shapes and dtypes, so at trace time (backend.py).
+
+    backend: "auto" | "triton" | "mgpu"; None reads $UMEM_JAX_DECODE (default DEFAULT_DECODE_BACKEND).
+    device: the DeviceInfo to decide for (default: this process's)."""
+    choice = requested_backend(backend, DECODE_ENV, DEFAULT_DECODE_BACKEND)
+    if choice == "triton":
+        return "triton", "the Triton kernel was asked for"
+    why = hopper_refusal(device_info() if device is None else device)
+    if why is None:
+        # Imported only past the device check: on older jax the Mosaic GPU module is never loaded.
+        from .paged_decode_mgpu import check_decode_mgpu_supported, default_decode_mgpu_config
+
+        try:  # pure shape/dtype logic
+            check_decode_mgpu_supported(q, view, default_decode_mgpu_config(q.shape[2], view.page_size), kv_dtype)
+        except NotImplementedError as e:
+            why = str(e)
+    if why is None:
+        return "mgpu", ""
+    if choice == "mgpu":
+        raise NotImplementedError(f"the Mosaic GPU decode kernel was asked for but cannot run: {why}")
+    return "triton", why
+
+
 # --------------------------------------------------------------------------- public wrapper
 
 
 def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                            scale=None, kv_dtype=None, k_scale=None, v_scale=None, impl: str | None = None,
-                           interpret: bool = False, **tuning):
+                           interpret: bool = False, backend: str | None = None, **tuning):
     """Decode attention over the arena for one layer -> [B, Hq, Dv] in q.dtype (see module doc).
 
     k_scale, v_scale: fp8 views' dequantisation scales (f32 [Hkv] or scalars; default 1.0).
@@ -436,12 +475,22 @@ def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, 
     tuning (pallas): block_tokens (tokens per loop step; default 8192 // head_dim, also for fp8, 32
     for fp32 planes), num_splits (default: choose_num_splits), num_warps, num_stages (default 3, fp8
     4), fp8_dot (how fp8 tiles reach the dots, see _fp8_dot; default "asm" on sm_89+, else "f16").
+    backend: which Pallas kernel, "auto" | "triton" | "mgpu" (decode_backend); None reads
+    $UMEM_JAX_DECODE when this is called (unset: the Triton kernel).  interpret=True and the Triton
+    tuning knobs above (all but num_splits) mean the Triton kernel.
     """
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
         return paged_decode_attention_reference(q, arena, page_table, lengths, view=view, window=window,
                                                 softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype,
                                                 k_scale=k_scale, v_scale=v_scale)
+    triton_only = interpret or any(tuning.get(k) is not None for k in _TRITON_TUNING)
+    if not triton_only and decode_backend(q, view, kv_dtype=kv_dtype, backend=backend)[0] == "mgpu":
+        from .paged_decode_mgpu import paged_decode_attention_mgpu
+
+        return paged_decode_attention_mgpu(q, arena, page_table, lengths, view=view, window=window, softcap=softcap,
+                                           sinks=sinks, scale=None if scale is None else float(scale),
+                                           kv_dtype=kv_dtype, num_splits=tuning.get("num_splits"))
     return _paged_decode_pallas(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
                                 softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
                                 interpret=interpret, **tuning)

@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +67,7 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
 from .kv_write import head_slot, kv_scales
+from .backend import DeviceInfo, device_info, hopper_refusal, requested_backend
 from .launch import ANY, pow2_ceil, resolve_impl
 from .paged_decode import SMEM_BUDGET
 from .prefill_reference import check_prefill_args, check_prefill_options, paged_prefill_attention_reference
@@ -481,7 +481,6 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, k_scale=
 # --------------------------------------------------------------------------- kernel choice
 
 PREFILL_ENV = "UMEM_JAX_PREFILL"
-_BACKENDS = ("auto", "triton", "mgpu")
 # With $UMEM_JAX_PREFILL unset, impl="pallas" runs the Triton kernel: it covers every case of the
 # contract (fp32 planes, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The Mosaic GPU
 # kernel is faster on Hopper but covers a subset and needs jax >= 0.11, so it is opt-in: "auto"
@@ -489,56 +488,15 @@ _BACKENDS = ("auto", "triton", "mgpu")
 DEFAULT_BACKEND = "triton"
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceInfo:
-    """What the kernel choice depends on besides shapes: jax.default_backend(), the CUDA compute
-    capability ("9.0"; None off CUDA) and jax's (major, minor)."""
-
-    platform: str
-    compute_capability: str | None
-    jax_version: tuple[int, int]
-
-
-def _jax_version() -> tuple[int, int]:
-    try:
-        major, minor = (int(x) for x in jax.__version__.split(".")[:2])
-    except ValueError:  # pragma: no cover - odd dev version strings
-        return (0, 0)
-    return (major, minor)
-
-
-@functools.lru_cache(maxsize=1)
-def device_info() -> DeviceInfo:
-    """This process's accelerator (probed once: devices do not change under a running process)."""
-    platform = jax.default_backend()
-    cc = None
-    if platform == "gpu":
-        dev = jax.devices()[0]
-        if "cuda" in getattr(dev.client, "platform_version", "").lower():  # not ROCm
-            cc = getattr(dev, "compute_capability", None)
-    return DeviceInfo(platform, cc, _jax_version())
-
-
 def _requested(backend: str | None) -> str:
-    choice = backend if backend is not None else (os.environ.get(PREFILL_ENV, "").strip().lower() or DEFAULT_BACKEND)
-    if choice not in _BACKENDS:
-        src = "backend" if backend is not None else PREFILL_ENV
-        raise ValueError(f"{src} must be one of {_BACKENDS}, got {choice!r}")
-    return choice
+    return requested_backend(backend, PREFILL_ENV, DEFAULT_BACKEND)
 
 
 def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo) -> str | None:
     """Why the Mosaic GPU kernel cannot run this case here, or None when it can."""
-    if info.platform != "gpu" or info.compute_capability is None:
-        return f"not an NVIDIA GPU (backend {info.platform!r})"
-    try:
-        major = int(str(info.compute_capability).split(".")[0])
-    except ValueError:
-        return f"unrecognised compute capability {info.compute_capability!r}"
-    if major != 9:  # wgmma and the sm_90 TMA/barrier forms it lowers to exist on Hopper only
-        return f"compute capability {info.compute_capability} is not Hopper (9.x)"
-    if info.jax_version < (0, 11):
-        return f"jax {info.jax_version[0]}.{info.jax_version[1]} < 0.11 (the plgpu.kernel API)"
+    why = hopper_refusal(info)
+    if why is not None:
+        return why
     # Imported here, after the version check, so that on older jax the module is never loaded.
     from .paged_prefill_mgpu import check_mgpu_supported, default_mgpu_config
 

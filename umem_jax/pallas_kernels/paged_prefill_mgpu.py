@@ -59,6 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ._compat import mgpu_load
 from .prefill_reference import check_prefill_args, check_prefill_options
 from .words import from_u16, kv_value_dtype, to_u16
 
@@ -366,7 +367,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
                 def _zero_garbage_v():
                     v_ref = v_smem.at[slot]
                     rows = k0 + plgpu.broadcasted_iota(jnp.int32, (bkv, D), 0, layout=wgmma_layout)
-                    v = plgpu.load(v_ref, layout=wgmma_layout)
+                    v = mgpu_load(plgpu, v_ref, wgmma_layout)
                     v_ref[...] = jnp.where((rows >= row_lo) & (rows < kv_len), v, jnp.zeros_like(v))
                     plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) read
 

@@ -1,0 +1,195 @@
+"""The Mosaic GPU paged decode kernel against the Triton one, cuDNN dense attention and the copy
+limit, in one run (issue 17, item 4).
+
+    python3 -m benchmarks.bench_decode_mgpu                  # the H200: every shape, a small sweep
+    python3 -m benchmarks.bench_decode_mgpu --only main,b1 --no-sweep
+
+Per shape: both kernels checked against the plain-JAX reference on the same arena (max error),
+then timed (timing.time_calls: per-call median of --trials runs of --iters calls); the Mosaic
+kernel at its default tiling and, with the sweep, at other (block_kv, ring_slots, num_splits).
+Bandwidth = the K/V bytes of the visible positions / time.  Goals (issue 17): Mosaic >= Triton's
+TB/s on every shape, >= 0.95x cuDNN dense on the same bytes at B=64 ctx 4096, >= 85% of the copy
+limit measured at the start of the same run.  The table comes last; with $OUT the rows go to
+$OUT/bench_decode_mgpu.json too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from umem_jax.pallas_kernels._compat import silence_triton_deprecation
+from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+
+from .copy_limit import copy_limit
+from .decode_peers import cudnn_dense, decode_setup, head_major, kv_bytes, max_err
+from .report import RowLog, fmt, format_table, json_path
+from .timing import time_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    B: int
+    ctx: int
+    Hq: int
+    Hkv: int
+    D: int
+    ps: int = 16
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def label(self) -> str:
+        extra = (f" w={self.window}" if self.window else "") + (" softcap" if self.softcap else "") + \
+                (" sinks" if self.sinks else "")
+        return f"B={self.B} ctx={self.ctx} {self.Hq}/{self.Hkv}h D={self.D} ps={self.ps}{extra}"
+
+
+SHAPES = (
+    Shape("main", 64, 4096, 32, 8, 128),                      # bench_kernels' decode shape; cuDNN peer
+    Shape("long", 8, 32768, 32, 8, 128),
+    Shape("b1", 1, 16384, 32, 8, 128),                        # one request: split-K carries it
+    Shape("window", 64, 32768, 32, 8, 128, window=512),
+    Shape("gqa6", 64, 4096, 48, 8, 128),
+    Shape("gqa6_d80", 64, 4096, 48, 8, 80),
+    Shape("gptoss", 64, 4096, 64, 8, 64, window=128, sinks=True),  # gpt-oss's sliding layers
+    Shape("d256_softcap", 64, 4096, 8, 4, 256, softcap=50.0),      # Gemma-like head dim
+    Shape("page64", 64, 4096, 32, 8, 128, ps=64),
+)
+
+
+def sweep_configs(D: int):
+    """(block_kv, ring_slots, num_splits) besides the default (None, None, None)."""
+    out = [(128, 2, None), (64, 3, None), (64, 4, None)]
+    if D <= 128:
+        out.append((128, 3, None))
+    return out
+
+
+def bench_shape(a, s: Shape):
+    view, arena, pt, ln, q = decode_setup(jax.random.PRNGKey(hash(s.name) & 0xFFFF), B=s.B, ctx=s.ctx, Hq=s.Hq,
+                                          Hkv=s.Hkv, D=s.D, page_size=s.ps, window=s.window)
+    sinks = jax.random.normal(jax.random.PRNGKey(5), (s.Hq,), jnp.float32) if s.sinks else None
+    kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks)
+    ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **kw))(q, arena, pt, ln)
+    nbytes = kv_bytes(s.B, min(s.ctx, s.window or s.ctx), view)
+    row = dict(name=s.name, shape=s.label(), bytes=nbytes)
+
+    def run(label, **extra):
+        f = jax.jit(lambda q, a_, p, l: paged_decode_attention(q, a_, p, l, impl="pallas", **kw, **extra))
+        try:
+            err = max_err(f(q, arena, pt, ln), ref)
+            t = time_calls(lambda: f(q, arena, pt, ln), iters=a.iters, trials=a.trials).median
+        except Exception as e:  # noqa: BLE001 - one failure must not end a one-shot GPU run
+            print(f"  {s.name} {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            if a.verbose:
+                traceback.print_exc()
+            return None
+        ok = err <= 2e-2
+        print(f"  {s.name} {label}: {t * 1e6:.1f} us {nbytes / t / 1e12:.3f} TB/s err={err:.2e}"
+              f"{'' if ok else ' WRONG'}", flush=True)
+        return (t, err, label) if ok else None
+
+    tri = run("triton", backend="triton")
+    mg_default = run("mgpu default", backend="mgpu")
+    mg = [mg_default] if mg_default else []
+    if a.sweep:
+        from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
+
+        for bkv, slots, splits in sweep_configs(s.D):
+            if time.time() > a.deadline:
+                break
+            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits: paged_decode_attention_mgpu(
+                q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots, num_splits=splits))
+            try:
+                err = max_err(f(q, arena, pt, ln), ref)
+                t = time_calls(lambda: f(q, arena, pt, ln), iters=a.iters, trials=a.trials).median
+                print(f"  {s.name} mgpu bkv={bkv} slots={slots} splits={splits}: {t * 1e6:.1f} us "
+                      f"{nbytes / t / 1e12:.3f} TB/s err={err:.2e}", flush=True)
+                if err <= 2e-2:
+                    mg.append((t, err, f"bkv={bkv} slots={slots}"))
+            except Exception as e:  # noqa: BLE001
+                print(f"  {s.name} mgpu bkv={bkv} slots={slots}: FAILED {type(e).__name__}: {str(e)[:300]}",
+                      flush=True)
+    best = min(mg) if mg else None
+    row.update(triton_us=tri and tri[0] * 1e6, triton_err=tri and tri[1],
+               mgpu_default_us=mg_default and mg_default[0] * 1e6, mgpu_err=mg_default and mg_default[1],
+               mgpu_best_us=best and best[0] * 1e6, mgpu_best=best and best[2])
+    if s.name == "main" and jax.default_backend() == "gpu":
+        try:
+            npages = arena.shape[0] // view.rows_per_page
+            kp, vp = jax.block_until_ready(head_major(arena, view, npages))
+            t, err = cudnn_dense(q, kp, vp, pt, s.ctx, ref,
+                                 lambda fn: time_calls(fn, iters=a.iters, trials=a.trials).median)
+            row.update(cudnn_us=t * 1e6, cudnn_err=err)
+            print(f"  {s.name} cudnn dense: {t * 1e6:.1f} us {nbytes / t / 1e12:.3f} TB/s err={err:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"  cudnn: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+    return a.log.add(row)
+
+
+def table(a, rows) -> str:
+    lim = a.log.meta.get("copy_limit_tbps")
+    out = []
+    for r in rows:
+        tb = lambda us: r["bytes"] / (us * 1e-6) / 1e12 if us else None
+        tri, mgd, mgb = tb(r.get("triton_us")), tb(r.get("mgpu_default_us")), tb(r.get("mgpu_best_us"))
+        ratio = mgd / tri if mgd and tri else None
+        cud = r.get("cudnn_us")
+        out.append([r["name"], r["shape"], fmt(r.get("triton_us"), ".1f"), fmt(tri, ".3f"),
+                    fmt(r.get("mgpu_default_us"), ".1f"), fmt(mgd, ".3f"), fmt(ratio, ".3f"),
+                    fmt(mgb, ".3f"), r.get("mgpu_best") or "-", fmt(mgd / lim if mgd and lim else None, ".3f"),
+                    fmt(cud / r["mgpu_default_us"] if cud and r.get("mgpu_default_us") else None, ".3f")])
+    return format_table(["shape", "", "triton us", "TB/s", "mgpu us", "TB/s", "mgpu/triton", "best TB/s", "best cfg",
+                         "of copy limit", "vs cuDNN"], out, left=2)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=None, help="comma list of shape names: " + ",".join(s.name for s in SHAPES))
+    ap.add_argument("--no-sweep", dest="sweep", action="store_false")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
+    a = ap.parse_args(argv)
+    silence_triton_deprecation()
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    if jax.default_backend() != "gpu":
+        print("bench_decode_mgpu needs a Hopper GPU (the Mosaic GPU kernel has no CPU form)")
+        return 0
+    dev = jax.devices()[0]
+    t0 = time.time()
+    a.deadline = t0 + a.budget
+    a.log = RowLog(json_path(a.json, "bench_decode_mgpu"), jax=jax.__version__, device=dev.device_kind)
+    print(f"jax {jax.__version__} on {dev.device_kind}", flush=True)
+    lim = copy_limit(1 << 30, iters=10, trials=5, torch_peer=False)
+    a.log.meta.update(copy_limit_tbps=lim.tbps, copy_limit_variants=lim.variants)
+    print(f"  copy limit: {lim.tbps:.3f} TB/s ({lim.fastest}; {lim.variants})", flush=True)
+    names = set(a.only.split(",")) if a.only else None
+    rows = []
+    for s in SHAPES:
+        if names and s.name not in names:
+            continue
+        if time.time() > a.deadline:
+            print(f"  {s.name}: skipped (budget)", flush=True)
+            continue
+        rows.append(bench_shape(a, s))
+    a.log.meta["seconds"] = time.time() - t0
+    a.log.flush()
+    print(f"\n== bench_decode_mgpu ({time.time() - t0:.0f} s; copy limit {lim.tbps:.3f} TB/s) ==")
+    print(table(a, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

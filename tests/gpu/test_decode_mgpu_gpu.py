@@ -1,0 +1,88 @@
+"""GPU-only (Hopper, jax >= 0.11): the Mosaic GPU paged decode kernel, compiled, against the plain-JAX
+reference over poisoned arenas (tombstoned window pages and unwritten slots hold NaN patterns),
+for GQA ratios 1-64, head dims 64-256, page sizes below, equal to and above the KV block, windows,
+soft-cap, sinks, split-K and the ring depths; and the engine's entry point (paged_decode_attention
+with backend "mgpu" / "auto") choosing it.
+
+Skipped on CPU (conftest: `gpu` marker).  Run: python -m pytest -q tests/gpu/test_decode_mgpu_gpu.py
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _kernel_utils import decode_case
+
+from umem_jax.pallas_kernels.backend import device_info, hopper_refusal
+from umem_jax.pallas_kernels.paged_decode import (decode_backend, paged_decode_attention,
+                                                  paged_decode_attention_reference)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    if jax.default_backend() == "gpu" and hopper_refusal(device_info()):
+        pytest.skip(f"the Mosaic GPU decode kernel needs Hopper and jax >= 0.11: {hopper_refusal(device_info())}")
+
+
+CASES = [
+    # (G, D, ps, window, softcap, sinks, tuning)
+    (4, 128, 16, None, None, False, {}),
+    (1, 128, 16, None, None, False, {}),
+    (8, 64, 16, 128, None, True, {}),                       # gpt-oss's sliding layers
+    (6, 128, 32, 200, None, True, {}),
+    (3, 80, 16, None, None, True, {}),                      # 32-byte swizzle
+    (6, 96, 64, None, 30.0, False, {}),                     # 64-byte swizzle, page == 64-token block
+    (2, 256, 16, None, 50.0, False, {}),                    # Gemma-like head dim: 64-token blocks
+    (5, 128, 128, 300, None, False, {}),                    # page == 128-token block
+    (4, 64, 256, 100, None, True, {}),                      # a page larger than the block
+    (16, 128, 16, None, None, False, {}),
+    (64, 64, 16, None, None, True, {}),                     # the whole wgmma tile of q heads
+    (4, 128, 16, None, None, False, {"num_splits": 1}),
+    (4, 128, 16, 64, None, False, {"num_splits": 13}),      # more splits than blocks: empty splits
+    (4, 128, 16, None, None, False, {"block_kv": 64, "ring_slots": 4}),
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 3}),
+]
+
+
+@pytest.mark.parametrize("G,D,ps,window,softcap,sinks,tuning", CASES,
+                         ids=[f"g{c[0]}_d{c[1]}_p{c[2]}_w{c[3]}_sc{c[4]}_s{int(c[5])}_{c[6]}" for c in CASES])
+def test_mgpu_decode_matches_reference(G, D, ps, window, softcap, sinks, tuning):
+    from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
+
+    view, arena, pt, ln, q = decode_case(G * 1000 + D + ps, B=6, Hkv=2, G=G, D=D, ps=ps, ctx_max=1300, window=window)
+    sk = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape[1]) * 2, jnp.float32) if sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sk)
+    got = paged_decode_attention_mgpu(q, arena, pt, ln, **kw, **tuning)
+    ref = paged_decode_attention_reference(q, arena, pt, ln, **kw)
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert got.shape == ref.shape
+    assert np.isfinite(ref).all() and np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(got[np.asarray(ln) == 0], 0.0)
+
+
+def test_mgpu_long_context_many_splits():
+    """32K tokens over 8 requests of random lengths: split-K's shares and the combine."""
+    from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
+
+    view, arena, pt, ln, q = decode_case(7, B=8, Hkv=8, G=4, D=128, ps=16, ctx_max=32768, min_len=1)
+    got = paged_decode_attention_mgpu(q, arena, pt, ln, view=view)
+    ref = paged_decode_attention_reference(q, arena, pt, ln, view=view)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_entry_point_chooses_mgpu(monkeypatch):
+    """paged_decode_attention with backend "auto" (argument or $UMEM_JAX_DECODE) runs the Mosaic
+    kernel where it covers the case and gives the Triton kernel's answer within bf16 rounding."""
+    view, arena, pt, ln, q = decode_case(3, B=4, Hkv=4, G=6, D=128, ps=16, ctx_max=700)
+    assert decode_backend(q, view, backend="auto") == ("mgpu", "")
+    tri = paged_decode_attention(q, arena, pt, ln, view=view, impl="pallas", backend="triton")
+    auto = jax.jit(lambda *a: paged_decode_attention(*a, view=view, impl="pallas", backend="auto"))(q, arena, pt, ln)
+    np.testing.assert_allclose(np.asarray(auto, np.float32), np.asarray(tri, np.float32), rtol=2e-2, atol=2e-2)
+    monkeypatch.setenv("UMEM_JAX_DECODE", "auto")
+    text = jax.jit(lambda *a: paged_decode_attention(*a, view=view, impl="pallas")).lower(q, arena, pt, ln).as_text()
+    assert "mosaic_gpu" in text

@@ -1,0 +1,414 @@
+"""Paged decode attention as a Mosaic GPU (`plgpu`) kernel for Hopper: TMA page copies into a
+shared-memory ring, warpgroup MMA (wgmma) for both products, a producer warpgroup and a consumer.
+
+Same contract as `paged_decode.paged_decode_attention` (docs/kernel_contracts.md)::
+
+    paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None,
+                                sinks=None, scale=None) -> o [B, Hq, Dv]
+
+and `paged_decode.paged_decode_attention_reference` is what it must compute.  It exists beside the
+Triton kernel because jax 0.11 deprecates Pallas' Triton backend, and because Triton gathers K/V
+token by token with vector loads where TMA moves a page as one box.
+
+Supported (anything else raises NotImplementedError naming the reason; use the Triton kernel):
+bf16 (or fp16) K/V stored one plane per token row (`view.planes == 1`, `mk == mv == 1`, not fp8),
+head_dim == v_head_dim, a multiple of 16 in [64, 256], any GQA ratio up to 64 (the q heads of one kv
+head are the rows of one wgmma M tile), row_words a multiple of 8 (16-byte TMA strides), page size
+a multiple of 8 that divides the KV block or is a multiple of it.  Windows, soft-cap, sinks and
+split-K.  Needs jax >= 0.11 (the `plgpu.kernel` API) and an sm_90 GPU; CPU tests cross-lower it.
+
+Kernel layout.  Grid (split, kv head, request).  A CTA is two warpgroups: a producer that walks
+the split's KV blocks (`block_kv` tokens each) and copies each block's K and V into a
+`ring_slots`-deep ring of shared-memory slots (one TMA copy per page, the source a [rows, D] box of
+the 2-D arena at row `page * rows_per_page + k_row + offset` and column `kv_head * D`: a row
+index and a column slice, never a flat offset), and a consumer that holds the G q heads of its kv
+head as the 64 rows of a wgmma tile (rows past G are zero and never written out).  Per block:
+S = Q K^T (wgmma, both in shared memory), an fp32 online softmax in log2 units with the scale
+folded into the exp2 argument, P cast to the K/V dtype in registers, O += P V (wgmma).  Decode is
+bound by the bytes of K and V, so one consumer suffices: its two MMAs and the softmax of one block
+take less time than the producer needs to bring the next.
+
+Split-K.  The visible blocks of a request (those holding a position in [max(0, len - window),
+len)) are shared out between the splits, as the Triton kernel does, so a window of 512 tokens in a
+32K page table costs what 512 tokens cost.  Each split writes its O rows normalised by its own sum,
+in the K/V dtype through the Q tile (an f32 tile would not fit beside a useful ring at D = 256),
+and its running max and sum in f32 (log2 units); `combine_splits` merges them in XLA, adds the
+sinks to the denominator and normalises.  A split with no block writes O = 0 and sum 0.
+
+Never-read key slots.  TMA copies whole pages, so a block can hold slots past len (unwritten) or
+before the window (tombstoned: the sink page, possibly poisoned).  Their scores are masked with a
+`where` (NaN cannot pass) and, on the blocks that hold them, their V rows are zeroed in shared
+memory before the PV MMA, where p == 0 would still meet 0 * NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._compat import mgpu_load
+from .paged_decode import check_decode_args, choose_num_splits
+from .paged_prefill_mgpu import _plgpu, head_swizzle
+from .words import from_u16, kv_value_dtype, to_u16
+
+__all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
+           "paged_decode_attention_mgpu"]
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 1, never NaN
+_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+_ROWS = 64  # one wgmma M tile: the q heads of one kv head, zero-padded
+_ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as a [64, 32] f32 tile
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeMgpuConfig:
+    """block_kv: KV tokens per pipeline step (64 or 128); ring_slots: shared-memory K/V slots the
+    producer may fill ahead of the consumer; num_splits: split-K (None: from the grid size)."""
+
+    block_kv: int = 128
+    ring_slots: int = 2
+    num_splits: int | None = None
+
+
+def smem_bytes(D: int, cfg: DecodeMgpuConfig) -> int:
+    """Q/O tile (2-byte) + K and V rings (2-byte) + the f32 max/sum tile + barriers."""
+    return 2 * _ROWS * D + 2 * 2 * cfg.ring_slots * cfg.block_kv * D + 4 * _ROWS * _ML_COLS + 1024
+
+
+def default_decode_mgpu_config(D: int, page_size: int) -> DecodeMgpuConfig:
+    """128-token blocks where the page size allows (it divides 128 or is a multiple of it), else
+    64; then as deep a ring as fits in shared memory, at most 4 (3 at D = 128 with 128-token blocks,
+    2 at D = 256; 64-token blocks where 128-token ones would leave a ring of 1)."""
+    bkv = 64 if (128 % page_size and page_size % 128) else 128
+    if smem_bytes(D, DecodeMgpuConfig(bkv, 2)) > _SMEM_LIMIT:
+        bkv = 64
+    cfg = DecodeMgpuConfig(bkv, 2)
+    while cfg.ring_slots < 4 and smem_bytes(D, dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1)) <= _SMEM_LIMIT:
+        cfg = dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1)
+    return cfg
+
+
+def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
+    """Raise NotImplementedError if the Mosaic GPU decode kernel does not cover this case (pure shape
+    logic: runs on any jax and any backend)."""
+    D = q.shape[-1]
+    G = q.shape[-2] // view.num_kv_heads
+
+    def no(why):
+        raise NotImplementedError(f"paged_decode_attention_mgpu: {why}; use the Triton kernel "
+                                  "(paged_decode_attention)")
+
+    if view.fp8:
+        no("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
+           "only bf16/fp16")
+    if view.planes != 1:
+        no("fp32 (two-plane) K/V is not supported, only bf16/fp16")
+    vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
+    if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        no(f"K/V dtype {vdt} is not supported, only bf16/fp16")
+    if view.mk != 1 or view.mv != 1:
+        no(f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed")
+    if D != view.v_head_dim:
+        no(f"head_dim {D} != v_head_dim {view.v_head_dim}")
+    if D % 16 or not 64 <= D <= 256:
+        no(f"head_dim must be a multiple of 16 in [64, 256], got {D}")
+    if G > _ROWS:
+        no(f"{G} q heads per kv head; at most {_ROWS} (one wgmma tile of rows)")
+    if view.row_words % 8:
+        no(f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)")
+    if view.num_kv_heads * D > view.row_words:
+        no("the kv heads of one token do not fit one arena row")
+    if cfg.block_kv not in (64, 128):
+        no(f"block_kv must be 64 or 128, got {cfg.block_kv}")
+    if cfg.ring_slots < 2:
+        no(f"ring_slots must be >= 2, got {cfg.ring_slots}")
+    ps = view.page_size
+    if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
+        no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
+    if smem_bytes(D, cfg) > _SMEM_LIMIT:
+        no(f"{smem_bytes(D, cfg)} bytes of shared memory needed (limit {_SMEM_LIMIT}); lower block_kv or ring_slots")
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    bkv: int
+    ring_slots: int
+    num_splits: int
+    G8: int  # q rows read and written: G rounded up to a multiple of 8 (whole tiles)
+    D: int
+    P: int  # page-table width
+    page_size: int
+    rows_per_page: int
+    k_row: int
+    v_row: int
+    window: int | None
+    softcap: float | None
+    scale: float
+    dtype: object
+
+
+def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
+    D, bkv, slots = c.D, c.bkv, c.ring_slots
+    sw = head_swizzle(D)
+    tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+    ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
+    pl.run_scoped(
+        functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
+        (plgpu.SMEM((_ROWS, D), c.dtype, transforms=tiled),
+         plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
+         plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
+         plgpu.SMEM((_ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled)),
+        (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
+         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
+         plgpu.Barrier()),  # Q tile
+        (plgpu.Barrier(num_barriers=slots),) * 2,  # K / V slot released by the consumer
+        collective_axes="wg",
+    )
+
+
+def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
+    q_smem, k_smem, v_smem, ml_smem = smem
+    k_filled, v_filled, q_filled = filled
+    k_released, v_released = released
+    D, bkv, slots = c.D, c.bkv, c.ring_slots
+    i32 = jnp.int32
+
+    split = lax.axis_index("split")
+    kv_head = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    length = jnp.minimum(len_ref[b], i32(c.P * c.page_size))
+    start = jnp.maximum(length - c.window, 0) if c.window is not None else i32(0)
+
+    def cdiv(a, n):
+        return lax.div(a + (n - 1), i32(n))  # all operands >= 0: truncation == floor
+
+    # This split's share of the blocks that hold visible positions (as the Triton kernel shares them).
+    first_block = lax.div(start, i32(bkv))
+    end_block = cdiv(length, bkv)
+    per_split = cdiv(jnp.maximum(end_block - first_block, 0), c.num_splits)
+    lo = first_block + split * per_split
+    hi = jnp.maximum(jnp.minimum(lo + per_split, end_block), lo)
+
+    # ------------------------------------------------------------------ consumer
+    @pl.when(wg == 0)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+        layout = plgpu.Layout.WGMMA
+        if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
+            q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
+            plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
+        plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
+        plgpu.barrier_wait(q_filled)
+
+        exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
+        m_i = plgpu.layout_cast(jnp.full((_ROWS,), _NEG_BIG, jnp.float32), layout.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), layout.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((_ROWS, D), 0.0, jnp.float32), layout)
+
+        def step(kb, carry, masked: bool):
+            acc, m_i, l_i = carry
+            slot = lax.rem(kb - lo, i32(slots))
+            plgpu.barrier_wait(k_filled.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
+            plgpu.barrier_arrive(k_released.at[slot])
+            if c.softcap is not None:
+                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
+            k0 = kb * bkv
+            if masked:  # every row is the same position: one mask over the key columns
+                kp = k0 + plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1, layout=layout)
+                s = jnp.where((kp >= start) & (kp < length), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            p16 = p.astype(c.dtype)
+            plgpu.barrier_wait(v_filled.at[slot])
+            if masked:
+                @pl.when((k0 < start) | (k0 + bkv > length))
+                def _zero_garbage_v():
+                    v_ref = v_smem.at[slot]
+                    rows = k0 + plgpu.broadcasted_iota(jnp.int32, (bkv, D), 0, layout=layout)
+                    v = mgpu_load(plgpu, v_ref, layout)
+                    v_ref[...] = jnp.where((rows >= start) & (rows < length), v, jnp.zeros_like(v))
+                    plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) read
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            plgpu.barrier_arrive(v_released.at[slot])
+            return acc, m_new, l_i
+
+        # Blocks wholly inside [start, length) need no mask: [i_lo, i_hi); the first and last
+        # blocks of the visible range may hold slots outside it.
+        i_lo = jnp.clip(cdiv(start, bkv), lo, hi)
+        i_hi = jnp.clip(lax.div(length, i32(bkv)), i_lo, hi)
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(lo, i_lo, functools.partial(step, masked=True), carry)
+        carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(i_hi, hi, functools.partial(step, masked=True), carry)
+        acc, m_i, l_i = carry
+
+        # O leaves normalised, in the K/V dtype, through the Q tile (no MMA reads Q any more);
+        # the max and sum go out in f32 beside it, for combine_splits.
+        l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
+        q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(c.dtype)
+        cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, _ML_COLS), 1, layout=layout)
+        ml = jnp.where(cols < _ML_COLS // 2, lax.broadcast_in_dim(m_i, (_ROWS, _ML_COLS), [0]),
+                       lax.broadcast_in_dim(l_i, (_ROWS, _ML_COLS), [0]))
+        ml_smem[...] = ml
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, c.G8)], o_ref.at[b, kv_head, split])
+        plgpu.copy_smem_to_gmem(ml_smem.at[pl.ds(0, c.G8)], ml_ref.at[b, kv_head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    # ------------------------------------------------------------------ producer
+    @pl.when(wg == 1)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        page_size, rows_per_page = c.page_size, c.rows_per_page
+        col = kv_head * D
+        rows_per_copy = min(page_size, bkv)
+        n_copies = max(1, bkv // page_size)
+
+        def pages_of(kb):
+            """Page ids of block kb's copies: scalar reads of the table in global memory, clamped
+            to the table (the read one block past the split's end is never used)."""
+            return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(page_size)), c.P - 1)]
+                         for i in range(n_copies))
+
+        def issue(kb, slot, pages, base_row, smem, bar):
+            for i, page in enumerate(pages):
+                row = page * rows_per_page + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(page_size))
+                plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
+                                        smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
+
+        def fill(i, pages):
+            kb = lo + i
+            slot = lax.rem(i, i32(slots))
+            next_pages = pages_of(kb + 1)  # read ahead: the table reads' latency hides behind the waits
+
+            @pl.when(i >= slots)
+            def _():
+                plgpu.barrier_wait(k_released.at[slot])
+
+            issue(kb, slot, pages, c.k_row, k_smem, k_filled)
+
+            @pl.when(i >= slots)
+            def _():
+                plgpu.barrier_wait(v_released.at[slot])
+
+            issue(kb, slot, pages, c.v_row, v_smem, v_filled)
+            return next_pages
+
+        n_steps = hi - lo
+        lax.fori_loop(0, n_steps, fill, pages_of(lo))
+        # Observe the last releases too, so every barrier phase is seen before the scratch goes away.
+        for j in range(slots):
+            i = n_steps - slots + j
+
+            @pl.when(i >= 0)
+            def _():
+                slot = lax.rem(i, i32(slots))
+                plgpu.barrier_wait(k_released.at[slot])
+                plgpu.barrier_wait(v_released.at[slot])
+
+
+def combine_splits(o, ml, lengths, sinks, G: int, dtype):
+    """Merge the splits' partials: o [B, Hkv, S, G8, D] each split's softmax-weighted V (normalised by
+    its own sum), ml [B, Hkv, S, G8, 32] f32 (max in log2 units in column 0, sum in column 16) ->
+    [B, Hkv * G, D] in dtype; sinks (natural-log logits, [Hkv * G] or None) join the denominator;
+    lengths == 0 gives 0."""
+    B, Hkv, S, _, D = o.shape
+    o, m, l = o[:, :, :, :G], ml[:, :, :, :G, 0], ml[:, :, :, :G, _ML_COLS // 2]
+    M = jnp.max(m, axis=2)                                                 # [B, Hkv, G]
+    if sinks is not None:
+        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G) * _LOG2E
+        M = jnp.maximum(M, sk)
+    w = l * jnp.exp2(m - M[:, :, None])                                    # empty splits: l = 0, o = 0
+    num = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=2)
+    den = jnp.sum(w, axis=2)
+    if sinks is not None:
+        den = den + jnp.exp2(sk - M)
+    out = num / jnp.where(den == 0, 1.0, den)[..., None]
+    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
+    return out.reshape(B, Hkv * G, D).astype(dtype)
+
+
+def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, *, view, window, softcap, scale, kv_dtype,
+                       cfg: DecodeMgpuConfig):
+    plgpu = _plgpu()
+    B, Hq, D = q.shape
+    Hkv = view.num_kv_heads
+    G = Hq // Hkv
+    G8 = -(-G // 8) * 8
+    dtype = kv_value_dtype(view.planes, kv_dtype)
+    P = page_table.shape[1]
+    num_splits = cfg.num_splits
+    if num_splits is None:
+        visible = -(-P * view.page_size // cfg.block_kv)
+        if window is not None:
+            visible = min(visible, -(-(window - 1) // cfg.block_kv) + 1)
+        # One CTA per SM at a time (the ring fills most of shared memory): about two waves.
+        num_splits = choose_num_splits(B, Hkv, visible, waves=2, min_blocks_per_split=4)
+    qg = q.astype(dtype).reshape(B, Hkv, G, D)
+    if G8 != G:  # whole 8-row tiles for the TMA box; the padded rows are zeros, sliced off below
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G8 - G), (0, 0)))
+    if arena.dtype != dtype:
+        arena = from_u16(to_u16(arena), dtype)  # same-width view: a bitcast, no copy
+    c = _Static(bkv=cfg.block_kv, ring_slots=cfg.ring_slots, num_splits=int(num_splits), G8=G8, D=D, P=P,
+                page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
+                window=window, softcap=None if softcap is None else float(softcap),
+                scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype)
+    o, ml = plgpu.kernel(
+        functools.partial(_kernel, plgpu, c),
+        out_type=(jax.ShapeDtypeStruct((B, Hkv, c.num_splits, G8, D), dtype),
+                  jax.ShapeDtypeStruct((B, Hkv, c.num_splits, G8, _ML_COLS), jnp.float32)),
+        grid=(c.num_splits, Hkv, B),
+        grid_names=("split", "heads", "batch"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(lengths, page_table, qg, arena)
+    lengths = jnp.minimum(lengths, P * view.page_size)
+    return combine_splits(o, ml, lengths, sinks, G, q.dtype)
+
+
+# --------------------------------------------------------------------------- public wrapper
+
+
+@functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
+                                             "ring_slots", "num_splits"))
+def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
+                                scale=None, kv_dtype=None, block_kv=None, ring_slots=None, num_splits=None):
+    """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
+
+    q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
+    sinks f32 [Hq] or None -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits:
+    DecodeMgpuConfig (None: default_decode_mgpu_config's, num_splits from the grid size).
+    Unsupported cases raise NotImplementedError (see the module docstring).
+    """
+    check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
+    cfg = default_decode_mgpu_config(q.shape[2], view.page_size)
+    cfg = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits)
+    check_decode_mgpu_supported(q, view, cfg, kv_dtype)
+    return _paged_decode_mgpu(q, arena, page_table, lengths, sinks, view=view, window=window, softcap=softcap,
+                              scale=None if scale is None else float(scale), kv_dtype=kv_dtype, cfg=cfg)
