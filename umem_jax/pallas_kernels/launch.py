@@ -13,7 +13,8 @@ from jax.experimental import pallas as pl
 from ._compat import triton_params
 from .words import from_u16, kernel_view
 
-__all__ = ["ANY", "IMPLS", "in_place_call", "pow2_ceil", "pow2_divisor", "pow2_floor", "resolve_impl"]
+__all__ = ["ANY", "IMPLS", "choose_num_splits", "in_place_call", "pow2_ceil", "pow2_divisor", "pow2_floor",
+           "resolve_impl"]
 
 IMPLS = ("pallas", "reference")
 
@@ -69,3 +70,21 @@ def in_place_call(kernel, arena, *operands, grid, name: str, interpret: bool, nu
         name=name,
     )(*operands, view)
     return out if out.dtype == arena.dtype else from_u16(out, arena.dtype)
+
+
+def _num_sms() -> int:
+    try:
+        d = jax.devices()[0]
+        return int(getattr(d, "core_count", 0) or 132) if d.platform == "gpu" else 132
+    except Exception:  # pragma: no cover
+        return 132
+
+
+def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: int | None = None,
+                      waves: int = 4, min_blocks_per_split: int = 4) -> int:
+    """Split-K count that gives about `waves` programs per SM, keeping >= min_blocks_per_split
+    blocks of pages per split (fewer splits when B * Hkv already fills the GPU)."""
+    num_sms = _num_sms() if num_sms is None else num_sms
+    want = -(-waves * num_sms // max(batch * kv_heads, 1))
+    cap = max(1, visible_blocks // min_blocks_per_split)
+    return int(max(1, min(want, cap)))

@@ -40,6 +40,12 @@ bitcast, an e4m3 -> bf16 convert); the wrapper splits q the same way, so the sco
 q_even . k_even + q_odd . k_odd and the output comes out as two halves (p . v_even, p . v_odd),
 interleaved back in XLA.  The per-head scales never enter the kernel: k_scale multiplies q (the
 scores are linear in K, before the softcap) and v_scale the combined output.
+
+Module layout: the Triton kernel, `_paged_decode_pallas` (the pallas_call), `decode_backend` (which
+kernel impl="pallas" runs: this one, or the Mosaic GPU kernel of paged_decode_mgpu.py on Hopper;
+env UMEM_JAX_DECODE=triton|mgpu|auto) and the public wrapper `paged_decode_attention`.  The
+argument checks and `paged_decode_attention_reference` live in decode_reference.py, the split
+count in launch.py; both kernel modules import them.
 """
 
 from __future__ import annotations
@@ -53,9 +59,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .kv_write import check_view, kv_scales, read_kv_reference
+from .decode_reference import check_decode_args, paged_decode_attention_reference
+from .kv_write import kv_scales
 from .backend import DeviceInfo, device_info, hopper_refusal, requested_backend
-from .launch import ANY, pow2_ceil, pow2_divisor, resolve_impl
+from .launch import ANY, choose_num_splits, pow2_ceil, pow2_divisor, resolve_impl
 from .words import (FP8_BITS_SCALE, fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16,
                     unpack_fp8, unpack_fp8_asm, unpack_fp8_bits)
 
@@ -64,65 +71,6 @@ __all__ = ["DECODE_ENV", "check_decode_args", "choose_num_splits", "decode_backe
 
 _NEG = -1e30  # finite "minus infinity" for the running max: exp(NEG - NEG) stays 1, never NaN
 SMEM_BUDGET = 200 * 1024  # bytes of K/V tiles per program across pipeline stages (SM: 227 KiB)
-
-
-def check_decode_args(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
-    check_view(arena, view)
-    if window is not None and (int(window) != window or window <= 0):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
-    if q.ndim != 3 or q.shape[2] != view.head_dim:
-        raise ValueError(f"q must be [B, Hq, {view.head_dim}], got {q.shape}")
-    B, Hq, _ = q.shape
-    if Hq % view.num_kv_heads:
-        raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({view.num_kv_heads})")
-    if page_table.ndim != 2 or page_table.shape[0] != B or jnp.dtype(page_table.dtype) != jnp.int32:
-        raise ValueError(f"page_table must be int32 [{B}, P], got {page_table.dtype}{list(page_table.shape)}")
-    if lengths.shape != (B,) or jnp.dtype(lengths.dtype) != jnp.int32:
-        raise ValueError(f"lengths must be int32 [{B}], got {lengths.dtype}{list(lengths.shape)}")
-    if sinks is not None and sinks.shape != (Hq,):
-        raise ValueError(f"sinks must be [{Hq}], got {sinks.shape}")
-
-
-# --------------------------------------------------------------------------- reference
-
-
-@functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype"))
-def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, window=None, softcap=None,
-                                     sinks=None, scale=None, kv_dtype=None, k_scale=None, v_scale=None):
-    """Plain-JAX decode attention: gather every mapped token (fp8: dequantised), mask, softmax in fp32."""
-    check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
-    B, Hq, D = q.shape
-    Hkv, G = view.num_kv_heads, Hq // view.num_kv_heads
-    P = page_table.shape[1]
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    lengths = jnp.minimum(lengths, P * view.page_size)
-    k, v = read_kv_reference(arena, page_table, view=view, kv_dtype=kv_dtype, k_scale=k_scale,
-                             v_scale=v_scale)  # [B, S, Hkv, D]
-    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
-    pos = jnp.arange(P * view.page_size, dtype=jnp.int32)[None, :]
-    start = jnp.zeros_like(lengths) if window is None else jnp.maximum(lengths - window, 0)
-    visible = (pos < lengths[:, None]) & (pos >= start[:, None])               # [B, S]
-    # Masked positions may hold anything (poisoned sink pages): zero V so 0 * NaN cannot leak.
-    v = jnp.where(visible[:, :, None, None], v, 0.0)
-    qg = q.astype(jnp.float32).reshape(B, Hkv, G, D)
-    s = jnp.einsum("bhgd,bshd->bhgs", qg, k, precision=lax.Precision.HIGHEST) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
-    m = jnp.max(s, axis=-1)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks.astype(jnp.float32).reshape(1, Hkv, G))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    p = jnp.exp(s - m[..., None])
-    denom = p.sum(-1)
-    if sinks is not None:
-        denom = denom + jnp.exp(sinks.astype(jnp.float32).reshape(1, Hkv, G) - m)
-    o = jnp.einsum("bhgs,bshd->bhgd", p, v, precision=lax.Precision.HIGHEST)
-    o = o / jnp.where(denom == 0, 1.0, denom)[..., None]
-    o = jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
-    return o.reshape(B, Hq, view.v_head_dim).astype(q.dtype)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -252,24 +200,6 @@ def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softc
         o_ref[...] = acc
     m_ref[...] = m_i
     l_ref[...] = l_i
-
-
-def _num_sms() -> int:
-    try:
-        d = jax.devices()[0]
-        return int(getattr(d, "core_count", 0) or 132) if d.platform == "gpu" else 132
-    except Exception:  # pragma: no cover
-        return 132
-
-
-def choose_num_splits(batch: int, kv_heads: int, visible_blocks: int, num_sms: int | None = None,
-                      waves: int = 4, min_blocks_per_split: int = 4) -> int:
-    """Split-K count that gives about `waves` programs per SM, keeping >= min_blocks_per_split
-    blocks of pages per split (fewer splits when B * Hkv already fills the GPU)."""
-    num_sms = _num_sms() if num_sms is None else num_sms
-    want = -(-waves * num_sms // max(batch * kv_heads, 1))
-    cap = max(1, visible_blocks // min_blocks_per_split)
-    return int(max(1, min(want, cap)))
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "interpret",
@@ -455,6 +385,11 @@ def decode_backend(q, view, *, kv_dtype=None, backend: str | None = None,
             check_decode_mgpu_supported(q, view, default_decode_mgpu_config(q.shape[2], view.page_size), kv_dtype)
         except NotImplementedError as e:
             why = str(e)
+        if why is None and choice == "auto" and (2 * q.shape[2]) % 128:
+            # A head row that no 128-byte swizzle divides (D = 80, 96, ...) gets narrower shared-memory
+            # swizzles; the H200 measured the Mosaic kernel at 0.91x Triton at D = 80 (RESULTS.md).
+            why = (f"head_dim {q.shape[2]}: its rows take a narrower than 128-byte swizzle, where the Mosaic "
+                   "kernel measured slower than Triton (asked for with backend 'mgpu', it runs)")
     if why is None:
         return "mgpu", ""
     if choice == "mgpu":

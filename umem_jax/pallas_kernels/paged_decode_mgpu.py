@@ -53,7 +53,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import mgpu_load
-from .paged_decode import check_decode_args, choose_num_splits
+from .decode_reference import check_decode_args
+from .launch import choose_num_splits
 from .paged_prefill_mgpu import _plgpu, head_swizzle
 from .words import from_u16, kv_value_dtype, to_u16
 
