@@ -38,9 +38,10 @@ TPOT, (end - first token) / (tokens - 1) per request, is the steady rate.
 Reported: the greedy outputs through the router against the single engine's (equal, or loud);
 TTFT, ITL and TPOT (median, p99), output tok/s; the page-envelope transfers per prompt length:
 bytes, the parts of the path (export: on the prefill worker's engine thread, pending page moves,
-the gather and the device-to-host read, which waits for a step still in flight; pack: np.savez;
-HTTP: the POST until the ack less the decode side's unpack, wait for its engine thread and
-install call; install: the host call, whose device copies may end inside the next step) and GB/s
+the gather and the device-to-host read, which waits for a step still in flight; pack: np.savez,
+or with the shm transport the copy into a shared-memory segment; HTTP: the POST until the ack less
+the decode side's unpack (shm: attach and copy out), wait for its engine thread and install call;
+install: the host call, whose device copies may end inside the next step) and GB/s
 of the send and of the whole path.  Written to --out: results.json (after every pass) and
 each process's log; the tables are printed last.
 """
@@ -89,6 +90,8 @@ def parse(argv=None):
     ap.add_argument("--transfer-timeout", type=float, default=600.0, help="the router's transfer deadline (the "
                     "warm-up compiles on the prefill worker while reservations wait)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--transport", default="auto", choices=("auto", "http", "shm"),
+                    help="the prefill worker's --disaggregation-transfer-backend (auto: shm on this host)")
     ap.add_argument("--out", default=None, help="default: $OUT/bench_disagg, else ./bench_disagg_out")
     ap.add_argument("--small", action="store_true", help="CPU smoke: the tiny model, short prompts, c = 1 and 4")
     args = ap.parse_args(argv)
@@ -125,7 +128,8 @@ def make_configs(args, model_args: list[str], tok: Path, out: Path) -> dict[str,
               "--served-model-name", SERVED, "--tokenizer", tok, "--warmup-shapes", 0, "--warmup-sampling", "greedy"]
     common = [str(x) for x in common]
     worker = lambda mode: ["serve", *model_args, "--disaggregation-mode", mode, "--arena-bytes", str(arena), *common]
-    p = Server("prefill", worker("prefill"), child_env(args.worker_mem_fraction), out)
+    p = Server("prefill", worker("prefill") + ["--disaggregation-transfer-backend", args.transport],
+               child_env(args.worker_mem_fraction), out)
     d = Server("decode", worker("decode"), child_env(args.worker_mem_fraction), out)
     r = Server("router", ["router", "--prefill", p.url, "--decode", d.url, "--transfer-timeout",
                           str(args.transfer_timeout)], child_env(None, cpu_only=True), out)

@@ -173,7 +173,8 @@ def _serve_with(args, names: list[str], report) -> int:
     startup.announce_when_ready(report, aeng, f"ready: http://{args.host}:{args.port}/v1")
     if args.disaggregation_mode != "null":  # a prefill or decode worker (disagg/worker.py)
         from .disagg.worker import serve_worker as serve
-        serve = functools.partial(serve, mode=args.disaggregation_mode)
+        serve = functools.partial(serve, mode=args.disaggregation_mode,
+                                  transfer_backend=args.disaggregation_transfer_backend)
     code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
     if code:
@@ -379,6 +380,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"),
                    help="run as the prefill or the decode worker of a disaggregated pair behind `umem-jax router` "
                    "(SGLang's flag; default null: a whole engine)")
+    s.add_argument("--disaggregation-transfer-backend", default="auto", choices=("auto", "http", "shm"),
+                   help="how a prefill worker sends page envelopes: shm (a shared-memory segment, one host), http "
+                   "(an npz body, any host) or auto (shm when the decode worker's URL is a loopback address, "
+                   "falling back to http when it cannot attach the segment; default)")
     s.set_defaults(fn=_serve)
 
     add_router_parser(sub)  # `umem-jax router` (disagg/commands.py)

@@ -4,7 +4,8 @@ arenas of different sizes), the router runs in this process.  Greedy outputs equ
 worker alone; injected faults (a late poisoned write after a reservation expired, a dropped and
 a delayed acknowledgement, the decode worker killed mid-transfer and restarted) leave every page
 accounted for on both sides, other requests unaffected, and the client a retried success or a
-clear error; 64 concurrent streams through the router finish with no error and no leak.  All of
+clear error; envelopes travel through shared memory (loopback workers, transport "auto") and as
+HTTP bodies; 64 concurrent streams through the router finish with no error and no leak.  All of
 it runs in CI (about 90 s with the workers' start)."""
 
 from __future__ import annotations
@@ -165,15 +166,21 @@ def test_router_equals_one_engine(workers):
         assert "".join(ch["choices"][0]["text"] for ch in chunks) == want[0]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert router.counts == {"requests": 7, "retries": 0, "failed": 0}, list(router.errors)
+        # The workers are on loopback, so "auto" sent those through shared memory; the same over HTTP bodies:
+        via_http = Router([workers["prefill"].url], [workers["decode"].url], timeout_s=120, transport="http")
+        async with _client(via_http) as c:
+            rs = await asyncio.gather(*[c.post("/v1/completions", json=_body(p)) for p in prompts[:2]])
+        assert [r.json()["choices"][0]["text"] for r in rs] == want[:2]
         await _check_both(workers)
-        await _check_transfer_log(workers, 7)
+        assert await _check_transfer_log(workers, 9) == ["shm"] * 7 + ["http"] * 2
 
     asyncio.run(go())
 
 
-async def _check_transfer_log(ws, n: int) -> None:
+async def _check_transfer_log(ws, n: int) -> list[str]:
     """GET /disagg/transfers on both sides: the latest n sends are timed, and each one's bytes are
-    the bytes the decode side received for that transfer id."""
+    the bytes the decode side received for that transfer id, by the same transport -> the
+    transports of those n sends, oldest first."""
     async with httpx.AsyncClient(timeout=30) as c:
         sent, got = [(await c.get(f"{ws[m].url}/disagg/transfers")).json() for m in ("prefill", "decode")]
     assert (sent["mode"], got["mode"]) == ("prefill", "decode")
@@ -182,8 +189,9 @@ async def _check_transfer_log(ws, n: int) -> None:
         assert r["ok"] and r["bytes"] > 0 and r["tokens"] > 0, r
         assert min(r["export_s"], r["pack_s"], r["send_s"], r["export_wait_s"]) >= 0, r
         d = recv[r["transfer_id"]]
-        assert d["ok"] and d["bytes"] == r["bytes"], (r, d)
+        assert d["ok"] and d["bytes"] == r["bytes"] and d["transport"] == r["transport"], (r, d)
         assert 0 <= d["install_s"] and 0 <= d["unpack_s"] and 0 <= d["install_wait_s"], d
+    return [r["transport"] for r in sent["transfers"][-n:]]
 
 
 def test_expired_reservation_drops_the_late_poisoned_write(warm):

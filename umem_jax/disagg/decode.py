@@ -2,11 +2,14 @@
 
     POST /disagg/reserve          {transfer_id, prompt_token_ids, params, timeout_s}
                                   -> {generation, fingerprint}; 503 while it has no room
-    POST /disagg/transfer/{id}?generation=G   body: wire.pack(envelopes) -> {acked}; 409 dropped
+    POST /disagg/transfer/{id}?generation=G[&transport=shm]   body: wire.pack(envelopes), or with
+                                  shm the JSON reference of wire.pack_shm -> {acked}; 409 dropped,
+                                  422 the segment is not on this host
     POST /disagg/cancel/{id}?generation=G     -> {acked, state}: fenced and freed before the reply
     GET  /disagg/stream/{id}      NDJSON deltas of the request ({text, token_ids, finish_reason, error})
-    GET  /disagg/transfers        the latest writes: {transfer_id, bytes, ok, body_s, unpack_s,
-                                  install_wait_s, install_s (the host call of the install)}
+    GET  /disagg/transfers        the latest writes: {transfer_id, transport, bytes (of the envelopes),
+                                  body_bytes, ok, body_s, unpack_s (shm: attach + copy out), install_wait_s,
+                                  install_s (the host call of the install)}
 
 Ordering (ledger.py): every check-then-act runs in one AsyncLLMEngine.call on the engine thread.
 A reservation that gets no bytes by its deadline is expired by a ticker (fenced and freed); a
@@ -30,7 +33,7 @@ from ..api.errors import error
 from ..core.sampling_params import SamplingParams
 from . import ledger as lg
 from .faults import Faults
-from .wire import unpack
+from .wire import NoSegment, unpack, unpack_shm
 
 router = APIRouter()
 
@@ -119,10 +122,17 @@ async def transfer(tid: str, raw: Request):
     rec = {"transfer_id": tid, "bytes": len(body), "body_s": time.perf_counter() - t0}
     await w.faults.sleep("stall_install_s", tid)
     t0 = time.perf_counter()
+    shm = raw.query_params.get("transport", "http") == "shm"
     try:
-        env = unpack(body)
-    except ValueError as e:
+        if shm:  # a reference to a segment on this host: attach, copy out, unlink (off the event loop)
+            env = await asyncio.to_thread(unpack_shm, json.loads(body))
+        else:
+            env = unpack(body)
+    except NoSegment as e:  # not on this host: the prefill worker sends the same transfer as a body
+        return error(422, str(e))
+    except ValueError as e:  # json.JSONDecodeError included
         return error(400, str(e))
+    rec.update(transport="shm" if shm else "http", bytes=env.nbytes, body_bytes=len(body))  # envelope bytes, as sent
     rec["unpack_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
 

@@ -5,6 +5,10 @@
     GET  /disagg/transfers        the latest sends: {transfer_id, tokens, bytes, ok, export_wait_s,
                                   export_s (gather + device-to-host read), pack_s, send_s (POST to ack)}
 
+The envelopes travel as wire.py says: "auto" (the default, `--disaggregation-transfer-backend`)
+through a shared-memory segment when the decode worker is on a loopback address, else (or when it
+cannot attach the segment) as an npz body; a request's JSON may name "http" or "shm" instead.
+
 The request runs with max_tokens=1 and is held when that token is out (engine/handoff.py): its
 pages stay allocated, unschedulable and unretractable until the decode worker answers.  Then:
   acked                 -> release (its pages go to the prefix cache, reusable)       "sent"
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import json
 import time
 
 import httpx
@@ -29,7 +34,7 @@ from fastapi import APIRouter, Request
 from ..api.errors import error
 from ..core.sampling_params import SamplingParams
 from .faults import Faults
-from .wire import pack
+from .wire import NoSegment, SegmentPool, pack, pack_shm, transport_for
 
 router = APIRouter()
 CANCEL_TRIES = 3
@@ -38,8 +43,11 @@ CANCEL_TRIES = 3
 class PrefillWorker:
     """The prefill side's state beside its AsyncLLMEngine (app.state.disagg)."""
 
-    def __init__(self, aeng):
+    def __init__(self, aeng, *, transport: str = "auto"):
         self.aeng = aeng
+        self.transport = transport  # wire.TRANSPORTS; a request's body may name another
+        self.pool = SegmentPool()  # the shm transport's segments, reused
+        transport_for(transport, "http://127.0.0.1")  # an unknown name fails at startup, not per request
         self.faults = Faults()
         self.fenced: set[str] = set()  # generations whose cancel was never answered
         self.counts = {"sent": 0, "done": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
@@ -54,13 +62,18 @@ class PrefillWorker:
     async def call(self, fn):
         return await asyncio.wrap_future(self.aeng.call(fn))
 
-    async def send(self, url: str, tid: str, gen: str, body: bytes, timeout_s: float) -> str | None:
-        """POST the envelopes -> None when acked, else why not (after the cancel was settled)."""
+    async def send(self, url: str, tid: str, gen: str, body: bytes, timeout_s: float,
+                   transport: str = "http") -> str | NoSegment | None:
+        """POST the envelopes (http: the npz body; shm: the segment's reference) -> None when acked,
+        a NoSegment when the decode worker cannot attach the segment (nothing was written: send
+        again over http), else why not (after the cancel was settled)."""
         try:
-            r = await self.client.post(f"{url}/disagg/transfer/{tid}", params={"generation": gen}, content=body,
-                                       timeout=timeout_s)
+            r = await self.client.post(f"{url}/disagg/transfer/{tid}", params={"generation": gen, "transport": transport},
+                                       content=body, timeout=timeout_s)
             if r.status_code == 200:
                 return None
+            if r.status_code == 422 and transport == "shm":
+                return NoSegment(r.text[:300])
             why = f"the decode worker answered {r.status_code}: {r.text[:300]}"
         except httpx.HTTPError as e:
             why = f"no acknowledgement from the decode worker: {type(e).__name__} {e}"
@@ -112,18 +125,42 @@ async def prefill(raw: Request):
     if w.faults.take("poison", tid):  # a test's late write: NaN bytes that must never land
         env = dataclasses.replace(env, pages={k: v | 0x7FC0 for k, v in env.pages.items()},
                                   state=None if env.state is None else env.state | 0x7FC0)
-    payload, pack_s = _timed(pack, env)
-    await w.faults.sleep("stall_send_s", tid)
+    try:
+        transport = transport_for(str(body.get("transport") or w.transport), url)
+    except ValueError as e:
+        transport, why = None, str(e)
     t0 = time.perf_counter()
-    why = await w.send(url, tid, gen, payload, timeout_s)
-    send_s = time.perf_counter() - t0  # the POST until the ack: HTTP + the decode side's unpack and install
+    if transport == "shm":  # one host: the arrays through a shared-memory segment, a reference in the POST
+        seg, ref = pack_shm(env, w.pool)
+        pack_s = time.perf_counter() - t0
+        why = "the send did not finish"
+        try:
+            await w.faults.sleep("stall_send_s", tid)
+            t0 = time.perf_counter()
+            why = await w.send(url, tid, gen, json.dumps(ref).encode(), timeout_s, "shm")
+        finally:  # acked or the cancel answered: nobody reads it any more; else a reader may map it still
+            (w.pool.give if why is None or isinstance(why, NoSegment) or gen not in w.fenced else w.pool.drop)(seg)
+        if isinstance(why, NoSegment):  # another host after all: the same transfer again, as a body
+            transport = "http"
+            t0 = time.perf_counter()
+    if transport == "http":
+        payload = pack(env)
+        pack_s = time.perf_counter() - t0
+        await w.faults.sleep("stall_send_s", tid)
+        t0 = time.perf_counter()
+        why = await w.send(url, tid, gen, payload, timeout_s)
+    send_s = time.perf_counter() - t0 if transport else 0.0  # the POST until the ack: the decode side's install too
     await w.call(lambda eng: eng.handoff.release(tid))
+    if transport is None:  # an unknown transport name: nothing was sent; the decode side's reservation expires
+        pack_s = 0.0
     w.counts["failed" if why else "sent"] += 1
-    w.counts["bytes"] += len(payload)
+    w.counts["bytes"] += env.nbytes
     w.counts["send_s"] += send_s
-    w.transfers.append({"transfer_id": tid, "tokens": env.plan.computed, "bytes": len(payload), "ok": why is None,
-                        "export_wait_s": wait_s, "export_s": export_s, "pack_s": pack_s, "send_s": send_s})
-    return {**out, "status": "failed" if why else "sent", "error": why, "bytes": len(payload), "send_s": send_s}
+    w.transfers.append({"transfer_id": tid, "tokens": env.plan.computed, "bytes": env.nbytes, "ok": why is None,
+                        "transport": transport, "export_wait_s": wait_s, "export_s": export_s, "pack_s": pack_s,
+                        "send_s": send_s})
+    return {**out, "status": "failed" if why else "sent", "error": why, "bytes": env.nbytes, "send_s": send_s,
+            "transport": transport}
 
 
 def _timed(fn, *args):

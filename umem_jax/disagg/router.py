@@ -33,13 +33,16 @@ class TransferFailed(RuntimeError):
 class Router:
     """prefill / decode: worker base URLs (round-robin); timeout_s: a transfer's deadline (the
     decode worker's reservation and the prefill worker's wait for the ack); retries: attempts
-    after the first; reserve_wait_s: how long a reservation may wait for room at the decode worker."""
+    after the first; reserve_wait_s: how long a reservation may wait for room at the decode worker;
+    transport: how the prefill workers send the envelopes ("http" / "shm" / "auto", wire.py; None:
+    each worker's --disaggregation-transfer-backend)."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, timeout_s: float = 30.0, retries: int = 1,
-                 reserve_wait_s: float = 60.0):
+                 reserve_wait_s: float = 60.0, transport: str | None = None):
         self.prefill, self.decode = [u.rstrip("/") for u in prefill], [u.rstrip("/") for u in decode]
         self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
         self.timeout_s, self.retries, self.reserve_wait_s = timeout_s, retries, reserve_wait_s
+        self.transport = transport
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
         self.counts = {"requests": 0, "retries": 0, "failed": 0}
         self.errors: collections.deque[str] = collections.deque(maxlen=32)  # why recent attempts failed
@@ -60,7 +63,8 @@ class Router:
         deadline = time.monotonic() + self.reserve_wait_s
         while True:
             r = await self._post(f"{url}/disagg/reserve", json={"transfer_id": tid, "prompt_token_ids": ids,
-                                                                "params": params, "timeout_s": self.timeout_s})
+                                                                "params": params, "timeout_s": self.timeout_s,
+                **({"transport": self.transport} if self.transport else {})})
             if r.status_code == 200:
                 return r.json()["generation"]
             msg = r.json().get("error", {}).get("message", r.text)
@@ -93,7 +97,8 @@ class Router:
         try:
             r = await self._post(f"{p_url}/disagg/prefill", json={
                 "transfer_id": tid, "generation": gen, "decode_url": d_url, "prompt_token_ids": ids,
-                "params": params, "timeout_s": self.timeout_s})
+                "params": params, "timeout_s": self.timeout_s,
+                **({"transport": self.transport} if self.transport else {})})
         except TransferFailed:
             await self._cancel(d_url, tid, gen)
             raise

@@ -55,11 +55,12 @@ async def check(raw: Request):
     return await asyncio.wrap_future(w.aeng.call(run))
 
 
-def build_worker_app(aeng, names: list[str], mode: str, **kw):
+def build_worker_app(aeng, names: list[str], mode: str, *, transfer_backend: str = "auto", **kw):
     """The serving app of one engine, with the endpoints of `mode` ("prefill" or "decode").  A
     decode worker's body limit (max_request_bytes) is raised to the largest transfer it can take
     (wire.max_body_bytes of max_model_len tokens), else any prompt whose memory is over the limit
-    (16 MiB by default: a 4B model's state slot alone is ~50 MB) would be refused."""
+    (16 MiB by default: a 4B model's state slot alone is ~50 MB) would be refused.  transfer_backend:
+    how a prefill worker sends (wire.TRANSPORTS: auto, http, shm)."""
     if mode not in ("prefill", "decode"):
         raise ValueError(f"--disaggregation-mode {mode!r}: use one of {list(MODES)}")
     limit = kw.get("max_request_bytes")
@@ -67,7 +68,8 @@ def build_worker_app(aeng, names: list[str], mode: str, **kw):
         eng = aeng.engine
         kw["max_request_bytes"] = max(limit, max_body_bytes(eng.plan, eng.max_model_len))
     app = build_app(aeng, names, **kw)
-    app.state.disagg = decode.DecodeWorker(aeng) if mode == "decode" else prefill.PrefillWorker(aeng)
+    app.state.disagg = (decode.DecodeWorker(aeng) if mode == "decode"
+                        else prefill.PrefillWorker(aeng, transport=transfer_backend))
     app.include_router(decode.router if mode == "decode" else prefill.router)
     app.include_router(common)
     app.include_router(faults.router)
