@@ -246,7 +246,7 @@ def speculative() -> dict:
     from umem_jax.models.loader import load_model
 
     target, draft = load_model("tiny"), load_model("tiny-attention")
-    spec = {"method": "draft", "model": draft, "num_speculative_tokens": 3}
+    spec = {"method": "draft", "model": draft, "num_speculative_tokens": 3, "min_acceptance": 0.0}
     _, want = _greedy(target, 1, n=12)
     llm, got = _greedy(target, 2, n=12, speculative_config=spec)
     assert got == want, f"speculative TP=2 {got} != TP=1 {want}"
@@ -273,7 +273,7 @@ def speculative() -> dict:
     from _mtp_fixtures import write_mtp_checkpoint
 
     path = str(write_mtp_checkpoint(Path(tempfile.mkdtemp()), "qwen3_5_tiny"))
-    mtp = {"method": "mtp", "num_speculative_tokens": 3}
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance": 0.0}
     _, want = _greedy(path, 1, n=12)
     _, one = _greedy(path, 1, n=12, speculative_config=mtp)
     two, got = _greedy(path, 2, n=12, speculative_config=mtp)

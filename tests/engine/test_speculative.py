@@ -56,7 +56,7 @@ def _workload(vocab: int):
 
 
 def _run(target, arena, draft=None, params=None, **kw):
-    spec = None if draft is None else {"method": "draft", "model": draft, "num_speculative_tokens": K}
+    spec = None if draft is None else {"method": "draft", "model": draft, "num_speculative_tokens": K, "min_acceptance": 0.0}
     llm = LLM(target, arena_bytes=arena, speculative_config=spec, **SPEC, **kw)
     work = _workload(target.config.vocab_size)
     params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -200,7 +200,7 @@ def test_logprobs_with_speculation_are_logprobs_without(draft):
     want = LLM(target, arena_bytes=250 << 10, **SPEC).generate(work, params)
     d = target if draft == "self" else _perturbed("tiny-attention")
     llm = LLM(target, arena_bytes=250 << 10, **SPEC,
-              speculative_config={"model": d, "num_speculative_tokens": K})
+              speculative_config={"model": d, "num_speculative_tokens": K, "min_acceptance": 0.0})
     got = llm.generate(work, params)
     s = llm.llm_engine.stats()["speculative"]
     assert s["mean_accepted_length"] > (2.5 if draft == "self" else 0.0), s
@@ -224,7 +224,7 @@ def test_n_and_best_of_with_speculation():
     want = [o.outputs[0].token_ids for o in LLM(target, arena_bytes=400 << 10, **SPEC).generate(
         work, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
     llm = LLM(target, arena_bytes=400 << 10, **SPEC,
-              speculative_config={"model": _perturbed("tiny-attention"), "num_speculative_tokens": K})
+              speculative_config={"model": _perturbed("tiny-attention"), "num_speculative_tokens": K, "min_acceptance": 0.0})
     got = llm.generate(work, SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS))
     assert [[c.token_ids for c in o.outputs] for o in got] == [[w] * 3 for w in want]
     got = llm.generate(work, [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=MAX_TOKENS),
@@ -279,7 +279,7 @@ def test_greedy_with_penalties_and_speculation_is_greedy_without(draft):
     assert want != [o.outputs[0].token_ids for o in plain.generate(work, SamplingParams(temperature=0,
                                                                                           max_tokens=MAX_TOKENS))]
     d = target if draft == "self" else _perturbed("tiny-attention")
-    llm = LLM(target, arena_bytes=250 << 10, **SPEC, speculative_config={"model": d, "num_speculative_tokens": K})
+    llm = LLM(target, arena_bytes=250 << 10, **SPEC, speculative_config={"model": d, "num_speculative_tokens": K, "min_acceptance": 0.0})
     got = llm.generate(work, params)
     assert [o.outputs[0].token_ids for o in got] == want
     s = llm.llm_engine.stats()["speculative"]
@@ -300,7 +300,7 @@ def test_draft_model_hits_are_unchanged_by_speculation():
     p = [t % vocab for t in prompts(32, seed=11)[0]]
     a, b, c = (p + [x] + [t % vocab for t in q] for x, q in zip((5, 6, 7), prompts(12, 7, 7, seed=12)))
     hits = []
-    for spec in (None, {"method": "draft", "model": target, "num_speculative_tokens": K}):
+    for spec in (None, {"method": "draft", "model": target, "num_speculative_tokens": K, "min_acceptance": 0.0}):
         llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
         assert llm.llm_engine.scheduler.cache.lookahead == 0
         params = SamplingParams(temperature=0, max_tokens=8)
@@ -315,7 +315,7 @@ def test_warmup_compiles_what_speculation_launches(caplog):
     jit_prefill for a prefill shape), not the plain step.  (The allocator's page moves are a
     separate small jit that may compile for a new move count.)"""
     target = _model("tiny-attention")
-    spec = {"method": "draft", "model": _perturbed("tiny-attention"), "num_speculative_tokens": K}
+    spec = {"method": "draft", "model": _perturbed("tiny-attention"), "num_speculative_tokens": K, "min_acceptance": 0.0}
     llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
     eng = llm.llm_engine
     shapes = eng.reachable_shapes()
@@ -324,3 +324,34 @@ def test_warmup_compiles_what_speculation_launches(caplog):
                                                        SamplingParams(temperature=0, max_tokens=8))) == []
     assert eng.stats()["speculative"]["num_verify_rows"] > 0
     assert_idle_clean(llm)
+
+
+def test_requests_whose_drafts_do_not_pay_stop_speculating():
+    """A draft that almost never agrees (2% here): each request stops speculating after its first
+    probe_steps verifies (min_acceptance) and decodes on with plain steps (asynchronous ones once no
+    running request speculates); its greedy output is still greedy without speculation; a draft
+    that agrees keeps speculating.  Also from the command line's flag and the JSON."""
+    target = _model("tiny-attention")
+    want, _ = _run(target, 250 << 10)
+    spec = {"method": "draft", "model": _perturbed("tiny-attention"), "num_speculative_tokens": K,
+            "min_acceptance": 0.3, "probe_steps": 4}
+    llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
+    work = _workload(target.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    eng = llm.llm_engine
+    plain_before = eng.num_steps["decode"]
+    outs = llm.generate(work, params) + llm.generate(work[:1], params)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    st = eng.stats()["speculative"]
+    assert st["num_requests_switched_off"] == len(outs), st
+    # every request verified at most probe_steps + (steps in flight) rows, far fewer than its tokens
+    assert st["num_verify_rows"] < len(outs) * MAX_TOKENS // 2, st
+    assert eng.num_steps["decode"] - plain_before > st["num_verify_rows"] // len(outs), eng.num_steps
+    assert_idle_clean(llm)
+    # A draft that agrees (the target itself) is never switched off.
+    spec = dict(spec, model=target)
+    llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
+    assert [o.outputs[0].token_ids for o in llm.generate(work, params)] == want[:len(work)]
+    assert llm.llm_engine.stats()["speculative"]["num_requests_switched_off"] == 0
+    with pytest.raises(ValueError, match="min_acceptance"):
+        LLM(target, arena_bytes=250 << 10, speculative_config=dict(spec, min_acceptance=1.5))

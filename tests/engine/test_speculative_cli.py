@@ -12,7 +12,7 @@ from umem_jax.engine.speculative_flags import from_flags
 
 def _ns(**kw):
     fields = ("speculative_config", "speculative_method", "num_speculative_tokens", "speculative_num_draft_tokens",
-              "speculative_draft_model")
+              "speculative_draft_model", "speculative_min_acceptance")
     return argparse.Namespace(**{f: kw.get(f) for f in fields})
 
 
@@ -26,6 +26,9 @@ def test_flags_make_the_speculative_config():
     got = from_flags(_ns(speculative_method="STANDALONE", speculative_num_draft_tokens=4, speculative_draft_model="d"))
     assert got == {"method": "draft", "model": "d", "num_speculative_tokens": 3}
     assert from_flags(_ns(speculative_method="NEXTN")) == {"method": "mtp"}
+    assert from_flags(_ns(speculative_method="mtp", speculative_min_acceptance=0.0)) == {"method": "mtp",
+                                                                                         "min_acceptance": 0.0}
+    assert from_flags(_ns(speculative_config='{"method": "mtp", "min_acceptance": 0.5}'))["min_acceptance"] == 0.5
     with pytest.raises(ValueError, match="not JSON"):
         from_flags(_ns(speculative_config="{method"))
     with pytest.raises(ValueError, match=r"fields \['draft_tensor_parallel_size'\] are not supported"):

@@ -88,7 +88,7 @@ def _generate(engine, work, params, retract_at=None, after_step=None):
 
 
 def _run(path, arena, method=None, expected=None, oracle=None, params=None):
-    spec = None if method is None else {"method": method, "num_speculative_tokens": K}
+    spec = None if method is None else {"method": method, "num_speculative_tokens": K, "min_acceptance": 0.0}
     llm = LLM(str(path), arena_bytes=arena, speculative_config=spec, **SHAPES)
     eng = llm.llm_engine
     work = _workload(eng.model.config.vocab_size)
@@ -155,7 +155,7 @@ def test_a_hit_shares_only_pages_made_with_its_own_next_token(ckpt, name):
     n = 8
     want = [oracle.greedy(p, n) for p in work]
     expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
-    llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0},
               **SHAPES)
     eng = llm.llm_engine
     assert eng.scheduler.cache.lookahead == 1
@@ -176,7 +176,7 @@ def test_sampling_with_mtp_runs_clean(ckpt):
     from umem_jax.models.loader import load_model
 
     path = ckpt("qwen3_5_tiny")
-    llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0},
               **SHAPES)
     work = _workload(llm.llm_engine.model.config.vocab_size)
     params = [SamplingParams(temperature=0.9, top_k=20 if i % 2 else 0, max_tokens=MAX_TOKENS, seed=i,
@@ -240,7 +240,7 @@ def test_one_hot_acceptance_keeps_the_target_distribution(seed):
 def test_refusals_name_the_reason(ckpt, tmp_path):
     import shutil
 
-    spec = {"method": "mtp", "num_speculative_tokens": K}
+    spec = {"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0}
     d = tmp_path / "no_mtp_weights"
     shutil.copytree(FIXTURES / "qwen3_5_tiny", d)
     cfg = json.loads((d / "config.json").read_text())
@@ -255,7 +255,7 @@ def test_the_heads_kv_is_priced_in_the_targets_envelope(ckpt):
     """The head's K/V rows sit in the target's full-attention page envelope (one page, one
     allocation for both), so the one demand model prices them; a recurrent target also holds k
     speculative state slots.  load_format "dummy" gives the head random weights."""
-    spec = {"method": "mtp", "num_speculative_tokens": K}
+    spec = {"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0}
     path = ckpt("nemotron_h_moe_tiny")
     eng = LLM(str(path), arena_bytes=ARENA, load_format="dummy", speculative_config=spec, **SHAPES).llm_engine
     plain = LLM(str(path), arena_bytes=ARENA, load_format="dummy", **SHAPES).llm_engine
@@ -276,7 +276,7 @@ def test_chain_passes_without_a_page_write_only_the_sink(ckpt):
     from umem_jax.runner.mtp import _chain
 
     llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, speculative_config={"method": "mtp",
-              "num_speculative_tokens": K}, **SHAPES)
+              "num_speculative_tokens": K, "min_acceptance": 0.0}, **SHAPES)
     r = llm.llm_engine.runner
     tleaves, hleaves, _, verify, head = r.speculator._leaves()
     rpp, ps = r.plan[head.pool].rows_per_page, head.page_size
@@ -309,7 +309,7 @@ def test_decode_step_updates_the_arena_in_place(ckpt):
     temps = []
     for arena in (ARENA, 2 * ARENA):
         llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=arena, speculative_config={"method": "mtp",
-                  "num_speculative_tokens": K}, **SHAPES)
+                  "num_speculative_tokens": K, "min_acceptance": 0.0}, **SHAPES)
         r = llm.llm_engine.runner
         lay = r.layout(SHAPES["batch_buckets"][0], 1, SHAPES["page_buckets"][0])
         (lowered,) = r.speculator.lower(lay, decode=True)  # runner/mtp.jit_decode, as a launch calls it
@@ -322,7 +322,7 @@ def test_warmup_compiles_what_mtp_launches(ckpt, caplog):
     """After LLMEngine.warmup an MTP run compiles no step: the warm-up lowers the MTP speculator's
     jit_prefill (target + head chain) and jit_decode (verify + head catch-up), not the plain step."""
     llm = LLM(str(ckpt("qwen3_5_tiny")), arena_bytes=ARENA, speculative_config={"method": "mtp",
-              "num_speculative_tokens": K}, **SHAPES)
+              "num_speculative_tokens": K, "min_acceptance": 0.0}, **SHAPES)
     eng = llm.llm_engine
     assert eng.warmup() == len(eng.reachable_shapes())
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -347,7 +347,7 @@ def test_logprobs_with_mtp_are_logprobs_without(ckpt):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     plain = LLM(str(path), arena_bytes=1 << 20, **SHAPES).llm_engine
     want = _generate(plain, work, params)
-    llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0},
               **SHAPES)
     rng, given = np.random.default_rng(1), {}
     got = _generate(llm.llm_engine, work, params, None, lambda e: _harness(e, expected, None, [], rng, given))
@@ -373,7 +373,7 @@ def test_penalties_with_mtp_are_penalties_without(ckpt):
     unpenalized = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     assert want != [list(o.outputs[0].token_ids) for o in _generate(plain, work, unpenalized)]
     expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
-    llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K},
+    llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0},
               **SHAPES)
     rng, given = np.random.default_rng(2), {}
     got = _generate(llm.llm_engine, work, params, None, lambda e: _harness(e, expected, None, [], rng, given))

@@ -89,7 +89,7 @@ def _generate(engine, work, params, retract_at: int | None):
 
 
 def _run(target, arena, draft=None, expected=None):
-    spec = None if draft is None else {"method": "draft", "model": draft, "num_speculative_tokens": K}
+    spec = None if draft is None else {"method": "draft", "model": draft, "num_speculative_tokens": K, "min_acceptance": 0.0}
     llm = LLM(target, arena_bytes=arena, speculative_config=spec, **SHAPES)
     if expected is not None:
         _oracle(llm.llm_engine.runner.speculator, expected, target.config.vocab_size)
@@ -126,7 +126,7 @@ def test_each_request_holds_its_speculative_state_slots():
     """The demand model prices k speculative slots beside the working slot: a request holds
     1 + k state slots while it runs, and the clip at arrival counts them."""
     target, draft = _models("tiny")
-    llm = LLM(target, arena_bytes=220 << 10, speculative_config={"model": draft, "num_speculative_tokens": K},
+    llm = LLM(target, arena_bytes=220 << 10, speculative_config={"model": draft, "num_speculative_tokens": K, "min_acceptance": 0.0},
               **SHAPES)
     eng = llm.llm_engine
     assert eng.demand.slots_per_request == 1 + K

@@ -135,6 +135,10 @@ class Request:
         # speculative method "mtp": the draft tokens its MTP head proposed after its last step, for
         # positions num_computed + 1 on (runner/mtp.py); None: its drafts are made in the step (a draft model)
         self.drafts: list[int] | None = None
+        # speculation's record of this request (engine/speculative.py): verify steps that proposed
+        # drafts, drafts proposed and accepted; spec_off: its drafts stopped paying, it decodes plainly
+        self.spec_steps = self.spec_proposed = self.spec_accepted = 0
+        self.spec_off = False
 
     # ------------------------------------------------------------------ token counts
     @property

@@ -96,6 +96,12 @@ class SpeculativeConfig:
     method: str = "draft"
     num_speculative_tokens: int = 3
     model: object = None  # the draft: a path, a built-in name or a loaded Model (mtp: optional, see above)
+    # A request whose drafts are accepted at a lower rate than this, over its first `probe_steps`
+    # verifies and on, stops speculating and decodes plainly (asynchronously, when no running
+    # request speculates): where drafts do not pay, the verify and the draft cost more than they
+    # save.  0 keeps every request speculating.
+    min_acceptance: float = 0.3
+    probe_steps: int = 8
 
     def __post_init__(self):
         from .speculative_flags import method_name
@@ -106,6 +112,10 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
+        if not isinstance(self.probe_steps, int) or self.probe_steps < 1:
+            raise ValueError(f"probe_steps must be an int >= 1, got {self.probe_steps!r}")
         if self.model is None and self.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model (speculative_config model= / "
                              "--speculative-draft-model PATH)")

@@ -227,7 +227,8 @@ class LLMEngine:
         if self._inflight is not None:
             outs += self._process(self._inflight)
         self._inflight = launched
-        if launched is not None and (not self.config.async_scheduling or self.spec_stats is not None):
+        if launched is not None and (not self.config.async_scheduling or isinstance(launched, SpecLaunched)
+                                     or self._speculating()):
             outs += self._process(launched)
             self._inflight = None
         if self._inflight is None and not self.scheduler.has_work():
@@ -239,8 +240,16 @@ class LLMEngine:
         return self.samples.merge(outs)
 
     def _needs_sync(self) -> bool:
-        """Penalties count every output token, so read back pending tokens before packing."""
-        return any(r.params.has_penalties for r in self.scheduler.running)
+        """Penalties count every output token, so read back pending tokens before packing; a
+        speculative step reads its rows' tokens on the host too."""
+        return any(r.params.has_penalties for r in self.scheduler.running) or self._speculating()
+
+    def _speculating(self) -> bool:
+        """Speculation is on and a request may still speculate (a running one, or one not yet
+        admitted): steps stay synchronous.  Once every request switched it off, decoding runs
+        asynchronously, as without speculation."""
+        return self.spec_stats is not None and (
+            bool(self.scheduler.waiting) or any(not r.spec_off for r in self.scheduler.running))
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read back `launched`'s tokens and apply them -> outputs of the requests that finished."""

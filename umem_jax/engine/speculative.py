@@ -171,6 +171,7 @@ class SpecStats:
     emitted: int = 0  # tokens appended (accepted drafts + corrected / bonus tokens)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    switched_off: int = 0  # requests whose drafts stopped paying (SpeculativeConfig.min_acceptance)
     proposed_at: np.ndarray = None
     accepted_at: np.ndarray = None
 
@@ -186,7 +187,8 @@ class SpecStats:
                 "mean_tokens_per_step": self.emitted / self.rows if self.rows else 0.0,
                 "acceptance_rate": self.accepted / self.proposed if self.proposed else 0.0,
                 "acceptance_per_position": [round(float(x), 4) for x in per],
-                "draft_time_s": self.draft_s, "verify_time_s": self.verify_s}
+                "draft_time_s": self.draft_s, "verify_time_s": self.verify_s,
+                "num_requests_switched_off": self.switched_off}
 
     def summary(self) -> str:
         """One line for people: mean accepted length and the acceptance of each draft position."""
@@ -223,6 +225,7 @@ def apply_verify(engine, launched) -> list:
         st.accepted += n
         st.proposed_at[:s] += 1
         st.accepted_at[:n] += 1
+        _judge(engine, req, n, s)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
         start = row.start
@@ -246,6 +249,22 @@ def apply_verify(engine, launched) -> list:
         except Exception as e:  # noqa: BLE001 - this request's failure, not the step's
             engine.isolation.fail(req, e, "applying its tokens")
     return outs
+
+
+def _judge(engine, req: Request, accepted: int, proposed: int) -> None:
+    """Count a verify of `req`; after its first probe_steps verifies that proposed drafts, switch
+    its speculation off for good when it keeps less than min_acceptance of them (its draft's or
+    MTP head's K/V then fall behind, so it is never switched back on)."""
+    if not proposed:
+        return
+    req.spec_steps += 1
+    req.spec_proposed += proposed
+    req.spec_accepted += accepted
+    cfg = engine.config.speculative_config
+    if (not req.spec_off and cfg.min_acceptance > 0 and req.spec_steps >= cfg.probe_steps
+            and req.spec_accepted < cfg.min_acceptance * req.spec_proposed):
+        req.spec_off = True
+        engine.spec_stats.switched_off += 1
 
 
 __all__ = ["SpecStats", "SpeculationError", "apply_verify", "cache_lookahead", "check_config", "load_draft",

@@ -4,6 +4,7 @@
     --speculative-method draft|mtp     (SGLang's --speculative-algorithm STANDALONE|NEXTN|MTP also works)
     --num-speculative-tokens K         (SGLang: --speculative-num-draft-tokens is K+1, the verified tokens)
     --speculative-draft-model PATH     (SGLang: --speculative-draft-model-path)
+    --speculative-min-acceptance RATE  ours: below it a request stops speculating (default 0.3, 0: never)
 
 The separate flags override the JSON's fields.  `from_flags` turns them into the dict that
 EngineConfig(speculative_config=...) takes (None: speculation off); SpeculativeConfig checks
@@ -18,7 +19,7 @@ import json
 # method names of vLLM (draft_model) and SGLang (--speculative-algorithm) -> ours
 METHOD_ALIASES = {"draft": "draft", "draft_model": "draft", "standalone": "draft", "mtp": "mtp", "nextn": "mtp",
                   "deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
-_JSON_FIELDS = ("method", "model", "num_speculative_tokens")
+_JSON_FIELDS = ("method", "model", "num_speculative_tokens", "min_acceptance")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="SGLang's count of verified tokens per step: K1 = K + 1")
     g.add_argument("--speculative-draft-model", "--speculative-draft-model-path", dest="speculative_draft_model",
                    default=None, metavar="PATH", help="the draft model: a checkpoint or a built-in name")
+    g.add_argument("--speculative-min-acceptance", type=float, default=None, metavar="RATE",
+                   help="a request whose drafts are accepted at a lower rate over its first 8 verifies (and on) "
+                   "stops speculating and decodes plainly (default 0.3; 0: never)")
 
 
 def from_flags(args) -> dict | None:
@@ -53,7 +57,8 @@ def from_flags(args) -> dict | None:
             raise ValueError(f"--speculative-config fields {unknown} are not supported (known: {list(_JSON_FIELDS)})")
     k1 = getattr(args, "speculative_num_draft_tokens", None)
     flags = {"method": getattr(args, "speculative_method", None), "model": getattr(args, "speculative_draft_model", None),
-             "num_speculative_tokens": getattr(args, "num_speculative_tokens", None)}
+             "num_speculative_tokens": getattr(args, "num_speculative_tokens", None),
+             "min_acceptance": getattr(args, "speculative_min_acceptance", None)}
     if flags["num_speculative_tokens"] is None and k1 is not None:
         flags["num_speculative_tokens"] = k1 - 1
     out.update({k: v for k, v in flags.items() if v is not None})

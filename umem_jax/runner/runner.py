@@ -230,8 +230,8 @@ class Runner:
         Per row, Python only reads the request's counters; everything [B]- or [B, P]-shaped is
         built by numpy from the row cache, into one int32 buffer: the step's only host->device
         copy (handed to the jitted call as numpy, so the copy happens in its C++ dispatch)."""
-        if self.speculator is not None:
-            return self.speculator.launch(batch, prev)
+        if self.speculator is not None and not (batch.kind == "decode" and batch.spec_lens is None):
+            return self.speculator.launch(batch, prev)  # (a plain decode batch: no row speculates any more)
         rows = batch.rows
         lay, meta, counts = self.prepare(batch)
         if self.model.params is not self._params_src:

@@ -273,8 +273,8 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
         rows = rows[: self.cfg.buckets.batch[-1]]
-        if self.cfg.num_speculative_tokens:
-            return self._schedule_spec_decode(rows)
+        if self.cfg.num_speculative_tokens and not all(r.spec_off for r in rows):
+            return self._schedule_spec_decode(rows)  # else: every row stopped speculating, a plain step
 
         def place(rows):
             need = rows_needing_memory(rows, self.demand.page_size, self.demand.slots_per_request)

@@ -25,8 +25,8 @@ from .request_memory import RequestMemory
 def spec_len(req: Request, k: int) -> int:
     """Draft tokens `req` may verify this step: at most k, never past max_tokens, none while
     min_tokens bans its stop tokens (the ban is per step, not per verified position), and with
-    an MTP head at most the drafts it carries."""
-    if req.num_output < req.min_tokens:
+    an MTP head at most the drafts it carries; none once its speculation was switched off."""
+    if req.spec_off or req.num_output < req.min_tokens:
         return 0
     s = max(0, min(k, req.max_tokens - req.num_output - 1))
     return s if req.drafts is None else min(s, len(req.drafts))
