@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from ._compat import mgpu_load
 from .decode_reference import check_decode_args
 from .launch import choose_num_splits
-from .paged_prefill_mgpu import _plgpu, head_swizzle
+from .paged_prefill_mgpu import _plgpu, head_swizzle, tma_layout_refusal
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
@@ -106,26 +106,11 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
         raise NotImplementedError(f"paged_decode_attention_mgpu: {why}; use the Triton kernel "
                                   "(paged_decode_attention)")
 
-    if view.fp8:
-        no("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
-           "only bf16/fp16")
-    if view.planes != 1:
-        no("fp32 (two-plane) K/V is not supported, only bf16/fp16")
-    vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
-    if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        no(f"K/V dtype {vdt} is not supported, only bf16/fp16")
-    if view.mk != 1 or view.mv != 1:
-        no(f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed")
-    if D != view.v_head_dim:
-        no(f"head_dim {D} != v_head_dim {view.v_head_dim}")
-    if D % 16 or not 64 <= D <= 256:
-        no(f"head_dim must be a multiple of 16 in [64, 256], got {D}")
+    why = tma_layout_refusal(D, view, kv_dtype)
+    if why:
+        no(why)
     if G > _ROWS:
         no(f"{G} q heads per kv head; at most {_ROWS} (one wgmma tile of rows)")
-    if view.row_words % 8:
-        no(f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)")
-    if view.num_kv_heads * D > view.row_words:
-        no("the kv heads of one token do not fit one arena row")
     if cfg.block_kv not in (64, 128):
         no(f"block_kv must be 64 or 128, got {cfg.block_kv}")
     if cfg.ring_slots < 2:

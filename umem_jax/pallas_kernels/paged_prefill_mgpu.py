@@ -120,34 +120,43 @@ def default_mgpu_config(D: int, page_size: int) -> MgpuConfig:
     return cfg
 
 
+def tma_layout_refusal(D: int, view, kv_dtype=None) -> str | None:
+    """Why the arena's K/V rows of this view cannot go by TMA boxes straight into wgmma tiles (the
+    Mosaic GPU prefill's and decode's shared condition), or None when they can."""
+    if view.fp8:
+        return ("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
+                "only bf16/fp16")
+    if view.planes != 1:
+        return "fp32 (two-plane) K/V is not supported, only bf16/fp16"
+    vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
+    if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"K/V dtype {vdt} is not supported, only bf16/fp16"
+    if view.mk != 1 or view.mv != 1:
+        return f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed"
+    if D != view.v_head_dim:
+        return f"head_dim {D} != v_head_dim {view.v_head_dim}"
+    if D % 16 or not 64 <= D <= 256:
+        return f"head_dim must be a multiple of 16 in [64, 256], got {D}"
+    if view.row_words % 8:
+        return f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)"
+    if view.num_kv_heads * D > view.row_words:
+        return "the kv heads of one token do not fit one arena row"
+    return None
+
+
 def check_mgpu_supported(q, view, cfg: MgpuConfig, kv_dtype=None):
     """Raise NotImplementedError if the Mosaic GPU kernel does not cover this case (pure shape
     logic: runs on any jax and any backend)."""
     D = q.shape[3]
-    Dv, page_size = view.v_head_dim, view.page_size
+    page_size = view.page_size
 
     def no(why):
         raise NotImplementedError(f"paged_prefill_attention_mgpu: {why}; use the Triton kernel "
                                   "(paged_prefill_attention)")
 
-    if view.fp8:
-        no("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
-           "only bf16/fp16")
-    if view.planes != 1:
-        no("fp32 (two-plane) K/V is not supported, only bf16/fp16")
-    vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
-    if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        no(f"K/V dtype {vdt} is not supported, only bf16/fp16")
-    if view.mk != 1 or view.mv != 1:
-        no(f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed")
-    if D != Dv:
-        no(f"head_dim {D} != v_head_dim {Dv}")
-    if D % 16 or not 64 <= D <= 256:
-        no(f"head_dim must be a multiple of 16 in [64, 256], got {D}")
-    if view.row_words % 8:
-        no(f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)")
-    if view.num_kv_heads * D > view.row_words:
-        no("the kv heads of one token do not fit one arena row")
+    why = tma_layout_refusal(D, view, kv_dtype)
+    if why:
+        no(why)
     if cfg.block_q != 64:
         no(f"block_q must be 64 (one wgmma M tile per consumer), got {cfg.block_q}")
     if cfg.block_kv % 64 or not 64 <= cfg.block_kv <= 256:
