@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from ._compat import mgpu_load
 from .decode_reference import check_decode_args
 from .launch import choose_num_splits
-from .paged_prefill_mgpu import _plgpu, head_swizzle, tma_layout_refusal
+from .paged_prefill_mgpu import _plgpu, head_swizzle, produce_kv_ring, tma_layout_refusal
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
@@ -270,52 +270,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
     @pl.when(wg == 1)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        page_size, rows_per_page = c.page_size, c.rows_per_page
-        col = kv_head * D
-        rows_per_copy = min(page_size, bkv)
-        n_copies = max(1, bkv // page_size)
-
-        def pages_of(kb):
-            """Page ids of block kb's copies: scalar reads of the table in global memory, clamped
-            to the table (the read one block past the split's end is never used)."""
-            return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(page_size)), c.P - 1)]
-                         for i in range(n_copies))
-
-        def issue(kb, slot, pages, base_row, smem, bar):
-            for i, page in enumerate(pages):
-                row = page * rows_per_page + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(page_size))
-                plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
-                                        smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
-
-        def fill(i, pages):
-            kb = lo + i
-            slot = lax.rem(i, i32(slots))
-            next_pages = pages_of(kb + 1)  # read ahead: the table reads' latency hides behind the waits
-
-            @pl.when(i >= slots)
-            def _():
-                plgpu.barrier_wait(k_released.at[slot])
-
-            issue(kb, slot, pages, c.k_row, k_smem, k_filled)
-
-            @pl.when(i >= slots)
-            def _():
-                plgpu.barrier_wait(v_released.at[slot])
-
-            issue(kb, slot, pages, c.v_row, v_smem, v_filled)
-            return next_pages
-
-        n_steps = hi - lo
-        lax.fori_loop(0, n_steps, fill, pages_of(lo))
-        # Observe the last releases too, so every barrier phase is seen before the scratch goes away.
-        for j in range(slots):
-            i = n_steps - slots + j
-
-            @pl.when(i >= 0)
-            def _():
-                slot = lax.rem(i, i32(slots))
-                plgpu.barrier_wait(k_released.at[slot])
-                plgpu.barrier_wait(v_released.at[slot])
+        produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, (k_smem, v_smem), (k_filled, v_filled),
+                        (k_released, v_released))
 
 
 def combine_splits(o, ml, lengths, sinks, G: int, dtype):

@@ -431,56 +431,69 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
     @pl.when(wg == 2)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        page_size, rows_per_page = c.page_size, c.rows_per_page
-        col = kv_head * D
-        rows_per_copy = min(page_size, bkv)
-        n_copies = max(1, bkv // page_size)
+        produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, cta_first, n_steps, (k_smem, v_smem),
+                        (k_filled, v_filled), (k_released, v_released))
 
-        def pages_of(kb):
-            """Page ids of block kb's copies: scalar reads of the table in global memory, clamped
-            to the table (the read one block past the end is never used)."""
-            return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(page_size)), c.P - 1)]
-                         for i in range(n_copies))
 
-        def issue(kb, slot, pages, base_row, smem, bar):
-            for i, page in enumerate(pages):
-                # first arena row of this copy: the page's K (or V) rows, from token kb*bkv + i*rows
-                row = page * rows_per_page + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(page_size))
-                plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
-                                        smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
+def produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, first, n_steps, smem, filled, released):
+    """The producer warpgroup of the Mosaic GPU prefill and decode: copy the K and V of KV blocks
+    first .. first + n_steps of request b's kv head into the shared-memory ring, slot i % ring_slots,
+    one TMA copy per page (a [rows, D] box at arena row page * rows_per_page + k_row (v_row) +
+    offset, column kv_head * D), waiting for the consumers' release of a slot before refilling it.
+    c: the kernel's statics (bkv, ring_slots, D, P, page_size, rows_per_page, k_row, v_row)."""
+    (k_smem, v_smem), (k_filled, v_filled), (k_released, v_released) = smem, filled, released
+    i32 = jnp.int32
+    bkv, ring_slots, D = c.bkv, c.ring_slots, c.D
+    page_size, rows_per_page = c.page_size, c.rows_per_page
+    col = kv_head * D
+    rows_per_copy = min(page_size, bkv)
+    n_copies = max(1, bkv // page_size)
 
-        def fill(i, pages):
-            kb = cta_first + i
+    def pages_of(kb):
+        """Page ids of block kb's copies: scalar reads of the table in global memory, clamped
+        to the table (the read one block past the end is never used)."""
+        return tuple(pt_ref[b, jnp.minimum(lax.div(kb * bkv + i * rows_per_copy, i32(page_size)), c.P - 1)]
+                     for i in range(n_copies))
+
+    def issue(kb, slot, pages, base_row, smem, bar):
+        for i, page in enumerate(pages):
+            # first arena row of this copy: the page's K (or V) rows, from token kb*bkv + i*rows
+            row = page * rows_per_page + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(page_size))
+            plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
+                                    smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
+
+    def fill(i, pages):
+        kb = first + i
+        slot = lax.rem(i, i32(ring_slots))
+        # The next block's page ids are read before this block's waits, so the table reads'
+        # latency hides behind them; K and V share the ids.
+        next_pages = pages_of(kb + 1)
+
+        @pl.when(i >= ring_slots)
+        def _():
+            plgpu.barrier_wait(k_released.at[slot])
+
+        issue(kb, slot, pages, c.k_row, k_smem, k_filled)
+
+        @pl.when(i >= ring_slots)
+        def _():
+            plgpu.barrier_wait(v_released.at[slot])
+
+        issue(kb, slot, pages, c.v_row, v_smem, v_filled)
+        return next_pages
+
+    lax.fori_loop(0, n_steps, fill, pages_of(first))
+
+    # Observe the last releases too, so every barrier phase the producer took part in is
+    # seen before the scratch goes away (the CTA cannot retire before the consumers anyway).
+    for j in range(ring_slots):
+        i = n_steps - ring_slots + j
+
+        @pl.when(i >= 0)
+        def _():
             slot = lax.rem(i, i32(ring_slots))
-            # The next block's page ids are read before this block's waits, so the table reads'
-            # latency hides behind them; K and V share the ids.
-            next_pages = pages_of(kb + 1)
-
-            @pl.when(i >= ring_slots)
-            def _():
-                plgpu.barrier_wait(k_released.at[slot])
-
-            issue(kb, slot, pages, c.k_row, k_smem, k_filled)
-
-            @pl.when(i >= ring_slots)
-            def _():
-                plgpu.barrier_wait(v_released.at[slot])
-
-            issue(kb, slot, pages, c.v_row, v_smem, v_filled)
-            return next_pages
-
-        lax.fori_loop(0, n_steps, fill, pages_of(cta_first))
-
-        # Observe the last releases too, so every barrier phase the producer took part in is
-        # seen before the scratch goes away (the CTA cannot retire before the consumers anyway).
-        for j in range(ring_slots):
-            i = n_steps - ring_slots + j
-
-            @pl.when(i >= 0)
-            def _():
-                slot = lax.rem(i, i32(ring_slots))
-                plgpu.barrier_wait(k_released.at[slot])
-                plgpu.barrier_wait(v_released.at[slot])
+            plgpu.barrier_wait(k_released.at[slot])
+            plgpu.barrier_wait(v_released.at[slot])
 
 
 def _paged_prefill_mgpu(q, arena, page_table, q_lens, kv_lens, sinks, *, view, window, softcap, scale, kv_dtype,
