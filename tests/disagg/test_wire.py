@@ -86,6 +86,21 @@ def test_pool_keeps_at_most_keep_and_closes():
     assert not any(_segment_exists(n) for n in names)
 
 
+def test_no_room_in_dev_shm_is_an_oserror_not_a_crash(monkeypatch):
+    """A /dev/shm too small for a segment (64 MiB in a default container) fails when the segment is
+    made, with OSError (the prefill worker then sends an npz body), never by SIGBUS on a write."""
+    import umem_jax.disagg.wire as wire
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(wire.os, "posix_fallocate", full)
+    pool, made = SegmentPool(), set(wire._MADE_HERE)
+    with pytest.raises(OSError, match="no room for a 64 MiB shared-memory segment"):
+        pack_shm(_env(4), pool)
+    assert not pool.free and wire._MADE_HERE == made  # the segment it made was unlinked again
+
+
 def test_bad_references_are_refused():
     pool = SegmentPool()
     env = _env(2)

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import time
 
 import httpx
@@ -131,15 +132,22 @@ async def prefill(raw: Request):
         transport, why = None, str(e)
     t0 = time.perf_counter()
     if transport == "shm":  # one host: the arrays through a shared-memory segment, a reference in the POST
-        seg, ref = pack_shm(env, w.pool)
+        try:
+            seg, ref = pack_shm(env, w.pool)
+        except OSError as e:  # /dev/shm is full or too small: the same transfer as a body
+            logging.getLogger("umem_jax").warning("disaggregation: %s; sending over http", e)
+            transport = "http"
+    if transport == "shm":
         pack_s = time.perf_counter() - t0
-        why = "the send did not finish"
+        settled = False
         try:
             await w.faults.sleep("stall_send_s", tid)
             t0 = time.perf_counter()
             why = await w.send(url, tid, gen, json.dumps(ref).encode(), timeout_s, "shm")
-        finally:  # acked or the cancel answered: nobody reads it any more; else a reader may map it still
-            (w.pool.give if why is None or isinstance(why, NoSegment) or gen not in w.fenced else w.pool.drop)(seg)
+            settled = why is None or isinstance(why, NoSegment) or gen not in w.fenced
+        finally:  # acked, not attached, or the cancel answered: nobody reads it any more, so it is
+            # reused; else (a fenced peer, or this send interrupted) a reader may map it still
+            (w.pool.give if settled else w.pool.drop)(seg)
         if isinstance(why, NoSegment):  # another host after all: the same transfer again, as a body
             transport = "http"
             t0 = time.perf_counter()

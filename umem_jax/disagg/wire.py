@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import secrets
 import urllib.parse
 
@@ -123,6 +124,13 @@ class SegmentPool:
         size = max(-(-nbytes // self.GRAIN) * self.GRAIN, self.GRAIN)
         seg = _shm().SharedMemory(name=SHM_PREFIX + secrets.token_hex(12), create=True, size=size)
         _MADE_HERE.add(seg.name)
+        try:
+            # Take the pages now: /dev/shm is often small (64 MiB in a default container) and a write
+            # past what it holds would kill the process with SIGBUS; this fails with OSError instead.
+            os.posix_fallocate(seg._fd, 0, size)  # noqa: SLF001 - the segment's file descriptor
+        except OSError as e:
+            self.drop(seg)
+            raise OSError(f"no room for a {size >> 20} MiB shared-memory segment in /dev/shm: {e}") from None
         return seg
 
     def give(self, seg) -> None:
@@ -145,7 +153,8 @@ class SegmentPool:
 
 def pack_shm(env: Envelopes, pool: SegmentPool):
     """Copy the envelopes into a segment of `pool` -> (segment, reference dict for the POST body).
-    The caller gives the segment back (or drops it) once the transfer is settled."""
+    The caller gives the segment back (or drops it) once the transfer is settled.  Raises OSError
+    when /dev/shm has no room for it (the caller sends an npz body instead)."""
     arrays = _arrays(env)
     offsets, total = {}, 0
     for k, a in arrays.items():
