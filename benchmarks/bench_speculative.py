@@ -331,7 +331,8 @@ class Bench:
         import umem_jax.runner.speculative as spec_mod
 
         a = self.args
-        spec = {"method": method, "model": model, "num_speculative_tokens": a.k}
+        spec = {"method": method, "model": model, "num_speculative_tokens": a.k,
+                **({} if a.min_acceptance is None else {"min_acceptance": a.min_acceptance})}
         with engine(target, a, spec) as eng:
             h = Harness(a.k, target.config.vocab_size, 1.0, seed=a.seed)
             if method == "draft":
@@ -560,6 +561,9 @@ def parse(argv):
     ap.add_argument("--out", default=os.environ.get("OUT"), help="bench_speculative.json and .log here "
                     "(default $OUT when set)")
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--min-acceptance", type=float, default=None,
+                    help="SpeculativeConfig.min_acceptance: below it a request stops speculating (default: the "
+                    "engine's, 0.3; 0 keeps every request speculating, as before session 11)")
     ap.add_argument("--batches", type=ints, default=None, help="B of (1) and (2), ascending (default 1,8,64)")
     ap.add_argument("--e2e-batches", type=ints, default=None, help="B of (3) (default 1,8)")
     ap.add_argument("--acceptance", default="0,0.5,0.8,1", help="the harness's a values")
