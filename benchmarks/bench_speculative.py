@@ -343,6 +343,8 @@ class Bench:
                 _, toks = run(eng, prompts, a.capture_gen, [p + w for p, w in zip(prompts, peer["warm"])], h,
                               mtp=method == "mtp")
             self.check(f"B={B} {method} warm-up (harness a=1, {a.capture_gen} tokens)", toks, peer["warm"], B)
+            if eng.runner.plain_decode:  # requests whose drafts do not pay go on with plain steps: compile it too
+                eng.runner.precompile([(B, 1, -(-a.max_model_len // a.page_size), 0)])
             if "args" not in store:
                 self.say(f"-- no {method} step with {B} rows captured")
             yield eng, h, store

@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The `umem-jax` argument parser, every subcommand on it."""
-    from .disagg.commands import add_router_parser
+    from .disagg.commands import add_router_parser, add_worker_flags
     from .engine import cache
     from .models.presets import PRESETS
 
@@ -377,13 +377,7 @@ def parser() -> argparse.ArgumentParser:
                    help="sampler variants each warm-up shape is compiled in: greedy (temperature 0), random "
                    "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request) (default: "
                    "greedy,cuts on a GPU, greedy,random on a CPU)")
-    s.add_argument("--disaggregation-mode", default="null", choices=("null", "prefill", "decode"),
-                   help="run as the prefill or the decode worker of a disaggregated pair behind `umem-jax router` "
-                   "(SGLang's flag; default null: a whole engine)")
-    s.add_argument("--disaggregation-transfer-backend", default="auto", choices=("auto", "http", "shm"),
-                   help="how a prefill worker sends page envelopes: shm (a shared-memory segment, one host), http "
-                   "(an npz body, any host) or auto (shm when the decode worker's URL is a loopback address, "
-                   "falling back to http when it cannot attach the segment; default)")
+    add_worker_flags(s)  # --disaggregation-mode / -transfer-backend (disagg/commands.py)
     s.set_defaults(fn=_serve)
 
     add_router_parser(sub)  # `umem-jax router` (disagg/commands.py)

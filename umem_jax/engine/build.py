@@ -90,6 +90,7 @@ def build(cfg: EngineConfig) -> EngineParts:
     if draft is not None:
         cls = MTPSpeculator if spec.method == "mtp" else Speculator
         runner.speculator = cls(runner, draft, spec.num_speculative_tokens)
+        runner.plain_decode = spec.min_acceptance > 0  # requests may stop speculating: plain decode steps too
     return EngineParts(model, plan, max_model_len, size, regions, allocator, buckets, demand, scheduler, tokenizer,
                        eos_ids, runner, draft)
 

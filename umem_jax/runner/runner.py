@@ -137,6 +137,7 @@ class Runner:
         self.relocated_bytes = 0
         self.num_copied_slots = 0  # state slots copied (prefix-cache checkpoints saved / restored)
         self.speculator = None  # a speculative.Speculator: it launches every step (a draft model proposes)
+        self.plain_decode = False  # with a speculator: plain decode steps run too (requests that stopped speculating)
 
     @property
     def num_compilations(self) -> int:
@@ -184,7 +185,8 @@ class Runner:
         checkpoints per row) tuples (T=1: decode), each compiled in every sampler mode of
         `sampling` (sampler.MODES; a step whose rows need a mode that was not compiled runs in a
         compiled mode that covers it, else compiles).  With a speculator, what it launches for
-        the shape instead (`Speculator.lower`: a draft model's decode is two jitted calls).
+        the shape instead (`Speculator.lower`: a draft model's decode is two jitted calls), and
+        for a decode shape the plain step as well when requests may stop speculating.
 
         Each shape is traced and lowered here (Python, one at a time), then XLA compiles them on
         `threads` threads at once (compilation releases the GIL; a 4B model's step takes tens of
@@ -199,6 +201,8 @@ class Runner:
                 lay = self.layout(b, t, p, False, checkpoints_per_row, mode)
                 if self.speculator is not None:  # as `launch` hands it every batch
                     lowered += self.speculator.lower(lay, decode=t == 1)
+                    if t == 1 and self.plain_decode:
+                        lowered.append(self.lower(lay))
                 else:
                     lowered.append(self.lower(lay))
                 self._ready.add(lay)
