@@ -67,12 +67,18 @@ def _run(target, arena, draft=None, params=None, **kw):
     return [o.outputs[0].token_ids for o in outs], llm.llm_engine.stats()
 
 
+@functools.lru_cache(maxsize=None)
+def _greedy(name: str, arena: int) -> list:
+    """The workload's greedy tokens without speculation (the reference of several tests: run once)."""
+    return _run(_model(name), arena)[0]
+
+
 # The tiny attention model's run retracts and hits the prefix cache; the Gemma 3 fixture's run
 # (short windows) does neither at an arena that admits the 70-token prompt: chunked prefill only.
 @pytest.mark.parametrize("name,arena,retracts", [("tiny-attention", 250 << 10, True), ("gemma", 175 << 10, False)])
 def test_greedy_with_speculation_is_greedy_without(name, arena, retracts):
     target = _model(name)
-    want, base = _run(target, arena)
+    want = _greedy(name, arena)
     assert all(len(t) == MAX_TOKENS for t in want)
     got, st = _run(target, arena, draft=target)  # its own draft: every draft is the target's token
     assert got == want
@@ -332,7 +338,7 @@ def test_requests_whose_drafts_do_not_pay_stop_speculating():
     running request speculates); its greedy output is still greedy without speculation; a draft
     that agrees keeps speculating.  Also from the command line's flag and the JSON."""
     target = _model("tiny-attention")
-    want, _ = _run(target, 250 << 10)
+    want = _greedy("tiny-attention", 250 << 10)
     spec = {"method": "draft", "model": _perturbed("tiny-attention"), "num_speculative_tokens": K,
             "min_acceptance": 0.3, "probe_steps": 4}
     llm = LLM(target, arena_bytes=250 << 10, speculative_config=spec, **SPEC)
