@@ -75,7 +75,8 @@ def sweep_configs(D: int):
 
 
 def bench_shape(a, s: Shape):
-    view, arena, pt, ln, q = decode_setup(jax.random.PRNGKey(hash(s.name) & 0xFFFF), B=s.B, ctx=s.ctx, Hq=s.Hq,
+    key = jax.random.PRNGKey(SHAPES.index(s))  # not hash(name): str hashes change from run to run
+    view, arena, pt, ln, q = decode_setup(key, B=s.B, ctx=s.ctx, Hq=s.Hq,
                                           Hkv=s.Hkv, D=s.D, page_size=s.ps, window=s.window)
     sinks = jax.random.normal(jax.random.PRNGKey(5), (s.Hq,), jnp.float32) if s.sinks else None
     kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks)

@@ -178,7 +178,7 @@ def test_lowers_for_cuda(case, monkeypatch):
     and above the KV block, windows, soft-cap, sinks, the ring depths and fixed splits."""
     plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     if not hasattr(plgpu, "kernel"):
-        pytest.skip("this jax has no plgpu.kernel")
+        pytest.skip(f"jax {jax.__version__} has no plgpu.kernel (the Mosaic GPU API the kernel is written in)")
     # The version gate guards running the kernel; lowering it for CUDA works on jax 0.10 as well.
     monkeypatch.setattr(paged_prefill_mgpu, "mgpu_available", lambda: (True, ""))
     Hkv, G, D, ps, window, softcap, sinks, bkv, slots, splits = case

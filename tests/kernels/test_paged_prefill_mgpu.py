@@ -72,7 +72,7 @@ def test_mgpu_lowers_for_cuda(D, G, monkeypatch):
     80 / 96 (32- / 64-byte swizzled tiles) and GQA ratios 6 / 3."""
     plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     if not hasattr(plgpu, "kernel"):
-        pytest.skip("this jax has no plgpu.kernel")
+        pytest.skip(f"jax {jax.__version__} has no plgpu.kernel (the Mosaic GPU API the kernel is written in)")
     # The version gate guards running the kernel; lowering it for CUDA works on jax 0.10 as well.
     monkeypatch.setattr(paged_prefill_mgpu, "mgpu_available", lambda: (True, ""))
     view = kv_view(8, D, 16)

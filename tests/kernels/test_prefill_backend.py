@@ -258,7 +258,9 @@ def test_triton_defaults_trimmed_to_shared_memory():
 # --------------------------------------------------------------------------- the dispatch, lowered
 
 
-@pytest.mark.skipif(paged_prefill.device_info().jax_version < (0, 11), reason="the Mosaic GPU kernel needs jax >= 0.11")
+@pytest.mark.skipif(paged_prefill.device_info().jax_version < (0, 11),
+                    reason="the dispatch takes the Mosaic GPU kernel only on jax >= 0.11 (plgpu.kernel's API there); "
+                    "this jax has an older one")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("D,window,softcap", [(128, None, None), (256, 1024, 50.0), (80, 100, None), (96, None, 30.0)])
 def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):

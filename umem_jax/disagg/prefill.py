@@ -81,6 +81,38 @@ class PrefillWorker:
         await self.cancel(url, tid, gen, timeout_s)
         return why
 
+    async def deliver(self, url: str, tid: str, gen: str, env, timeout_s: float,
+                      transport: str) -> tuple[str, str | None, float, float]:
+        """Send `env` by `transport` ("shm" or "http", wire.py) -> (the transport it went by, why it
+        was not acknowledged or None, pack seconds, send seconds: the POST until the ack, the decode
+        side's install included).  shm goes as an npz body instead when /dev/shm has no room for the
+        segment or the decode worker cannot attach it."""
+        if transport == "shm":
+            t0 = time.perf_counter()
+            try:
+                seg, ref = pack_shm(env, self.pool)
+            except OSError as e:
+                logging.getLogger("umem_jax").warning("disaggregation: %s; sending over http", e)
+            else:
+                pack_s, settled = time.perf_counter() - t0, False
+                try:
+                    await self.faults.sleep("stall_send_s", tid)
+                    t0 = time.perf_counter()
+                    why = await self.send(url, tid, gen, json.dumps(ref).encode(), timeout_s, "shm")
+                    settled = why is None or isinstance(why, NoSegment) or gen not in self.fenced
+                finally:  # acked, not attached, or the cancel answered: nobody reads it any more, so
+                    # it is reused; else (a fenced peer, or this send interrupted) a reader may map it still
+                    (self.pool.give if settled else self.pool.drop)(seg)
+                if not isinstance(why, NoSegment):
+                    return "shm", why, pack_s, time.perf_counter() - t0
+        t0 = time.perf_counter()
+        payload = pack(env)
+        pack_s = time.perf_counter() - t0
+        await self.faults.sleep("stall_send_s", tid)
+        t0 = time.perf_counter()
+        why = await self.send(url, tid, gen, payload, timeout_s)
+        return "http", why, pack_s, time.perf_counter() - t0
+
     async def cancel(self, url: str, tid: str, gen: str, timeout_s: float) -> None:
         for _ in range(CANCEL_TRIES):
             try:
@@ -106,6 +138,7 @@ async def prefill(raw: Request):
     ids, timeout_s = [int(t) for t in body["prompt_token_ids"]], float(body.get("timeout_s", 30.0))
     try:
         params = SamplingParams(**{**body.get("params", {}), "max_tokens": 1})
+        transport = transport_for(str(body.get("transport") or w.transport), url)
         await w.call(lambda eng: (eng.handoff.check_supported(params), eng.handoff.hold_after_prefill(tid)))
         stream = await w.aeng.add_request(ids, params, request_id=tid)
     except (TypeError, ValueError, NotImplementedError) as e:
@@ -126,41 +159,8 @@ async def prefill(raw: Request):
     if w.faults.take("poison", tid):  # a test's late write: NaN bytes that must never land
         env = dataclasses.replace(env, pages={k: v | 0x7FC0 for k, v in env.pages.items()},
                                   state=None if env.state is None else env.state | 0x7FC0)
-    try:
-        transport = transport_for(str(body.get("transport") or w.transport), url)
-    except ValueError as e:
-        transport, why = None, str(e)
-    t0 = time.perf_counter()
-    if transport == "shm":  # one host: the arrays through a shared-memory segment, a reference in the POST
-        try:
-            seg, ref = pack_shm(env, w.pool)
-        except OSError as e:  # /dev/shm is full or too small: the same transfer as a body
-            logging.getLogger("umem_jax").warning("disaggregation: %s; sending over http", e)
-            transport = "http"
-    if transport == "shm":
-        pack_s = time.perf_counter() - t0
-        settled = False
-        try:
-            await w.faults.sleep("stall_send_s", tid)
-            t0 = time.perf_counter()
-            why = await w.send(url, tid, gen, json.dumps(ref).encode(), timeout_s, "shm")
-            settled = why is None or isinstance(why, NoSegment) or gen not in w.fenced
-        finally:  # acked, not attached, or the cancel answered: nobody reads it any more, so it is
-            # reused; else (a fenced peer, or this send interrupted) a reader may map it still
-            (w.pool.give if settled else w.pool.drop)(seg)
-        if isinstance(why, NoSegment):  # another host after all: the same transfer again, as a body
-            transport = "http"
-            t0 = time.perf_counter()
-    if transport == "http":
-        payload = pack(env)
-        pack_s = time.perf_counter() - t0
-        await w.faults.sleep("stall_send_s", tid)
-        t0 = time.perf_counter()
-        why = await w.send(url, tid, gen, payload, timeout_s)
-    send_s = time.perf_counter() - t0 if transport else 0.0  # the POST until the ack: the decode side's install too
+    transport, why, pack_s, send_s = await w.deliver(url, tid, gen, env, timeout_s, transport)
     await w.call(lambda eng: eng.handoff.release(tid))
-    if transport is None:  # an unknown transport name: nothing was sent; the decode side's reservation expires
-        pack_s = 0.0
     w.counts["failed" if why else "sent"] += 1
     w.counts["bytes"] += env.nbytes
     w.counts["send_s"] += send_s

@@ -17,7 +17,7 @@ import os
 
 import jax
 
-__all__ = ["BACKENDS", "DeviceInfo", "device_info", "hopper_refusal", "requested_backend"]
+__all__ = ["BACKENDS", "DeviceInfo", "choose", "device_info", "hopper_refusal", "requested_backend"]
 
 BACKENDS = ("auto", "triton", "mgpu")
 
@@ -59,6 +59,21 @@ def requested_backend(backend: str | None, env: str, default: str) -> str:
         src = "backend" if backend is not None else env
         raise ValueError(f"{src} must be one of {BACKENDS}, got {choice!r}")
     return choice
+
+
+def choose(choice: str, op: str, refusal) -> tuple[str, str]:
+    """The kernel for a requested `choice` (requested_backend's): ("mgpu", "") when `refusal()` (the
+    reason the Mosaic GPU kernel of `op` cannot or should not run here, or None; called only when
+    needed) has none, else ("triton", why); a choice of "mgpu" that cannot run raises
+    NotImplementedError with the reason instead of falling back."""
+    if choice == "triton":
+        return "triton", "the Triton kernel was asked for"
+    why = refusal()
+    if why is None:
+        return "mgpu", ""
+    if choice == "mgpu":
+        raise NotImplementedError(f"the Mosaic GPU {op} kernel was asked for but cannot run: {why}")
+    return "triton", why
 
 
 def hopper_refusal(info: DeviceInfo) -> str | None:

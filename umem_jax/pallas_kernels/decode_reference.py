@@ -1,6 +1,7 @@
 """The paged decode contract in plain JAX (gather every mapped token, mask, softmax in fp32) and its
 argument checks: what the Triton kernel (paged_decode.py) and the Mosaic GPU kernel
-(paged_decode_mgpu.py) must compute.  Both kernel modules import this one; paged_decode_mgpu never
+(paged_decode_mgpu.py) must compute; and `merge_splits`, the split-K merge both kernels' wrappers
+end with.  Both kernel modules import this one; paged_decode_mgpu never
 imports paged_decode (which imports paged_decode_mgpu lazily, to dispatch to it)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from jax import lax
 
 from .kv_write import check_view, read_kv_reference
 
-__all__ = ["check_decode_args", "paged_decode_attention_reference"]
+__all__ = ["check_decode_args", "merge_splits", "paged_decode_attention_reference"]
 
 
 def check_decode_args(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
@@ -74,3 +75,22 @@ def paged_decode_attention_reference(q, arena, page_table, lengths, *, view, win
     o = o / jnp.where(denom == 0, 1.0, denom)[..., None]
     o = jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
     return o.reshape(B, Hq, view.v_head_dim).astype(q.dtype)
+
+
+def merge_splits(acc, m, l, lengths, sinks, dtype):
+    """Merge split-K partials, as both decode kernels' wrappers end: acc [B, Hkv, S, G, Dv]
+    unnormalised, m [B, Hkv, S, G] the running max (natural log units), l the sum -> [B, Hkv, G, Dv]
+    in dtype; sinks [Hkv * G] join the denominator; lengths == 0 gives 0.  Empty splits: l = 0."""
+    Hkv, G = acc.shape[1], acc.shape[3]
+    M = jnp.max(m, axis=2)                                                 # [B, Hkv, G]
+    if sinks is not None:
+        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G)
+        M = jnp.maximum(M, sk)
+    w = jnp.exp(m - M[:, :, None])                                         # empty splits: l = 0
+    num = jnp.sum(acc * w[..., None], axis=2)
+    den = jnp.sum(l * w, axis=2)
+    if sinks is not None:
+        den = den + jnp.exp(sk - M)
+    o = num / jnp.where(den == 0, 1.0, den)[..., None]
+    o = jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
+    return o.astype(dtype)

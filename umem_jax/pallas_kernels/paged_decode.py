@@ -59,9 +59,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .decode_reference import check_decode_args, paged_decode_attention_reference
+from .decode_reference import check_decode_args, merge_splits, paged_decode_attention_reference
 from .kv_write import kv_scales
-from .backend import DeviceInfo, device_info, hopper_refusal, requested_backend
+from .backend import DeviceInfo, choose, device_info, hopper_refusal, requested_backend
 from .launch import ANY, choose_num_splits, pow2_ceil, pow2_divisor, resolve_impl
 from .words import (FP8_BITS_SCALE, fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16,
                     unpack_fp8, unpack_fp8_asm, unpack_fp8_bits)
@@ -298,7 +298,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
         acc = jnp.stack(accs, axis=-1).reshape(*accs[0].shape[:-1], Dv) * v_factor[None, :, None, None, None]
     else:
         acc = accs[0]
-    return _combine(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
+    return merge_splits(acc, m, l, lengths, sinks, q.dtype).reshape(B, Hq, Dv)
 
 
 F16_MAX = 65504.0
@@ -338,22 +338,6 @@ def _check_kv_dtype_fp8(kv_dtype) -> None:
         raise ValueError(f"an fp8 view stores float8_e4m3fn, kv_dtype says {jnp.dtype(kv_dtype)}")
 
 
-def _combine(acc, m, l, lengths, sinks, dtype):
-    """Merge split partials [B, Hkv, S, G, Dv] (unnormalised acc, running max m, sum l)."""
-    Hkv, G = acc.shape[1], acc.shape[3]
-    M = jnp.max(m, axis=2)                                                 # [B, Hkv, G]
-    if sinks is not None:
-        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G)
-        M = jnp.maximum(M, sk)
-    w = jnp.exp(m - M[:, :, None])                                         # empty splits: l = 0
-    num = jnp.sum(acc * w[..., None], axis=2)
-    den = jnp.sum(l * w, axis=2)
-    if sinks is not None:
-        den = den + jnp.exp(sk - M)
-    o = num / jnp.where(den == 0, 1.0, den)[..., None]
-    o = jnp.where((lengths > 0)[:, None, None, None], o, 0.0)
-    return o.astype(dtype)
-
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -374,27 +358,26 @@ def decode_backend(q, view, *, kv_dtype=None, backend: str | None = None,
     backend: "auto" | "triton" | "mgpu"; None reads $UMEM_JAX_DECODE (default DEFAULT_DECODE_BACKEND).
     device: the DeviceInfo to decide for (default: this process's)."""
     choice = requested_backend(backend, DECODE_ENV, DEFAULT_DECODE_BACKEND)
-    if choice == "triton":
-        return "triton", "the Triton kernel was asked for"
-    why = hopper_refusal(device_info() if device is None else device)
-    if why is None:
+
+    def refusal():
+        why = hopper_refusal(device_info() if device is None else device)
+        if why is not None:
+            return why
         # Imported only past the device check: on older jax the Mosaic GPU module is never loaded.
         from .paged_decode_mgpu import check_decode_mgpu_supported, default_decode_mgpu_config
 
         try:  # pure shape/dtype logic
             check_decode_mgpu_supported(q, view, default_decode_mgpu_config(q.shape[2], view.page_size), kv_dtype)
         except NotImplementedError as e:
-            why = str(e)
-        if why is None and choice == "auto" and (2 * q.shape[2]) % 128:
+            return str(e)
+        if choice == "auto" and (2 * q.shape[2]) % 128:
             # A head row that no 128-byte swizzle divides (D = 80, 96, ...) gets narrower shared-memory
             # swizzles; the H200 measured the Mosaic kernel at 0.91x Triton at D = 80 (RESULTS.md).
-            why = (f"head_dim {q.shape[2]}: its rows take a narrower than 128-byte swizzle, where the Mosaic "
-                   "kernel measured slower than Triton (asked for with backend 'mgpu', it runs)")
-    if why is None:
-        return "mgpu", ""
-    if choice == "mgpu":
-        raise NotImplementedError(f"the Mosaic GPU decode kernel was asked for but cannot run: {why}")
-    return "triton", why
+            return (f"head_dim {q.shape[2]}: its rows take a narrower than 128-byte swizzle, where the Mosaic "
+                    "kernel measured slower than Triton (asked for with backend 'mgpu', it runs)")
+        return None
+
+    return choose(choice, "decode", refusal)
 
 
 # --------------------------------------------------------------------------- public wrapper

@@ -53,9 +53,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._compat import mgpu_load
-from .decode_reference import check_decode_args
+from .decode_reference import check_decode_args, merge_splits
 from .launch import choose_num_splits
-from .paged_prefill_mgpu import _plgpu, head_swizzle, produce_kv_ring, tma_layout_refusal
+from .paged_prefill_mgpu import RingStatics, _plgpu, head_swizzle, produce_kv_ring, tma_layout_refusal
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
@@ -126,21 +126,9 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    bkv: int
-    ring_slots: int
-    num_splits: int
-    G8: int  # q rows read and written: G rounded up to a multiple of 8 (whole tiles)
-    D: int
-    P: int  # page-table width
-    page_size: int
-    rows_per_page: int
-    k_row: int
-    v_row: int
-    window: int | None
-    softcap: float | None
-    scale: float
-    dtype: object
+class _Static(RingStatics):
+    num_splits: int = 1
+    G8: int = 8  # q rows read and written: G rounded up to a multiple of 8 (whole tiles)
 
 
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
@@ -279,20 +267,10 @@ def combine_splits(o, ml, lengths, sinks, G: int, dtype):
     its own sum), ml [B, Hkv, S, G8, 32] f32 (max in log2 units in column 0, sum in column 16) ->
     [B, Hkv * G, D] in dtype; sinks (natural-log logits, [Hkv * G] or None) join the denominator;
     lengths == 0 gives 0."""
-    B, Hkv, S, _, D = o.shape
-    o, m, l = o[:, :, :, :G], ml[:, :, :, :G, 0], ml[:, :, :, :G, _ML_COLS // 2]
-    M = jnp.max(m, axis=2)                                                 # [B, Hkv, G]
-    if sinks is not None:
-        sk = sinks.astype(jnp.float32).reshape(1, Hkv, G) * _LOG2E
-        M = jnp.maximum(M, sk)
-    w = l * jnp.exp2(m - M[:, :, None])                                    # empty splits: l = 0, o = 0
-    num = jnp.sum(o.astype(jnp.float32) * w[..., None], axis=2)
-    den = jnp.sum(w, axis=2)
-    if sinks is not None:
-        den = den + jnp.exp2(sk - M)
-    out = num / jnp.where(den == 0, 1.0, den)[..., None]
-    out = jnp.where((lengths > 0)[:, None, None, None], out, 0.0)
-    return out.reshape(B, Hkv * G, D).astype(dtype)
+    B, Hkv, _, _, D = o.shape
+    m, l = ml[:, :, :, :G, 0] / _LOG2E, ml[:, :, :, :G, _ML_COLS // 2]  # the max in natural-log units
+    acc = o[:, :, :, :G].astype(jnp.float32) * l[..., None]  # unnormalised again, as the Triton kernel's
+    return merge_splits(acc, m, l, lengths, sinks, dtype).reshape(B, Hkv * G, D)
 
 
 def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, *, view, window, softcap, scale, kv_dtype,

@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
 from .kv_write import head_slot, kv_scales
-from .backend import DeviceInfo, device_info, hopper_refusal, requested_backend
+from .backend import DeviceInfo, choose, device_info, hopper_refusal, requested_backend
 from .launch import ANY, pow2_ceil, resolve_impl
 from .paged_decode import SMEM_BUDGET
 from .prefill_reference import check_prefill_args, check_prefill_options, paged_prefill_attention_reference
@@ -520,15 +520,8 @@ def prefill_backend(q, view, *, kv_dtype=None, backend: str | None = None,
     raises NotImplementedError naming the reason where it cannot run.  device: the DeviceInfo to
     decide for (default: this process's, device_info()).
     """
-    choice = _requested(backend)
-    if choice == "triton":
-        return "triton", "the Triton kernel was asked for"
-    why = _mgpu_refusal(q, view, kv_dtype, device_info() if device is None else device)
-    if why is None:
-        return "mgpu", ""
-    if choice == "mgpu":
-        raise NotImplementedError(f"the Mosaic GPU prefill kernel was asked for but cannot run: {why}")
-    return "triton", why
+    return choose(_requested(backend), "prefill",
+                  lambda: _mgpu_refusal(q, view, kv_dtype, device_info() if device is None else device))
 
 
 # --------------------------------------------------------------------------- public wrapper

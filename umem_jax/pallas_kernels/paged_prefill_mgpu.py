@@ -186,13 +186,12 @@ def smem_bytes(D: int, cfg: MgpuConfig) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
-    n_tiles: int  # q tiles per row (grid axis "q_seq")
-    bq: int
-    bkv: int
-    ring_slots: int  # max_concurrent_steps: shared-memory K/V slots
-    ping_pong: bool  # schedule_barrier: the consumers alternate on the tensor cores
-    G: int
+class RingStatics:
+    """What a Mosaic GPU attention kernel over the arena fixes at trace time, the prefill's and the
+    decode's alike: the KV ring (produce_kv_ring reads bkv .. v_row) and the softmax's options."""
+
+    bkv: int  # KV tokens per ring slot
+    ring_slots: int  # shared-memory K/V slots
     D: int
     P: int  # page-table width
     page_size: int
@@ -202,8 +201,16 @@ class _Static:
     window: int | None
     softcap: float | None
     scale: float
-    has_sinks: bool
     dtype: object
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static(RingStatics):
+    n_tiles: int = 1  # q tiles per row (grid axis "q_seq")
+    bq: int = 64
+    ping_pong: bool = True  # schedule_barrier: the consumers alternate on the tensor cores
+    G: int = 1
+    has_sinks: bool = False
     pv_in_scoped_acc: bool = False  # True only for the CPU GPU-interpreter tests
 
 
@@ -435,12 +442,12 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
                         (k_filled, v_filled), (k_released, v_released))
 
 
-def produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, first, n_steps, smem, filled, released):
+def produce_kv_ring(plgpu, c: RingStatics, pt_ref, arena_ref, b, kv_head, first, n_steps, smem, filled, released):
     """The producer warpgroup of the Mosaic GPU prefill and decode: copy the K and V of KV blocks
     first .. first + n_steps of request b's kv head into the shared-memory ring, slot i % ring_slots,
     one TMA copy per page (a [rows, D] box at arena row page * rows_per_page + k_row (v_row) +
     offset, column kv_head * D), waiting for the consumers' release of a slot before refilling it.
-    c: the kernel's statics (bkv, ring_slots, D, P, page_size, rows_per_page, k_row, v_row)."""
+    c: the kernel's RingStatics."""
     (k_smem, v_smem), (k_filled, v_filled), (k_released, v_released) = smem, filled, released
     i32 = jnp.int32
     bkv, ring_slots, D = c.bkv, c.ring_slots, c.D
