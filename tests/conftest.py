@@ -16,6 +16,19 @@ from _options import long_tests_enabled
 # leave files in the user's cache, nor read stale ones.
 os.environ.setdefault("UMEM_JAX_COMPILATION_CACHE", "0")
 
+# One XLA compilation cache for the whole run, in a folder of its own: both pytest-xdist workers
+# and every subprocess a test starts (servers, the TP worker, CLI runs) inherit it, so a step
+# shape compiled by one process is read back by the others instead of compiled again.  The
+# controller makes it (the workers see the variable) and removes it at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("UMEM_JAX_TEST_XLA_CACHE", "1") != "0":
+    import atexit
+    import shutil
+    import tempfile
+
+    _xla_cache = tempfile.mkdtemp(prefix="umem-jax-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _xla_cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, _xla_cache, True)
 
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true", default=False,
