@@ -2,6 +2,7 @@
 
   python3 -m benchmarks.bench_tp --tp 2                      # GPU: nemotronh-8b-like, B=64,256, ctx 2048
   python3 -m benchmarks.bench_tp --family qwen35 --tp 4 --batches 128,512
+  python3 -m benchmarks.bench_tp --family qwen35moe --tp 2 --batches 1,64 --expert-parallel   # MoE experts whole
   XLA_FLAGS=--xla_force_host_platform_device_count=4 python3 -m benchmarks.bench_tp --small --tp 2   # CPU
 
 For TP=1, then TP=N: the family's shape with random weights (families.build_model; the TP run
@@ -70,6 +71,7 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="nemotronh", help=f"one of {', '.join(FAMILIES)}")
     ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--expert-parallel", action="store_true", help="MoE families: experts split whole, not by width")
     ap.add_argument("--batches", default=None, help="decode batch sizes (default 64,256; --small 2,4)")
     ap.add_argument("--ctx", type=int, default=None, help="tokens in cache per row (default 2048; --small 64)")
     ap.add_argument("--arena-gib", type=float, default=None, help="arena bytes per device (default 24; --small 1/64)")
@@ -118,7 +120,7 @@ def main(argv=None) -> int:
     one = run_tp(model.fuse_projections(), a)  # fused as the engine serves it
     print(f"TP=1 done in {time.time() - t:.0f} s", flush=True)
     t = time.time()
-    sharded = shard_model(model, a.tp).fuse_projections()
+    sharded = shard_model(model, a.tp, expert_parallel=a.expert_parallel).fuse_projections()
     del model  # the unsplit weights leave device 0 before the split arena is made
     gc.collect()
     print(f"split over {a.tp} devices in {time.time() - t:.0f} s ({sharded.param_bytes / GIB:.2f} GiB of weights "

@@ -16,7 +16,11 @@ JSON summary.  Sections:
   arena-fixtures   the same splits: greedy tokens through the arena (hand-paged steps)
   engine-fixtures  the two fixtures through the engine, TP=2 against TP=1
   moe              a tiny MoE layer (gpt-oss, Qwen3-Next and Nemotron-H style) at TP=2 and 4
-                   against TP=1, sort + ragged_dot and gather dispatch
+                   against TP=1, sort + ragged_dot and gather dispatch; the same layers with
+                   expert parallelism (experts split whole) on every dispatch path, the Pallas
+                   expert GEMV (interpreted) too
+  expert-parallel  gpt-oss and Qwen3.5-MoE fixtures through the engine at TP=2 with
+                   enable_expert_parallel: greedy tokens equal to TP=1's
   speculative      a draft model split as the target, at TP=2: the tiny hybrid (Mamba2 state)
                    with an attention-only draft, greedy equal to TP=1 without speculation,
                    penalties and logprobs too; the attention-only model drafting for itself
@@ -26,6 +30,7 @@ JSON summary.  Sections:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -167,10 +172,9 @@ def _moe_layer(cfg, d: int, seed: int = 0):
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
 
 
-def _moe_sharded(full, tp: int):
-    """full's TP split by sharding.py: a jitted (x, valid) -> output under shard_map over tp devices."""
-    import dataclasses
-
+def _moe_sharded(full, tp: int, ep: bool = False):
+    """full's TP split by sharding.py (ep: expert parallelism): a jitted (x, valid) -> output
+    under shard_map over tp devices."""
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
@@ -179,14 +183,14 @@ def _moe_sharded(full, tp: int):
     from umem_jax.parallel.mesh import shard_map, tp_mesh
 
     cfg = full.cfg
-    local_cfg = dataclasses.replace(cfg, intermediate_size=cfg.intermediate_size // tp,
-                                    shared_intermediate_size=cfg.shared_intermediate_size // tp)
+    routed = dict(expert_shards=tp) if ep else dict(intermediate_size=cfg.intermediate_size // tp)
+    local_cfg = dataclasses.replace(cfg, shared_intermediate_size=cfg.shared_intermediate_size // tp, **routed)
     d = full.gate.weight.shape[1]
     local = nnx.eval_shape(lambda: MoE(d, local_cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    mark_local(local, full, tp)
-    assert local.experts.reduce_axis == "tp"
+    mark_local(local, full, tp, ep)
+    assert local.experts.reduce_axis == "tp" and local.experts.expert_axis == ("tp" if ep else None)
     local_def, local_state = nnx.split(local)
-    rules = split_indices(full, tp)
+    rules = split_indices(full, tp, ep)
     flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.split(full)[1])
     parts, stacked = [], []
     for (path, leaf), want in zip(flat, jax.tree.leaves(local_state)):
@@ -238,6 +242,40 @@ def moe() -> dict:
                 assert err < 1e-5, f"MoE {name} TP={tp} gather_rows={rows}: rel {err}"
                 out[f"{name}_tp{tp}_{'gather' if rows else 'ragged'}"] = err
     moe_lib.GATHER_ROWS = default_rows
+    # Expert parallelism: 8 experts (whole per device at TP=2 and 4), every dispatch path; the
+    # expert GEMV on 3 tokens (its rows path serves up to ROWS_MAX (token, expert) rows).
+    paths = {"ragged": (x, valid), "gather": (x, valid), "rows": (x[:, :3], valid[:, :3])}
+    for name, cfg in configs.items():
+        full = _moe_layer(dataclasses.replace(cfg, num_experts=8), 32, seed=1)
+        for tp in (2, 4):
+            for path, (xs, ok) in paths.items():
+                moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = (10**9 if path == "gather" else 0), (
+                    "rows" if path == "rows" else None)
+                want = np.asarray(full(xs, ok))
+                got = np.asarray(_moe_sharded(full, tp, ep=True)(xs, ok))
+                mask = np.asarray(ok)
+                err = float(np.abs(got - want)[mask].max() / np.abs(want).max())
+                assert err < 1e-5, f"MoE {name} EP={tp} {path}: rel {err}"
+                assert np.all(got[~mask] == 0.0) or cfg.shared_intermediate_size, f"{name} EP={tp} {path}: padding rows"
+                out[f"{name}_ep{tp}_{path}"] = err
+    moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = default_rows, None
+    return out
+
+
+def expert_parallel() -> dict:
+    """The MoE fixtures served at TP=2 with the experts split whole: greedy equal to TP=1."""
+    from umem_jax.models.loader import load_model
+
+    out = {}
+    for name in ("gpt_oss_tiny", "qwen3_5_moe_tiny"):
+        model = load_model(str(HERE / "fixtures" / name))
+        _, want = _greedy(model, 1, max_model_len=64)
+        llm, got = _greedy(model, 2, max_model_len=64, enable_expert_parallel=True)
+        experts = llm.llm_engine.model.config.moe
+        assert experts.expert_shards == 2 and experts.local_experts == experts.num_experts // 2, experts
+        assert got == want, f"{name} TP=2 with expert parallelism greedy {got} != TP=1 {want}"
+        llm.llm_engine.check_idle()
+        out[name] = want
     return out
 
 
@@ -300,7 +338,7 @@ def speculative() -> dict:
 
 
 SECTIONS = {"tiny": tiny, "dense": dense, "arena-fixtures": arena_fixtures, "engine-fixtures": engine_fixtures,
-            "moe": moe, "speculative": speculative}
+            "moe": moe, "expert-parallel": expert_parallel, "speculative": speculative}
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE))

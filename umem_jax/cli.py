@@ -19,10 +19,10 @@ Serving guards: --api-key KEY (or $UMEM_JAX_API_KEY) requires `Authorization: Be
 --priority-range MIN MAX bounds the priorities requests may ask for (400).  If the engine fails
 (not one request: see engine/isolation.py), `serve` stops and exits with code 1.
 
-Tensor parallelism: --tensor-parallel-size N splits the model and the arena over N devices (KV,
-Mamba2 and gated-DeltaNet heads; the arena budget is per device).  Several hosts: start the same
-command on every host with --dist-init-addr HOST:PORT (process 0's address), --nnodes and
---node-rank; jax.distributed.initialize runs before anything touches a device.
+Tensor parallelism: --tensor-parallel-size N splits the model and the arena over N devices (heads;
+the arena budget is per device; MoE experts by width, or whole with --enable-expert-parallel).
+Several hosts: the same command on every host with --dist-init-addr HOST:PORT (process 0's),
+--nnodes and --node-rank; jax.distributed.initialize runs before anything touches a device.
 """
 
 from __future__ import annotations
@@ -96,11 +96,11 @@ def _engine(args):
                        gpu_memory_utilization=args.gpu_memory_utilization, arena_bytes=args.arena_bytes,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        page_size=args.page_size, max_model_len=args.max_model_len, dtype=args.dtype,
-                       load_format=args.load_format, seed=args.seed,
-                       enable_prefix_caching=args.enable_prefix_caching,
+                       load_format=args.load_format, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
                        max_checkpoints_per_path=args.max_checkpoints_per_path,
                        tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range),
-                       interface="cli", kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_dtype=args.mamba_ssm_dtype,
+                       enable_expert_parallel=args.enable_expert_parallel, interface="cli",
+                       kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_dtype=args.mamba_ssm_dtype,
                        speculative_config=speculative_flags.from_flags(args))
     try:
         engine = LLMEngine(cfg)
@@ -294,6 +294,7 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
                    help="recurrent-state checkpoints the prefix cache keeps on one cached path")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the model and the arena are split over (heads; arena budget per device)")
+    p.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="MoE: experts split whole over them")
     p.add_argument("--dist-init-addr", default=None, help="multi-host: process 0's HOST:PORT (jax.distributed)")
     p.add_argument("--nnodes", type=int, default=None, help="multi-host: number of hosts (processes)")
     p.add_argument("--node-rank", type=int, default=None, help="multi-host: this host's rank, 0 .. nnodes-1")

@@ -217,5 +217,47 @@ def test_moe_tp_that_splits_an_expert_unevenly_is_refused():
 
 
 def test_moe_layer_tp2_and_tp4_match_tp1_on_several_devices():
+    """Split by width (ragged, gather) and whole experts (ragged, gather, the expert GEMV)."""
     got = _run_worker(["moe"], timeout=600)["moe"]
-    assert len(got) == 12 and max(got.values()) < 1e-5
+    assert len(got) == 12 + 18 and max(got.values()) < 1e-5
+
+
+def test_moe_fixtures_with_expert_parallelism_match_tp1():
+    got = _run_worker(["expert-parallel"], timeout=600)["expert-parallel"]
+    assert set(got) == {"gpt_oss_tiny", "qwen3_5_moe_tiny"}
+
+
+def test_expert_parallel_split_gives_each_device_whole_experts():
+    """gate_up_proj [E, d, 2I] at TP=2 with expert parallelism: device r holds experts
+    [r*E/2, (r+1)*E/2) whole, biases too; the router stays whole; tp must divide E."""
+    from flax import nnx
+
+    from umem_jax.models.moe import MoE, MoEConfig
+
+    cfg = MoEConfig(num_experts=6, top_k=2, intermediate_size=8, expert_kind="gpt_oss", expert_bias=True,
+                    scoring="topk_softmax", router_bias=True, shared_intermediate_size=4)
+    rules = split_indices(nnx.eval_shape(lambda: MoE(16, cfg, dtype=np.float32, rngs=nnx.Rngs(0))), 2,
+                          expert_parallel=True)
+    for leaf in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+        axis, parts = rules[("experts", leaf)]
+        assert axis == 0 and [p.tolist() for p in parts] == [[0, 1, 2], [3, 4, 5]], leaf
+    assert rules[("shared_expert", "up_proj", "weight")][0] == 0  # the shared expert: split by width as ever
+    assert not {("gate", "weight"), ("gate", "bias")} & set(rules)
+
+    @dataclasses.dataclass(frozen=True)
+    class WithMoE(type(tiny_config())):
+        moe: MoEConfig | None = None
+
+    model_cfg = WithMoE(**{f.name: getattr(tiny_config(), f.name) for f in dataclasses.fields(tiny_config())}, moe=cfg)
+    two = local_config(model_cfg, 2, expert_parallel=True)
+    assert (two.moe.num_experts, two.moe.local_experts, two.moe.intermediate_size) == (6, 3, 8)
+    with pytest.raises(ValueError, match="num_experts=6"):
+        check_tp(model_cfg, 4, expert_parallel=True)
+    check_tp(dataclasses.replace(model_cfg, moe=dataclasses.replace(cfg, intermediate_size=12)), 4)  # by width: fine
+
+
+def test_expert_parallel_on_a_model_without_moe_is_refused():
+    from umem_jax import LLM
+
+    with pytest.raises(ValueError, match="no MoE layers"):
+        LLM("tiny", enable_expert_parallel=True, arena_bytes=1 << 20)

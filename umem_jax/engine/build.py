@@ -110,10 +110,13 @@ def prepared_model(cfg: EngineConfig):
     """The model as the engine serves it: loaded, split over `tensor_parallel_size` devices (from
     here on the model, plan and arena bytes are per device), its projections fused."""
     model = _load(cfg)
+    if cfg.enable_expert_parallel and getattr(model.config, "moe", None) is None:
+        raise ValueError(f"enable_expert_parallel splits MoE experts over devices; {model.config.architecture} has no "
+                         "MoE layers (leave it off)")
     if cfg.tensor_parallel_size > 1:
         from ..models.sharded_model import shard_model
 
-        model = shard_model(model, cfg.tensor_parallel_size)
+        model = shard_model(model, cfg.tensor_parallel_size, expert_parallel=cfg.enable_expert_parallel)
     if cfg.fuse_projections:  # a model this engine made is donated: its unfused weights are not kept
         model = model.fuse_projections(donate=model is not cfg.model)
     return model

@@ -49,6 +49,9 @@ class EngineConfig:
     check_at_idle: bool = True
     debug_nan: bool = False
     tensor_parallel_size: int = 1  # devices the model and the arena are split over (KV / state heads)
+    # MoE layers' routed experts split whole over those devices instead of by their width (vLLM's
+    # --enable-expert-parallel; models/sharding.py): for many narrow experts (Qwen3.5-MoE's 512 columns)
+    enable_expert_parallel: bool = False
     fuse_projections: bool = True  # one matmul per group of projections reading one input (models/model.py)
     priority_range: tuple[int, int] = (-(2**31), 2**31 - 1)  # a request's priority must lie in it (ValueError)
     speculative_config: object = None  # None (off) | SpeculativeConfig | its fields as a dict (vLLM's)

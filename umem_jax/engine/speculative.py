@@ -89,7 +89,7 @@ def load_draft(cfg, target):
         from ..models.sharded_model import shard_model
 
         try:
-            draft = shard_model(draft, cfg.tensor_parallel_size)
+            draft = shard_model(draft, cfg.tensor_parallel_size, expert_parallel=cfg.enable_expert_parallel)
         except ValueError as e:
             raise SpeculationError(f"the draft cannot be split over {cfg.tensor_parallel_size} devices: {e}") from None
     if cfg.fuse_projections:
@@ -117,7 +117,7 @@ def _load_mtp(cfg, target):
         if full is not None:
             from ..models.sharded_model import shard_model
 
-            head = shard_model(head, cfg.tensor_parallel_size)
+            head = shard_model(head, cfg.tensor_parallel_size, expert_parallel=cfg.enable_expert_parallel)
     except ValueError as e:
         raise SpeculationError(f"speculative method 'mtp': {e}") from None
     return head.fuse_projections(donate=head is not m) if cfg.fuse_projections else head

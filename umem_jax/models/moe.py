@@ -26,7 +26,6 @@ intermediate dimension: gate_up column-parallel ([gate_r | up_r] per device), do
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -37,9 +36,8 @@ from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, activation, normal_init
+from .moe_config import EXPERT_KINDS, SCORINGS, MoEConfig
 
-SCORINGS = ("softmax", "topk_softmax", "sigmoid")
-EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
 # Up to this many (token, expert) rows the dispatch gathers each row's expert weights instead of
 # sorting and running the grouped matmul.  Measured on the H200 (benchmarks/bench_moe.py,
 # 2026-12-03): at one decode token the gather was fastest (gpt-oss-20b 211 us vs 378 us Pallas;
@@ -65,57 +63,6 @@ ROWS_MAX = 16
 # experts (24 TFLOP/s at gpt-oss-20b prefill shapes, 3 at Qwen3.5-35B-A3B-like, out of memory at
 # 16384 tokens) where the Pallas kernel ran 390-555 and 157-445 TFLOP/s.
 GROUPED_PATH = None
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """One MoE block's shape and routing (hashable: a field `moe` of a family's ModelConfig).
-
-    scoring: "softmax"      p = softmax(logits) over all E, top-k of p            (Qwen3-MoE/Next/3.5)
-             "topk_softmax" top-k of logits, softmax over the k chosen            (gpt-oss)
-             "sigmoid"      s = sigmoid(logits), top-k of s + correction bias,
-                            weights s of the chosen                                (Nemotron-H, DeepSeek-V3)
-    norm_topk_prob renormalises the k weights to sum 1 (softmax / sigmoid); routed_scaling_factor
-    multiplies them after.  n_group > 1: keep the topk_group groups of E/n_group experts with the
-    largest sum of their top-2 selection scores, then pick top-k inside them.
-    expert_kind: "swiglu" act(gate) * up; "gpt_oss" the clamped SwiGLU (swiglu_limit, swiglu_alpha,
-    (up + 1)); "ungated" act(up).
-    """
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    scoring: str = "softmax"
-    norm_topk_prob: bool = True
-    routed_scaling_factor: float = 1.0
-    router_bias: bool = False
-    score_correction_bias: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    expert_kind: str = "swiglu"
-    activation: str = "silu"
-    expert_bias: bool = False
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
-    shared_intermediate_size: int = 0
-    shared_expert_kind: str = "swiglu"
-    shared_expert_gate: bool = False
-
-    def __post_init__(self):
-        if self.scoring not in SCORINGS:
-            raise NotImplementedError(f"MoE scoring {self.scoring!r}; supported: {SCORINGS}")
-        if self.expert_kind not in EXPERT_KINDS:
-            raise NotImplementedError(f"MoE expert_kind {self.expert_kind!r}; supported: {EXPERT_KINDS}")
-        if self.shared_expert_kind not in ("swiglu", "ungated"):
-            raise NotImplementedError(f"MoE shared_expert_kind {self.shared_expert_kind!r}; supported: swiglu, ungated")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"MoE top_k={self.top_k} must be in [1, num_experts={self.num_experts}]")
-        if self.n_group < 1 or self.num_experts % self.n_group:
-            raise ValueError(f"MoE n_group={self.n_group} must divide num_experts={self.num_experts}")
-        if self.n_group > 1 and not 1 <= self.topk_group <= self.n_group:
-            raise ValueError(f"MoE topk_group={self.topk_group} must be in [1, n_group={self.n_group}]")
-        if self.n_group > 1 and self.topk_group * (self.num_experts // self.n_group) < self.top_k:
-            raise ValueError(f"MoE top_k={self.top_k} exceeds the experts of topk_group={self.topk_group} groups")
 
 
 # ----------------------------------------------------------------------------- routing
@@ -218,10 +165,13 @@ def expert_activation(h: jax.Array, cfg: MoEConfig) -> jax.Array:
 
 class Experts(nnx.Module):
     """E stacked expert MLPs: gate_up_proj [E, d, 2I] (or up_proj [E, d, I]), down_proj [E, I, d],
-    optional biases [E, 2I] / [E, d].  reduce_axis: the tp axis when I is split (sharding.py)."""
+    optional biases [E, 2I] / [E, d], E = cfg.local_experts.  reduce_axis: the tp axis when the
+    routed sum is split over devices (sharding.py), by I (tensor parallelism) or, with
+    expert_axis also set, by expert (expert parallelism: device r holds experts
+    [r*E, (r+1)*E) whole and computes only the (token, expert) pairs routed to them)."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
-        e, i = cfg.num_experts, cfg.intermediate_size
+        e, i = cfg.local_experts, cfg.intermediate_size
         first = i if cfg.expert_kind == "ungated" else 2 * i
         name = "up_proj" if cfg.expert_kind == "ungated" else "gate_up_proj"
         setattr(self, name, nnx.Param(normal_init(rngs, (e, hidden, first), dtype)))
@@ -232,6 +182,7 @@ class Experts(nnx.Module):
         self.first_name = name
         self.cfg = cfg
         self.reduce_axis = None
+        self.expert_axis = None
 
     @property
     def first(self) -> jax.Array:
@@ -250,6 +201,8 @@ class Experts(nnx.Module):
         only the chosen experts, for a few rows), "rows" (the Pallas expert GEMV: each chosen
         expert read once; interpreted off the GPU); None: few_rows_path(N*k), else GROUPED_PATH."""
         n, k = experts.shape
+        if self.expert_axis is not None:
+            weights, experts = self._local_choice(weights, experts)
         if path is None:
             path = few_rows_path(n * k) or grouped_path()
         if path == "gather":
@@ -258,7 +211,7 @@ class Experts(nnx.Module):
             return self._rows(x, weights, experts, valid)
         if path not in ("ragged", "pallas"):
             raise ValueError(f"MoE dispatch path {path!r}; known: ragged, pallas, gather, rows")
-        e = self.cfg.num_experts
+        e = self.cfg.local_experts
         key = experts.reshape(-1)
         if valid is not None:
             key = jnp.where(jnp.repeat(valid, k), key, e)  # padding sorts past the last group
@@ -273,7 +226,8 @@ class Experts(nnx.Module):
             h = h + jnp.take(bias, jnp.minimum(sorted_experts, e - 1), axis=0).astype(jnp.float32)
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
         y = matmul(a, self.down_proj[...]).astype(jnp.float32)  # [R, d]
-        y = y * jnp.take(weights.reshape(-1), order)[:, None]
+        # rows past the groups (padding, other devices' experts) may hold anything: select, not scale
+        y = jnp.where((sorted_experts < e)[:, None], y * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         out = jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
         return self._finish(out, weights, experts, valid)
@@ -281,7 +235,7 @@ class Experts(nnx.Module):
     def _gathered(self, x, weights, experts, valid):
         """The few-rows path: every (token, expert) row reads its expert's weights by a gather."""
         n, k = experts.shape
-        ids = experts.reshape(-1)
+        ids = jnp.minimum(experts.reshape(-1), self.cfg.local_experts - 1)  # id E (another device's): weight 0
         xs = jnp.repeat(x, k, axis=0)  # [R, d]
         h = jnp.einsum("rd,rdf->rf", xs, jnp.take(self.first, ids, axis=0), preferred_element_type=jnp.float32)
         bias = self.first_bias()
@@ -298,7 +252,7 @@ class Experts(nnx.Module):
         n, k = experts.shape
         ids = experts.reshape(-1)
         if valid is not None:
-            ids = jnp.where(jnp.repeat(valid, k), ids, self.cfg.num_experts)
+            ids = jnp.where(jnp.repeat(valid, k), ids, self.cfg.local_experts)
         gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
         h = gemv(x, ids, self.first, self.first_bias(), repeat=k)  # [R, F] fp32: row r is token r // k
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
@@ -306,12 +260,28 @@ class Experts(nnx.Module):
         out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
         return self._finish(out, weights, experts, valid)
 
+    def _local_choice(self, weights, experts):
+        """Expert parallelism: the global choice [N, k] -> this device's (weights, ids), ids local
+        in [0, E) for its own experts and E (weight 0) for the pairs another device computes."""
+        e = self.cfg.local_experts
+        local = experts - jax.lax.axis_index(self.expert_axis) * e
+        mine = (local >= 0) & (local < e)
+        return jnp.where(mine, weights, 0.0), jnp.where(mine, local, e)
+
     def _finish(self, out, weights, experts, valid):
-        """psum the partial sums over the tp axis, then add the down bias once: sum_j w_j b_{e_j}."""
+        """psum the partial sums over the tp axis and add the down bias once: sum_j w_j b_{e_j}
+        (after the psum when every device holds every expert's bias; before it under expert
+        parallelism, where each device adds its own experts' and id E adds nothing)."""
+        def bias(out):
+            e = self.cfg.local_experts
+            b = jnp.take(self.down_proj_bias[...], jnp.minimum(experts, e - 1), axis=0).astype(jnp.float32)
+            return out + jnp.einsum("nk,nkd->nd", jnp.where(experts < e, weights, 0.0), b)  # b: [N, k, d]
+
+        if self.cfg.expert_bias and self.expert_axis is not None:
+            out = bias(out)
         out = reduce_sum(out, self.reduce_axis)
-        if self.cfg.expert_bias:
-            b = jnp.take(self.down_proj_bias[...], experts, axis=0).astype(jnp.float32)  # [N, k, d]
-            out = out + jnp.einsum("nk,nkd->nd", weights, b)
+        if self.cfg.expert_bias and self.expert_axis is None:
+            out = bias(out)
         return out if valid is None else jnp.where(valid[:, None], out, 0.0)
 
 

@@ -123,8 +123,10 @@ class ShardedModel(Model):
         return jax.jit(run)
 
 
-def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
+def shard_model(model: Model, tp: int, devices=None, *, expert_parallel: bool = False) -> ShardedModel:
     """Split `model` over a `tp` mesh (the first tp devices, or `devices`) -> ShardedModel.
+    expert_parallel: MoE layers' routed experts split whole over the devices instead of by their
+    intermediate columns (sharding.py); nothing changes for a model without MoE layers.
 
     Raises ValueError when tp does not split the model into whole heads (sharding.check_tp) or
     the model has a weight whose per-device shape no rule explains (a module this package does
@@ -132,7 +134,7 @@ def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
     """
     if isinstance(model, ShardedModel):
         raise ValueError("the model is already sharded")  # noqa: TRY004 (every refusal here is a ValueError)
-    cfg = local_config(model.config, tp)
+    cfg = local_config(model.config, tp, expert_parallel)
     mesh = tp_mesh(tp, devices)
     full = nnx.merge(model.graphdef, model.params)
     try:
@@ -140,9 +142,9 @@ def shard_model(model: Model, tp: int, devices=None) -> ShardedModel:
     except TypeError as e:
         raise ValueError(f"tensor parallelism builds the per-device module as {model.module_cls.__name__}(config, "
                          f"rngs=...); that failed: {e}") from None
-    mark_local(local, full, tp)
+    mark_local(local, full, tp, expert_parallel)
     graphdef, shapes = nnx.split(local)
-    rules = split_indices(full, tp)
+    rules = split_indices(full, tp, expert_parallel)
     got, treedef = jax.tree_util.tree_flatten_with_path(model.params)
     want = jax.tree.leaves(shapes)
     if len(got) != len(want):

@@ -25,6 +25,14 @@ gate_up_proj (the two halves are split separately, so its local matrix is again 
 the matching rows of down_proj; Experts psums its routed sum, then adds the down bias once.  The
 shared expert is an MLP and splits as one.
 
+Expert parallelism (`expert_parallel=True`, vLLM's --enable-expert-parallel) splits the routed
+experts whole instead: device r holds experts [r*E/tp, (r+1)*E/tp) at full width (gate_up_proj,
+down_proj and both biases along the expert axis), computes only the (token, expert) pairs routed
+to them and psums, so the collective is the same one all-reduce.  Each expert's matmuls keep
+their full intermediate width (a split of Qwen3.5-MoE's 512 columns over 8 devices leaves 64);
+tp must divide num_experts instead of the experts' width.  Attention, the MLPs and the shared
+expert split as above.
+
 Heads are split whole and in order: device r holds heads [r*H/tp, (r+1)*H/tp).  When a model
 has fewer KV heads (or Mamba2 groups) than devices, each device holds the one its query heads
 (Mamba2 heads) read, so a KV head lives on tp/H_kv devices.  Mamba2's in_proj packs
@@ -67,8 +75,9 @@ def _has_mamba2(cfg: ModelConfig) -> bool:
     return RECURRENT in cfg.layer_types and cfg.mamba is not None and not _has_gdn(cfg)
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raise ValueError (saying why) unless `tp` splits every layer of `cfg` into whole heads."""
+def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError (saying why) unless `tp` splits every layer of `cfg` into whole heads
+    (and, with expert_parallel, the routed experts into whole experts)."""
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
     if tp == 1:
@@ -86,15 +95,18 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
         _divides(tp, cfg.linear_num_key_heads, "linear_num_key_heads",
                  "each device keeps whole gated-DeltaNet key heads (and their value heads) in its state slots")
     moe = getattr(cfg, "moe", None)
-    if moe is not None:
+    if moe is not None and expert_parallel:
+        _divides(tp, moe.num_experts, "num_experts", "expert parallelism gives each device whole experts")
+    elif moe is not None:
         _divides(tp, moe.intermediate_size, "moe_intermediate_size", "every expert's MLP is split by columns")
+    if moe is not None:
         _divides(tp, moe.shared_intermediate_size, "shared_expert_intermediate_size",
                  "the shared expert is split by columns")
 
 
-def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+def local_config(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> ModelConfig:
     """The config of the model one device of a `tp`-way split runs (checked by check_tp)."""
-    check_tp(cfg, tp)
+    check_tp(cfg, tp, expert_parallel)
     if tp == 1:
         return cfg
     kw = {"num_heads": cfg.num_heads // tp, "num_kv_heads": max(cfg.num_kv_heads // tp, 1),
@@ -107,8 +119,8 @@ def local_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                   linear_num_value_heads=cfg.linear_num_value_heads // tp)
     moe = getattr(cfg, "moe", None)
     if moe is not None:
-        kw["moe"] = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp,
-                                        shared_intermediate_size=moe.shared_intermediate_size // tp)
+        routed = dict(expert_shards=tp) if expert_parallel else dict(intermediate_size=moe.intermediate_size // tp)
+        kw["moe"] = dataclasses.replace(moe, shared_intermediate_size=moe.shared_intermediate_size // tp, **routed)
     return dataclasses.replace(cfg, **kw)
 
 
@@ -129,11 +141,12 @@ def _channels(units: np.ndarray, width: int, offset: int = 0) -> np.ndarray:
     return offset + (units[:, None] * width + np.arange(width)[None, :]).reshape(-1)
 
 
-def _rules(module, tp: int, r: int) -> tuple[dict, list, list]:
+def _rules(module, tp: int, r: int, ep: bool = False) -> tuple[dict, list, list]:
     """Device r's slice of one module's weights -> ({param path: (axis, indices)},
     [row-parallel Linear names (or Experts)], [(split norm name, group_shards)]).  Unknown
-    modules: no rule.  A column-parallel Linear's bias is split with its rows."""
-    split, linears, norms = _layer_rules(module, tp, r)
+    modules: no rule.  A column-parallel Linear's bias is split with its rows.  ep: the MoE
+    experts split whole (expert parallelism)."""
+    split, linears, norms = _layer_rules(module, tp, r, ep)
     for (name, *leaf), (axis, idx) in list(split.items()):
         child = getattr(module, name, None) if leaf == ["weight"] and axis == 0 else None
         if getattr(child, "bias", None) is not None:
@@ -141,22 +154,27 @@ def _rules(module, tp: int, r: int) -> tuple[dict, list, list]:
     return split, linears, norms
 
 
-def _moe_rules(module: MoE, tp: int, r: int) -> dict:
-    """The routed experts' intermediate columns: [gate_r | up_r] of gate_up, rows of down."""
+def _moe_rules(module: MoE, tp: int, r: int, ep: bool) -> dict:
+    """The routed experts' intermediate columns: [gate_r | up_r] of gate_up, rows of down; with
+    ep, device r's whole experts (every expert leaf along axis 0)."""
     cfg = module.cfg
+    name = module.experts.first_name
+    if ep:
+        mine = _units(cfg.num_experts, tp, r)
+        leaves = [name, "down_proj"] + ([name + "_bias", "down_proj_bias"] if cfg.expert_bias else [])
+        return {("experts", leaf): (0, mine) for leaf in leaves}
     i = cfg.intermediate_size
     cols = _units(i, tp, r)
     first = cols if cfg.expert_kind == "ungated" else np.concatenate([cols, i + cols])
-    name = module.experts.first_name
     out = {("experts", name): (2, first), ("experts", "down_proj"): (1, cols)}
     if cfg.expert_bias:
         out[("experts", name + "_bias")] = (1, first)
     return out
 
 
-def _layer_rules(module, tp: int, r: int) -> tuple[dict, list, list]:
+def _layer_rules(module, tp: int, r: int, ep: bool = False) -> tuple[dict, list, list]:
     if isinstance(module, MoE):
-        return _moe_rules(module, tp, r), ["experts"], []
+        return _moe_rules(module, tp, r, ep), ["experts"], []
     if isinstance(module, Attention):
         hq, hkv, hd = module.num_heads, module.num_kv_heads, module.head_dim
         q_heads, kv_heads = _units(hq, tp, r), _units(hkv, tp, r)
@@ -211,25 +229,28 @@ def _modules(module):
             yield tuple(path), node
 
 
-def split_indices(module, tp: int) -> dict[tuple, tuple[int, list[np.ndarray]]]:
+def split_indices(module, tp: int, expert_parallel: bool = False) -> dict[tuple, tuple[int, list[np.ndarray]]]:
     """{param path: (axis, [indices of device r for r in range(tp)])} for every split weight of
     the (global) module; params not listed are replicated."""
     out: dict[tuple, tuple[int, list]] = {}
     for path, mod in _modules(module):
         for r in range(tp):
-            for rel, (axis, idx) in _rules(mod, tp, r)[0].items():
+            for rel, (axis, idx) in _rules(mod, tp, r, expert_parallel)[0].items():
                 out.setdefault(path + rel, (axis, []))[1].append(idx)
     return out
 
 
-def mark_local(local_module, global_module, tp: int) -> None:
-    """Set `reduce_axis` on the per-device module's row-parallel Linears and split norms (the
-    same table as split_indices; rank 0's answer, every rank has the same marks)."""
+def mark_local(local_module, global_module, tp: int, expert_parallel: bool = False) -> None:
+    """Set `reduce_axis` on the per-device module's row-parallel Linears and split norms, and
+    `expert_axis` on its Experts under expert parallelism (the same table as split_indices;
+    rank 0's answer, every rank has the same marks)."""
     local = dict(_modules(local_module))
     for path, mod in _modules(global_module):
-        _, linears, norms = _rules(mod, tp, 0)
+        _, linears, norms = _rules(mod, tp, 0, expert_parallel)
         for name in linears:
             getattr(local[path], name).reduce_axis = TP_AXIS
+            if expert_parallel and isinstance(mod, MoE):
+                getattr(local[path], name).expert_axis = TP_AXIS
         for name, shards in norms:
             norm = getattr(local[path], name)
             norm.reduce_axis, norm.group_shards = TP_AXIS, shards
