@@ -227,9 +227,9 @@ def test_n_and_best_of_with_speculation():
     with distinct, in-vocabulary samples; nothing leaks."""
     target = _model("tiny-attention")
     work = _workload(target.config.vocab_size)[:2]
-    want = [o.outputs[0].token_ids for o in LLM(target, arena_bytes=400 << 10, **SPEC).generate(
-        work, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
-    llm = LLM(target, arena_bytes=400 << 10, **SPEC,
+    want = _greedy("tiny-attention", 250 << 10)[:2]  # the shared reference (greedy is per request); its arena,
+    # so the speculative engine's steps are the ones test_greedy_with_speculation_is_greedy_without compiles
+    llm = LLM(target, arena_bytes=250 << 10, **SPEC,
               speculative_config={"model": _perturbed("tiny-attention"), "num_speculative_tokens": K, "min_acceptance": 0.0})
     got = llm.generate(work, SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS))
     assert [[c.token_ids for c in o.outputs] for o in got] == [[w] * 3 for w in want]
