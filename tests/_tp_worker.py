@@ -20,7 +20,8 @@ JSON summary.  Sections:
                    expert parallelism (experts split whole) on every dispatch path, the Pallas
                    expert GEMV (interpreted) too
   expert-parallel  gpt-oss and Qwen3.5-MoE fixtures through the engine at TP=2 with
-                   enable_expert_parallel: greedy tokens equal to TP=1's
+                   enable_expert_parallel: greedy tokens equal to TP=1's; Qwen3.5-MoE's MTP head
+                   (an MoE layer of its own) split likewise, greedy equal to TP=1 without it
   speculative      a draft model split as the target, at TP=2: the tiny hybrid (Mamba2 state)
                    with an attention-only draft, greedy equal to TP=1 without speculation,
                    penalties and logprobs too; the attention-only model drafting for itself
@@ -266,6 +267,10 @@ def expert_parallel() -> dict:
     """The MoE fixtures served at TP=2 with the experts split whole: greedy equal to TP=1."""
     from umem_jax.models.loader import load_model
 
+    import tempfile
+
+    from _mtp_fixtures import write_mtp_checkpoint
+
     out = {}
     for name in ("gpt_oss_tiny", "qwen3_5_moe_tiny"):
         model = load_model(str(HERE / "fixtures" / name))
@@ -276,6 +281,17 @@ def expert_parallel() -> dict:
         assert got == want, f"{name} TP=2 with expert parallelism greedy {got} != TP=1 {want}"
         llm.llm_engine.check_idle()
         out[name] = want
+    # Qwen3.5-MoE's MTP head has an MoE layer of its own: split whole as the target's.
+    path = str(write_mtp_checkpoint(Path(tempfile.mkdtemp()), "qwen3_5_moe_tiny"))
+    mtp = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    _, want = _greedy(path, 1, n=12)
+    llm, got = _greedy(path, 2, n=12, speculative_config=mtp, enable_expert_parallel=True)
+    head = llm.llm_engine.runner.speculator.draft
+    assert head.config.moe is not None and head.config.moe.expert_shards == 2, head.config
+    assert got == want, f"mtp TP=2 with expert parallelism {got} != TP=1 without speculation {want}"
+    assert llm.llm_engine.stats()["speculative"]["num_verify_rows"] > 0
+    llm.llm_engine.check_idle()
+    out["qwen3_5_moe_tiny_mtp"] = got
     return out
 
 

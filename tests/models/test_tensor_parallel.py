@@ -224,7 +224,7 @@ def test_moe_layer_tp2_and_tp4_match_tp1_on_several_devices():
 
 def test_moe_fixtures_with_expert_parallelism_match_tp1():
     got = _run_worker(["expert-parallel"], timeout=600)["expert-parallel"]
-    assert set(got) == {"gpt_oss_tiny", "qwen3_5_moe_tiny"}
+    assert set(got) == {"gpt_oss_tiny", "qwen3_5_moe_tiny", "qwen3_5_moe_tiny_mtp"}
 
 
 def test_expert_parallel_split_gives_each_device_whole_experts():
