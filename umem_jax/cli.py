@@ -294,7 +294,7 @@ def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
                    help="recurrent-state checkpoints the prefix cache keeps on one cached path")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices the model and the arena are split over (heads; arena budget per device)")
-    p.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="MoE: experts split whole over them")
+    p.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="MoE: whole experts per TP device")
     p.add_argument("--dist-init-addr", default=None, help="multi-host: process 0's HOST:PORT (jax.distributed)")
     p.add_argument("--nnodes", type=int, default=None, help="multi-host: number of hosts (processes)")
     p.add_argument("--node-rank", type=int, default=None, help="multi-host: this host's rank, 0 .. nnodes-1")
