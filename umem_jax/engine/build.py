@@ -111,8 +111,9 @@ def prepared_model(cfg: EngineConfig):
     here on the model, plan and arena bytes are per device), its projections fused."""
     model = _load(cfg)
     if cfg.enable_expert_parallel and getattr(model.config, "moe", None) is None:
-        raise ValueError(f"enable_expert_parallel splits MoE experts over devices; {model.config.architecture} has no "
-                         "MoE layers (leave it off)")
+        opt = "--enable-expert-parallel" if cfg.interface == "cli" else "enable_expert_parallel=True"
+        raise ValueError(f"{opt} splits MoE experts over the devices; {model.config.architecture} has no MoE layers "
+                         "(leave it off)")
     if cfg.tensor_parallel_size > 1:
         from ..models.sharded_model import shard_model
 
