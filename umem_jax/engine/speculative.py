@@ -162,7 +162,9 @@ def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]
 @dataclasses.dataclass
 class SpecStats:
     """Speculation counters: verify rows, drafts proposed / accepted, per position, times (an MTP
-    head drafts inside the verify's jitted call: its time is all verify_s, draft_s stays 0)."""
+    head drafts inside the verify's jitted call: its time is all verify_s, draft_s stays 0; a
+    draft model's step is timed apart every Speculator.TIME_EVERY-th step and split by those
+    shares in between, so draft_s and verify_s are estimates that sum to the measured time)."""
 
     k: int
     rows: int = 0  # decode rows verified
