@@ -26,7 +26,7 @@ JSON summary.  Sections:
                    with an attention-only draft, greedy equal to TP=1 without speculation,
                    penalties and logprobs too; the attention-only model drafting for itself
                    (every draft accepted); Qwen3.5's MTP head split as the target at TP=2,
-                   greedy equal to TP=1 without it (and with it: test_speculative_mtp.py)
+                   greedy equal to TP=1 with and without it
 """
 
 from __future__ import annotations
@@ -328,9 +328,10 @@ def speculative() -> dict:
 
     path = str(write_mtp_checkpoint(Path(tempfile.mkdtemp()), "qwen3_5_tiny"))
     mtp = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance": 0.0}
-    _, want = _greedy(path, 1, n=12)  # (mtp at TP=1 equals this too: test_speculative_mtp.py)
+    _, want = _greedy(path, 1, n=12)
+    _, one = _greedy(path, 1, n=12, speculative_config=mtp)
     two, got = _greedy(path, 2, n=12, speculative_config=mtp)
-    assert got == want, f"mtp TP=2 {got} != TP=1 without speculation {want}"
+    assert one == want and got == want, f"mtp TP=2 {got} / TP=1 {one} != without speculation {want}"
     # Again with the head's drafts replaced by the right continuation (a random head proposes
     # what the target never takes): verifies that accept, at TP=2.
     eng = two.llm_engine

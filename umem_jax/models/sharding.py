@@ -95,11 +95,11 @@ def check_tp(cfg: ModelConfig, tp: int, expert_parallel: bool = False) -> None:
         _divides(tp, cfg.linear_num_key_heads, "linear_num_key_heads",
                  "each device keeps whole gated-DeltaNet key heads (and their value heads) in its state slots")
     moe = getattr(cfg, "moe", None)
-    if moe is not None and expert_parallel:
-        _divides(tp, moe.num_experts, "num_experts", "expert parallelism gives each device whole experts")
-    elif moe is not None:
-        _divides(tp, moe.intermediate_size, "moe_intermediate_size", "every expert's MLP is split by columns")
     if moe is not None:
+        if expert_parallel:
+            _divides(tp, moe.num_experts, "num_experts", "expert parallelism gives each device whole experts")
+        else:
+            _divides(tp, moe.intermediate_size, "moe_intermediate_size", "every expert's MLP is split by columns")
         _divides(tp, moe.shared_intermediate_size, "shared_expert_intermediate_size",
                  "the shared expert is split by columns")
 

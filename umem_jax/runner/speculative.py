@@ -209,8 +209,7 @@ class Speculator:
     def __init__(self, runner: Runner, draft, k: int):
         self.runner, self.draft, self.k = runner, draft, int(k)
         self._draft_src = self._target_src = None
-        self.draft_s = self.verify_s = 0.0  # seconds in draft / verify calls (to their results)
-        self._steps, self._draft_share = 0, 0.0
+        self._steps, self._draft_share = 0, 0.0  # decode steps launched; the draft's share of the last timed one
 
     def _draft_leaves(self):
         if self.draft.params is not self._draft_src:
@@ -320,8 +319,6 @@ class Speculator:
         if timed:
             self._draft_share = (t1 - t0) / max(t2 - t0, 1e-9)
         draft_s = (t2 - t0) * self._draft_share
-        self.draft_s += draft_s
-        self.verify_s += t2 - t0 - draft_s
         for i, row in enumerate(batch.rows):
             row.req.mark_pending(i)
         return SpecLaunched(batch, out, draft_s, t2 - t0 - draft_s, logprobs=lp[0] if lp else None)
