@@ -16,12 +16,16 @@ Random weights accept nothing, so this measures the parts and one controlled cas
   (3) end to end  the offline engine (LLMEngine.step), greedy, ignore_eos, `--gen` tokens per
                request, at B = 1 and 8: first without speculation (the peer; it records each
                request's greedy continuation), with the engine's default async scheduling and
-               again with it off (speculation reads every step back, so it never overlaps), then
-               with the HARNESS proposer (spec_harness.py, a test harness: the peer's greedy
-               continuation with each draft position kept with probability a) for each a:
-                 method "draft": the draft's passes replaced by the harness: the engine's own
-                   cost with a draft that costs nothing (`est. w/ draft` adds the measured (2));
-                 method "mtp": the MTP head runs for real, only what it proposed is replaced.
+               again with it off (every step read back), then with the HARNESS proposer
+               (spec_harness.py, a test harness: the peer's greedy continuation with each draft
+               position kept with probability a) for each a:
+                 method "draft": the draft's passes replaced by the harness, which picks its
+                   drafts on the device, so steps overlap as with a draft model (the next step
+                   launched before the previous one is read back): the engine's own cost with a
+                   draft that costs nothing (`est. w/ draft` adds the measured (2));
+                 method "mtp": the MTP head runs for real, only what it proposed is replaced;
+                   the harness hands its drafts over on the host, so these runs read every
+                   step back (no overlap: a lower bound for the MTP head's speed).
                Output tok/s over the decode window (from the last request's first token to the
                last token: prefill outside), the median of --repeats runs; its ratio to the async
                peer's; accepted length against a(1 - a^k)/(1 - a); per decode step the proposer's,
@@ -336,7 +340,9 @@ class Bench:
         with engine(target, a, spec) as eng:
             h = Harness(a.k, target.config.vocab_size, 1.0, seed=a.seed)
             if method == "draft":
-                h.install(eng.runner.speculator)
+                h.install(eng.runner.speculator)  # proposes on the device: steps overlap as with a draft model
+            else:  # the harness hands the head's drafts over on the host after each step: every step read back
+                eng.config.async_scheduling = False
             store = {}
             owner, name, meta_at = (spec_mod, "jit_verify", 2) if method == "draft" else (mtp_mod, "jit_decode", 3)
             with capture(owner, name, B, store, meta_at=meta_at):

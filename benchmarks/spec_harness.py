@@ -9,9 +9,11 @@ probability a^j and a step accepts a(1 - a^k)/(1 - a) drafts on average.
 
     h = Harness(k, vocab, a=0.8, seed=0)
     h.expected[rid] = np.array(prompt + continuation)   # per request id, before its run
-    h.install(speculator)     # method "draft": Speculator.propose -> numpy drafts, one device_put
+    h.install(speculator)     # method "draft": Speculator.propose -> drafts picked on the device
+                              # from a window of 2k tokens, one device_put (steps still overlap)
     h.after_step(engine)      # method "mtp": after each step, each running request's drafts
-                              # (Request.drafts, on the host) replaced by the harness's
+                              # (Request.drafts, on the host) replaced by the harness's: the engine
+                              # must read every step back (async_scheduling=False)
 
     with capture(module_or_object, "jit_verify", B, store):    # the first call with B live rows
         ...run...                                               # store["args"], store["kw"]
@@ -62,22 +64,27 @@ class Harness:
     def install(self, speculator) -> None:
         """Method "draft": replace the draft's k+1 passes by the harness (as
         tests/engine/test_speculative_state._oracle does); the drafts go to the device in one
-        device_put.  Row i's pending token sits at position row.start, its drafts after it."""
+        device_put.  Row i's pending token sits at position row.start on the host, plus what the
+        step still in flight accepted (steps overlap: runner/shift.py), so the
+        harness sends the 2k tokens after row.start and the device picks the k after the shift."""
         import jax.numpy as jnp
+
+        from umem_jax.runner.shift import pending_shift
 
         k = self.k
 
         def propose(batch, lay, meta, prev, spec_lens):
             t0 = time.perf_counter()
-            d = np.zeros((lay.B, k), np.int32)
+            win = np.zeros((lay.B, 2 * k), np.int32)
             for i, row in enumerate(batch.rows):
-                nxt = self.expected[row.req.request_id][row.start + 1:row.start + 1 + k]
-                d[i, :len(nxt)] = nxt
-            out = jnp.asarray(self.corrupt(d))
+                nxt = self.expected[row.req.request_id][row.start + 1:row.start + 1 + 2 * k]
+                win[i, :len(nxt)] = nxt
+            out = _pick(jnp.asarray(self.corrupt(win)), pending_shift(meta, prev, layout=lay), k)
             self.seconds += time.perf_counter() - t0
             self.calls += 1
             return out, None
 
+        propose.on_device = True  # it shifts each row as the step does: the engine may overlap steps
         speculator.propose = propose
 
     def after_step(self, engine) -> None:
@@ -92,6 +99,21 @@ class Harness:
             req.drafts = self.corrupt(self.expected[req.request_id][c + 1:c + 1 + self.k]).tolist()
         self.seconds += time.perf_counter() - t0
         self.calls += 1
+
+
+def _pick(win, shift, k: int):
+    """Drafts [B, k]: row b's window [B, 2k] from shift[b] on."""
+    import jax
+    import jax.numpy as jnp
+
+    global _pick_jit
+    if _pick_jit is None:
+        _pick_jit = jax.jit(lambda w, s, k: jnp.take_along_axis(w, s[:, None] + jnp.arange(k)[None, :], axis=1),
+                            static_argnums=2)
+    return _pick_jit(win, shift, k)
+
+
+_pick_jit = None
 
 
 def expected_accepted(a: float, k: int) -> float:

@@ -335,6 +335,7 @@ def speculative() -> dict:
     # Again with the head's drafts replaced by the right continuation (a random head proposes
     # what the target never takes): verifies that accept, at TP=2.
     eng = two.llm_engine
+    eng.config.async_scheduling = False  # the drafts are handed over on the host: read every step back
     before = eng.stats()["speculative"]["num_accepted_tokens"]
     expected = {tuple(p): list(p) + list(w) for p, w in zip(PROMPTS, want)}
     ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)) for p in PROMPTS]

@@ -89,7 +89,9 @@ def _generate(engine, work, params, retract_at=None, after_step=None):
 
 def _run(path, arena, method=None, expected=None, oracle=None, params=None):
     spec = None if method is None else {"method": method, "num_speculative_tokens": K, "min_acceptance": 0.0}
-    llm = LLM(str(path), arena_bytes=arena, speculative_config=spec, **SHAPES)
+    # The harness hands the head's drafts over on the host after each step, so those runs read
+    # every step back (a step launched before the previous one is read takes its drafts on the device)
+    llm = LLM(str(path), arena_bytes=arena, speculative_config=spec, async_scheduling=expected is None, **SHAPES)
     eng = llm.llm_engine
     work = _workload(eng.model.config.vocab_size)
     params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -156,7 +158,7 @@ def test_a_hit_shares_only_pages_made_with_its_own_next_token(ckpt, name):
     want = [oracle.greedy(p, n) for p in work]
     expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
     llm = LLM(str(path), arena_bytes=ARENA, speculative_config={"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0},
-              **SHAPES)
+              async_scheduling=False, **SHAPES)  # the harness hands drafts over on the host
     eng = llm.llm_engine
     assert eng.scheduler.cache.lookahead == 1
     checked, rng, given = [], np.random.default_rng(0), {}
@@ -348,7 +350,7 @@ def test_logprobs_with_mtp_are_logprobs_without(ckpt):
     plain = LLM(str(path), arena_bytes=1 << 20, **SHAPES).llm_engine
     want = _generate(plain, work, params)
     llm = LLM(str(path), arena_bytes=1 << 20, speculative_config={"method": "mtp", "num_speculative_tokens": K, "min_acceptance": 0.0},
-              **SHAPES)
+              async_scheduling=False, **SHAPES)  # the harness hands drafts over on the host
     rng, given = np.random.default_rng(1), {}
     got = _generate(llm.llm_engine, work, params, None, lambda e: _harness(e, expected, None, [], rng, given))
     assert llm.llm_engine.stats()["speculative"]["mean_accepted_length"] > 0.5

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _engine_utils import assert_idle_clean, prompts  # noqa: E402
 
 from umem_jax import LLM, SamplingParams  # noqa: E402
+from umem_jax.runner.shift import pending_shift  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 SHAPES = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=160, batch_buckets=(4,),
@@ -57,25 +58,31 @@ def _workload(vocab: int):
 
 
 def _oracle(speculator, expected: dict, vocab: int, seed: int = 0):
-    """A harness proposer: the target's greedy continuation of each row, WRONG of it corrupted."""
+    """A harness proposer: the target's greedy continuation of each row, WRONG of it corrupted.
+    It proposes on the device, so steps still overlap: a row's pending token is at row.start
+    plus what the step in flight accepted (decode_fields' shift), so it picks its K drafts from
+    a window of 2K tokens past row.start."""
     rng = np.random.default_rng(seed)
 
     def propose(batch, lay, meta, prev, spec_lens):
-        drafts = np.zeros((lay.B, K), np.int32)
+        win = np.zeros((lay.B, 2 * K), np.int32)
         for i, row in enumerate(batch.rows):
             seq = expected[tuple(row.req.prompt_token_ids)]
-            nxt = seq[row.start + 1:row.start + 1 + K]
-            drafts[i, :len(nxt)] = nxt
-        bad = rng.random(drafts.shape) < WRONG
-        return jnp.asarray(np.where(bad, (drafts + 1) % vocab, drafts)), None
+            nxt = seq[row.start + 1:row.start + 1 + 2 * K]
+            win[i, :len(nxt)] = nxt
+        bad = rng.random(win.shape) < WRONG
+        win = jnp.asarray(np.where(bad, (win + 1) % vocab, win))
+        shift = pending_shift(meta, prev, layout=lay)
+        return jnp.take_along_axis(win, shift[:, None] + jnp.arange(K)[None, :], axis=1), None
 
+    propose.on_device = True
     speculator.propose = propose
 
 
 def _generate(engine, work, params, retract_at: int | None):
     """engine.step() until done; with retract_at, the speculative run also retracts the running
     request furthest into its output after that many steps, and again 3 steps later (their
-    verifies are read back each step, so nothing is in flight), to resume them by recomputing."""
+    verifies may still be in flight), to resume them by recomputing."""
     ids = [engine.add_request(p, params) for p in work]
     outs, steps = {}, 0
     while engine.has_unfinished_requests():
@@ -88,9 +95,9 @@ def _generate(engine, work, params, retract_at: int | None):
     return [outs[i] for i in ids]
 
 
-def _run(target, arena, draft=None, expected=None):
+def _run(target, arena, draft=None, expected=None, overlap=True):
     spec = None if draft is None else {"method": "draft", "model": draft, "num_speculative_tokens": K, "min_acceptance": 0.0}
-    llm = LLM(target, arena_bytes=arena, speculative_config=spec, **SHAPES)
+    llm = LLM(target, arena_bytes=arena, speculative_config=spec, async_scheduling=overlap, **SHAPES)
     if expected is not None:
         _oracle(llm.llm_engine.runner.speculator, expected, target.config.vocab_size)
     work = _workload(target.config.vocab_size)
@@ -108,15 +115,19 @@ def _run(target, arena, draft=None, expected=None):
 @pytest.mark.parametrize("name,arena", [("tiny", 220 << 10), ("qwen3_5_tiny", 288 << 10),
                                         pytest.param("nemotron_h_tiny", 288 << 10, marks=pytest.mark.slow)])
 def test_greedy_with_speculation_over_state_is_greedy_without(name, arena):
+    """Read back step by step in the tight arena, then overlapped (each step launched before the
+    previous one is read back: placed for the worst case of the accepted counts, so it needs
+    more room for the same prefix-cache hits)."""
     target, draft = _models(name)
     want, base, work = _run(target, arena)
     assert all(len(t) == MAX_TOKENS for t in want)
     expected = {tuple(p): list(p) + w for p, w in zip(work, want)}
-    got, st, _ = _run(target, arena, draft=draft, expected=expected)
-    assert got == want
-    s = st["speculative"]
-    assert 0.2 < s["acceptance_rate"] < 0.9 and min(s["acceptance_per_position"]) > 0, s
-    assert st["num_retractions"] > 0 and st["prefix_cache"]["hit_tokens"] > 0, st
+    for overlap, room in ((False, arena), (True, arena + (200 << 10))):
+        got, st, _ = _run(target, room, draft=draft, expected=expected, overlap=overlap)
+        assert got == want, overlap
+        s = st["speculative"]
+        assert 0.2 < s["acceptance_rate"] < 0.9 and min(s["acceptance_per_position"]) > 0, s
+        assert st["num_retractions"] > 0 and st["prefix_cache"]["hit_tokens"] > 0, (overlap, st)
     if name == "tiny":  # the real draft passes over a target with state: its random drafts are mostly rejected
         got, st, _ = _run(target, arena, draft=draft)
         assert got == want and st["speculative"]["num_verify_rows"] > 0

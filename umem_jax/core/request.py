@@ -139,6 +139,10 @@ class Request:
         # drafts, drafts proposed and accepted; spec_off: its drafts stopped paying, it decodes plainly
         self.spec_steps = self.spec_proposed = self.spec_accepted = 0
         self.spec_off = False
+        # draft tokens the speculative steps in flight may still accept (their spec_lens, summed):
+        # num_computed and the output count are lower bounds by that much until they are read
+        # back (scheduler/speculation.py prices the worst case)
+        self.spec_ahead = 0
 
     # ------------------------------------------------------------------ token counts
     @property

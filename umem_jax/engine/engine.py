@@ -14,7 +14,9 @@ Overlap: `step()` launches step N+1 before reading step N's tokens, so the host 
 while the device computes; decode rows take their input token from step N's device output.
 The price: a request that stops on a token (EOS, stop string) is found out one step late and
 that step's row for it is wasted.  Batches that use penalties read back first (their counts
-need every output token on the host).
+need every output token on the host).  Speculative decode steps overlap too: the next one is
+placed for the worst case of the accepted counts still on the device and reads them there
+(runner/speculative.py, scheduler/speculation.py).
 
 Prefix caching (on by default, as in vLLM; `enable_prefix_caching=False` turns it off): a
 request whose prompt starts with cached pages shares them and computes only the rest; see
@@ -49,6 +51,7 @@ from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
 from .handoff import Handoff
+from . import overlap
 from .isolation import EngineDeadError, FailureIsolation
 from .samples import Samples
 from .speculative import SpecStats, apply_verify
@@ -210,7 +213,7 @@ class LLMEngine:
             self._requests.pop(r.request_id, None)
         self._aborted = []
         self.samples.release()
-        if self._inflight is not None and self._needs_sync():
+        if self._inflight is not None and overlap.needs_sync(self, self._inflight):
             outs += self._process(self._inflight)
             self._inflight = None
         batch = self.scheduler.schedule()
@@ -227,8 +230,7 @@ class LLMEngine:
         if self._inflight is not None:
             outs += self._process(self._inflight)
         self._inflight = launched
-        if launched is not None and (not self.config.async_scheduling or isinstance(launched, SpecLaunched)
-                                     or self._speculating()):
+        if launched is not None and not overlap.may_overlap(self, launched):
             outs += self._process(launched)
             self._inflight = None
         if self._inflight is None and not self.scheduler.has_work():
@@ -238,18 +240,6 @@ class LLMEngine:
             raise RuntimeError(f"scheduler stalled with work queued: waiting={self.scheduler.waiting} "
                                f"running={self.scheduler.running}")
         return self.samples.merge(outs)
-
-    def _needs_sync(self) -> bool:
-        """Penalties count every output token, so read back pending tokens before packing; a
-        speculative step reads its rows' tokens on the host too."""
-        return any(r.params.has_penalties for r in self.scheduler.running) or self._speculating()
-
-    def _speculating(self) -> bool:
-        """Speculation is on and a request may still speculate (a running one, or one not yet
-        admitted): steps stay synchronous.  Once every request switched it off, decoding runs
-        asynchronously, as without speculation."""
-        return self.spec_stats is not None and (
-            bool(self.scheduler.waiting) or any(not r.spec_off for r in self.scheduler.running))
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read back `launched`'s tokens and apply them -> outputs of the requests that finished."""

@@ -85,12 +85,14 @@ class FailureIsolation:
         self.check_arena(error)
         prev = eng.runner.prev_tokens  # pending inputs of every part come from the step in flight
         parts, failed, launched = _halves(batch.rows), [], []
+        spec = None if batch.spec_lens is None else dict(zip(map(id, batch.rows), batch.spec_lens))
         if not parts:
             failed.append((batch.rows[0], error))
         while parts:
             rows = parts.pop(0)
+            part = ScheduledBatch(batch.kind, rows, spec_lens=None if spec is None else [spec[id(r)] for r in rows])
             try:
-                launched.append(eng.runner.launch(ScheduledBatch(batch.kind, rows), prev=prev))
+                launched.append(eng.runner.launch(part, prev=prev))
             except Exception as e:  # noqa: BLE001 - narrowed down below
                 self.check_arena(e)
                 if len(rows) == 1:

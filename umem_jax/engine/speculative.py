@@ -19,10 +19,10 @@ keys pages with that token (`cache_lookahead`; scheduler/radix_node.py says what
 The draft's layers are declared as model "draft" beside the target's (`plan_decls`), so the
 plan fuses them into the target's page envelopes where lifetime and geometry match and gives a
 window length the target lacks its own window sub-pool; the demand model prices a decode step
-as a pass of k+1 tokens.  Every step is read back before the next is scheduled (the next
-step's tokens depend on how many drafts were accepted), so speculation runs without the
-launch/read-back overlap.  The runner's side: runner/speculative.py; the scheduler's:
-scheduler/speculation.py.
+as a pass of k+1 tokens.  A decode step is launched before the previous one is read back (its
+rows' positions depend on how many drafts were accepted, so it reads those counts on the device
+and its memory is placed for the worst case).  The runner's side: runner/speculative.py; the
+scheduler's: scheduler/speculation.py.
 
 A target with recurrent layers (Mamba2 / gated DeltaNet) holds k speculative state slots per
 request beside its working slot (`speculative_demand`: priced by the demand model, so admission,
@@ -49,7 +49,7 @@ import time
 
 import numpy as np
 
-from ..core.request import Request
+from ..core.request import Request, RequestStatus
 from ..memory.declarations import LayerDecl
 from ..models.config import RECURRENT
 from ..runner.mtp import valid_drafts
@@ -133,13 +133,15 @@ def _refuse_recurrent(mc, who: str) -> None:
 
 
 def speculative_demand(cfg, plan) -> dict:
-    """DemandModel arguments under speculation: a decode step is a pass of k+1 tokens; with
-    recurrent state every request also holds k speculative state slots (the state after each
-    verified position), taken with its working slot and held to the end.  An MTP head's K/V
-    rows are in the plan's page envelopes (priced with every page); its chained passes past the
-    verified positions take nothing: without a page of the row they write to the sink."""
+    """DemandModel arguments under speculation: a decode step is a pass of k+1 tokens, and with
+    async scheduling of up to 2k+1 (a step placed while one is in flight holds the rows of both
+    worst cases: scheduler/speculation.py); with recurrent state every request also holds k
+    speculative state slots (the state after each verified position), taken with its working
+    slot and held to the end.  An MTP head's K/V rows are in the plan's page envelopes (priced
+    with every page); its chained passes past the verified positions take nothing: without a
+    page of the row they write to the sink."""
     k = cfg.speculative_config.num_speculative_tokens
-    out = {"decode_pass": k + 1}
+    out = {"decode_pass": min(2 * k + 1, cfg.max_num_batched_tokens) if cfg.async_scheduling else k + 1}
     if plan.state is not None:
         out["extra_state_slots"] = cfg.extra_state_slots + k
     return out
@@ -162,9 +164,10 @@ def plan_decls(target_decls: list[LayerDecl], draft, kv: str) -> list[LayerDecl]
 @dataclasses.dataclass
 class SpecStats:
     """Speculation counters: verify rows, drafts proposed / accepted, per position, times (an MTP
-    head drafts inside the verify's jitted call: its time is all verify_s, draft_s stays 0; a
-    draft model's step is timed apart every Speculator.TIME_EVERY-th step and split by those
-    shares in between, so draft_s and verify_s are estimates that sum to the measured time)."""
+    head drafts inside the verify's jitted call: its time is all verify_s, draft_s stays 0).
+    Steps overlap, so a step's time is measured only on every Speculator.TIME_EVERY-th step
+    (it waits for the draft, then the verify); the steps in between count the last measured
+    figures: draft_s and verify_s are estimates of device-bound time, not wall time."""
 
     k: int
     rows: int = 0  # decode rows verified
@@ -214,14 +217,14 @@ def apply_verify(engine, launched) -> list:
     k = st.k
     st.draft_s += launched.draft_s
     st.verify_s += launched.verify_s
-    lens = launched.batch.spec_lens or [0] * len(launched.batch.rows)
+    lens = launched.batch.spec_lens or [0] * len(launched.batch.rows)  # as scheduled: what the memory was placed for
     outs, now = [], time.time()
-    for i, (row, s) in enumerate(zip(launched.batch.rows, lens)):
+    for i, (row, placed) in enumerate(zip(launched.batch.rows, lens)):
         req: Request = row.req
         req.read_pending()
         if req.finished:
             continue
-        n = int(out[i, 0])
+        n, s = int(out[i, 0]), int(out[i, -1])  # accepted, verified (an MTP head may verify fewer than placed)
         st.rows += 1
         st.proposed += s
         st.accepted += n
@@ -230,7 +233,6 @@ def apply_verify(engine, launched) -> list:
         _judge(engine, req, n, s)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-        start = row.start
         try:
             for j, t in enumerate(out[i, 1:n + 2].tolist()):
                 if req.logprobs is not None:  # the logprobs of emitted token j (verify position j)
@@ -243,9 +245,11 @@ def apply_verify(engine, launched) -> list:
                 req.metrics.finished_time = now
                 outs.append(req.output())
                 engine._requests.pop(req.request_id, None)
+            elif req.status != RequestStatus.RUNNING:  # retracted while in flight: it computes everything again
+                req.spec_ahead = max(0, req.spec_ahead - placed)
             else:
                 commit_state(req, n, s)
-                engine.scheduler.rollback_speculation(req, start + n + 1)
+                engine.scheduler.settle_speculation(req, n, placed)
                 if launched.next_drafts:  # the MTP head's drafts for the positions after the new pending token
                     req.drafts = valid_drafts(out[i, k + 2:k + 2 + launched.next_drafts])
         except Exception as e:  # noqa: BLE001 - this request's failure, not the step's

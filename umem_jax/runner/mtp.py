@@ -3,8 +3,8 @@
 
 The head's entry at position i is computed from (x_{i+1}, h_i), h_i the target's final-normed
 hidden there, so it lags the target by one token: after every step the head holds K/V for every
-token the target computed.  Drafts are carried on the host (Request.drafts), not hidden states:
-speculation reads every step back before scheduling the next anyway.
+token the target computed.  Drafts are carried as tokens (a step's output columns, and
+Request.drafts once read back), not hidden states.
 
     prefill   ONE jitted call: the target over the chunk -> logits at each row's last token and
               the hidden at every token; sample; the head over the same positions with the tokens
@@ -27,8 +27,10 @@ and proposes nothing: that draft and the later ones are -1, and the next verify 
 A row without drafts (its first decode step after a resume without a prefill, a handed-in
 request) verifies none that step and gets drafts from it.
 
-A decode step's output is one int32 array [max_batch, 2k+2]: accepted count m, the k+1 tokens
-(acceptance.accept's), then the k next drafts (-1 where none).
+A decode step's output is one int32 array [max_batch, 2k+3]: accepted count m, the k+1 tokens
+(acceptance.accept's), the k next drafts (-1 where none), then the drafts verified.  A step
+launched before the previous one is read back (speculative.py: overlap) takes its rows' drafts
+from that output on the device instead of Request.drafts.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ from ..models import mtp
 from .acceptance import ONEHOT
 from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel
 from .sampler import sample, sample_with_penalties, token_logprobs
-from .speculative import (SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch,
-                          verify_logprobs)
+from .shift import commit_on_device, decode_fields, only_verified
+from .speculative import SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch, verify_logprobs
 from .xla_log import quiet_xla_alarms
 
 
@@ -135,14 +137,23 @@ def prefill_step(params, hparams, arena, meta, prev, next_tokens, counts, *, lay
 
 def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, counts, *, layout, target: StepModel,
                 head: HeadModel):
-    """Verify, the head's catch-up and its chain (module doc) -> (out [max_batch, 2k+2], arena).
-    drafts [B, k]: the host's drafts (row b verifies its first spec_lens[b]); states: as
-    speculative.verify_step's (the state after each verified position, recurrent targets)."""
-    f = layout.unpack(meta)
-    base = _batch(f, layout, prev)
+    """Verify, the head's catch-up and its chain (module doc) -> (out [max_batch, 2k+3], arena).
+    prev: the previous decode step's output (speculative.decode_fields).  drafts [B, k]: the
+    host's drafts (row b verifies its first spec_lens[b]), for rows whose pending token is on the
+    host; a row whose token the previous step made verifies the drafts that step proposed, at
+    most spec_lens[b].  states: as speculative.verify_step's (recurrent targets)."""
     k = drafts.shape[1]
+    on = layout.unpack(meta)["src"] >= 0  # rows whose pending token the previous step made
+    f, a, verified, row = decode_fields(layout.unpack(meta), prev)
+    f, states = commit_on_device(f, states, a, verified)
+    # such a row verifies the drafts that step proposed (its columns k+2..2k+1), up to the first -1
+    held = row[:, k + 2:2 * k + 2]
+    drafts = jnp.where(on[:, None], jnp.maximum(held, 0), drafts)
+    spec_lens = jnp.where(on, jnp.minimum(spec_lens, jnp.cumprod(held >= 0, axis=1).sum(axis=1)), spec_lens)
+    base = _batch(f, layout, None)
     tp, hp = jax.tree.unflatten(target.treedef, params), jax.tree.unflatten(head.treedef, hparams)
-    (logits, hidden), arena = target.forward(tp, arena, verify_batch(base, spec_lens, drafts, states))
+    (logits, hidden), arena = target.forward(tp, arena, verify_batch(base, spec_lens, drafts,
+                                                                     only_verified(states, spec_lens)))
     m, toks = accept_verified(f, layout, logits, drafts, ONEHOT, spec_lens, counts)
     live = base.q_lens > 0
     catch = dataclasses.replace(base, tokens=jnp.maximum(toks, 0), q_lens=jnp.where(live, m + 1, 0),
@@ -150,8 +161,8 @@ def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, c
     lg, y, arena = head.forward(tp, hp, arena, catch, hidden)
     nxt, arena = _chain(head, tp, hp, arena, base, jnp.argmax(lg, axis=-1).astype(jnp.int32), y,
                         base.kv_lens - 1 + m, live, k)
-    out = jnp.concatenate([m[:, None], toks, nxt], axis=1)
-    out = jnp.zeros((layout.max_batch, 2 * k + 2), jnp.int32).at[: layout.B].set(out)
+    out = jnp.concatenate([m[:, None], toks, nxt, spec_lens[:, None]], axis=1)
+    out = jnp.zeros((layout.max_batch, 2 * k + 3), jnp.int32).at[: layout.B].set(out)
     if layout.logprobs is not None:  # of every emitted token (SpecLaunched.logprobs)
         return out, arena, verify_logprobs(logits, toks, layout.logprobs)
     return out, arena
@@ -176,7 +187,7 @@ class MTPSpeculator(Speculator):
     here).  head: the MTP head Model (models/mtp.py), its layers in the runner's plan as "draft"."""
 
     def __init__(self, runner: Runner, head, k: int):
-        super().__init__(runner, head, k)
+        super().__init__(runner, head, k, out_width=2 * int(k) + 3)
         self._models: dict = {}
 
     def _leaves(self):
@@ -192,12 +203,16 @@ class MTPSpeculator(Speculator):
                                   head_model(r.model, self.draft, r, htree))}
         return self._models[key]
 
+    @property
+    def overlap(self) -> bool:
+        return True
+
     def launch(self, batch: ScheduledBatch, prev) -> Launched:
         r = self.runner
         lay, meta, counts = r.prepare(batch)
-        prev = r.prev_tokens if prev is None else prev
         if batch.kind == "decode":
-            return self._decode_mtp(batch, lay, meta, prev, counts)
+            return self._decode_mtp(batch, lay, meta, self.previous_output(prev), counts)
+        prev = r.prev_tokens if prev is None else prev
         nxt = np.full(lay.B, -1, np.int32)
         for i, row in enumerate(batch.rows):
             if not row.sample:  # a prompt's chunk before its last: the next token is the prompt's
@@ -215,11 +230,11 @@ class MTPSpeculator(Speculator):
     def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
         """What `launch` runs for a batch of layout `lay`, traced and lowered for the runner's
         arena (Runner.precompile compiles it): one jit_prefill or one jit_decode."""
-        prev = self.runner.prev_tokens
         if not decode:
-            return [self._prefill_mtp(jit_prefill.lower, lay, lay.template, prev, np.full(lay.B, -1, np.int32), None)]
+            return [self._prefill_mtp(jit_prefill.lower, lay, lay.template, self.runner.prev_tokens,
+                                      np.full(lay.B, -1, np.int32), None)]
         zeros = np.zeros(lay.B, np.int32)
-        return [self._decode_call(jit_decode.lower, lay, lay.template, prev, zeros,
+        return [self._decode_call(jit_decode.lower, lay, lay.template, self.previous_output(), zeros,
                                   np.zeros((lay.B, self.k), np.int32), self._states(lay), None)]
 
     # The jitted calls' arguments in one place for the launch (fn: the jitted function) and for
@@ -235,25 +250,28 @@ class MTPSpeculator(Speculator):
                   target=verify, head=head)
 
     def _decode_mtp(self, batch, lay, meta, prev, counts) -> SpecLaunched:
-        """The rows verify the drafts they carry, at most their scheduled spec_lens (batch.spec_lens
-        is lowered to what is verified: the state commit and the stats read it)."""
+        """The rows verify the drafts they carry (Request.drafts, or on the device the previous
+        step's when their pending token is still there), at most their scheduled spec_lens; the
+        output's last column says how many each verified."""
         r = self.runner
         spec = np.zeros(lay.B, np.int32)
         drafts = np.zeros((lay.B, self.k), np.int32)
         for i, row in enumerate(batch.rows):
-            held = row.req.drafts or []
-            s = min(batch.spec_lens[i], len(held))
-            spec[i], drafts[i, :s] = s, held[:s]
-            batch.spec_lens[i] = s
+            s = batch.spec_lens[i]
+            if not row.req.num_pending:  # else the step takes them from `prev`
+                held = row.req.drafts or []
+                s = min(s, len(held))
+                drafts[i, :s] = held[:s]
+            spec[i] = s
+        timed = self._timed()
+        if timed:
+            self._times = (0.0, 0.0)
         t0 = time.perf_counter()
         with quiet_xla_alarms(r._compiles):
             out, r.arena, *lp = self._decode_call(jit_decode, lay, meta, prev, spec, drafts,
-                                                  self._states(lay, batch), counts)
-            out.block_until_ready()
-        dt = time.perf_counter() - t0
-        for i, row in enumerate(batch.rows):
-            row.req.mark_pending(i)
-        return SpecLaunched(batch, out, 0.0, dt, next_drafts=self.k, logprobs=lp[0] if lp else None)
+                                                  self._states(lay, batch, spec), counts)
+        _, verify_s = self.launched(batch, out, t0, timed)
+        return SpecLaunched(batch, out, 0.0, verify_s, next_drafts=self.k, logprobs=lp[0] if lp else None)
 
 
 __all__ = ["HeadModel", "MTPSpeculator", "decode_step", "prefill_step", "valid_drafts"]

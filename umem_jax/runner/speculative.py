@@ -18,8 +18,16 @@ models and one allocation, free and relocation covers both.
 
 A row speculates `spec_len` <= k tokens (the scheduler's choice: never past max_tokens, none
 before min_tokens); passes and positions past it are padding (q_len 0: writes go to the sink).
-The output of a decode step is one int32 array [max_batch, k+2]: accepted count, then the k+1
-tokens (accepted drafts, the corrected / bonus token, -1 after).
+The output of a decode step is one int32 array [max_batch, k+3]: accepted count, the k+1 tokens
+(accepted drafts, the corrected / bonus token, -1 after), then the drafts verified.
+
+Overlap: the engine launches a decode step while the previous one is still running, before its
+accepted counts are read back (engine.py).  A row whose pending token that step produces
+(`src` >= 0) was packed as if it accepted nothing; the step reads the row's accepted count a
+from the previous step's output on the device (shift.py): its pending token is the one after
+the accepted ones, its positions (kv_lens) and its sampling step move on by a, and with
+recurrent state the swap `commit_state` makes on the host later is made here first.  The
+scheduler placed its memory for the worst case (scheduler/speculation.py).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from ..core.batch import Batch
 from ..core.scheduled_batch import ScheduledBatch
 from .acceptance import accept, draw, row_probs
 from .runner import Launched, Runner, StepModel, step
+from .shift import as_output, commit_on_device, decode_fields, next_tokens, only_verified
 from .sampler import apply_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
 
@@ -43,17 +52,21 @@ _DRAFT_TAG, _ACCEPT_TAG, _RESIDUAL_TAG = 0x5EED01, 0x5EED02, 0x5EED03
 
 @dataclasses.dataclass
 class SpecLaunched(Launched):
-    """A speculative decode step, read back at once: tokens [max_batch, k+2] (see module doc)."""
+    """A speculative decode step: tokens [max_batch, W] (see module doc), read back by the engine."""
 
     draft_s: float = 0.0
     verify_s: float = 0.0
     next_drafts: int = 0  # columns after the k+2 holding each row's next drafts (an MTP head's: runner/mtp.py)
+    overlap: bool = True  # the next step may be launched before this one is read back (module doc)
 
 
 def _batch(f: dict, layout, prev) -> Batch:
+    """The Batch of unpacked fields `f`; prev [max_batch]: where rows with src >= 0 take their
+    first token (None: every row's tokens are in f, as decode_fields leaves them)."""
     tokens, src = f["tokens"], f["src"]
-    fed = jnp.take(prev, jnp.clip(src, 0, prev.shape[0] - 1))
-    tokens = tokens.at[:, 0].set(jnp.where(src >= 0, fed, tokens[:, 0]))
+    if prev is not None:
+        fed = jnp.take(prev, jnp.clip(src, 0, prev.shape[0] - 1))
+        tokens = tokens.at[:, 0].set(jnp.where(src >= 0, fed, tokens[:, 0]))
     return Batch(tokens, f["q_lens"], f["kv_lens"], {p: f[f"table:{p}"] for p in layout.pools}, f["slots"],
                  f.get("checkpoint_positions"), f.get("checkpoint_slots"))
 
@@ -82,9 +95,10 @@ def _keys(seed, step_, tag, j=0):
 
 
 def draft_step(draft_params, arena, meta, prev, spec_lens, *, layout, draft: StepModel, k: int):
-    """k+1 draft decode passes -> (drafts [B, k], q [B, k, V] or None (greedy layout), arena)."""
-    f = layout.unpack(meta)
-    base = _batch(f, layout, prev)
+    """k+1 draft decode passes -> (drafts [B, k], q [B, k, V] or None (greedy layout), arena).
+    prev: the previous decode step's output (decode_fields)."""
+    f, *_ = decode_fields(layout.unpack(meta), prev)
+    base = _batch(f, layout, None)
     params = jax.tree.unflatten(draft.treedef, draft_params)
     n = base.kv_lens - 1  # position of the pending token t0; -1 in padding rows
     live = base.q_lens > 0
@@ -109,19 +123,21 @@ def draft_step(draft_params, arena, meta, prev, spec_lens, *, layout, draft: Ste
 
 
 def verify_step(params, arena, meta, prev, spec_lens, drafts, q, states, counts, *, layout, model: StepModel):
-    """The target over [t0, d_1..d_k] in one forward, then acceptance -> (out [max_batch, k+2], arena).
+    """The target over [t0, d_1..d_k] in one forward, then acceptance -> (out [max_batch, k+3], arena).
     model: the target's StepModel with logits at every position (Speculator._verify_model).
-    states: None, or for a target with recurrent state (positions, slots) [B, k] int32: the
-    state after the first j+1 verified tokens of row b also goes to physical slot slots[b, j]
-    (the prefill kernels' checkpoint writes; position -1 / slot 0 is padding), so the state of
-    whichever prefix is accepted is kept (Speculator doc).  counts: runner.step's, for a layout
-    with penalties (verify_penalties), else None."""
-    f = layout.unpack(meta)
-    b = verify_batch(_batch(f, layout, prev), spec_lens, drafts, states)
+    prev: the previous decode step's output (decode_fields).  states: None, or for a target
+    with recurrent state (positions, slots) [B, k] int32: the state after the first j+1 verified
+    tokens of row b also goes to physical slot slots[b, j] (the prefill kernels' checkpoint
+    writes; position -1 / slot 0 is padding), so the state of whichever prefix is accepted is
+    kept (Speculator doc); slots holds all k of the row's speculative slots (commit_on_device).
+    counts: runner.step's, for a layout with penalties (verify_penalties), else None."""
+    f, a, verified, _ = decode_fields(layout.unpack(meta), prev)
+    f, states = commit_on_device(f, states, a, verified)
+    b = verify_batch(_batch(f, layout, None), spec_lens, drafts, only_verified(states, spec_lens))
     logits, arena = model.forward(jax.tree.unflatten(model.treedef, params), arena, b)  # [B, k+1, V]
     n, toks = accept_verified(f, layout, logits, drafts, q, spec_lens, counts)
-    out = jnp.concatenate([n[:, None], toks], axis=1)
-    out = jnp.zeros((layout.max_batch, drafts.shape[1] + 2), jnp.int32).at[: layout.B].set(out)
+    out = jnp.concatenate([n[:, None], toks, spec_lens[:, None]], axis=1)
+    out = jnp.zeros((layout.max_batch, drafts.shape[1] + 3), jnp.int32).at[: layout.B].set(out)
     if layout.logprobs is not None:  # of every emitted token (SpecLaunched.logprobs)
         return out, arena, verify_logprobs(logits, toks, layout.logprobs)
     return out, arena
@@ -204,12 +220,34 @@ class Speculator:
     """Launches a runner's steps with the draft model: `Runner.launch` hands every batch here
     when the runner has one.  draft: the draft Model (its layers in the runner's plan as "draft")."""
 
-    TIME_EVERY = 16  # decode steps per timed one (the one that waits between draft and verify)
+    TIME_EVERY = 16  # decode steps per timed one (the one that waits for the draft, then the verify)
 
-    def __init__(self, runner: Runner, draft, k: int):
+    def _timed(self) -> bool:
+        """Whether this decode step is timed: one every TIME_EVERY steps, the first one that does
+        not compile from then on (a compile is not the step's time)."""
+        if self._steps % self.TIME_EVERY == 0:
+            self._due = True
+        self._steps += 1
+        timed = self._due and not self.runner._compiles
+        self._due &= not timed
+        return timed
+    KEEP_OUTPUTS = 4  # decode outputs remembered by their next_tokens (a relaunch after a failure reads an older one)
+
+    def __init__(self, runner: Runner, draft, k: int, out_width: int | None = None):
         self.runner, self.draft, self.k = runner, draft, int(k)
+        self.out_width = out_width or self.k + 3  # a decode step's output columns (module doc)
+        next_tokens(as_output(runner.prev_tokens, self.out_width))  # compile both small jits now, not mid-serving
         self._draft_src = self._target_src = None
-        self._steps, self._draft_share = 0, 0.0  # decode steps launched; the draft's share of the last timed one
+        self._steps, self._due = 0, True  # decode steps launched; a timed one is due
+        self._times = (0.0, 0.0)  # the last timed step's (draft, verify) seconds
+        self._outputs: dict[int, tuple] = {}  # id(next_tokens(out)) -> (that array, out)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the engine may launch the next step before reading this one back: not when a
+        harness replaced `propose` reading each row's position on the host (one that shifts
+        them on the device as decode_fields does says so with an `on_device` attribute)."""
+        return getattr(vars(self).get("propose"), "on_device", True)
 
     def _draft_leaves(self):
         if self.draft.params is not self._draft_src:
@@ -233,8 +271,8 @@ class Speculator:
         r = self.runner
         rows = batch.rows
         lay, meta, counts = r.prepare(batch)
-        prev = r.prev_tokens if prev is None else prev
         if batch.kind != "decode":
+            prev = r.prev_tokens if prev is None else prev
             with quiet_xla_alarms(r._compiles):  # a shape warm-up left out compiles here, on demand
                 tokens, r.arena, *lp = self._prefill(jit_prefill, lay, meta, prev, counts)
             r.prev_tokens = tokens
@@ -242,16 +280,44 @@ class Speculator:
                 if row.sample:
                     row.req.mark_pending(i)
             return Launched(batch, tokens, logprobs=lp[0] if lp else None)
-        return self._decode(batch, lay, meta, prev, counts)
+        return self._decode(batch, lay, meta, self.previous_output(prev), counts)
+
+    def previous_output(self, prev=None):
+        """What a decode step reads its pending inputs from: the output [max_batch, W] of the
+        decode step whose next_tokens `prev` is (default: the runner's prev_tokens, the last
+        step launched), or a prefill or plain step's tokens [max_batch] as such an output."""
+        prev = self.runner.prev_tokens if prev is None else prev
+        got = self._outputs.get(id(prev))
+        return got[1] if got is not None and got[0] is prev else as_output(prev, self.out_width)
+
+    def launched(self, batch: ScheduledBatch, out, t_start: float, timed: bool) -> tuple[float, float]:
+        """After a decode step's launch: its output becomes what the next step reads (and the
+        runner's prev_tokens, for a plain step), its rows' tokens pending, their drafts ahead
+        (Request.spec_ahead) -> the (draft, verify) seconds to report: measured on a timed step
+        (it waited for its output), else the last timed step's."""
+        r = self.runner
+        nxt = next_tokens(out)
+        self._outputs[id(nxt)] = (nxt, out)
+        while len(self._outputs) > self.KEEP_OUTPUTS:
+            self._outputs.pop(next(iter(self._outputs)))
+        r.prev_tokens = nxt
+        for i, (row, s) in enumerate(zip(batch.rows, batch.spec_lens or [0] * len(batch.rows))):
+            row.req.mark_pending(i)
+            row.req.spec_ahead += s
+        if timed:  # self._times[0]: the draft's seconds, set when it was waited for (0 for an MTP head)
+            out.block_until_ready()
+            self._times = (self._times[0], time.perf_counter() - t_start - self._times[0])
+        return self._times
 
     def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
         """What `launch` runs for a batch of layout `lay`, traced and lowered (not compiled) for
         the runner's arena, as Runner.lower is for the plain step (Runner.precompile compiles
         them): a prefill's jit_prefill, or a decode's jit_draft (as `propose` launches it) and
         jit_verify (given the draft's output shapes).  Nothing runs: the arena is donated."""
-        prev, spec = self.runner.prev_tokens, np.zeros(lay.B, np.int32)
+        spec = np.zeros(lay.B, np.int32)
         if not decode:
-            return [self._prefill(jit_prefill.lower, lay, lay.template, prev, None)]
+            return [self._prefill(jit_prefill.lower, lay, lay.template, self.runner.prev_tokens, None)]
+        prev = self.previous_output()
         draft = self._draft_call(jit_draft.lower, lay, lay.template, prev, spec)
         drafts, q, _ = draft.out_info
         return [draft, self._verify_call(jit_verify.lower, lay, lay.template, prev, spec, drafts, q, self._states(lay),
@@ -275,53 +341,48 @@ class Speculator:
 
     def propose(self, batch, lay, meta, prev, spec_lens):
         """The draft's k tokens per row -> (drafts [B, k] int32, q [B, k, V] or None); the draft's
-        K/V of t0, d_1..d_k is written.  (A test harness may stand in for it.)"""
+        K/V of t0, d_1..d_k is written.  prev: the previous decode step's output (decode_fields).
+        (A test harness may stand in for it: then every step is read back before the next.)"""
         drafts, q, self.runner.arena = self._draft_call(jit_draft, lay, meta, prev, spec_lens)
         return drafts, q
 
-    def _states(self, lay, batch=None):
+    def _states(self, lay, batch=None, spec=None):
         """Where the verify keeps the state after each verified position (target with recurrent
-        state): (positions, physical slots) [B, k], row b's j-th in its slot slots[1 + j] (the
-        request's speculative slots, priced by the demand model; batch None: all padding, -1 /
-        the sink); None without state."""
+        state): (positions, physical slots) [B, k]: row b's j-th position (j < spec[b]) and all
+        of its speculative slots, slots[1 + j] (priced by the demand model; commit_on_device
+        may swap one with the working slot; batch None: all padding, -1 / the sink); None
+        without state."""
         r = self.runner
         if not r.has_state:
             return None
         pos = np.full((lay.B, self.k), -1, np.int32)
         ids = np.full((lay.B, self.k), -1, np.int32)
-        if batch is not None and batch.spec_lens:
-            for i, (row, s) in enumerate(zip(batch.rows, batch.spec_lens)):
-                if s:
-                    pos[i, :s] = np.arange(1, s + 1)
-                    ids[i, :s] = row.req.slots[1:1 + s]
+        if batch is not None and spec is not None:
+            for i, (row, s) in enumerate(zip(batch.rows, spec)):
+                held = row.req.slots[1:1 + self.k]  # all of them, even if s is 0: the swap may need one
+                pos[i, :s] = np.arange(1, s + 1)
+                ids[i, :len(held)] = held
         return pos, r.allocator.translate_slots(ids.reshape(-1)).reshape(lay.B, self.k).astype(np.int32)
 
     def _decode(self, batch, lay, meta, prev, counts) -> SpecLaunched:
-        """Draft, then verify, launched back to back: the verify is queued while the draft runs.
-        Only every TIME_EVERY-th step waits for the draft's result to time the two apart; the
-        other steps split their time by the latest timed step's shares (SpecStats' draft and
-        verify seconds are estimates between timed steps)."""
+        """Draft, then verify, launched back to back: the verify is queued while the draft runs,
+        and nothing waits for either (the engine reads the step back later).  Every TIME_EVERY-th
+        step waits for the draft and then the verify, to time the two apart; the others report
+        those figures (SpecStats' draft and verify seconds are estimates between timed steps)."""
         r = self.runner
         spec = np.zeros(lay.B, np.int32)
         spec[: len(batch.rows)] = batch.spec_lens or 0
-        timed = self._steps % self.TIME_EVERY == 0
-        self._steps += 1
+        timed = self._timed()
         t0 = time.perf_counter()
         with quiet_xla_alarms(r._compiles):
             drafts, q = self.propose(batch, lay, meta, prev, spec)
             if timed:
                 drafts.block_until_ready()
-                t1 = time.perf_counter()
+                self._times = (time.perf_counter() - t0, 0.0)
             out, r.arena, *lp = self._verify_call(jit_verify, lay, meta, prev, spec, drafts, q,
-                                                  self._states(lay, batch), counts)
-            out.block_until_ready()
-        t2 = time.perf_counter()
-        if timed:
-            self._draft_share = (t1 - t0) / max(t2 - t0, 1e-9)
-        draft_s = (t2 - t0) * self._draft_share
-        for i, row in enumerate(batch.rows):
-            row.req.mark_pending(i)
-        return SpecLaunched(batch, out, draft_s, t2 - t0 - draft_s, logprobs=lp[0] if lp else None)
+                                                  self._states(lay, batch, spec), counts)
+        draft_s, verify_s = self.launched(batch, out, t0, timed)
+        return SpecLaunched(batch, out, draft_s, verify_s, logprobs=lp[0] if lp else None, overlap=self.overlap)
 
 
 __all__ = ["SpecLaunched", "Speculator", "accept", "draft_step", "prefill_step", "verify_step"]

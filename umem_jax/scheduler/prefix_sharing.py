@@ -142,10 +142,12 @@ class PrefixSharing:
 
     def _decode_checkpoint_due(self, req: Request) -> bool:
         """The working slot holds the state after p = num_computed tokens, p is on the decode
-        checkpoint stride, its tokens are known and cached, and no checkpoint is there yet."""
+        checkpoint stride, its tokens are known and cached, and no checkpoint is there yet.  Not
+        while a speculative step of it is in flight: p is then a lower bound and the state after
+        p tokens may be in a speculative slot (scheduler/speculation.py)."""
         p, stride = req.num_computed, self.checkpoint_stride
         known = min(p, req.prompt_len + len(req.output_token_ids))
-        if not (stride and p and p % stride == 0 and p <= known and req.slots):
+        if not (stride and p and p % stride == 0 and p <= known and req.slots) or req.spec_ahead:
             return False
         node = req.cache_node
         while node is not None and node.depth * self.page_size > p:

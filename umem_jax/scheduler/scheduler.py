@@ -273,8 +273,8 @@ class Scheduler:
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
         rows = rows[: self.cfg.buckets.batch[-1]]
-        if self.cfg.num_speculative_tokens and not all(r.spec_off for r in rows):
-            return self._schedule_spec_decode(rows)  # else: every row stopped speculating, a plain step
+        if self.cfg.num_speculative_tokens and not all(r.spec_off and not r.spec_ahead for r in rows):
+            return self._schedule_spec_decode(rows)  # else: every row stopped speculating (and is exact), a plain step
 
         def place(rows):
             need = rows_needing_memory(rows, self.demand.page_size, self.demand.slots_per_request)
@@ -319,9 +319,10 @@ class Scheduler:
                 rows.remove(victim)
         return False
 
-    def rollback_speculation(self, req: Request, computed: int) -> None:
-        """A verify kept `computed` tokens of `req`: the rest of its rows go back (speculation.py)."""
-        speculation.rollback(self.memory, req, computed)
+    def settle_speculation(self, req: Request, accepted: int, spec_len: int) -> None:
+        """A verify of `req` scheduled with `spec_len` drafts kept `accepted`: the rest of its rows
+        go back (speculation.py)."""
+        speculation.settle(self.memory, req, accepted, spec_len)
 
     # ------------------------------------------------------------------ pressure
     def _fits(self, need) -> bool:

@@ -5,13 +5,23 @@ num_computed: the pending token, then s draft tokens), so it needs the pages of 
 priced by the one DemandModel as a pass of s+1 tokens (window sub-pools: w - 1 + s + 1 keys).
 `s` never takes the request past its max_tokens (the verify emits at most s+1 tokens), so a
 request never holds more tokens than without speculation and the memory clip at arrival still
-vouches for it.  After the verify, `rollback` keeps what was accepted: num_computed = n + a + 1
-and the pages past the pending token's are given back (the rejected positions' rows).
+vouches for it.  After the verify, `settle` keeps what was accepted: num_computed advances by
+the accepted count and the pages past the last position still to be written are given back (the
+rejected positions' rows).
+
+Overlap (engine.py): the next speculative step may be scheduled while one is in flight.  Its
+rows' accepted counts are unknown then, so the host's num_computed and output count are lower
+bounds by up to `Request.spec_ahead` (the in-flight step's spec_len): the step is placed for the
+worst case (all of them accepted: the pages of n + spec_ahead + s + 1 tokens, and s bounded by
+max_tokens as if they were) and the device shifts each row by the accepted count it reads from
+the in-flight step's output (runner/speculative.py).  The engine reads a step back first when a
+row could reach max_tokens in it, so a row is never placed past its memory clip.
 
 Recurrent state: a request of a target with state holds 1 + k slots (the demand model's
 extra_state_slots: priced at arrival and admission like any slot, held to the end), the working
 slot and k speculative ones; the verify keeps the state after each verified position in them and
-`commit_state` makes the accepted one the working slot.
+`commit_state` makes the accepted one the working slot (a step launched before the commit does
+the same swap on the device).
 """
 
 from __future__ import annotations
@@ -28,18 +38,26 @@ def spec_len(req: Request, k: int) -> int:
     an MTP head at most the drafts it carries; none once its speculation was switched off."""
     if req.spec_off or req.num_output < req.min_tokens:
         return 0
-    s = max(0, min(k, req.max_tokens - req.num_output - 1))
-    return s if req.drafts is None else min(s, len(req.drafts))
+    s = max(0, min(k, req.max_tokens - req.num_output - req.spec_ahead - 1))  # as if the step in flight kept all
+    if req.drafts is None or req.num_pending:  # in flight: its drafts come from that step's output, on the device
+        return s
+    return min(s, len(req.drafts))
 
 
 def spec_rows_needing_memory(rows: list[Request], lens: list[int], page_size: int, slots: int) -> list[int]:
     """Indexes of the rows whose verify needs a new page or state slot."""
     return [i for i, (r, s) in enumerate(zip(rows, lens))
-            if len(r.pages) * page_size < r.num_computed + s + 1 or len(r.slots) < slots]
+            if len(r.pages) * page_size < _end(r, s) or len(r.slots) < slots]
+
+
+def _end(req: Request, s: int) -> int:
+    """Tokens whose rows a verify of `s` drafts may write: the worst case of the step in flight
+    (all its drafts accepted) plus this one's."""
+    return req.num_computed + req.spec_ahead + s + 1
 
 
 def spec_demand(rows: list[Request], lens: list[int], need: list[int], demand: DemandModel) -> Demand:
-    return sum((demand.step(rows[i], rows[i].num_computed + lens[i] + 1) for i in need), Demand())
+    return sum((demand.step(rows[i], _end(rows[i], lens[i])) for i in need), Demand())
 
 
 def alloc_spec(memory: RequestMemory, rows: list[Request], lens: list[int], need: list[int]) -> bool:
@@ -48,7 +66,7 @@ def alloc_spec(memory: RequestMemory, rows: list[Request], lens: list[int], need
     for i in need:
         r = rows[i]
         held = (r, len(r.pages), len(r.slots))
-        if not memory.alloc(r, r.num_computed + lens[i] + 1):
+        if not memory.alloc(r, _end(r, lens[i])):
             for q, num_pages, num_slots in done:
                 memory.give_back_since(q, num_pages, num_slots)
             return False
@@ -77,13 +95,15 @@ def commit_state(req: Request, accepted: int, spec_len: int) -> None:
         req.slots[0], req.slots[j] = req.slots[j], req.slots[0]
 
 
-def rollback(memory: RequestMemory, req: Request, computed: int) -> None:
-    """After a verify: `computed` tokens of `req` hold accepted K/V; give back the pages past
-    the one its pending token (position `computed`) goes to."""
-    req.compute_to(computed)
-    keep = computed // memory.page_size + 1
+def settle(memory: RequestMemory, req: Request, accepted: int, spec_len: int) -> None:
+    """After a verify of `req` (scheduled with `spec_len` drafts) kept `accepted` of them: its
+    tokens move on by `accepted` (num_computed counted the step's pending token only), and the
+    pages past the last position a step still in flight may write are given back."""
+    req.spec_ahead -= spec_len
+    req.compute_to(req.num_computed + accepted)
+    keep = (req.num_computed + req.spec_ahead) // memory.page_size + 1
     if len(req.pages) > keep:
         memory.give_back_since(req, keep, len(req.slots))
 
 
-__all__ = ["alloc_spec", "commit_state", "rollback", "spec_decode_batch", "spec_demand", "spec_len", "spec_rows_needing_memory"]
+__all__ = ["alloc_spec", "commit_state", "settle", "spec_decode_batch", "spec_demand", "spec_len", "spec_rows_needing_memory"]
