@@ -321,6 +321,20 @@ def speculative() -> dict:
     assert got == want, f"self-drafted TP=2 {got} != TP=1 {want}"
     own = same.llm_engine.stats()["speculative"]
     assert own["acceptance_rate"] == 1.0, own
+    # A draft that agrees with the target on some tokens only (its weights with noise): partial
+    # acceptance, so rejected positions roll back and overlapped steps shift by 0..k at TP=2.
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(attn.params)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    noisy = dataclasses.replace(attn, params=jax.tree.unflatten(treedef, [
+        x + 0.2 * jnp.std(x) * jax.random.normal(q, x.shape, x.dtype) if x.ndim > 1 else x for x, q in zip(leaves, keys)]))
+    partial, got = _greedy(attn, 2, n=12, speculative_config={**spec, "model": noisy})
+    assert got == want, f"noisy-drafted TP=2 {got} != TP=1 {want}"
+    st = partial.llm_engine.stats()["speculative"]
     # Method mtp: Qwen3.5's head (its attention layer split as the target's) at TP=2 and 1.
     import tempfile
 

@@ -199,3 +199,40 @@ def test_abort_and_retract_while_a_step_is_in_flight():
         else:
             assert g.error is None and list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids), g.request_id
     assert_idle_clean(llm)
+
+
+def test_a_failing_row_fails_alone_while_steps_overlap(monkeypatch):
+    """The verify raises for every decode batch holding one marked request (after its draft
+    passes ran): the batch is relaunched in halves, each part still shifted by the step in
+    flight (engine/isolation.py), the marked request fails alone and the others' greedy tokens
+    are unchanged."""
+    work = _work()
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True) for _ in work]
+    want, _ = _drive(_engine(False), work, params)
+    llm = _engine(True)
+    eng = llm.llm_engine
+    sp, seen, failed = eng.runner.speculator, {}, []
+    prepare, verify = eng.runner.prepare, sp._verify_call
+
+    def spy(batch):
+        seen["batch"] = batch
+        return prepare(batch)
+
+    def failing(fn, *a, **kw):
+        b = seen["batch"]
+        if b.kind == "decode" and any(r.req.prompt_token_ids == work[1] and r.req.num_output >= 3 for r in b.rows):
+            failed.append(len(b.rows))
+            raise RuntimeError("injected verify failure")
+        return verify(fn, *a, **kw)
+
+    monkeypatch.setattr(eng.runner, "prepare", spy)
+    monkeypatch.setattr(sp, "_verify_call", failing)
+    got, overlapped = _drive(llm, work, params)
+    assert overlapped and max(failed) > 1 and min(failed) == 1, failed  # bisected down to the marked row
+    for i, (w, g) in enumerate(zip(want, got)):
+        if i == 1:
+            assert g.outputs[0].finish_reason == "abort" and "injected" in g.error
+        else:
+            assert g.error is None and list(g.outputs[0].token_ids) == list(w.outputs[0].token_ids), i
+    monkeypatch.undo()
+    assert_idle_clean(llm)

@@ -221,17 +221,7 @@ class Speculator:
     when the runner has one.  draft: the draft Model (its layers in the runner's plan as "draft")."""
 
     TIME_EVERY = 16  # decode steps per timed one (the one that waits for the draft, then the verify)
-
-    def _timed(self) -> bool:
-        """Whether this decode step is timed: one every TIME_EVERY steps, the first one that does
-        not compile from then on (a compile is not the step's time)."""
-        if self._steps % self.TIME_EVERY == 0:
-            self._due = True
-        self._steps += 1
-        timed = self._due and not self.runner._compiles
-        self._due &= not timed
-        return timed
-    KEEP_OUTPUTS = 4  # decode outputs remembered by their next_tokens (a relaunch after a failure reads an older one)
+    KEEP_OUTPUTS = 4  # decode outputs remembered by their next_tokens, least recently read dropped first
 
     def __init__(self, runner: Runner, draft, k: int, out_width: int | None = None):
         self.runner, self.draft, self.k = runner, draft, int(k)
@@ -242,12 +232,23 @@ class Speculator:
         self._times = (0.0, 0.0)  # the last timed step's (draft, verify) seconds
         self._outputs: dict[int, tuple] = {}  # id(next_tokens(out)) -> (that array, out)
 
+    def _timed(self) -> bool:
+        """Whether this decode step is timed: one every TIME_EVERY steps, the first one that does
+        not compile from then on (a compile is not the step's time)."""
+        if self._steps % self.TIME_EVERY == 0:
+            self._due = True
+        self._steps += 1
+        timed = self._due and not self.runner._compiles
+        self._due &= not timed
+        return timed
+
     @property
     def overlap(self) -> bool:
         """Whether the engine may launch the next step before reading this one back: not when a
         harness replaced `propose` reading each row's position on the host (one that shifts
         them on the device as decode_fields does says so with an `on_device` attribute)."""
-        return getattr(vars(self).get("propose"), "on_device", True)
+        harness = vars(self).get("propose")
+        return harness is None or getattr(harness, "on_device", False)
 
     def _draft_leaves(self):
         if self.draft.params is not self._draft_src:
@@ -287,8 +288,11 @@ class Speculator:
         decode step whose next_tokens `prev` is (default: the runner's prev_tokens, the last
         step launched), or a prefill or plain step's tokens [max_batch] as such an output."""
         prev = self.runner.prev_tokens if prev is None else prev
-        got = self._outputs.get(id(prev))
-        return got[1] if got is not None and got[0] is prev else as_output(prev, self.out_width)
+        got = self._outputs.pop(id(prev), None)
+        if got is None or got[0] is not prev:
+            return as_output(prev, self.out_width)
+        self._outputs[id(prev)] = got  # the most recent again: a relaunch's parts keep reading it
+        return got[1]
 
     def launched(self, batch: ScheduledBatch, out, t_start: float, timed: bool) -> tuple[float, float]:
         """After a decode step's launch: its output becomes what the next step reads (and the
