@@ -23,9 +23,8 @@ Random weights accept nothing, so this measures the parts and one controlled cas
                    drafts on the device, so steps overlap as with a draft model (the next step
                    launched before the previous one is read back): the engine's own cost with a
                    draft that costs nothing (`est. w/ draft` adds the measured (2));
-                 method "mtp": the MTP head runs for real, only what it proposed is replaced;
-                   the harness hands its drafts over on the host, so these runs read every
-                   step back (no overlap: a lower bound for the MTP head's speed).
+                 method "mtp": the MTP head runs for real, only what it proposed is replaced
+                   (in each step's output, on the device: steps overlap here too).
                Output tok/s over the decode window (from the last request's first token to the
                last token: prefill outside), the median of --repeats runs; its ratio to the async
                peer's; accepted length against a(1 - a^k)/(1 - a); per decode step the proposer's,
@@ -339,10 +338,10 @@ class Bench:
                 **({} if a.min_acceptance is None else {"min_acceptance": a.min_acceptance})}
         with engine(target, a, spec) as eng:
             h = Harness(a.k, target.config.vocab_size, 1.0, seed=a.seed)
-            if method == "draft":
-                h.install(eng.runner.speculator)  # proposes on the device: steps overlap as with a draft model
-            else:  # the harness hands the head's drafts over on the host after each step: every step read back
-                eng.config.async_scheduling = False
+            if method == "draft":  # both propose on the device: steps overlap as with a real draft
+                h.install(eng.runner.speculator)
+            else:
+                h.install_mtp(eng.runner.speculator)
             store = {}
             owner, name, meta_at = (spec_mod, "jit_verify", 2) if method == "draft" else (mtp_mod, "jit_decode", 3)
             with capture(owner, name, B, store, meta_at=meta_at):

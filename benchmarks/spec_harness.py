@@ -11,9 +11,9 @@ probability a^j and a step accepts a(1 - a^k)/(1 - a) drafts on average.
     h.expected[rid] = np.array(prompt + continuation)   # per request id, before its run
     h.install(speculator)     # method "draft": Speculator.propose -> drafts picked on the device
                               # from a window of 2k tokens, one device_put (steps still overlap)
-    h.after_step(engine)      # method "mtp": after each step, each running request's drafts
-                              # (Request.drafts, on the host) replaced by the harness's: the engine
-                              # must read every step back (async_scheduling=False)
+    h.install_mtp(speculator) # method "mtp": each decode step's next drafts replaced on the device
+    h.after_step(engine)      # method "mtp": after each step, the drafts a prefill left on the host
+                              # (Request.drafts) replaced by the harness's
 
     with capture(module_or_object, "jit_verify", B, store):    # the first call with B live rows
         ...run...                                               # store["args"], store["kw"]
@@ -87,6 +87,39 @@ class Harness:
         propose.on_device = True  # it shifts each row as the step does: the engine may overlap steps
         speculator.propose = propose
 
+    def install_mtp(self, speculator) -> None:
+        """Method "mtp": every decode step's next drafts (its output's columns k+2..2k+1, which the
+        step after it reads on the device when steps overlap, and Request.drafts once read back)
+        replaced by the harness's, on the device: row i's new pending token sits at row.start +
+        shift + m + 1 (shift: what the step before accepted, m: what this one accepted), so the
+        harness sends the 3k+1 tokens after row.start and the device picks k of them.  The head's
+        verify, catch-up and chained passes still run (their cost is measured); after_step hands
+        over the drafts a prefill leaves on the host."""
+        import jax.numpy as jnp
+
+        from umem_jax.runner.shift import pending_shift
+
+        k, real = self.k, speculator._decode_mtp
+
+        def decode(batch, lay, meta, prev, counts):
+            shift = pending_shift(meta, prev, layout=lay)
+            launched = real(batch, lay, meta, prev, counts)
+            t0 = time.perf_counter()
+            win = np.zeros((lay.B, 3 * k + 1), np.int32)
+            for i, row in enumerate(batch.rows):
+                nxt = self.expected[row.req.request_id][row.start + 1:row.start + 2 + 3 * k]
+                win[i, :len(nxt)] = nxt
+            out = _with_drafts(launched.tokens, jnp.asarray(self.corrupt(win)), shift, k)
+            for key, (nxt, old) in list(speculator._outputs.items()):  # what the next step reads
+                if old is launched.tokens:
+                    speculator._outputs[key] = (nxt, out)
+            launched.tokens = out
+            self.seconds += time.perf_counter() - t0
+            self.calls += 1
+            return launched
+
+        speculator._decode_mtp = decode
+
     def after_step(self, engine) -> None:
         """Method "mtp": the head's drafts ride on the host (Request.drafts); replace every
         decoding request's with the harness's.  The MTP step still runs the head's catch-up and
@@ -114,6 +147,27 @@ def _pick(win, shift, k: int):
 
 
 _pick_jit = None
+
+
+def _with_drafts(out, win, shift, k: int):
+    """An MTP step's output [max_batch, 2k+3] with row b's next drafts (columns k+2..2k+1) taken
+    from its harness window [B, 3k+1] at shift[b] + m[b] + 1 (m: column 0, what it accepted)."""
+    import jax
+    import jax.numpy as jnp
+
+    global _with_drafts_jit
+    if _with_drafts_jit is None:
+        def f(out, win, shift, k):
+            B = win.shape[0]
+            at = shift + out[:B, 0] + 1
+            d = jnp.take_along_axis(win, at[:, None] + jnp.arange(k)[None, :], axis=1)
+            return out.at[:B, k + 2:2 * k + 2].set(d)
+
+        _with_drafts_jit = jax.jit(f, static_argnums=3)
+    return _with_drafts_jit(out, win, shift, k)
+
+
+_with_drafts_jit = None
 
 
 def expected_accepted(a: float, k: int) -> float:
