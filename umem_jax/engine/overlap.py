@@ -4,10 +4,10 @@
     plain / prefill   in flight while no request may speculate (a speculative step reads a
                       pending token from a speculative step's output only)
     speculative       in flight: the next decode step reads each row's accepted count on the
-                      device (runner/speculative.py) and is placed for the worst case
-                      (scheduler/speculation.py); read back first when a row could reach
-                      max_tokens in it (the worst case would then pass its memory clip) or when
-                      a harness proposes drafts on the host (SpecLaunched.overlap)
+                      device (runner/shift.py) and is placed for the worst case; a row that
+                      could reach max_tokens in it sits that step out (scheduler/speculation.py);
+                      read back at once when a harness proposes drafts on the host
+                      (SpecLaunched.overlap)
     any               read back first while a running request uses penalties: their counts need
                       every output token on the host
 """
@@ -24,7 +24,7 @@ def needs_sync(engine, inflight: Launched) -> bool:
     if any(r.params.has_penalties for r in running):
         return True
     if isinstance(inflight, SpecLaunched):
-        return any(r.spec_ahead and r.num_output + r.spec_ahead >= r.max_tokens for r in running)
+        return False
     return speculating(engine)
 
 

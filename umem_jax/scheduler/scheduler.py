@@ -191,7 +191,8 @@ class Scheduler:
         return self._schedule_decode(decoders) if decoders else None
 
     def _decoders(self) -> list[Request]:
-        return [r for r in self.running if r.decode_ready and r.wants_step]
+        return [r for r in self.running if r.decode_ready and r.wants_step
+                and not (r.spec_ahead and speculation.may_end_in_flight(r))]
 
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> ScheduledBatch | None:

@@ -14,8 +14,9 @@ rows' accepted counts are unknown then, so the host's num_computed and output co
 bounds by up to `Request.spec_ahead` (the in-flight step's spec_len): the step is placed for the
 worst case (all of them accepted: the pages of n + spec_ahead + s + 1 tokens, and s bounded by
 max_tokens as if they were) and the device shifts each row by the accepted count it reads from
-the in-flight step's output (runner/speculative.py).  The engine reads a step back first when a
-row could reach max_tokens in it, so a row is never placed past its memory clip.
+the in-flight step's output (runner/shift.py).  A row that could reach max_tokens in the step in
+flight sits the next step out (`may_end_in_flight`), so a row is never placed past its memory
+clip.
 
 Recurrent state: a request of a target with state holds 1 + k slots (the demand model's
 extra_state_slots: priced at arrival and admission like any slot, held to the end), the working
@@ -42,6 +43,13 @@ def spec_len(req: Request, k: int) -> int:
     if req.drafts is None or req.num_pending:  # in flight: its drafts come from that step's output, on the device
         return s
     return min(s, len(req.drafts))
+
+
+def may_end_in_flight(req: Request) -> bool:
+    """The speculative step in flight may take `req` to max_tokens: it sits the next step out
+    (placed for the worst case, its next step would pass its memory clip) and is scheduled
+    again once that step is read back."""
+    return req.spec_ahead > 0 and req.num_output + req.spec_ahead >= req.max_tokens
 
 
 def spec_rows_needing_memory(rows: list[Request], lens: list[int], page_size: int, slots: int) -> list[int]:
@@ -106,4 +114,4 @@ def settle(memory: RequestMemory, req: Request, accepted: int, spec_len: int) ->
         memory.give_back_since(req, keep, len(req.slots))
 
 
-__all__ = ["alloc_spec", "commit_state", "settle", "spec_decode_batch", "spec_demand", "spec_len", "spec_rows_needing_memory"]
+__all__ = ["alloc_spec", "may_end_in_flight", "commit_state", "settle", "spec_decode_batch", "spec_demand", "spec_len", "spec_rows_needing_memory"]
