@@ -16,7 +16,7 @@ The price: a request that stops on a token (EOS, stop string) is found out one s
 that step's row for it is wasted.  Batches that use penalties read back first (their counts
 need every output token on the host).  Speculative decode steps overlap too: the next one is
 placed for the worst case of the accepted counts still on the device and reads them there
-(runner/speculative.py, scheduler/speculation.py).
+(overlap.py says when a step stays in flight).
 
 Prefix caching (on by default, as in vLLM; `enable_prefix_caching=False` turns it off): a
 request whose prompt starts with cached pages shares them and computes only the rest; see
