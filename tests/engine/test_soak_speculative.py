@@ -1,0 +1,57 @@
+"""The engine soak (_soak.py) with speculative decoding: a draft model proposes, and each decode
+step is launched before the previous one is read back (its rows shifted on the device by the
+accepted counts).  Same checks as test_soak.py: every request ends exactly once with its whole
+output, greedy ones with the tokens the roomy arena gives, aborted ones with a prefix of them,
+and the idle leak checks pass."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from _engine_utils import tiny
+from _soak import Family, soak
+from test_soak import _model, _pages
+
+
+@functools.cache
+def _noisy(name: str):
+    """`name` with noise on every weight: a draft the target accepts some of (partial acceptance)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    m = _model(name)
+    leaves, treedef = jax.tree.flatten(m.params)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    return dataclasses.replace(m, params=jax.tree.unflatten(treedef, [
+        x + 0.2 * jnp.std(x) * jax.random.normal(q, x.shape, x.dtype) if x.ndim > 1 else x for x, q in zip(leaves, keys)]))
+
+
+def speculative_families() -> list[Family]:
+    """Speculation with a draft model, its steps overlapped (each launched before the previous
+    one is read back): window + full drafted by a noisy copy of itself, and the tiny hybrid
+    (state) drafted by an attention-only model of its vocabulary, under pressure."""
+    from umem_jax.models.tiny import tiny_model
+
+    spec = lambda draft: {"method": "draft", "model": draft, "num_speculative_tokens": 3, "min_acceptance": 0.0}
+    attn = spec(_noisy("tiny-attention"))
+    hybrid = spec(tiny_model(seed=3, with_mamba=False, vocab_size=tiny().config.vocab_size))
+    m = lambda name: functools.partial(_model, name)
+    return [Family("tiny-attention+draft", m("tiny-attention"), dict(arena_bytes=160000, speculative_config=attn,
+                                                                    **_pages(4, 1024)),
+                   dict(arena_bytes=1 << 21, speculative_config=attn, **_pages(4, 1024))),
+            Family("tiny+draft", m("tiny"), dict(arena_bytes=260 << 10, speculative_config=hybrid, **_pages(4, 1024)),
+                   dict(arena_bytes=2 << 20, speculative_config=hybrid, **_pages(4, 1024)))]
+
+
+def test_soak_speculative_ci():
+    """Greedy requests end with the roomy arena's tokens (speculative there too: speculation's
+    greedy output equals the plain one, tests/engine/test_speculative*.py), through retraction,
+    preemption, aborts and cache hits while steps overlap."""
+    t0 = time.perf_counter()
+    counts = soak(speculative_families(), 16, seed=1, most=4)
+    assert counts["workloads"] == 16 and counts["restarts"] == 0
+    assert counts["retractions"] + counts["preemptions"] > 0 and counts["aborted"] > 0, counts
+    print(f"soak with speculation: {counts} in {time.perf_counter() - t0:.1f} s")
