@@ -19,6 +19,16 @@ DENSE_LEN = 256
 _compiles = []
 
 
+def noisy_copy(model, scale: float):
+    """`model` with Gaussian noise of `scale` times each weight matrix's std added (seeded): a
+    draft the model accepts some of (speculation tests' partial acceptance)."""
+    leaves, treedef = jax.tree.flatten(model.params)
+    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
+    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim > 1 else x
+             for x, k in zip(leaves, keys)]
+    return dataclasses.replace(model, params=jax.tree.unflatten(treedef, noisy))
+
+
 @functools.lru_cache(maxsize=None)
 def tiny():
     from umem_jax.models.loader import load_model

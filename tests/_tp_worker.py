@@ -323,15 +323,9 @@ def speculative() -> dict:
     assert own["acceptance_rate"] == 1.0, own
     # A draft that agrees with the target on some tokens only (its weights with noise): partial
     # acceptance, so rejected positions roll back and overlapped steps shift by 0..k at TP=2.
-    import dataclasses
+    from _engine_utils import noisy_copy
 
-    import jax
-    import jax.numpy as jnp
-
-    leaves, treedef = jax.tree.flatten(attn.params)
-    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-    noisy = dataclasses.replace(attn, params=jax.tree.unflatten(treedef, [
-        x + 0.2 * jnp.std(x) * jax.random.normal(q, x.shape, x.dtype) if x.ndim > 1 else x for x, q in zip(leaves, keys)]))
+    noisy = noisy_copy(attn, 0.2)
     partial, got = _greedy(attn, 2, n=12, speculative_config={**spec, "model": noisy})
     assert got == want, f"noisy-drafted TP=2 {got} != TP=1 {want}"
     st = partial.llm_engine.stats()["speculative"]

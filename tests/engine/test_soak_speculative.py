@@ -9,24 +9,9 @@ from __future__ import annotations
 import functools
 import time
 
-from _engine_utils import tiny
+from _engine_utils import noisy_copy, tiny
 from _soak import Family, soak
 from test_soak import _model, _pages
-
-
-@functools.cache
-def _noisy(name: str):
-    """`name` with noise on every weight: a draft the target accepts some of (partial acceptance)."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-
-    m = _model(name)
-    leaves, treedef = jax.tree.flatten(m.params)
-    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-    return dataclasses.replace(m, params=jax.tree.unflatten(treedef, [
-        x + 0.2 * jnp.std(x) * jax.random.normal(q, x.shape, x.dtype) if x.ndim > 1 else x for x, q in zip(leaves, keys)]))
 
 
 def speculative_families() -> list[Family]:
@@ -36,7 +21,7 @@ def speculative_families() -> list[Family]:
     from umem_jax.models.tiny import tiny_model
 
     spec = lambda draft: {"method": "draft", "model": draft, "num_speculative_tokens": 3, "min_acceptance": 0.0}
-    attn = spec(_noisy("tiny-attention"))
+    attn = spec(noisy_copy(_model("tiny-attention"), 0.2))
     hybrid = spec(tiny_model(seed=3, with_mamba=False, vocab_size=tiny().config.vocab_size))
     m = lambda name: functools.partial(_model, name)
     return [Family("tiny-attention+draft", m("tiny-attention"), dict(arena_bytes=160000, speculative_config=attn,

@@ -4,7 +4,6 @@ distribution (chi-square); refusals; invariants and the idle leak check after ea
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _engine_utils import assert_idle_clean, compiled_steps, prompts  # noqa: E402
+from _engine_utils import assert_idle_clean, compiled_steps, noisy_copy, prompts  # noqa: E402
 
 from umem_jax import LLM, SamplingParams  # noqa: E402
 from umem_jax.runner.acceptance import accept, row_probs  # noqa: E402
@@ -40,12 +39,7 @@ def _model(name: str):
 @functools.lru_cache(maxsize=None)
 def _perturbed(name: str, scale: float = 0.5):
     """The target with noise on every weight: a draft that agrees with it on some tokens only."""
-    m = _model(name)
-    leaves, treedef = jax.tree.flatten(m.params)
-    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-    noisy = [x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim > 1 else x
-             for x, k in zip(leaves, keys)]
-    return dataclasses.replace(m, params=jax.tree.unflatten(treedef, noisy))
+    return noisy_copy(_model(name), scale)
 
 
 def _workload(vocab: int):

@@ -6,18 +6,16 @@ retracted while their step is in flight lose nothing and leak nothing."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _engine_utils import assert_idle_clean, prompts  # noqa: E402
+from _engine_utils import assert_idle_clean, noisy_copy, prompts  # noqa: E402
 
 from umem_jax import LLM, SamplingParams  # noqa: E402
 from umem_jax.runner.shift import commit_on_device, decode_fields, next_tokens  # noqa: E402
@@ -101,12 +99,7 @@ def _target():
 @functools.lru_cache(maxsize=None)
 def _draft():
     """The target with noise on every weight: it agrees with the target on some tokens only."""
-    m = _target()
-    leaves, treedef = jax.tree.flatten(m.params)
-    keys = jax.random.split(jax.random.PRNGKey(7), len(leaves))
-    noisy = [x + 0.5 * jnp.std(x) * jax.random.normal(q, x.shape, x.dtype) if x.ndim > 1 else x
-             for x, q in zip(leaves, keys)]
-    return dataclasses.replace(m, params=jax.tree.unflatten(treedef, noisy))
+    return noisy_copy(_target(), 0.5)
 
 
 def _engine(overlap: bool, arena: int = 600 << 10):
