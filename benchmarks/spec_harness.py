@@ -23,6 +23,7 @@ probability a^j and a step accepts a(1 - a^k)/(1 - a) drafts on average.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 from pathlib import Path
@@ -134,40 +135,30 @@ class Harness:
         self.calls += 1
 
 
-def _pick(win, shift, k: int):
-    """Drafts [B, k]: row b's window [B, 2k] from shift[b] on."""
+@functools.cache
+def _jitted():
+    """The harness's two device helpers, jitted once (jax is imported on first use):
+    pick(win [B, 2k], shift [B], k) -> drafts [B, k], row b's window from shift[b] on;
+    with_drafts(out [max_batch, 2k+3], win [B, 3k+1], shift [B], k) -> an MTP step's output with
+    row b's next drafts (columns k+2..2k+1) from its window at shift[b] + m[b] + 1 (m: column 0)."""
     import jax
     import jax.numpy as jnp
 
-    global _pick_jit
-    if _pick_jit is None:
-        _pick_jit = jax.jit(lambda w, s, k: jnp.take_along_axis(w, s[:, None] + jnp.arange(k)[None, :], axis=1),
-                            static_argnums=2)
-    return _pick_jit(win, shift, k)
+    take = lambda w, at, k: jnp.take_along_axis(w, at[:, None] + jnp.arange(k)[None, :], axis=1)
+
+    def with_drafts(out, win, shift, k):
+        B = win.shape[0]
+        return out.at[:B, k + 2:2 * k + 2].set(take(win, shift + out[:B, 0] + 1, k))
+
+    return jax.jit(take, static_argnums=2), jax.jit(with_drafts, static_argnums=3)
 
 
-_pick_jit = None
+def _pick(win, shift, k: int):
+    return _jitted()[0](win, shift, k)
 
 
 def _with_drafts(out, win, shift, k: int):
-    """An MTP step's output [max_batch, 2k+3] with row b's next drafts (columns k+2..2k+1) taken
-    from its harness window [B, 3k+1] at shift[b] + m[b] + 1 (m: column 0, what it accepted)."""
-    import jax
-    import jax.numpy as jnp
-
-    global _with_drafts_jit
-    if _with_drafts_jit is None:
-        def f(out, win, shift, k):
-            B = win.shape[0]
-            at = shift + out[:B, 0] + 1
-            d = jnp.take_along_axis(win, at[:, None] + jnp.arange(k)[None, :], axis=1)
-            return out.at[:B, k + 2:2 * k + 2].set(d)
-
-        _with_drafts_jit = jax.jit(f, static_argnums=3)
-    return _with_drafts_jit(out, win, shift, k)
-
-
-_with_drafts_jit = None
+    return _jitted()[1](out, win, shift, k)
 
 
 def expected_accepted(a: float, k: int) -> float:

@@ -143,8 +143,9 @@ def decode_step(params, hparams, arena, meta, prev, spec_lens, drafts, states, c
     host; a row whose token the previous step made verifies the drafts that step proposed, at
     most spec_lens[b].  states: as speculative.verify_step's (recurrent targets)."""
     k = drafts.shape[1]
-    on = layout.unpack(meta)["src"] >= 0  # rows whose pending token the previous step made
-    f, a, verified, row = decode_fields(layout.unpack(meta), prev)
+    fields = layout.unpack(meta)
+    on = fields["src"] >= 0  # rows whose pending token the previous step made
+    f, a, verified, row = decode_fields(fields, prev)
     f, states = commit_on_device(f, states, a, verified)
     # such a row verifies the drafts that step proposed (its columns k+2..2k+1), up to the first -1
     held = row[:, k + 2:2 * k + 2]
@@ -203,10 +204,6 @@ class MTPSpeculator(Speculator):
                                   head_model(r.model, self.draft, r, htree))}
         return self._models[key]
 
-    @property
-    def overlap(self) -> bool:
-        return True
-
     def launch(self, batch: ScheduledBatch, prev) -> Launched:
         r = self.runner
         lay, meta, counts = r.prepare(batch)
@@ -264,13 +261,11 @@ class MTPSpeculator(Speculator):
                 drafts[i, :s] = held[:s]
             spec[i] = s
         timed = self._timed()
-        if timed:
-            self._times = (0.0, 0.0)
         t0 = time.perf_counter()
         with quiet_xla_alarms(r._compiles):
             out, r.arena, *lp = self._decode_call(jit_decode, lay, meta, prev, spec, drafts,
                                                   self._states(lay, batch, spec), counts)
-        _, verify_s = self.launched(batch, out, t0, timed)
+        _, verify_s = self.launched(batch, out, t0, timed)  # the head drafts inside the call: no draft seconds
         return SpecLaunched(batch, out, 0.0, verify_s, next_drafts=self.k, logprobs=lp[0] if lp else None)
 
 

@@ -294,11 +294,13 @@ class Speculator:
         self._outputs[id(prev)] = got  # the most recent again: a relaunch's parts keep reading it
         return got[1]
 
-    def launched(self, batch: ScheduledBatch, out, t_start: float, timed: bool) -> tuple[float, float]:
+    def launched(self, batch: ScheduledBatch, out, t_start: float, timed: bool,
+                 draft_s: float = 0.0) -> tuple[float, float]:
         """After a decode step's launch: its output becomes what the next step reads (and the
         runner's prev_tokens, for a plain step), its rows' tokens pending, their drafts ahead
         (Request.spec_ahead) -> the (draft, verify) seconds to report: measured on a timed step
-        (it waited for its output), else the last timed step's."""
+        (it waited for the draft, draft_s after t_start, then for its output), else the last
+        timed step's."""
         r = self.runner
         nxt = next_tokens(out)
         self._outputs[id(nxt)] = (nxt, out)
@@ -308,9 +310,9 @@ class Speculator:
         for i, (row, s) in enumerate(zip(batch.rows, batch.spec_lens or [0] * len(batch.rows))):
             row.req.mark_pending(i)
             row.req.spec_ahead += s
-        if timed:  # self._times[0]: the draft's seconds, set when it was waited for (0 for an MTP head)
+        if timed:
             out.block_until_ready()
-            self._times = (self._times[0], time.perf_counter() - t_start - self._times[0])
+            self._times = (draft_s, time.perf_counter() - t_start - draft_s)
         return self._times
 
     def lower(self, lay, decode: bool) -> list[jax.stages.Lowered]:
@@ -350,7 +352,7 @@ class Speculator:
         drafts, q, self.runner.arena = self._draft_call(jit_draft, lay, meta, prev, spec_lens)
         return drafts, q
 
-    def _states(self, lay, batch=None, spec=None):
+    def _states(self, lay, batch=None, spec=None):  # spec [B]: the batch's speculation lengths
         """Where the verify keeps the state after each verified position (target with recurrent
         state): (positions, physical slots) [B, k]: row b's j-th position (j < spec[b]) and all
         of its speculative slots, slots[1 + j] (priced by the demand model; commit_on_device
@@ -361,7 +363,7 @@ class Speculator:
             return None
         pos = np.full((lay.B, self.k), -1, np.int32)
         ids = np.full((lay.B, self.k), -1, np.int32)
-        if batch is not None and spec is not None:
+        if batch is not None:
             for i, (row, s) in enumerate(zip(batch.rows, spec)):
                 held = row.req.slots[1:1 + self.k]  # all of them, even if s is 0: the swap may need one
                 pos[i, :s] = np.arange(1, s + 1)
@@ -376,16 +378,16 @@ class Speculator:
         r = self.runner
         spec = np.zeros(lay.B, np.int32)
         spec[: len(batch.rows)] = batch.spec_lens or 0
-        timed = self._timed()
+        timed, draft_s = self._timed(), 0.0
         t0 = time.perf_counter()
         with quiet_xla_alarms(r._compiles):
             drafts, q = self.propose(batch, lay, meta, prev, spec)
             if timed:
                 drafts.block_until_ready()
-                self._times = (time.perf_counter() - t0, 0.0)
+                draft_s = time.perf_counter() - t0
             out, r.arena, *lp = self._verify_call(jit_verify, lay, meta, prev, spec, drafts, q,
                                                   self._states(lay, batch, spec), counts)
-        draft_s, verify_s = self.launched(batch, out, t0, timed)
+        draft_s, verify_s = self.launched(batch, out, t0, timed, draft_s)
         return SpecLaunched(batch, out, draft_s, verify_s, logprobs=lp[0] if lp else None, overlap=self.overlap)
 
 
