@@ -19,8 +19,10 @@ os.environ.setdefault("UMEM_JAX_COMPILATION_CACHE", "0")
 # One XLA compilation cache for the whole run, in a folder of its own: both pytest-xdist workers
 # and every subprocess a test starts (servers, the TP worker, CLI runs) inherit it, so a step
 # shape compiled by one process is read back by the others instead of compiled again.  The
-# controller makes it (the workers see the variable) and removes it at exit.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("UMEM_JAX_TEST_XLA_CACHE", "1") != "0":
+# controller makes it (the workers see the variable) and removes it at exit.  OFF by default
+# (UMEM_JAX_TEST_XLA_CACHE=1 turns it on): on jax 0.10's CPU backend, writing an entry
+# (executable.serialize()) segfaulted a worker in 2 of 4 full runs on 2026-12-05.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("UMEM_JAX_TEST_XLA_CACHE", "0") != "0":
     import atexit
     import shutil
     import tempfile
