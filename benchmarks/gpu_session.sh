@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call per argument group: each step runs under its own timeout, logs to $OUT/<step>.log,
+# and a failing step does not stop the next.  The last lines printed are each step's rc and tail.
+#   bash benchmarks/gpu_session.sh spec prefill1      (session 14's call A; see RESULTS.md's GPU list)
+set -u
+OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
+declare -A TIMEOUT=([spec]=400 [prefill1]=120 [prefill2]=140 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
+                    [decode_default]=560 [state]=200)
+step() {
+  case "$1" in
+    spec) python3 -m benchmarks.bench_speculative --out "$OUT" --dtype float32 --batches 1 --prompt 512 \
+            --gen 256 --budget-s 300 ;;
+    prefill1) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py \
+            -k "gpu_kernel_matches_reference or over_4gib or cudnn" ;;
+    prefill2) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py tests/gpu/test_decode_mgpu_gpu.py \
+            -k "mgpu or model_prefill or engine" ;;
+    serve_gptoss|serve_nemo)
+      m=gpt-oss-20b-like; [ "$1" = serve_nemo ] && m=nemotron-3-nano-30b-a3b-like
+      python3 -m benchmarks.bench_serving --models "$m" --workloads shifting --short 512,256 \
+            --buckets 1,4,64:512,2048:2048 --budget-after-build --no-progress --time-budget-s 220 \
+            --max-run-s 30 --out "$OUT/serving_$m" ;;
+    moe_models) python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
+            --decode-batches 64,1 --arena-gib 24 --budget 300 ;;
+    decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
+            --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --budget 140; done ;;
+    state) python3 -m benchmarks.bench_state ;;
+    *) echo "unknown step $1"; return 2 ;;
+  esac
+}
+declare -A RC
+for s in "$@"; do
+  echo "== $s ($(date -u +%T))"
+  timeout "${TIMEOUT[$s]:-300}" bash -c "$(declare -f step); OUT='$OUT'; step $s" > "$OUT/$s.log" 2>&1
+  RC[$s]=$?
+done
+for s in "$@"; do echo "==== $s rc=${RC[$s]}"; tail -n 30 "$OUT/$s.log"; done
