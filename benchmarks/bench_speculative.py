@@ -615,11 +615,6 @@ def main(argv=None) -> int:
     args = parse(argv)
     import jax
 
-    if args.dtype == "float32":
-        # fp32 weights still multiply in TF32 on a GPU by default, and the decode step (one row) and the verify
-        # (k+1 rows) may take different dot algorithms: session 14's greedy paths parted at a 0.0005-nat tie.
-        jax.config.update("jax_default_matmul_precision", "highest")
-
     if not args.small:  # a later call on the same machine loads the compiled steps
         from umem_jax.bench.driver import enable_compile_cache
 

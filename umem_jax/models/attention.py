@@ -32,7 +32,7 @@ from ..pallas_kernels.paged_decode import paged_decode_attention
 from ..pallas_kernels.paged_prefill import paged_prefill_attention
 from .arena_slot import ArenaSlot
 from .config import ModelConfig
-from .layers import FusedLinear, Linear, RMSNorm, apply_rope, rope_inv_freq
+from .layers import FusedLinear, Linear, RMSNorm, apply_rope, fp32_precision, rope_inv_freq
 
 _NEG = -1e30  # finite, so fully masked rows (padding) give zeros, not NaN
 
@@ -130,7 +130,8 @@ class Attention(nnx.Module):
         q, k, v, gate = self.project(x, positions)
         group = self.num_heads // self.num_kv_heads
         q = q.reshape(b, t, self.num_kv_heads, group, self.head_dim)
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * self.scale
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, precision=fp32_precision(q, k),
+                       preferred_element_type=jnp.float32) * self.scale
         if self.softcap is not None:
             s = self.softcap * jnp.tanh(s / self.softcap)
         qp, kp = positions[:, :, None], positions[:, None, :]
@@ -143,7 +144,7 @@ class Attention(nnx.Module):
         else:  # one more logit per head in the denominator, with no value: dropped after the softmax
             sink = jnp.broadcast_to(self.sink_logits().reshape(1, self.num_kv_heads, group, 1, 1), (*s.shape[:-1], 1))
             p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
+        o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v, precision=fp32_precision(v))
         return self.output(o, gate, x.dtype)
 
     def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: ArenaSlot):

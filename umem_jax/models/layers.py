@@ -17,6 +17,14 @@ from ..parallel.collectives import reduce_sum
 from .config import RopeConfig
 
 
+def fp32_precision(*operands):
+    """The precision of a model dot: "highest" when every operand is float32, else JAX's default.
+    A GPU multiplies fp32 in TF32 (a 10-bit mantissa) by default; a one-token decode and a k+1-token
+    speculative verify then round differently enough to part greedy paths at near ties (the H200,
+    session 14), and a user who serves fp32 weights expects fp32 arithmetic.  Kernels choose their own."""
+    return jax.lax.Precision.HIGHEST if all(x.dtype == jnp.float32 for x in operands) else None
+
+
 def normal_init(rngs: nnx.Rngs, shape, dtype, std: float = 0.02):
     """std * N(0, 1) of `shape`.  Called eagerly (a model built outside jit), it runs one jitted
     generator per distinct (shape, dtype, std): a model has a handful of distinct weight shapes,
@@ -47,7 +55,8 @@ class Linear(nnx.Module):
         self.reduce_axis = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = reduce_sum(jnp.einsum("...i,oi->...o", x, self.weight[...]), self.reduce_axis)
+        w = self.weight[...]
+        y = reduce_sum(jnp.einsum("...i,oi->...o", x, w, precision=fp32_precision(x, w)), self.reduce_axis)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -81,7 +90,8 @@ class FusedLinear(nnx.Module):
                     p.bias[...].delete()
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...])
+        w = self.weight[...]
+        y = jnp.einsum("...i,oi->...o", x, w, precision=fp32_precision(x, w))
         if self.bias is not None:
             y = y + self.bias[...]
         ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
@@ -102,7 +112,8 @@ class Embedding(nnx.Module):
         bf16 tie exactly (8 mantissa bits: steps of 1/32 near |8|), and a tie's winner then
         depends on which kernel computed the hidden state (a speculative verify and a decode step
         picked different tokens of a bf16 tie on the H200, benchmarks/RESULTS.md)."""
-        return jnp.einsum("...d,vd->...v", h, self.weight[...], preferred_element_type=jnp.float32)
+        w = self.weight[...]
+        return jnp.einsum("...d,vd->...v", h, w, precision=fp32_precision(h, w), preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):

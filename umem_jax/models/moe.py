@@ -35,7 +35,7 @@ from flax import nnx
 from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
-from .layers import MLP, Linear, UngatedMLP, activation, normal_init
+from .layers import MLP, Linear, UngatedMLP, activation, fp32_precision, normal_init
 from .moe_config import EXPERT_KINDS, SCORINGS, MoEConfig
 
 # Up to this many (token, expert) rows the dispatch gathers each row's expert weights instead of
@@ -112,7 +112,8 @@ class Router(nnx.Module):
         self.cfg = cfg
 
     def logits(self, x: jax.Array) -> jax.Array:
-        out = jnp.einsum("...d,ed->...e", x, self.weight[...], preferred_element_type=jnp.float32)
+        w = self.weight[...]
+        out = jnp.einsum("...d,ed->...e", x, w, precision=fp32_precision(x, w), preferred_element_type=jnp.float32)
         return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x: jax.Array):
@@ -145,7 +146,7 @@ def few_rows_path(rows: int) -> str | None:
 def _grouped_matmul(x, w, *, group_sizes, impl):
     """x [R, K] sorted by group, w [G, K, N] -> [R, N] in x.dtype (fp32 accumulation)."""
     if impl == "ragged":
-        return jax.lax.ragged_dot(x, w, group_sizes)
+        return jax.lax.ragged_dot(x, w, group_sizes, precision=fp32_precision(x, w))
     return grouped_matmul(x, w, group_sizes, interpret=jax.default_backend() != "gpu")
 
 
@@ -237,12 +238,14 @@ class Experts(nnx.Module):
         n, k = experts.shape
         ids = jnp.minimum(experts.reshape(-1), self.cfg.local_experts - 1)  # id E (another device's): weight 0
         xs = jnp.repeat(x, k, axis=0)  # [R, d]
-        h = jnp.einsum("rd,rdf->rf", xs, jnp.take(self.first, ids, axis=0), preferred_element_type=jnp.float32)
+        w1 = jnp.take(self.first, ids, axis=0)
+        h = jnp.einsum("rd,rdf->rf", xs, w1, precision=fp32_precision(xs, w1), preferred_element_type=jnp.float32)
         bias = self.first_bias()
         if bias is not None:
             h = h + jnp.take(bias, ids, axis=0).astype(jnp.float32)
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
-        y = jnp.einsum("ri,rid->rd", a, jnp.take(self.down_proj[...], ids, axis=0), preferred_element_type=jnp.float32)
+        w2 = jnp.take(self.down_proj[...], ids, axis=0)
+        y = jnp.einsum("ri,rid->rd", a, w2, precision=fp32_precision(a, w2), preferred_element_type=jnp.float32)
         out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
         return self._finish(out, weights, experts, valid)
 
@@ -275,7 +278,8 @@ class Experts(nnx.Module):
         def bias(out):
             e = self.cfg.local_experts
             b = jnp.take(self.down_proj_bias[...], jnp.minimum(experts, e - 1), axis=0).astype(jnp.float32)
-            return out + jnp.einsum("nk,nkd->nd", jnp.where(experts < e, weights, 0.0), b)  # b: [N, k, d]
+            w = jnp.where(experts < e, weights, 0.0)
+            return out + jnp.einsum("nk,nkd->nd", w, b, precision=fp32_precision(w, b))  # b: [N, k, d]
 
         if self.cfg.expert_bias and self.expert_axis is not None:
             out = bias(out)
@@ -336,15 +340,15 @@ def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
     flat = x.reshape(-1, d)
     weights, experts = moe.gate(flat)
     w1 = jnp.take(ex.first, experts, axis=0)  # [N, k, d, F]
-    h = jnp.einsum("nd,nkdf->nkf", flat, w1, preferred_element_type=jnp.float32)
+    h = jnp.einsum("nd,nkdf->nkf", flat, w1, precision=fp32_precision(flat, w1), preferred_element_type=jnp.float32)
     if cfg.expert_bias:
         h = h + jnp.take(ex.first_bias(), experts, axis=0).astype(jnp.float32)
     a = expert_activation(h, cfg).astype(ex.down_proj.dtype)
     w2 = jnp.take(ex.down_proj[...], experts, axis=0)  # [N, k, I, d]
-    y = jnp.einsum("nki,nkid->nkd", a, w2, preferred_element_type=jnp.float32)
+    y = jnp.einsum("nki,nkid->nkd", a, w2, precision=fp32_precision(a, w2), preferred_element_type=jnp.float32)
     if cfg.expert_bias:
         y = y + jnp.take(ex.down_proj_bias[...], experts, axis=0).astype(jnp.float32)
-    out = jnp.einsum("nk,nkd->nd", weights, y)
+    out = jnp.einsum("nk,nkd->nd", weights, y, precision=fp32_precision(weights, y))
     s = moe.shared(flat)
     if s is not None:
         out = out + s
