@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh spec prefill1      (session 14's call A; see RESULTS.md's GPU list)
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-declare -A TIMEOUT=([spec]=400 [spec_short]=215 [prefill1]=120 [prefill2]=140 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
+declare -A TIMEOUT=([spec]=400 [spec_short]=215 [spec_profile]=240 [qwen_b1]=300 [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200)
 step() {
   case "$1" in
@@ -12,6 +12,11 @@ step() {
             --gen 256 --budget-s 300 ;;
     spec_short) python3 -m benchmarks.bench_speculative --out "$OUT" --dtype float32 --batches 1 --prompt 512 \
             --gen 128 --acceptance 0,0.8,1 --extra-ks "" --repeats 2 --budget-s 160 ;;
+    spec_profile) python3 -m benchmarks.bench_speculative --out "$OUT/profile" --dtype float32 --batches 1 \
+            --prompt 512 --gen 64 --methods draft --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
+    qwen_b1) python3 -m benchmarks.bench_moe --only decode --json "$OUT/bench_moe.json" &&
+            python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 24 \
+            --budget 120 ;;
     prefill1) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py \
             -k "gpu_kernel_matches_reference or over_4gib or cudnn" ;;
     prefill2) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py tests/gpu/test_decode_mgpu_gpu.py \
