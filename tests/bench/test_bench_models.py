@@ -47,6 +47,9 @@ def test_small_mode_end_to_end(tmp_path):
         check = [r for r in mine if r["kind"] == "check"]
         assert len(check) == 1 and check[0]["verdict"] == "pass", check
         assert check[0]["compared"] == 6 and check[0]["max_rel_err"] < 5e-2
+        # MoE: the dense forward took the arena's experts; in fp32 the two routers agree everywhere
+        moe = getattr(fam["tiny"](fam["full"]("float32")), "moe", None)
+        assert check[0]["routing_flips"] == (None if moe is None else 0), check
         timed = {(r["kind"], r["ctx"]): r for r in mine if r["kind"] in ("decode", "prefill", "chunk")}
         assert set(timed) == {("decode", 64), ("decode", 128), ("prefill", 64), ("chunk", 96)}, sorted(timed)
         for r in timed.values():
@@ -205,3 +208,39 @@ def test_routed_experts_counts_each_blocks_distinct_choices(fam):
     assert every["experts_touched"] == 1.0 and few["experts_touched"] == moe.top_k / moe.num_experts
     assert every["weight_bytes"] - few["weight_bytes"] == pytest.approx(
         counts["expert_bytes"] * (1 - moe.top_k / moe.num_experts))
+
+
+@pytest.mark.parametrize("fam", ["gptoss", "qwen35moe"])
+def test_check_forces_the_arenas_experts_on_the_dense_forward(fam):
+    """model_check's MoE comparison: forcing every position's own choice gives the plain dense
+    logits and counts no flip; forcing another expert at some positions changes those logits, is
+    counted, and the weights come from the dense router's logits over the forced experts."""
+    from benchmarks.model_check import _dense_forced
+
+    spec = FAMILIES[fam]
+    cfg = spec["tiny"](spec["full"]("float32"))
+    model = bm.build_model(cfg, np.random.randint(1 << 30))
+    toks = np.random.default_rng(np.random.randint(1 << 30)).integers(1, cfg.vocab_size, (2, 12))
+    plain = np.asarray(model.dense_logits(model.params, jax.numpy.asarray(toks, jax.numpy.int32)))
+    k, e = cfg.moe.top_k, cfg.moe.num_experts
+    n = _count_routers(model)
+    assert n >= 2
+    unset = [np.full((2, 12, k), -1, np.int32) for _ in range(n)]
+    same, (differ, total) = _dense_forced(model, toks, unset)
+    np.testing.assert_allclose(same, plain, rtol=1e-5, atol=1e-5 * np.abs(plain).max())
+    assert differ == 0 and total == 0
+    forced = [f.copy() for f in unset]
+    forced[0][1, 5] = np.arange(k, dtype=np.int32)  # row 1, position 5: experts 0..k-1 in the first block
+    forced[0][1, 5] = (forced[0][1, 5] + np.random.randint(e)) % e
+    got, (differ, total) = _dense_forced(model, toks, forced)
+    assert total == 1 and differ in (0, 1)
+    np.testing.assert_allclose(got[:, :5], plain[:, :5], rtol=1e-5, atol=1e-5 * np.abs(plain).max())
+    np.testing.assert_allclose(got[0], plain[0], rtol=1e-5, atol=1e-5 * np.abs(plain).max())  # other row
+    if differ:
+        assert np.abs(got[1, 5:] - plain[1, 5:]).max() > 1e-4 * np.abs(plain).max()
+
+
+def _count_routers(model) -> int:
+    from umem_jax.models.moe import Router
+
+    return sum(isinstance(m, Router) for _, m in nnx.iter_graph(nnx.merge(model.graphdef, model.params)))

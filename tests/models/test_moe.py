@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 
 from umem_jax.models import moe as moe_lib
-from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route
+from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
 
 HIDDEN = 32
 
@@ -136,6 +136,32 @@ def test_router_matches_numpy(name, seed):
     # ... and the same weight for each chosen expert.
     np.testing.assert_allclose(np.take_along_axis(w, got_order, -1), np.take_along_axis(want_w, want_order, -1),
                                rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_route_weights_of_other_experts_follow_the_same_rule(name):
+    """route_weights (what a check forcing one path's experts on another uses) gives route's own
+    choice route's weights, and any other choice the weights the numpy rule gives that choice."""
+    cfg = CONFIGS[name]
+    seed = np.random.randint(1 << 30)
+    logits = inputs(seed, (24, cfg.num_experts)) * 3.0
+    w, ids = route(logits, cfg)
+    np.testing.assert_allclose(np.asarray(route_weights(logits, ids, cfg)), np.asarray(w), rtol=2e-6, atol=1e-7)
+    rng = np.random.default_rng(seed)
+    other = np.stack([rng.choice(cfg.num_experts, cfg.top_k, replace=False) for _ in range(24)]).astype(np.int32)
+    got = np.asarray(route_weights(logits, jnp.asarray(other), cfg))
+    lg = np.asarray(logits, np.float64)
+    if cfg.scoring == "topk_softmax":
+        chosen = np.take_along_axis(lg, other, -1)
+        want = np.exp(chosen - chosen.max(-1, keepdims=True))
+        want /= want.sum(-1, keepdims=True)
+    else:
+        scores = (np.exp(lg - lg.max(-1, keepdims=True)) / np.exp(lg - lg.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                  if cfg.scoring == "softmax" else 1.0 / (1.0 + np.exp(-lg)))
+        want = np.take_along_axis(scores, other, -1)
+        if cfg.norm_topk_prob:
+            want /= want.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, want * cfg.routed_scaling_factor, rtol=1e-5, atol=1e-7)
 
 
 def test_correction_bias_changes_selection_not_weights():

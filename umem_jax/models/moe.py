@@ -85,17 +85,31 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
     logits = logits.astype(jnp.float32)
     k = cfg.top_k
     if cfg.scoring == "topk_softmax":
-        top, experts = jax.lax.top_k(logits, k)
-        return jax.nn.softmax(top, axis=-1) * cfg.routed_scaling_factor, experts.astype(jnp.int32)
-    scores = jax.nn.softmax(logits, axis=-1) if cfg.scoring == "softmax" else jax.nn.sigmoid(logits)
-    choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
-    if cfg.n_group > 1:
-        choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
-    _, experts = jax.lax.top_k(choice, k)
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
+        _, experts = jax.lax.top_k(logits, k)
+    else:
+        choice = _scores(logits, cfg) if correction_bias is None else _scores(logits, cfg) + correction_bias.astype(
+            jnp.float32)
+        if cfg.n_group > 1:
+            choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
+        _, experts = jax.lax.top_k(choice, k)
+    experts = experts.astype(jnp.int32)
+    return route_weights(logits, experts, cfg), experts
+
+
+def _scores(logits: jax.Array, cfg: MoEConfig) -> jax.Array:
+    return jax.nn.softmax(logits, axis=-1) if cfg.scoring == "softmax" else jax.nn.sigmoid(logits)
+
+
+def route_weights(logits: jax.Array, experts: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """The weights `route` gives the experts [..., k] chosen, from the router logits [..., E] -> [..., k]
+    fp32.  Apart from `route`, a check that forces one path's choice on another uses it."""
+    logits = logits.astype(jnp.float32)
+    if cfg.scoring == "topk_softmax":  # softmax over the k chosen logits alone (gpt-oss)
+        return jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1) * cfg.routed_scaling_factor
+    weights = jnp.take_along_axis(_scores(logits, cfg), experts, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
-    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32)
+    return weights * cfg.routed_scaling_factor
 
 
 class Router(nnx.Module):
@@ -356,4 +370,4 @@ def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
 
 
 __all__ = ["EXPERT_KINDS", "SCORINGS", "Experts", "MoE", "MoEConfig", "Router", "expert_activation",
-           "few_rows_path", "moe_reference", "route"]
+           "few_rows_path", "moe_reference", "route", "route_weights"]
