@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh spec prefill1      (session 14's call A; see RESULTS.md's GPU list)
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-declare -A TIMEOUT=([spec]=400 [spec_short]=215 [spec_profile]=240 [qwen_b1]=300 [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
+declare -A TIMEOUT=([spec]=400 [spec_short]=215 [spec_profile]=240 [qwen_b1]=300 [breakdown_b1]=260 [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200)
 step() {
   case "$1" in
@@ -17,6 +17,8 @@ step() {
     qwen_b1) python3 -m benchmarks.bench_moe --only decode --json "$OUT/bench_moe.json" &&
             python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 24 \
             --budget 120 ;;
+    breakdown_b1) python3 -m benchmarks.bench_models --breakdown --batch 1 \
+            --variants full,no_head,no_gdn,no_attn,no_kernels --budget 200 ;;
     prefill1) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py \
             -k "gpu_kernel_matches_reference or over_4gib or cudnn" ;;
     prefill2) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py tests/gpu/test_decode_mgpu_gpu.py \
