@@ -21,7 +21,8 @@ os.environ.setdefault("UMEM_JAX_COMPILATION_CACHE", "0")
 # shape compiled by one process is read back by the others instead of compiled again.  The
 # controller makes it (the workers see the variable) and removes it at exit.  OFF by default
 # (UMEM_JAX_TEST_XLA_CACHE=1 turns it on): on jax 0.10's CPU backend, writing an entry
-# (executable.serialize()) segfaulted a worker in 2 of 4 full runs on 2026-12-05.
+# (executable.serialize()) segfaulted a worker in 2 of 4 full runs on 2026-12-05.  Compiling
+# alone has segfaulted too (session 14, the cache off): README's command reruns a crashed test once.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("UMEM_JAX_TEST_XLA_CACHE", "0") != "0":
     import atexit
     import shutil
