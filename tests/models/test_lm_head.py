@@ -3,7 +3,7 @@
 bf16 logits tie exactly (steps of 1/32 near |8|); on the H200 a speculative verify and a plain
 decode step then picked different tokens of such a tie (benchmarks/RESULTS.md, speculative
 decoding, 2026-12-04).  fp32 logits leave only real near-ties.  And an fp32 model's dots run at full
-fp32 precision, not the GPU's default TF32 (session 14: the greedy paths parted at a 0.0005-nat tie).
+fp32 precision, not the GPU's default TF32 (2026-12-05: the greedy paths parted at a 0.0005-nat tie).
 """
 
 import jax
@@ -54,7 +54,7 @@ def _dot_precisions(fn, *args) -> list:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp32_models_multiply_at_full_precision(dtype):
     """fp32 weights: every dot of the model asks for HIGHEST (a GPU's fp32 default is TF32, under which
-    a decode step and a speculative verify parted greedy paths on the H200, session 14); a bf16 model
+    a decode step and a speculative verify parted greedy paths on the H200, 2026-12-05); a bf16 model
     keeps JAX's default for its projections."""
     model = tiny_model(np.random.randint(1 << 30), dtype=dtype)
     tokens = jnp.asarray(np.random.randint(3, 320, (2, 8)), jnp.int32)

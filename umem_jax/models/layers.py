@@ -20,8 +20,9 @@ from .config import RopeConfig
 def fp32_precision(*operands):
     """The precision of a model dot: "highest" when every operand is float32, else JAX's default.
     A GPU multiplies fp32 in TF32 (a 10-bit mantissa) by default; a one-token decode and a k+1-token
-    speculative verify then round differently enough to part greedy paths at near ties (the H200,
-    session 14), and a user who serves fp32 weights expects fp32 arithmetic.  Kernels choose their own."""
+    speculative verify then round differently enough to part greedy paths at near ties (the H200:
+    benchmarks/RESULTS.md, speculative decoding, 2026-12-05), and a user who serves fp32 weights
+    expects fp32 arithmetic.  Kernels choose their own."""
     return jax.lax.Precision.HIGHEST if all(x.dtype == jnp.float32 for x in operands) else None
 
 

@@ -87,8 +87,8 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
     if cfg.scoring == "topk_softmax":
         _, experts = jax.lax.top_k(logits, k)
     else:
-        choice = _scores(logits, cfg) if correction_bias is None else _scores(logits, cfg) + correction_bias.astype(
-            jnp.float32)
+        scores = _scores(logits, cfg)
+        choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
         if cfg.n_group > 1:
             choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
         _, experts = jax.lax.top_k(choice, k)
