@@ -64,7 +64,7 @@ def check_family(fam: str, model, run: Stepper, plan, num_rows: int, a, width: i
             got.append(np.asarray(run(batch)))
             continue
         # the same forward, traced with each router's choice sent to the host
-        with recorder.step() as seen, _router_call(recorder.call):
+        with recorder.step() as seen, _router_call(lambda router, x: recorder.call(router, x)):
             logits, run.arena = forward(model.params, run.arena, batch)
             got.append(np.asarray(logits))
         chosen.append([c.reshape(2, T, -1) for c in seen])
@@ -117,7 +117,8 @@ _PLAIN_ROUTER = Router.__call__
 
 @contextlib.contextmanager
 def _router_call(call):
-    """Router.__call__ replaced by `call` while traces are made (restored after)."""
+    """Router.__call__ replaced by `call(router, x)` while traces are made (restored after); a plain
+    function, so that it binds to each router (a bound method would not)."""
     Router.__call__ = call
     try:
         yield

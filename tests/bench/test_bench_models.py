@@ -47,9 +47,11 @@ def test_small_mode_end_to_end(tmp_path):
         check = [r for r in mine if r["kind"] == "check"]
         assert len(check) == 1 and check[0]["verdict"] == "pass", check
         assert check[0]["compared"] == 6 and check[0]["max_rel_err"] < 5e-2
-        # MoE: the dense forward took the arena's experts; in fp32 the two routers agree everywhere
+        # MoE: the dense forward took the arena's experts, and the row counts where its own router
+        # chose otherwise (bf16 here: a few of ~400 choices flip at the top-k boundary)
         moe = getattr(fam["tiny"](fam["full"]("float32")), "moe", None)
-        assert check[0]["routing_flips"] == (None if moe is None else 0), check
+        flips = check[0]["routing_flips"]
+        assert flips is None if moe is None else 0 <= flips <= 40, check
         timed = {(r["kind"], r["ctx"]): r for r in mine if r["kind"] in ("decode", "prefill", "chunk")}
         assert set(timed) == {("decode", 64), ("decode", 128), ("prefill", 64), ("chunk", 96)}, sorted(timed)
         for r in timed.values():
