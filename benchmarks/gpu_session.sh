@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device call per argument group: each step runs under its own timeout, logs to $OUT/<step>.log,
 # and a failing step does not stop the next.  The last lines printed are each step's rc and tail.
-#   bash benchmarks/gpu_session.sh spec prefill1      (session 14's call A; see RESULTS.md's GPU list)
+#   bash benchmarks/gpu_session.sh spec spec_profile      (the steps below; RESULTS.md's GPU list says which next)
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-declare -A TIMEOUT=([spec]=400 [spec_short]=215 [spec_profile]=240 [qwen_b1]=300 [breakdown_b1]=260 [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
+declare -A TIMEOUT=([spec]=400 [spec_short]=215 [spec_profile]=240 [qwen_b1]=300 [breakdown_b1]=260
+                    [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200)
 step() {
   case "$1" in
