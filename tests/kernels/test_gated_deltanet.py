@@ -29,6 +29,7 @@ from _state_utils import (
 )
 
 from umem_jax.memory import gated_deltanet_state_tensors
+from umem_jax.pallas_kernels import recurrent
 from umem_jax.pallas_kernels.gated_deltanet import gdn_decode, gdn_dims, gdn_prefill, pallas_supported
 from umem_jax.pallas_kernels.state_io import write_state_reference
 
@@ -173,6 +174,37 @@ def test_prefill_checkpoints_and_reset(algo, chunk):
                                        slice(lane, lane + 1), **init)
         conv, S = case.states(out, jnp.array([s], jnp.int32))
         assert rel_err(conv[0], conv_hf[0]) <= F32_TOL and rel_err(S[0], S_hf[0]) <= F32_TOL, (lane, p_, s)
+
+
+@pytest.mark.parametrize("short_scan", [0, 8])
+def test_default_algo_follows_short_scan_tokens(short_scan, monkeypatch):
+    """algo=None: a chunk of at most SHORT_SCAN_TOKENS tokens (a verify's k+1) takes the unrolled
+    per-token scan, a longer one the chunked form; either way the state, checkpoints and outputs
+    are those of the explicit algorithm, bit for bit, and both agree with each other in fp32."""
+    monkeypatch.setattr(recurrent, "SHORT_SCAN_TOKENS", short_scan)
+    case = Case(2, 4, 16, 8, row_words=64, B=2, num_slots=8, seed=np.random.randint(1 << 30))
+    slots = jnp.array([2, 5], jnp.int32)
+    arena0 = write_state_reference(case.arena0, slots, {"conv": case.conv0[:2], "recurrent": case.S0[:2]},
+                                   view=case.view)
+    q_lens = jnp.array([4, 3], jnp.int32)
+    pos = jnp.array([[1, 3], [2, -1]], jnp.int32)
+    ck = jnp.array([[1, 3], [4, 0]], jnp.int32)
+
+    def run(inputs, algo):
+        qkv, a, b = inputs
+        return gdn_prefill(arena0, slots, qkv[:2], a[:2], b[:2], q_lens, *case.params(), view=case.view,
+                           checkpoint_positions=pos, checkpoint_slots=ck, algo=algo, chunk_size=2)
+
+    for T in (4, 12):
+        inputs = case.inputs(T)
+        (o, arena), (o_chunk, arena_chunk) = run(inputs, None), run(inputs, "chunked")
+        want_o, want_arena = run(inputs, "scan") if T <= short_scan else (o_chunk, arena_chunk)
+        np.testing.assert_array_equal(np.asarray(o), np.asarray(want_o))
+        np.testing.assert_array_equal(np.asarray(arena), np.asarray(want_arena))
+        assert rel_err(o, o_chunk) <= F32_TOL
+        written = jnp.array([1, 3, 4, 2, 5], jnp.int32)  # the checkpoints, then the rows' own slots
+        for got, want in zip(case.states(arena, written), case.states(arena_chunk, written)):
+            assert rel_err(got, want) <= F32_TOL
 
 
 def test_decode_lowers_for_cuda():

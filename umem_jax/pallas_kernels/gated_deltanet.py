@@ -21,7 +21,7 @@ The gated RMSNorm with z and the output projection stay in the model.
 Entry points (arena first in, last out; call under a jit that donates it):
   gdn_decode(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view) -> (o [B, Hv, Dv], arena)
   gdn_prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset=None,
-              checkpoint_positions=None, checkpoint_slots=None, algo="chunked", chunk_size=64)
+              checkpoint_positions=None, checkpoint_slots=None, algo=None, chunk_size=64)
       -> (o [B, T, Hv, Dv], arena)
   (plus *_reference twins: the decode in plain JAX, the prefill as a per-token lax.scan)
 Shapes: slots int32 [B] (0 = padding lane: output 0, no state touched); qkv [B, conv_dim]
@@ -313,11 +313,13 @@ def gdn_prefill_reference(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, d
 
 
 def gdn_prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, *, view, reset=None,
-                checkpoint_positions=None, checkpoint_slots=None, algo: str = "chunked", chunk_size: int = 64,
+                checkpoint_positions=None, checkpoint_slots=None, algo: str | None = None, chunk_size: int = 64,
                 impl: str | None = None, interpret: bool = False):
     """Prefill one padded chunk per request from the state in its slot (arguments as
-    `gdn_prefill_reference`).  Plain JAX: algo "chunked" (WY form, default) or "scan" (per
-    token); `impl` picks the state read/write path.  Returns (o [B, T, Hv, Dv], arena)."""
+    `gdn_prefill_reference`).  Plain JAX: algo "chunked" (WY form) or "scan" (per token); None
+    (default): `recurrent.prefill_algo` by the chunk's length.  `impl` picks the state read/write
+    path.  Returns (o [B, T, Hv, Dv], arena)."""
     return _prefill(arena, slots, qkv, a, b, q_lens, conv_weight, A_log, dt_bias, view=view, reset=reset,
                     checkpoint_positions=checkpoint_positions, checkpoint_slots=checkpoint_slots,
-                    state_impl=resolve_impl(impl, interpret), interpret=interpret, algo=algo, chunk_size=chunk_size)
+                    state_impl=resolve_impl(impl, interpret), interpret=interpret,
+                    algo=recurrent.prefill_algo(algo, qkv.shape[1]), chunk_size=chunk_size)

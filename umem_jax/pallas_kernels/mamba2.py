@@ -19,7 +19,7 @@ Entry points (each takes the arena first and returns it last; call under a jit t
       -> (y [B, H, P], arena)
   mamba2_prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
                  dt_min=0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None,
-                 algo="chunked", chunk_size=64)
+                 algo=None, chunk_size=64)
       -> (y [B, T, H, P], arena)
   (plus *_reference twins: the decode in plain JAX, the prefill as a per-token lax.scan)
 Shapes: slots int32 [B] physical slot ids (0 = padding lane: output 0, no state touched);
@@ -289,12 +289,12 @@ def mamba2_prefill_reference(arena, slots, xbc, dt, q_lens, conv_weight, conv_bi
 
 def mamba2_prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
                    dt_min: float = 0.0, reset=None, checkpoint_positions=None, checkpoint_slots=None,
-                   algo: str = "chunked", chunk_size: int = 64, impl: str | None = None, interpret: bool = False):
+                   algo: str | None = None, chunk_size: int = 64, impl: str | None = None, interpret: bool = False):
     """Prefill one padded chunk per request from the state in its slot (arguments as
-    `mamba2_prefill_reference`).  Plain JAX: algo "chunked" (SSD, default; `chunk_size` tokens
-    per matmul block) or "scan" (per token).  `impl` picks the state read/write path (Pallas on
+    `mamba2_prefill_reference`).  Plain JAX: algo "chunked" (SSD; `chunk_size` tokens per matmul
+    block) or "scan" (per token); None (default): `recurrent.prefill_algo` by the chunk's length.  `impl` picks the state read/write path (Pallas on
     GPU).  Returns (y [B, T, H, P] in xbc's dtype, arena)."""
     return _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, view=view,
                     dt_min=dt_min, reset=reset, checkpoint_positions=checkpoint_positions,
                     checkpoint_slots=checkpoint_slots, state_impl=resolve_impl(impl, interpret), interpret=interpret,
-                    algo=algo, chunk_size=chunk_size)
+                    algo=recurrent.prefill_algo(algo, xbc.shape[1]), chunk_size=chunk_size)

@@ -17,6 +17,7 @@ checkpoint slots int32 [B, C] (C checkpoints per row; position -1 or slot 0 is p
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,23 @@ def _reset(state: dict, reset):
     return {k: jnp.where(keep.reshape(-1, *([1] * (v.ndim - 1))), v, jnp.zeros((), v.dtype)) for k, v in state.items()}
 
 
+# A chunk of at most this many tokens (a speculative verify's k+1) runs the per-token recurrence,
+# unrolled, instead of the chunked form, whose triangular solve and ~10 small einsums per layer may
+# cost more than a few token steps at B = 1.  0 (the default): always chunked, until the GPU decides
+# (benchmarks/RESULTS.md's list: the B = 1 verify costs 1.59x a decode step).  UMEM_JAX_SHORT_SCAN
+# sets it when the process starts.
+SHORT_SCAN_TOKENS = int(os.environ.get("UMEM_JAX_SHORT_SCAN", "0"))
+UNROLL_TOKENS = 8  # a scan over at most this many tokens is unrolled (one straight-line program)
+
+
+def prefill_algo(algo: str | None, tokens: int) -> str:
+    """The prefill algorithm for a chunk of `tokens`: `algo` if given, else "scan" up to
+    SHORT_SCAN_TOKENS and "chunked" above."""
+    if algo is not None:
+        return algo
+    return "scan" if tokens <= SHORT_SCAN_TOKENS else "chunked"
+
+
 def initial_checkpoints(S0, pos):
     """Checkpoints before the chunk's first token: S0 [B, ...] where p == 0, else zeros
     -> [B, C, ...]; None without checkpoints."""
@@ -183,7 +201,8 @@ def scan_tokens(S0, step, inputs, q_lens, pos):
         return (S, checkpoints), out
 
     xs = (jnp.arange(T, dtype=jnp.int32), *(jnp.swapaxes(a, 0, 1) for a in inputs))
-    (S, checkpoints), outs = jax.lax.scan(body, (S0, initial_checkpoints(S0, pos)), xs)
+    (S, checkpoints), outs = jax.lax.scan(body, (S0, initial_checkpoints(S0, pos)), xs,
+                                          unroll=T if T <= UNROLL_TOKENS else 1)
     return jnp.swapaxes(outs, 0, 1), S, checkpoints
 
 
