@@ -4,15 +4,13 @@
 #   bash benchmarks/gpu_session.sh spec spec_profile      (the steps below; RESULTS.md's GPU list says which next)
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-declare -A TIMEOUT=([spec]=400 [spec_short]=215 [spec_profile]=240 [spec_profile_scan]=240 [qwen_b1]=300 [breakdown_b1]=260
+declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200)
 step() {
   case "$1" in
     spec) python3 -m benchmarks.bench_speculative --out "$OUT" --dtype float32 --batches 1 --prompt 512 \
             --gen 256 --budget-s 300 ;;
-    spec_short) python3 -m benchmarks.bench_speculative --out "$OUT" --dtype float32 --batches 1 --prompt 512 \
-            --gen 128 --acceptance 0,0.8,1 --extra-ks "" --repeats 2 --budget-s 160 ;;
     spec_profile) python3 -m benchmarks.bench_speculative --out "$OUT/profile" --dtype float32 --batches 1 \
             --prompt 512 --gen 64 --methods draft --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
     spec_profile_scan) UMEM_JAX_SHORT_SCAN=8 python3 -m benchmarks.bench_speculative --out "$OUT/profile_scan" \

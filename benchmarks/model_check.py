@@ -13,7 +13,6 @@ same layer passing at 3e-6 in fp32).  The row counts the flips, and the error co
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import jax
@@ -22,10 +21,10 @@ import numpy as np
 from flax import nnx
 
 from umem_jax.arena import apply_moves
-from umem_jax.models.moe import Router, route, route_weights
+from umem_jax.models.moe import route, route_weights
 
 from .families import FAMILIES
-from .model_steps import Pager, Stepper, rel_err
+from .model_steps import Pager, RouterRecorder, Stepper, rel_err, routers_replaced
 
 CHECK_LENS = (80, 50)  # prompt lengths of the two check requests; one more token each is decoded
 CHECK_T = 64  # the chunk bucket of the check
@@ -50,7 +49,7 @@ def check_family(fam: str, model, run: Stepper, plan, num_rows: int, a, width: i
     steps = [((0, 64), (0, 50)), ((64, 80), (50, 51)), ((80, 81), (51, 52))]
     moe = getattr(cfg, "moe", None)
     got, chosen = [], []  # chosen: per step, each MoE block's experts [2 * T, k] in layer order
-    recorder = _Recorder()
+    recorder = RouterRecorder()
     forward = model.jit_forward(impl=a.impl) if moe is not None else None
     for spans in steps:
         T = 1 if all(e - s == 1 for s, e in spans) else CHECK_T
@@ -64,7 +63,7 @@ def check_family(fam: str, model, run: Stepper, plan, num_rows: int, a, width: i
             got.append(np.asarray(run(batch)))
             continue
         # the same forward, traced with each router's choice sent to the host
-        with recorder.step() as seen, _router_call(lambda router, x: recorder.call(router, x)):
+        with recorder.recording() as seen:
             logits, run.arena = forward(model.params, run.arena, batch)
             got.append(np.asarray(logits))
         chosen.append([c.reshape(2, T, -1) for c in seen])
@@ -93,39 +92,6 @@ def check_family(fam: str, model, run: Stepper, plan, num_rows: int, a, width: i
                 routing_flips=None if flips is None else flips[0], note=note)
 
 
-class _Recorder:
-    """Router calls traced under `call` send their experts to the step now open (the callback is
-    compiled in, so a cached trace still reports to whichever step is current)."""
-
-    def __init__(self):
-        self.current: list = []
-
-    @contextlib.contextmanager
-    def step(self):
-        self.current = []
-        yield self.current
-        jax.effects_barrier()
-
-    def call(self, router, x):
-        weights, experts = _PLAIN_ROUTER(router, x)
-        jax.debug.callback(lambda e: self.current.append(np.asarray(e)), experts, ordered=True)
-        return weights, experts
-
-
-_PLAIN_ROUTER = Router.__call__
-
-
-@contextlib.contextmanager
-def _router_call(call):
-    """Router.__call__ replaced by `call(router, x)` while traces are made (restored after); a plain
-    function, so that it binds to each router (a bound method would not)."""
-    Router.__call__ = call
-    try:
-        yield
-    finally:
-        Router.__call__ = _PLAIN_ROUTER
-
-
 def _forced(chosen, steps, length: int, k: int) -> list[np.ndarray]:
     """The arena's choices as each block's [2, length, k] experts by absolute position (-1: not run)."""
     forced = [np.full((2, length, k), -1, np.int32) for _ in chosen[0]]
@@ -152,7 +118,7 @@ def _dense_forced(model, toks: np.ndarray, forced: list[np.ndarray]):
         return route_weights(logits, experts, router.cfg), experts
 
     graphdef = model.graphdef
-    with _router_call(call):
+    with routers_replaced(call):
         dense = jax.jit(lambda p, t: nnx.merge(graphdef, p).dense(t))(model.params, jnp.asarray(toks, jnp.int32))
         dense = np.asarray(dense)
         jax.effects_barrier()

@@ -26,11 +26,16 @@ token, embeddings apart) and attention (4 * heads * head_dim per visible (query,
 
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 import numpy as np
 
 from umem_jax.core.batch import make_batch
 from umem_jax.memory import ChainAllocator
+from umem_jax.models.moe import Router
+
+PLAIN_ROUTER = Router.__call__  # what routers_replaced puts back
 
 
 class ArenaFull(RuntimeError):
@@ -125,35 +130,55 @@ def param_counts(params) -> dict:
 
 def routed_experts(model, arena, batch, **kernel_kw):
     """The distinct experts every MoE block's router picks for `batch`'s valid tokens -> (counts
-    [blocks] in layer order, the newest arena).  One forward traced afresh, untimed, with each
-    block's choices sent to the host by an ordered debug callback; the arena is donated and
-    written as the timed step writes it (the same K/V, state rows)."""
+    [blocks] in layer order, the newest arena).  One forward traced afresh, untimed, under a
+    RouterRecorder; the arena is donated and written as the timed step writes it (the same K/V,
+    state rows)."""
     import jax
 
-    from umem_jax.models import moe as moe_mod
-
-    seen: list[int] = []
-    plain = moe_mod.MoE.__call__
-
-    def record(experts, ok):
-        e, ok = np.asarray(experts), np.asarray(ok)
-        seen.append(int(np.unique(e[ok]).size))
-
-    def counted(self, x, valid=None):
-        flat = x.reshape(-1, x.shape[-1])
-        ok = (jnp.ones(flat.shape[0], bool) if valid is None
-              else jnp.broadcast_to(valid, x.shape[:-1]).reshape(-1))
-        jax.debug.callback(record, self.gate(flat)[1], ok, ordered=True)
-        return plain(self, x, valid)
-
-    moe_mod.MoE.__call__ = counted
-    try:
+    recorder = RouterRecorder()
+    with recorder.recording() as seen:
         logits, arena = model.jit_forward(**kernel_kw)(model.params, arena, batch)
         jax.block_until_ready(logits)
-        jax.effects_barrier()
+    ok = np.asarray(batch.valid()).reshape(-1)  # a router sees its block's [B * T] tokens, row-major
+    return [int(np.unique(e[ok]).size) for e in seen], arena
+
+
+class RouterRecorder:
+    """Every MoE router traced inside `recording()` sends its choice (experts [N, k]) to the host
+    by an ordered debug callback, in call order.  The callback is compiled into the trace and
+    appends to the list current when the program runs, so a cached trace called again inside a
+    later `recording()` reports to that one."""
+
+    def __init__(self):
+        self.seen: list = []
+
+    def call(self, router, x):
+        import jax
+
+        weights, experts = PLAIN_ROUTER(router, x)
+        jax.debug.callback(lambda e: self.seen.append(np.asarray(e)), experts, ordered=True)
+        return weights, experts
+
+    @contextlib.contextmanager
+    def recording(self):
+        """-> the list this recording's choices go to (complete once the block has run)."""
+        import jax
+
+        self.seen = []
+        with routers_replaced(self.call):
+            yield self.seen
+            jax.effects_barrier()
+
+
+@contextlib.contextmanager
+def routers_replaced(call):
+    """Router.__call__ is `call(router, x)` while traces are made (restored after).  A function
+    is put on the class, so it binds to each router as a method would."""
+    Router.__call__ = lambda router, x: call(router, x)
+    try:
+        yield
     finally:
-        moe_mod.MoE.__call__ = plain
-    return seen, arena
+        Router.__call__ = PLAIN_ROUTER
 
 
 def experts_touched(cfg, tokens: int) -> float:
