@@ -8,12 +8,16 @@ without static regions, DemandModel, Scheduler) run the trace that benchmarks/be
 drives on the GPU, with the same engine settings; a step "takes" the time of a simple cost model
 fitted to the H200 (bench_models / bench_engine, RESULTS.md):
 
-    prefill step  PREFILL_S_PER_TOKEN * tokens computed          (2048-token chunk ~ 100 ms)
+    prefill step  PREFILL_BASE_S + PREFILL_S_PER_TOKEN * tokens  (2048-token chunk ~ 100 ms; every pass
+                  reads the weights once, as a decode step does: since session 15)
     decode step   DECODE_BASE_S + DECODE_S_PER_ROW * rows + K/V read at the rows' lengths
 
 so arrivals interleave with steps roughly as on the GPU.  What it reports is exact for the
 scheduler (admissions, retractions, peak running, utilization of the arena by live requests);
 the times are the cost model's, so tok/s here is a model figure, not a measurement.
+
+`--no-early` keeps a prompt in the queue until its whole need fits (early_admission=False: the rule
+before session 15) instead of starting its prefill in the bytes no running request is owed.
 
 `--rule before` prices a chunked prompt by its first chunk alone instead of reserving the rest
 of the prompt at admission, to show what that reservation does to retractions.  Every request
@@ -58,6 +62,7 @@ from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
 from . import bench_serving as bs
 
 PREFILL_S_PER_TOKEN = 100e-3 / 2048
+PREFILL_BASE_S = 2.6e-3  # the weights' read, as DECODE_BASE_S
 DECODE_BASE_S = 2.6e-3  # weights of a 4B model at ~3.3 TB/s
 DECODE_S_PER_ROW = 0.03e-3  # 24 gated-DeltaNet layers' state read + written per row
 KV_S_PER_TOKEN = 32 * 1024 / 3.3e12  # Qwen3.5-4B-like: 8 attention layers x 4 KV heads x 256 x K,V in bf16
@@ -128,7 +133,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         steps += 1
         peak = max(peak, len(sch.running))
         if b.kind == "prefill":
-            t += PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
+            t += PREFILL_BASE_S + PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
         else:
             t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + KV_S_PER_TOKEN * sum(r.end for r in b.rows)
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
@@ -182,6 +187,8 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--rule", default="now,before", help="comma list: now (reserve a chunked prompt's rest), before")
     ap.add_argument("--no-exact", action="store_true",
                     help="the ratio rule for fixed-length requests too (exact_fixed_length_reservation=False)")
+    ap.add_argument("--no-early", action="store_true",
+                    help="a prompt waits in the queue until its whole need fits (early_admission=False)")
     a = ap.parse_args(argv)
     spec = dict(bs.MODELS[a.model])
     if a.long:
@@ -205,6 +212,8 @@ def run(argv=None) -> list[dict]:
                                    ("new_token_ratio_decay", a.decay)) if v is not None}
     if a.no_exact:
         sched_kw["exact_fixed_length_reservation"] = False
+    if a.no_early:
+        sched_kw["early_admission"] = False
     rows = []
     for rule in [r.strip() for r in a.rule.split(",") if r.strip()]:
         for mem in configs:

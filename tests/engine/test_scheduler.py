@@ -23,14 +23,14 @@ from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
 PS, CHUNK = 4, 32
 
 
-def make(budget, mode="unified", *, max_num_seqs=4, ratio=0.5, buckets=None):
+def make(budget, mode="unified", *, max_num_seqs=4, ratio=0.5, buckets=None, early=True):
     p = make_plan(TinyHybrid.decls(tiny_config(), "float32"), page_size=PS)
     rows = size_arena(p, budget).num_rows
     regions = static_regions(p, rows) if mode == "static" else None
     alloc = ChainAllocator(p, rows, static_regions=regions)
     dm = DemandModel(p, chunk=CHUNK, empty=ChainAllocator(p, rows, static_regions=regions))
     buckets = buckets or Buckets((1, 2, 4), (8, 16, 32), (64, 256))
-    cfg = SchedulerConfig(max_num_seqs, CHUNK, buckets, new_token_ratio=ratio)
+    cfg = SchedulerConfig(max_num_seqs, CHUNK, buckets, new_token_ratio=ratio, early_admission=early)
     return Sim(Scheduler(cfg, alloc, dm))
 
 
@@ -202,11 +202,11 @@ def test_buckets():
 
 
 def test_chunked_prompt_rest_is_reserved_at_admission():
-    """A long prompt arriving while short requests decode is admitted only when ALL of its prompt
-    fits beside their reservations.  Priced on its first chunk alone, it would be admitted at
-    once in this arena, its later chunks would run the decoding requests out of pages, and it
-    would be retracted and recomputed: one retraction, 49 steps instead of 43."""
-    sim = make(220 << 10, max_num_seqs=8)
+    """Without early starts, a long prompt arriving while short requests decode is admitted only
+    when ALL of its prompt fits beside their reservations.  Priced on its first chunk alone, it
+    would be admitted at once in this arena, its later chunks would run the decoding requests
+    out of pages, and it would be retracted and recomputed: one retraction, 49 steps instead of 43."""
+    sim = make(220 << 10, max_num_seqs=8, early=False)
     for _ in range(4):
         sim.add(20, 30)
     for _ in range(3):
@@ -215,3 +215,55 @@ def test_chunked_prompt_rest_is_reserved_at_admission():
     sim.run()
     assert sim.sch.num_retractions == 0 and long.metrics.num_retractions == 0
     assert long.num_output == 4 and len(sim.steps) == 43
+
+
+def _long_behind_decoders(ratio, early):
+    """Four short requests decoding, then a 200-token prompt -> (sim, the long request, the
+    index of its first pass); steps run to the end, checking the early start after each."""
+    sim = make(220 << 10, max_num_seqs=8, ratio=ratio, early=early)
+    for _ in range(4):
+        sim.add(20, 30)
+    for _ in range(3):
+        sim.step()
+    long = sim.add(200, 4)
+    while sim.sch.has_work():
+        sim.step()
+        if sim.sch._early is long:  # what the others can still need fits beside it
+            assert sim.dm.fits(sim.alloc, sim.sch._worst_reservations(long))
+    assert sim.sch._early is None and long.num_output == 4 and not sim.alloc.leaks()
+    first = next(i for i, (_, rows) in enumerate(sim.steps) if any(r == long.request_id for r, _, _ in rows))
+    return sim, long, first
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.1])
+def test_early_start_uses_the_gap_and_adds_no_retraction(ratio):
+    """The same arrival with early starts (the default): the long prompt starts in the bytes the
+    decoding requests cannot need even if each runs to max_tokens.  At ratio 0.5 it starts 28
+    steps sooner than when it waits for its whole need; at either ratio it causes no
+    retraction the rule without early starts does not also make."""
+    sim, long, first = _long_behind_decoders(ratio, early=True)
+    base, base_long, base_first = _long_behind_decoders(ratio, early=False)
+    assert sim.sch.num_retractions == base.sch.num_retractions == (0 if ratio == 0.5 else 1)
+    assert base.sch.num_early_starts == 0 and sim.sch.num_early_starts >= 1
+    assert first <= base_first and (ratio != 0.5 or base_first - first >= 20)
+    assert long.output_token_ids == base_long.output_token_ids
+
+
+def test_one_early_start_at_a_time():
+    """Two long prompts arrive behind decoding requests: the first starts early, and the second,
+    whose admission must fit the rest of the first's prompt, waits until the first has all it
+    needs; both finish and nothing is retracted."""
+    sim = make(220 << 10, max_num_seqs=8)
+    for _ in range(4):
+        sim.add(20, 30)
+    for _ in range(3):
+        sim.step()
+    first, second = sim.add(200, 4), sim.add(150, 4)
+    while sim.sch.has_work():
+        sim.step()
+        if sim.sch._early is first:
+            assert second.status == RequestStatus.WAITING
+    assert first.num_output == second.num_output == 4 and sim.sch.num_retractions == 0
+    first_done = next(i for i, (k, rows) in enumerate(sim.steps) if any(r == first.request_id and e == 200
+                                                                        for r, _, e in rows))
+    assert all(r != second.request_id for _, rows in sim.steps[:first_done] for r, _, _ in rows)

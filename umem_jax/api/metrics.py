@@ -9,6 +9,8 @@ Scheduler
   umem:num_requests_waiting                 gauge      queued (new or retracted)
   umem:num_retractions_total                counter    requests sent back to the queue for memory
   umem:num_preemptions_total                counter    ...of which displaced by a higher priority
+  umem:num_early_starts_total               counter    prompts started in unreserved bytes before their
+                                                       whole need fit (scheduler.py, early start)
   umem:num_aborted_requests_total{reason}   counter    "budget" (prompt over the KV budget) | "client"
                                                        (disconnect / abort) | "error" (failed in the engine)
   umem:request_success_total{finished_reason}  counter "stop" | "length"
@@ -64,6 +66,7 @@ _BAND = ("model_name", "band", "kind", "window", "unit")
 
 # engine.stats() key -> counter name (a key the engine does not report leaves its counter at 0)
 _ENGINE_COUNTERS = {"num_retractions": "umem:num_retractions", "num_preemptions": "umem:num_preemptions",
+                    "num_early_starts": "umem:num_early_starts",
                     "num_compilations": "umem:num_compilations", "num_moved_pages": "umem:num_moved_pages",
                     "relocated_bytes": "umem:relocated_bytes", "num_evictions": "umem:num_evictions",
                     "num_compactions": "umem:num_compactions",

@@ -40,6 +40,9 @@ class EngineConfig:
     # never more than needed.  Off: the ratio rule for every request (to measure against, or to
     # force retraction in tests).  Speculative decoding keeps the ratio either way.
     exact_fixed_length_reservation: bool = True
+    # a long prompt whose whole need does not fit yet may start its prefill in the bytes no running
+    # request is owed, and wait there for the rest (scheduler.py); off: it waits in the queue
+    early_admission: bool = True
     max_prefill_streak: int = 4
     extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
     enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)
