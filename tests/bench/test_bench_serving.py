@@ -268,3 +268,17 @@ def test_http_driver_against_a_live_server():
     s = r.summary()
     assert s["finished"] == 3 and s["output_tokens"] == wl.total_output_tokens and s["aborted"] == 0
     assert s["e2e_ms_median"] > 0 and s["arena_bytes"] == aeng.engine.size.nbytes and len(r.timeline) >= 1
+
+
+def test_no_early_reaches_the_engine():
+    """bench_serving's --no-early turns the scheduler's early start off in every configuration's
+    engine (the GPU before/after of docs/memory.md); by default it is on, as in the engine."""
+    from benchmarks import bench_serving as bs
+
+    wls = [W.kv_heavy(2, long=W.Shape(64, 8))]
+    on = bs.engine_settings(bs.parse([]), wls, 0.01, small=True)
+    off = bs.engine_settings(bs.parse(["--no-early"]), wls, 0.01, small=True)
+    assert on["early_admission"] is True and off["early_admission"] is False
+    from umem_jax.engine.config import EngineConfig
+
+    assert EngineConfig(model=None).early_admission is True
