@@ -228,9 +228,9 @@ def _long_behind_decoders(ratio, early):
     long = sim.add(200, 4)
     while sim.sch.has_work():
         sim.step()
-        if sim.sch._early is long:  # what the others can still need fits beside it
-            assert sim.dm.fits(sim.alloc, sim.sch._worst_reservations(long))
-    assert sim.sch._early is None and long.num_output == 4 and not sim.alloc.leaks()
+        if sim.sch.early.req is long:  # what the others can still need fits beside it
+            assert sim.dm.fits(sim.alloc, sim.sch.early.worst_case(long))
+    assert sim.sch.early.req is None and long.num_output == 4 and not sim.alloc.leaks()
     first = next(i for i, (_, rows) in enumerate(sim.steps) if any(r == long.request_id for r, _, _ in rows))
     return sim, long, first
 
@@ -244,7 +244,7 @@ def test_early_start_uses_the_gap_and_adds_no_retraction(ratio):
     sim, long, first = _long_behind_decoders(ratio, early=True)
     base, base_long, base_first = _long_behind_decoders(ratio, early=False)
     assert sim.sch.num_retractions == base.sch.num_retractions == (0 if ratio == 0.5 else 1)
-    assert base.sch.num_early_starts == 0 and sim.sch.num_early_starts >= 1
+    assert base.sch.early.num_started == 0 and sim.sch.early.num_started >= 1
     assert first <= base_first and (ratio != 0.5 or base_first - first >= 20)
     assert long.output_token_ids == base_long.output_token_ids
 
@@ -261,7 +261,7 @@ def test_one_early_start_at_a_time():
     first, second = sim.add(200, 4), sim.add(150, 4)
     while sim.sch.has_work():
         sim.step()
-        if sim.sch._early is first:
+        if sim.sch.early.req is first:
             assert second.status == RequestStatus.WAITING
     assert first.num_output == second.num_output == 4 and sim.sch.num_retractions == 0
     first_done = next(i for i, (k, rows) in enumerate(sim.steps) if any(r == first.request_id and e == 200

@@ -358,7 +358,7 @@ class LLMEngine:
             "bands": self.bands(),
             "num_running": self.num_running, "num_waiting": self.num_waiting,
             "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
-            "num_early_starts": self.scheduler.num_early_starts,
+            "num_early_starts": self.scheduler.early.num_started,
             "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
             "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
             "num_compactions": self.runner.num_compactions, "num_failed_requests": self.isolation.num_failed,

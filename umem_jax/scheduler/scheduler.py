@@ -14,13 +14,8 @@ Memory, all priced by the one DemandModel (memory/demand.py), held through Reque
     flush/compaction), the least preferred running request is retracted, and so on.
   * priority: a waiting request that does not fit retracts running requests of lower priority,
     those freeing the most bytes in the bands it needs first (retraction.py).
-  * early start (`early_admission`): a long prompt whose whole need does not fit yet, but whose
-    first chunk fits beside all that every running request can still need (each run to
-    max_tokens: exact for fixed-length requests), is admitted and starts there instead of
-    leaving that gap idle.  Its later chunks take only such bytes and its last chunk also waits
-    for its decode reservation, so it never causes a retraction and it finishes once the others
-    have; meanwhile the rest of its prompt, counted in `_reservations()`, keeps every later
-    request waiting (one early start at a time).
+  * early start (`early_admission`, early_start.py): a long prompt whose whole need does not
+    fit yet starts its prefill in bytes no running request can need, one at a time.
 A retracted request goes back to the queue keeping its output tokens; its next prefill
 recomputes prompt + output (from the prefix cache when it can).  Nothing admitted is ever
 aborted for memory (see memory/demand.py).
@@ -49,6 +44,7 @@ from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
 from . import held, reservations, speculation
 from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
+from .early_start import EarlyStart
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
@@ -103,11 +99,10 @@ class Scheduler:
         self.exact = reservations.exact_applies(config)
         self._prefill_streak = 0
         self._reserved = None  # memo of _reservations(): (num_retractions, Demand)
-        self._early: Request | None = None  # the request admitted before its whole need fit (early_admission)
+        self.early = EarlyStart(self)  # the request admitted before its whole need fit (early_start.py)
         self.num_retractions = 0
         self.num_preemptions = 0
         self.num_restarts = 0  # lone requests restarted from an empty cache (`_restart_alone`)
-        self.num_early_starts = 0  # prompts admitted before their whole need fit (early_admission)
         self._restarted = False
         self.failed: list[tuple[Request, Exception]] = []  # admissions that raised: see _add_pass
 
@@ -131,7 +126,7 @@ class Scheduler:
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End `req` (finished or aborted): give back all its memory, drop it from the queues."""
-        self._end_early(req)
+        self.early.end(req)
         if req.status == RequestStatus.RUNNING:
             self._free_memory(req)
             self.running.remove(req)
@@ -146,7 +141,7 @@ class Scheduler:
         nothing of it handed to the prefix cache (a failed pass may claim tokens never written)."""
         if req.finished:
             return
-        self._end_early(req)
+        self.early.end(req)
         for queue in (self.running, self.waiting):
             if any(r is req for r in queue):
                 queue.remove(req)
@@ -161,7 +156,7 @@ class Scheduler:
 
     def retract(self, req: Request, *, preempted: bool = False) -> None:
         """Send a running request back to the queue: free its memory, keep its tokens."""
-        self._end_early(req)
+        self.early.end(req)
         self._free_memory(req)
         self.running.remove(req)
         req.restart(preempted=preempted)
@@ -190,7 +185,7 @@ class Scheduler:
     def _schedule(self) -> ScheduledBatch | None:
         if self.prefix is not None:
             self._reserved = None  # the running set changed since the last schedule
-            self.prefix.hand_off_running(self.running, self._owed)
+            self.prefix.hand_off_running(self.running, self.early.owed)
         self.memory.release_passed_windows(self.running)
         decoders = self._decoders()
         has_prefill = any(not r.decode_ready for r in self.running) or any(not r.num_pending for r in self.waiting)
@@ -238,7 +233,7 @@ class Scheduler:
                     self.prefix.drop_hit(req, hit)
                 return False
             if end == req.num_tokens:
-                self._end_early(req)  # its last chunk was priced with its decode reservation: owed as any other's
+                self.early.end(req)  # its last chunk was priced with its decode reservation: owed as any other's
             if not admitted:
                 self._admit(req, hit)
                 hit = None  # restored: what the hit pinned is the request's now
@@ -246,7 +241,7 @@ class Scheduler:
             start = req.num_computed
             checkpoints = ()
             if self.prefix is not None:
-                owed = lambda: self._owed() + batch.admitted_reservations
+                owed = lambda: self.early.owed() + batch.admitted_reservations
                 checkpoints = self.prefix.plan_checkpoints(req, start, end, owed)
         except Exception as e:  # noqa: BLE001 - one request's failure must not end the step for all
             if hit is not None:
@@ -269,22 +264,15 @@ class Scheduler:
             return 0, reservation
         end = req.num_computed + chunk
         step = self.demand.step(req, end)
-        if admitted and req is self._early and self._fits_early(lambda: self._admission_need(req, step, end),
-                                                                evict=self.running == [req]):
-            self._end_early(req)  # it would be admitted now: owed as any admitted request from here
-        if admitted and req is self._early:
-            # waits, retracting no one; a later pass at least half a chunk: a pass costs a read of the weights
-            end = self._early_end(req, end, lambda e: self._early_need(req, e), self.demand.chunk // 2)
-            if not end and self.running == [req]:
+        if admitted:  # an early start waits for free bytes (early_start.py); others make room
+            got = self.early.next_pass(req, step, end) if req is self.early.req else None
+            if got is None:
+                got = end if self._fits(lambda: step) or self._make_room(lambda: step, req, batch) else 0
+            if not got and self.running == [req]:
                 self._restart_alone(req)
-            return end, reservation
-        if admitted:
-            fits = self._fits(lambda: step) or self._make_room(lambda: step, req, batch)
-            if not fits and self.running == [req]:
-                self._restart_alone(req)
-            return (end if fits else 0), reservation
-        if self._early is not None and req.priority >= self._early.priority:
-            return 0, reservation  # the early start's rest, counted below, does not fit: no eviction in vain
+            return got, reservation
+        if self.early.blocks(req):
+            return 0, reservation
         reservation = self.demand.reservation(req, self._reserve_tokens(req, after=end), after=end)
         need = lambda: step + reservation + self._reservations() + batch.admitted_reservations
         fits = self._fits(need)
@@ -295,63 +283,9 @@ class Scheduler:
         if not fits:
             fits = preempt_for(need, req, self.running, batch.request_ids, self._fits, self.retract, self.demand,
                                self.allocator)
-        if not fits and self.cfg.early_admission and end < req.num_tokens and self._early is None:
-            # early start: a first chunk alone, in bytes no running request can need
-            owed = self._worst_reservations(req)
-            end = self._early_end(req, end, lambda e: self.demand.step(req, e) + owed, self.demand.chunk // 16)
-            if end:
-                self._early = req
-                self.num_early_starts += 1
-            return end, reservation
-        return (end if fits else 0), reservation
-
-    def _early_end(self, req: Request, end: int, need, shortest: int) -> int:
-        """The end of the early-started `req`'s next pass: `end`, or a shorter pass (halving, down
-        to `shortest` tokens) if only that fits -> 0 if none fits.  need(e): the demand of a pass
-        to e with what others are owed."""
-        start = req.num_computed
-        while True:
-            if self._fits_early(lambda: need(end)):
-                return end
-            end = start + (end - start) // 2
-            if end - start < max(shortest, self.cfg.min_chunk):
-                return 0
-
-    def _fits_early(self, need, evict: bool = False) -> bool:
-        """need() fits the free bytes now.  An early start evicts no prefix-cache entry: it is
-        tried at every schedule while it waits, and the cache would be emptied for a pass that
-        can wait.  Alone in the arena (evict=True) it evicts, as any admission: nothing else
-        will free memory for it then."""
-        return self._fits(need) if evict else self.demand.fits(self.allocator, need())
-
-    def _early_need(self, req: Request, end: int) -> Demand:
-        """What the early-started `req`'s pass to `end` needs free: the pass and what every other
-        running request can need, and with its last chunk its own decode reservation too."""
-        need = self.demand.step(req, end) + self._worst_reservations(req)
-        if end == req.num_tokens:
-            need = need + self.demand.reservation(req, self._reserve_tokens(req, after=end), after=end)
-        return need
-
-    def _admission_need(self, req: Request, step: Demand, end: int) -> Demand:
-        """What admitting the early-started `req` now would need: its pass, its reservation after
-        it, and every other running request's (the rule a waiting request is admitted by)."""
-        others = [r for r in self.running if r is not req]
-        return step + self.demand.reservation(req, self._reserve_tokens(req, after=end), after=end) + \
-            reservations.reservations(others, self.running + list(self.held.values()), self.demand,
-                                      self._reserve_tokens, self.exact)
-
-    def _worst_reservations(self, req: Request) -> Demand:
-        """What every running request but `req` can still need: its whole rest, every output it
-        may produce (ratio 1: a request the ratio rule prices may run to max_tokens), exactly so
-        under the exact rule.  An early start takes only bytes beyond this, so it never causes a
-        retraction."""
-        others = [r for r in self.running if r is not req]
-        return reservations.reservations(others, self.running + list(self.held.values()), self.demand,
-                                         lambda r: reservations.reserve_tokens(r, 1.0, self.exact), self.exact)
-
-    def _end_early(self, req: Request) -> None:
-        if req is self._early:
-            self._early = None
+        if not fits:
+            return self.early.start(req, end), reservation
+        return end, reservation
 
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
@@ -445,16 +379,6 @@ class Scheduler:
                                           self._reserve_tokens, self.exact)
         self._reserved = (key, total)
         return total
-
-    def _owed(self) -> Demand:
-        """What running requests are owed, for optional allocations (state checkpoints): their
-        reservations, but an early start's only once they fit -- until then it waits for bytes
-        others free, and counting its rest would skip (and evict the cache for) every checkpoint."""
-        if self._early is None:
-            return self._reservations()
-        others = [r for r in self.running if r is not self._early]
-        return reservations.reservations(others, self.running + list(self.held.values()), self.demand,
-                                         self._reserve_tokens, self.exact)
 
     def _free_memory(self, req: Request) -> None:
         if self.prefix is not None:

@@ -1,0 +1,129 @@
+"""Early start: a long prompt begins its prefill in bytes no running request can need.
+
+A waiting request is admitted when its pass, its own reservation (the rest of its prompt and its
+decode reservation) and every running request's reservation fit.  A long prompt that does not fit
+would wait in the queue while the bytes it does not fit into stay idle.  With an early start
+(SchedulerConfig.early_admission) it is admitted when its first pass alone fits beside all that
+every running request can still need -- each run to max_tokens (ratio 1; exact for fixed-length
+requests under the exact rule) -- and it goes on that way:
+
+  * a pass that does not fit is halved, down to 1/16 of a chunk for the first and 1/2 for the
+    later ones (every pass reads the weights once: smaller passes would cost throughput);
+  * its last pass also needs its own decode reservation, so it decodes as any admitted request;
+  * once its whole need would be admitted by the usual rule, it is priced as any admitted request.
+
+So it never takes what another request is owed and never causes a retraction; it finishes once
+the others have given back their memory.  One at a time: its unfit rest stays in the running
+requests' reservations, so every later request of the same or lower priority waits as it would
+have (first come, first served).  It evicts no prefix-cache entry (it is retried at every
+schedule) unless it runs alone, and optional allocations (state checkpoints) are priced against
+what the others are owed, not against its unfit rest.  docs/memory.md measures it.
+"""
+
+from __future__ import annotations
+
+from ..core.request import Request
+from ..memory.demand import Demand
+from . import reservations
+
+FIRST_PASS_FRACTION = 16  # the first pass may shrink to chunk // 16 tokens (128 at 2048)
+LATER_PASS_FRACTION = 2  # later passes to chunk // 2 (each pass reads the weights once)
+
+
+class EarlyStart:
+    """The request admitted before its whole need fit (at most one), and how its passes are priced.
+    `sch` is the Scheduler: its running set, demand model, allocator and reservation rules."""
+
+    def __init__(self, sch):
+        self.sch = sch
+        self.req: Request | None = None
+        self.num_started = 0
+
+    def blocks(self, req: Request) -> bool:
+        """Whether waiting `req` cannot be admitted now: an early start's unfit rest comes first
+        (pricing it anyway would evict the prefix cache in vain)."""
+        return self.req is not None and req.priority >= self.req.priority
+
+    def start(self, req: Request, end: int) -> int:
+        """Admit waiting `req` early if a first pass to at most `end` fits -> its end, or 0."""
+        sch = self.sch
+        if not sch.cfg.early_admission or self.req is not None or end >= req.num_tokens:
+            return 0
+        owed = self.worst_case(req)
+        end = self._shrink(req, end, lambda e: sch.demand.step(req, e) + owed,
+                           sch.demand.chunk // FIRST_PASS_FRACTION)
+        if end:
+            self.req = req
+            self.num_started += 1
+        return end
+
+    def next_pass(self, req: Request, step: Demand, end: int) -> int | None:
+        """The end of the early-started `req`'s next pass (0: it waits), or None once it is
+        priced as any admitted request (it would be admitted now)."""
+        sch = self.sch
+        if self._fits(lambda: self._admission_need(req, step, end), evict=sch.running == [req]):
+            self.end(req)
+            return None
+        return self._shrink(req, end, lambda e: self._need(req, e), sch.demand.chunk // LATER_PASS_FRACTION)
+
+    def end(self, req: Request) -> None:
+        """`req` has all it is owed, left the running set, or failed: no early start now."""
+        if req is self.req:
+            self.req = None
+
+    def owed(self) -> Demand:
+        """What running requests are owed, for optional allocations (state checkpoints): their
+        reservations, but an early start's only once they fit -- counting its unfit rest would
+        skip (and evict the cache for) every checkpoint while it waits."""
+        sch = self.sch
+        if self.req is None:
+            return sch._reservations()
+        return self._reservations(sch._reserve_tokens, but=self.req)
+
+    def worst_case(self, req: Request) -> Demand:
+        """All that every running request but `req` can still need: its whole rest and every
+        output it may produce (ratio 1), exactly so under the exact rule."""
+        sch = self.sch
+        return self._reservations(lambda r: reservations.reserve_tokens(r, 1.0, sch.exact), but=req)
+
+    # ------------------------------------------------------------------ pricing
+    def _reservations(self, tokens, but: Request) -> Demand:
+        sch = self.sch
+        others = [r for r in sch.running if r is not but]
+        return reservations.reservations(others, sch.running + list(sch.held.values()), sch.demand, tokens, sch.exact)
+
+    def _need(self, req: Request, end: int) -> Demand:
+        """The pass to `end` and what every other running request can need; with its last pass
+        its own decode reservation too."""
+        sch = self.sch
+        need = sch.demand.step(req, end) + self.worst_case(req)
+        if end == req.num_tokens:
+            need = need + sch.demand.reservation(req, sch._reserve_tokens(req, after=end), after=end)
+        return need
+
+    def _admission_need(self, req: Request, step: Demand, end: int) -> Demand:
+        """What admitting `req` by the usual rule would need now: its pass, its reservation after
+        it, and every other running request's."""
+        sch = self.sch
+        own = sch.demand.reservation(req, sch._reserve_tokens(req, after=end), after=end)
+        return step + own + self._reservations(sch._reserve_tokens, but=req)
+
+    def _shrink(self, req: Request, end: int, need, shortest: int) -> int:
+        """`end`, or a shorter pass (halving, down to `shortest` tokens) if only that fits -> 0
+        if none fits.  need(e): the demand of a pass to e with what others are owed."""
+        start = req.num_computed
+        while True:
+            if self._fits(lambda: need(end)):
+                return end
+            end = start + (end - start) // 2
+            if end - start < max(shortest, self.sch.cfg.min_chunk):
+                return 0
+
+    def _fits(self, need, evict: bool = False) -> bool:
+        """need() fits the free bytes now; with `evict` (alone in the arena: nothing else will
+        free memory for it) after evicting from the prefix cache, as any admission."""
+        sch = self.sch
+        return sch._fits(need) if evict else sch.demand.fits(sch.allocator, need())
+
+
+__all__ = ["EarlyStart"]
