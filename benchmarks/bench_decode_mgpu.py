@@ -11,12 +11,21 @@ Bandwidth = the K/V bytes of the visible positions / time.  Goals (issue 17): Mo
 TB/s on every shape, >= 0.95x cuDNN dense on the same bytes at B=64 ctx 4096, >= 85% of the copy
 limit measured at the start of the same run.  The table comes last; with $OUT the rows go to
 $OUT/bench_decode_mgpu.json too.
+
+The "fp8" shape (B=64 ctx 4096, 32/8 heads, D=128, page 16, e4m3 K/V with per-kv-head scales) times
+four kernels in one call: the Triton and the Mosaic kernel on the fp8 arena (backend "triton" /
+"mgpu"; auto keeps fp8 on Triton until this row has been measured) and both on a bf16 arena of the
+same geometry; each checked against the reference on its own arena.  Its TB/s count the bytes read
+(1 byte a value for fp8); the second table sets the fp8 kernels against each other and against bf16.
+
+    python3 -m benchmarks.bench_decode_mgpu --only fp8          # that row alone (with its sweep)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 import time
 import traceback
@@ -24,9 +33,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from umem_jax.memory.plan import KVView
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+from umem_jax.pallas_kernels.words import encode_fp8
 
 from .copy_limit import copy_limit
 from .decode_peers import cudnn_dense, decode_setup, head_major, kv_bytes, max_err
@@ -46,10 +58,11 @@ class Shape:
     window: int | None = None
     softcap: float | None = None
     sinks: bool = False
+    fp8: bool = False  # e4m3 K/V (per-kv-head scales); the row also times bf16 K/V of the same geometry
 
     def label(self) -> str:
         extra = (f" w={self.window}" if self.window else "") + (" softcap" if self.softcap else "") + \
-                (" sinks" if self.sinks else "")
+                (" sinks" if self.sinks else "") + (" fp8" if self.fp8 else "")
         return f"B={self.B} ctx={self.ctx} {self.Hq}/{self.Hkv}h D={self.D} ps={self.ps}{extra}"
 
 
@@ -63,15 +76,38 @@ SHAPES = (
     Shape("gptoss", 64, 4096, 64, 8, 64, window=128, sinks=True),  # gpt-oss's sliding layers
     Shape("d256_softcap", 64, 4096, 8, 4, 256, softcap=50.0),      # Gemma-like head dim
     Shape("page64", 64, 4096, 32, 8, 128, ps=64),
+    Shape("fp8", 64, 4096, 32, 8, 128, fp8=True),            # the Mosaic fp8 path vs Triton's, and vs bf16
 )
 
 
-def sweep_configs(D: int):
+def sweep_configs(D: int, fp8: bool = False):
     """(block_kv, ring_slots, num_splits) besides the default (None, None, None)."""
+    if fp8:  # the default at D <= 128 is (128, 4); shallower rings and 64-token blocks
+        return [(128, 2, None), (128, 3, None), (64, 4, None)] if D <= 128 else [(64, 2, None)]
     out = [(128, 2, None), (64, 3, None), (64, 4, None)]
     if D <= 128:
         out.append((128, 3, None))
     return out
+
+
+def fp8_setup(key, s: Shape):
+    """decode_setup's geometry with fp8 K/V: arena rows of Hkv * D / 2 words (e4m3 pairs) filled with
+    random normal values (the sink too), random per-kv-head k/v scales, page tables of distinct
+    pages in random order -> (view, arena, pt, lengths, q, k_scale, v_scale)."""
+    P = -(-s.ctx // s.ps)
+    npages, layers = 1 + s.B * P, 2
+    W = s.Hkv * s.D // 2
+    view = KVView(rows_per_page=layers * 2 * s.ps, page_size=s.ps, k_row=(layers - 1) * 2 * s.ps,
+                  v_row=(layers - 1) * 2 * s.ps + s.ps, num_kv_heads=s.Hkv, head_dim=s.D, v_head_dim=s.D,
+                  row_words=W, fp8=True)
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    arena = jax.jit(lambda k: encode_fp8(jax.random.normal(k, (npages * view.rows_per_page, s.Hkv * s.D),
+                                                           jnp.bfloat16)))(k1)
+    perm = np.asarray(jax.random.permutation(k2, np.arange(1, npages, dtype=np.int32)))
+    pt = jnp.asarray(perm.reshape(s.B, P))
+    q = jax.random.normal(k3, (s.B, s.Hq, s.D), jnp.bfloat16)
+    ks, vs = (jax.random.uniform(k, (s.Hkv,), jnp.float32, 0.5, 1.5) for k in jax.random.split(k4))
+    return view, arena, pt, jnp.full((s.B,), s.ctx, jnp.int32), q, ks, vs
 
 
 def bench_shape(a, s: Shape):
@@ -80,11 +116,17 @@ def bench_shape(a, s: Shape):
                                           Hkv=s.Hkv, D=s.D, page_size=s.ps, window=s.window)
     sinks = jax.random.normal(jax.random.PRNGKey(5), (s.Hq,), jnp.float32) if s.sinks else None
     kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks)
-    ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **kw))(q, arena, pt, ln)
     nbytes = kv_bytes(s.B, min(s.ctx, s.window or s.ctx), view)
     row = dict(name=s.name, shape=s.label(), bytes=nbytes)
+    if s.fp8:  # the bf16 arena above is timed too (bf16_*); the row's own kernels read the fp8 one
+        bf16 = dict(kw=kw, arena=arena, q=q, pt=pt, ln=ln, bytes=nbytes)
+        view, arena, pt, ln, q, ks, vs = fp8_setup(key, s)
+        kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks, k_scale=ks, v_scale=vs)
+        nbytes //= 2  # one byte a value
+        row.update(bytes=nbytes)
+    ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **kw))(q, arena, pt, ln)
 
-    def run(label, **extra):
+    def run(label, kw=kw, arena=arena, q=q, pt=pt, ln=ln, ref=ref, nbytes=nbytes, **extra):
         f = jax.jit(lambda q, a_, p, l: paged_decode_attention(q, a_, p, l, impl="pallas", **kw, **extra))
         try:
             err = max_err(f(q, arena, pt, ln), ref)
@@ -99,13 +141,22 @@ def bench_shape(a, s: Shape):
               f"{'' if ok else ' WRONG'}", flush=True)
         return (t, err, label) if ok else None
 
+    if s.fp8:  # bf16 K/V of the same geometry, in the same run: what fp8 is measured against
+        b = bf16
+        b_ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **b["kw"]))(
+            b["q"], b["arena"], b["pt"], b["ln"])
+        b_run = functools.partial(run, kw=b["kw"], arena=b["arena"], q=b["q"], pt=b["pt"], ln=b["ln"], ref=b_ref,
+                                  nbytes=b["bytes"])
+        b_tri, b_mg = b_run("bf16 triton", backend="triton"), b_run("bf16 mgpu", backend="mgpu")
+        row.update(bf16_triton_us=b_tri and b_tri[0] * 1e6, bf16_mgpu_us=b_mg and b_mg[0] * 1e6)
+        del b, b_ref, b_run, bf16  # the bf16 arena's memory back before the fp8 timings
     tri = run("triton", backend="triton")
     mg_default = run("mgpu default", backend="mgpu")
     mg = [mg_default] if mg_default else []
     if a.sweep:
         from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-        for bkv, slots, splits in sweep_configs(s.D):
+        for bkv, slots, splits in sweep_configs(s.D, s.fp8):
             if time.time() > a.deadline:
                 break
             f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits: paged_decode_attention_mgpu(
@@ -135,6 +186,22 @@ def bench_shape(a, s: Shape):
         except Exception as e:  # noqa: BLE001
             print(f"  cudnn: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     return a.log.add(row)
+
+
+def fp8_table(rows) -> str:
+    """The fp8 rows: Triton vs Mosaic on fp8 K/V, and each against bf16 K/V in the same run."""
+    out = []
+    for r in rows:
+        if "bf16_mgpu_us" not in r:
+            continue
+        tb = lambda us: r["bytes"] / (us * 1e-6) / 1e12 if us else None
+        tri, mg, b_tri, b_mg = (r.get(k) for k in ("triton_us", "mgpu_default_us", "bf16_triton_us", "bf16_mgpu_us"))
+        ratio = lambda x, y: x / y if x and y else None
+        out.append([r["name"], r["shape"], fmt(tri, ".1f"), fmt(tb(tri), ".3f"), fmt(mg, ".1f"), fmt(tb(mg), ".3f"),
+                    fmt(ratio(tri, mg), ".3f"), fmt(b_tri, ".1f"), fmt(b_mg, ".1f"), fmt(ratio(b_mg, mg), ".3f"),
+                    fmt(ratio(b_tri, tri), ".3f")])
+    return format_table(["fp8", "", "triton us", "TB/s", "mgpu us", "TB/s", "mgpu speed-up", "bf16 triton us",
+                         "bf16 mgpu us", "mgpu bf16/fp8", "triton bf16/fp8"], out, left=2)
 
 
 def table(a, rows) -> str:
@@ -189,6 +256,8 @@ def main(argv=None) -> int:
     a.log.flush()
     print(f"\n== bench_decode_mgpu ({time.time() - t0:.0f} s; copy limit {lim.tbps:.3f} TB/s) ==")
     print(table(a, rows))
+    if any("bf16_mgpu_us" in r for r in rows):
+        print("\n" + fp8_table(rows))
     return 0
 
 

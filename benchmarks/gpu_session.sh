@@ -6,7 +6,7 @@ set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
-                    [decode_default]=560 [state]=200 [serve_early]=560)
+                    [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420)
 step() {
   case "$1" in
     spec) python3 -m benchmarks.bench_speculative --out "$OUT" --dtype float32 --batches 1 --prompt 512 \
@@ -35,6 +35,8 @@ step() {
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --budget 140; done ;;
     state) python3 -m benchmarks.bench_state ;;
+    mgpu_fp8) python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k fp8 &&
+            python3 -m benchmarks.bench_decode_mgpu --only fp8 --budget 200 ;;
     serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
             --workloads kv-heavy,mixed,shifting --static-ratios 0.5:0.5 --budget-after-build --no-progress \
             --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_early$e" $e; done ;;

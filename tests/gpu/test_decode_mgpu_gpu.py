@@ -2,7 +2,9 @@
 reference over poisoned arenas (tombstoned window pages and unwritten slots hold NaN patterns),
 for GQA ratios 1-64, head dims 64-256, page sizes below, equal to and above the KV block, windows,
 soft-cap, sinks, split-K and the ring depths; and the engine's entry point (paged_decode_attention
-with backend "mgpu" / "auto") choosing it.
+with backend "mgpu" / "auto") choosing it.  The same for fp8 (e4m3) arenas written with random
+per-kv-head k/v scales (the byte ring, its dequantisation to f16, the scales folded into q and the
+output), with the fp8 Triton kernel's tolerance (1.5e-2 of the largest output).
 
 Skipped on CPU (conftest: `gpu` marker).  Run: python -m pytest -q tests/gpu/test_decode_mgpu_gpu.py
 """
@@ -15,7 +17,9 @@ import numpy as np
 import pytest
 from _kernel_utils import decode_case
 
+from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
 from umem_jax.pallas_kernels.backend import device_info, hopper_refusal
+from umem_jax.pallas_kernels.kv_write import write_kv_reference
 from umem_jax.pallas_kernels.paged_decode import (decode_backend, paged_decode_attention,
                                                   paged_decode_attention_reference)
 
@@ -85,4 +89,114 @@ def test_entry_point_chooses_mgpu(monkeypatch):
     np.testing.assert_allclose(np.asarray(auto, np.float32), np.asarray(tri, np.float32), rtol=2e-2, atol=2e-2)
     monkeypatch.setenv("UMEM_JAX_DECODE", "auto")
     text = jax.jit(lambda *a: paged_decode_attention(*a, view=view, impl="pallas")).lower(q, arena, pt, ln).as_text()
+    assert "mosaic_gpu" in text
+
+
+# --------------------------------------------------------------------------- fp8 K/V
+
+POISON = 0xFFFF  # both bytes e4m3 NaN
+
+
+def fp8_case(seed, *, B, Hkv, G, D, ps, ctx_max, window=None, min_len=0):
+    """A decode batch over a poisoned fp8 arena: K/V written (reference writer, per-kv-head scales,
+    k_scale != v_scale) for [0, len) of each row (row 0 at ctx_max; with B > 2 row 1 at length 1 and
+    row 2 a padding lane); pages past a row's length and, with a window, pages wholly before it point
+    at the poisoned sink page 0.  -> (view, arena (bf16, as the engine allocates it), page_table,
+    lengths, q bf16, k_scale, v_scale)."""
+    rng = np.random.default_rng(seed)
+    decls = [LayerDecl(i, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Full()),)) for i in range(2)]
+    decls.append(LayerDecl(2, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Window(64)),)))
+    view = plan(decls, page_size=ps).full.kv_view(1)  # rows not at 0 of the envelope
+    P = -(-ctx_max // ps)
+    lengths = rng.integers(min_len, ctx_max + 1, size=B).astype(np.int32)
+    lengths[0] = ctx_max
+    if B > 2:
+        lengths[1], lengths[2] = 1, 0
+    npages = B * P + 2
+    pt = rng.permutation(np.arange(1, npages))[:B * P].reshape(B, P).astype(np.int32)
+    pos = [np.arange(n) for n in lengths]
+    pages = jnp.asarray(np.concatenate([pt[b, p // ps] for b, p in enumerate(pos)]), jnp.int32)
+    slots = jnp.asarray(np.concatenate([p % ps for p in pos]), jnp.int32)
+    T = int(lengths.sum())
+    ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)  # |k| < ~12: stored below 448 (no saturation)
+    vs = jnp.asarray(rng.uniform(0.25, 2.0, Hkv), jnp.float32)
+    k = jax.random.normal(jax.random.PRNGKey(seed), (T, Hkv, D), jnp.float32) * 3
+    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (T, Hkv, D), jnp.float32)
+    arena = jnp.full((npages * view.rows_per_page, view.row_words), POISON, jnp.uint16)
+    arena = write_kv_reference(arena, k, v, pages, slots, view=view, k_scale=ks, v_scale=vs)
+    for b in range(B):
+        pt[b, -(-int(lengths[b]) // ps):] = 0
+        if window is not None:
+            pt[b, :max(0, int(lengths[b]) - window) // ps] = 0
+    q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.bfloat16)
+    return view, jax.lax.bitcast_convert_type(arena, jnp.bfloat16), jnp.asarray(pt), jnp.asarray(lengths), q, ks, vs
+
+
+def close_fp8(got, ref, tol=1.5e-2):
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert got.shape == ref.shape
+    assert np.isfinite(ref).all(), "the reference read a poisoned (NaN) row"
+    assert np.isfinite(got).all(), "the kernel read a poisoned (NaN) row"
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * max(1.0, float(np.abs(ref).max())))
+
+
+FP8_CASES = [
+    # (G, D, ps, window, softcap, sinks, tuning)
+    (6, 128, 16, None, None, False, {}),                     # 4 slots of 128 tokens, 64-byte ring swizzle
+    (6, 80, 16, 200, None, True, {}),                        # unswizzled byte rows, a window, sinks
+    (6, 256, 16, None, 50.0, False, {}),                     # 64-token blocks, 3 slots, soft-cap
+    (6, 256, 64, 150, None, True, {"block_kv": 64, "ring_slots": 2}),
+    (1, 128, 16, None, None, False, {"num_splits": 1}),
+    (8, 64, 16, 128, None, True, {}),                        # gpt-oss's sliding layers, in fp8
+    (4, 128, 64, 300, 30.0, True, {}),                       # page 64
+    (6, 128, 16, 64, None, False, {"num_splits": 13}),       # more splits than blocks: empty splits
+    (6, 96, 32, None, None, False, {"block_kv": 64, "ring_slots": 4}),  # 32-byte ring swizzle
+    (3, 192, 128, None, None, False, {}),                    # page == 128-token block, 2 slots
+    (2, 144, 16, 500, None, False, {}),                      # unswizzled rows wider than one chunk
+    (64, 64, 256, 100, None, True, {}),                      # a whole wgmma tile of q heads, page > block
+]
+
+
+@pytest.mark.parametrize("G,D,ps,window,softcap,sinks,tuning", FP8_CASES,
+                         ids=[f"fp8_g{c[0]}_d{c[1]}_p{c[2]}_w{c[3]}_sc{c[4]}_s{int(c[5])}_{c[6]}" for c in FP8_CASES])
+def test_mgpu_fp8_decode_matches_reference(G, D, ps, window, softcap, sinks, tuning):
+    from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
+
+    view, arena, pt, ln, q, ks, vs = fp8_case(G * 1000 + D + ps, B=6, Hkv=2, G=G, D=D, ps=ps, ctx_max=1300,
+                                              window=window)
+    sk = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape[1]) * 2, jnp.float32) if sinks else None
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sk, k_scale=ks, v_scale=vs)
+    got = paged_decode_attention_mgpu(q, arena, pt, ln, **kw, **tuning)
+    ref = paged_decode_attention_reference(q, arena, pt, ln, **kw)
+    assert got.dtype == q.dtype
+    close_fp8(got, ref)
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[np.asarray(ln) == 0], 0.0)
+
+
+def test_mgpu_fp8_long_context_many_splits():
+    """32K tokens over 8 requests of random lengths, fp8: split-K's shares, the combine, v_scale."""
+    from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
+
+    view, arena, pt, ln, q, ks, vs = fp8_case(7, B=8, Hkv=8, G=4, D=128, ps=16, ctx_max=32768, min_len=1)
+    kw = dict(view=view, k_scale=ks, v_scale=vs)
+    close_fp8(paged_decode_attention_mgpu(q, arena, pt, ln, **kw), paged_decode_attention_reference(q, arena, pt, ln,
+                                                                                                    **kw))
+
+
+def test_entry_point_runs_mgpu_fp8_when_asked(monkeypatch):
+    """fp8: backend "auto" keeps the Triton kernel (the Mosaic fp8 path is unmeasured), "mgpu"
+    (argument or $UMEM_JAX_DECODE) runs the Mosaic kernel, with the scales, within fp8 tolerance of
+    the Triton kernel's answer."""
+    view, arena, pt, ln, q, ks, vs = fp8_case(3, B=4, Hkv=4, G=6, D=128, ps=16, ctx_max=700, window=300)
+    kernel, why = decode_backend(q, view, backend="auto")
+    assert kernel == "triton" and "fp8" in why
+    assert decode_backend(q, view, backend="mgpu") == ("mgpu", "")
+    kw = dict(view=view, window=300, softcap=20.0, k_scale=ks, v_scale=vs, impl="pallas")
+    tri = paged_decode_attention(q, arena, pt, ln, backend="triton", **kw)
+    mg = jax.jit(lambda *a: paged_decode_attention(*a, backend="mgpu", **kw))(q, arena, pt, ln)
+    close_fp8(mg, tri)
+    close_fp8(mg, paged_decode_attention_reference(q, arena, pt, ln, view=view, window=300, softcap=20.0,
+                                                   k_scale=ks, v_scale=vs))
+    monkeypatch.setenv("UMEM_JAX_DECODE", "mgpu")
+    text = jax.jit(lambda *a: paged_decode_attention(*a, **kw)).lower(q, arena, pt, ln).as_text()
     assert "mosaic_gpu" in text

@@ -2,7 +2,10 @@
 (paged_decode.decode_backend, pure logic over a made-up DeviceInfo), the refusals and the default
 tiling, the split combine against an independent float64 softmax, and the kernel cross-lowered for
 CUDA through Mosaic GPU's lowering (jax 0.10 has the plgpu.kernel API too; only running it needs
-0.11 and Hopper).  The compiled kernel against the reference is tests/gpu/test_decode_mgpu_gpu.py.
+0.11 and Hopper).  The fp8 path: the same (auto keeps Triton until the GPU has measured it, mgpu
+runs it), its shared-memory budget, the byte ring's two aliased views, and its wrapper (k_scale
+folded into q, v_scale into the output) around a stand-in for the kernel.  The compiled kernel
+against the reference is tests/gpu/test_decode_mgpu_gpu.py.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from _prefill_utils import kv_view
 from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
 from umem_jax.pallas_kernels import paged_prefill_mgpu
 from umem_jax.pallas_kernels.backend import DeviceInfo
-from umem_jax.pallas_kernels.paged_decode import DECODE_ENV, decode_backend
+from umem_jax.pallas_kernels.paged_decode import DECODE_ENV, decode_backend, paged_decode_attention_reference
+from umem_jax.pallas_kernels import paged_decode_mgpu
 from umem_jax.pallas_kernels.paged_decode_mgpu import (_SMEM_LIMIT, DecodeMgpuConfig, check_decode_mgpu_supported,
-                                                       combine_splits, default_decode_mgpu_config,
+                                                       combine_splits, default_decode_mgpu_config, fp8_swizzle,
                                                        paged_decode_attention_mgpu, smem_bytes)
 
 H200 = DeviceInfo("gpu", "9.0", (0, 11))
@@ -191,4 +195,229 @@ def test_lowers_for_cuda(case, monkeypatch):
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
     f = jax.jit(functools.partial(paged_decode_attention_mgpu, **kw))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# --------------------------------------------------------------------------- fp8 K/V
+
+FP8_DIMS = [64, 80, 96, 112, 128, 144, 160, 192, 224, 256]
+
+
+def test_fp8_auto_keeps_triton_until_measured_and_mgpu_runs_it(monkeypatch):
+    """fp8 views: "auto" stays on Triton (the Mosaic fp8 path is unmeasured) and says why; "mgpu"
+    (argument or $UMEM_JAX_DECODE) takes the Mosaic kernel; off Hopper "mgpu" still refuses."""
+    monkeypatch.delenv(DECODE_ENV, raising=False)
+    for Hkv, D, ps, G in ((8, 128, 16, 4), (2, 80, 16, 6), (1, 256, 64, 8)):
+        view = fp8_view(Hkv, D, ps)
+        assert decode_backend(q_of(view, G), view, device=H200)[0] == "triton"  # the default
+        kernel, why = decode_backend(q_of(view, G), view, backend="auto", device=H200)
+        assert kernel == "triton" and "fp8" in why and "not been measured" in why, why
+        assert decode_backend(q_of(view, G), view, backend="mgpu", device=H200) == ("mgpu", "")
+    view = fp8_view(8, 128, 16)
+    monkeypatch.setenv(DECODE_ENV, "mgpu")
+    assert decode_backend(q_of(view), view, device=H200) == ("mgpu", "")
+    assert decode_backend(q_of(view), view, kv_dtype=jnp.float8_e4m3fn, device=H200) == ("mgpu", "")
+    with pytest.raises(NotImplementedError, match="not an NVIDIA GPU"):
+        decode_backend(q_of(view), view, device=CPU)
+    with pytest.raises(NotImplementedError, match="kv_dtype"):  # an fp8 view read as bf16: refused
+        decode_backend(q_of(view), view, kv_dtype=jnp.bfloat16, device=H200)
+
+
+@pytest.mark.parametrize("case,why", [
+    ("kv_dtype", "kv_dtype"),
+    ("d72", "multiple of 16"),
+    ("d288", "multiple of 16 in [64, 256]"),
+    ("g65", "at most 64"),
+    ("ps4", "page_size 4"),
+    ("smem", "shared memory needed (fp8 K/V)"),
+])
+def test_fp8_refusals(case, why):
+    D = {"d72": 72, "d288": 288}.get(case, 256 if case == "smem" else 128)
+    view = fp8_view(2 if case == "d72" else 1, D, 4 if case == "ps4" else 16)  # 1 x 72 fp8: no 16-byte row
+    cfg = DecodeMgpuConfig(128, 4) if case == "smem" else default_decode_mgpu_config(D, view.page_size, fp8=True)
+    with pytest.raises(NotImplementedError, match=why.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        check_decode_mgpu_supported(q_of(view, 65 if case == "g65" else 4), view, cfg,
+                                    jnp.bfloat16 if case == "kv_dtype" else None)
+
+
+def test_fp8_is_still_refused_by_the_prefill():
+    """The shared TMA-layout check takes fp8 views only for the decode (fp8=True)."""
+    view = fp8_view(2, 128, 16)
+    assert "fp8" in paged_prefill_mgpu.tma_layout_refusal(128, view)
+    assert paged_prefill_mgpu.tma_layout_refusal(128, view, fp8=True) is None
+    assert paged_prefill_mgpu.tma_layout_refusal(128, view, jnp.float8_e4m3fn, fp8=True) is None
+
+
+@pytest.mark.parametrize("D", FP8_DIMS)
+@pytest.mark.parametrize("ps", [8, 16, 32, 64, 128, 256])
+def test_fp8_default_config_fits_shared_memory_and_the_page(D, ps):
+    """The fp8 budget (a byte ring + the two 16-bit tiles the consumer dequantises into) fits 227 KiB
+    with the default tiling, a ring at least as deep in tokens as the bf16 kernel's."""
+    cfg = default_decode_mgpu_config(D, ps, fp8=True)
+    assert smem_bytes(D, cfg, fp8=True) <= _SMEM_LIMIT and 2 <= cfg.ring_slots <= 4
+    assert cfg.block_kv % ps == 0 or ps % cfg.block_kv == 0
+    view = fp8_view(1, D, ps)
+    check_decode_mgpu_supported(q_of(view), view, cfg)
+    bf16 = default_decode_mgpu_config(D, ps)
+    assert cfg.block_kv * cfg.ring_slots >= bf16.block_kv * bf16.ring_slots
+    # the byte ring is half the bf16 ring; the dequantised K and V tiles come on top
+    assert smem_bytes(D, cfg, fp8=True) - smem_bytes(D, cfg) == 2 * cfg.block_kv * D * (2 - cfg.ring_slots)
+
+
+def test_fp8_budget_per_head_dim():
+    """The fp8 tilings the docstrings quote (page 16)."""
+    got = {D: default_decode_mgpu_config(D, 16, fp8=True) for D in (64, 128, 192, 256)}
+    assert got[64] == got[128] == DecodeMgpuConfig(128, 4)
+    assert got[192] == DecodeMgpuConfig(128, 2)
+    assert got[256] == DecodeMgpuConfig(64, 3)
+    assert smem_bytes(128, got[128], fp8=True) == 16384 + 2 * (65536 + 32768) + 8192 + 1024
+
+
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_fp8_ring_views_alias_the_same_bytes(D):
+    """Each fp8 ring is a RefUnion of a uint16 view (the TMA writes words) and a float8 view (the
+    consumer reads values).  The kernel relies on both starting at byte 0 of the union, with equal
+    sizes and the same tiling in bytes (8 rows x sw bytes, swizzled by sw); jax documents no such
+    placement, so this pins what jax does."""
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    core = pytest.importorskip("jax._src.pallas.mosaic_gpu.core")
+    if not hasattr(core, "flatten_ref_union"):
+        pytest.skip(f"jax {jax.__version__}: no flatten_ref_union to inspect")
+    union = paged_decode_mgpu._fp8_ring(plgpu, 3, 128, D)
+    words, values = jax.tree.leaves(core.flatten_ref_union(union.get_ref_aval()),
+                                    is_leaf=lambda x: hasattr(x, "transforms"))
+    (w_alias, *w_layout), (v_alias, *v_layout) = words.transforms, values.transforms
+    assert w_alias.offset == v_alias.offset == 0
+    assert (w_alias.dtype, v_alias.dtype) == (jnp.dtype(jnp.uint16), jnp.dtype(jnp.float8_e4m3fn))
+    sw = fp8_swizzle(D)
+    if sw is None:  # D % 32 == 16: plain rows in both views
+        assert D % 32 == 16 and w_layout == v_layout == []
+        assert (w_alias.shape, v_alias.shape) == ((3, 128, D // 2), (3, 128, D))
+    else:  # the same tiles in the same order: [slot, row tile, column tile] of 8 rows x sw bytes
+        assert w_alias.shape == (3, 16, D // sw, 8, sw // 2) and v_alias.shape == (3, 16, D // sw, 8, sw)
+        assert [type(t).__name__ for t in w_layout] == [type(t).__name__ for t in v_layout]
+        assert [getattr(t, "swizzle", None) for t in w_layout] == [getattr(t, "swizzle", None) for t in v_layout]
+        assert sw in [getattr(t, "swizzle", None) for t in v_layout]
+
+
+def _stand_in_kernel(view, calls):
+    """A plgpu.kernel stand-in computing what the Mosaic kernel writes, in numpy: per (request, kv
+    head) the G8 rows of O normalised by their sum (in the kernel's 16-bit dtype) and the max
+    (log2 units) / sum, all in split 0 (the other splits empty).  It reads the fp8 values from the
+    arena words it is given, unscaled, so the wrapper's scales are what is checked."""
+    from umem_jax.pallas_kernels.kv_write import read_kv_reference
+
+    def kernel(body, *, out_type, grid, **_):
+        c = body.args[1]  # functools.partial(_kernel, plgpu, c)
+
+        def run(lengths, page_table, qg, arena):
+            calls.append((c, qg.dtype, arena.dtype))
+            k, v = (np.asarray(x, np.float64) for x in read_kv_reference(arena, page_table, view=view))
+            q = np.asarray(qg.astype(jnp.float32), np.float64)          # [B, Hkv, G8, D]
+            B, Hkv = q.shape[:2]
+            o = np.zeros(out_type[0].shape, np.float32)
+            ml = np.zeros(out_type[1].shape, np.float32)
+            ml[..., :16] = -1e30
+            for b in range(B):
+                n = min(int(lengths[b]), c.P * c.page_size)
+                lo = 0 if c.window is None else max(0, n - c.window)
+                if n == 0:
+                    continue
+                for h in range(Hkv):
+                    s = q[b, h] @ k[b, lo:n, h].T                       # [G8, n - lo]
+                    s = c.softcap * np.tanh(s * c.scale / c.softcap) if c.softcap else s * c.scale
+                    x = s * LOG2E
+                    m = x.max(-1)
+                    p = np.exp2(x - m[:, None])
+                    o[b, h, 0] = (p @ v[b, lo:n, h]) / p.sum(-1)[:, None]
+                    ml[b, h, 0, :, :16], ml[b, h, 0, :, 16:] = m[:, None], p.sum(-1)[:, None]
+            return jnp.asarray(o).astype(out_type[0].dtype), jnp.asarray(ml)
+
+        return run
+
+    return kernel
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (70, 20.0, True)])
+def test_fp8_wrapper_scales_around_a_stand_in_kernel(monkeypatch, window, softcap, sinks):
+    """paged_decode_attention_mgpu on an fp8 arena with per-head k/v scales, the kernel replaced by
+    _stand_in_kernel: k_scale reaches q (f16), v_scale the output, the arena goes in as words,
+    sinks and lengths 0 as in the reference; the result is the reference's within f16 rounding."""
+    import types
+
+    from umem_jax.pallas_kernels.kv_write import write_kv_reference
+
+    Hkv, G, D, ps, P = 2, 3, 64, 16, 8
+    view = fp8_view(Hkv, D, ps)
+    rng = np.random.default_rng(5)
+    lens = np.array([100, 1, 0, 37], np.int32)
+    npages = 1 + len(lens) * P
+    table = rng.permutation(np.arange(1, npages))[:len(lens) * P].reshape(len(lens), P).astype(np.int32)
+    pos = [np.arange(n) for n in lens]
+    pages = np.concatenate([table[b, p // ps] for b, p in enumerate(pos)]).astype(np.int32)
+    slots = np.concatenate([p % ps for p in pos]).astype(np.int32)
+    T = len(pages)
+    ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)
+    vs = jnp.asarray(rng.uniform(0.5, 2.0, Hkv), jnp.float32)
+    arena = jnp.zeros((npages * view.rows_per_page, view.row_words), jnp.uint16)
+    arena = write_kv_reference(arena, jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32),
+                               jnp.asarray(rng.standard_normal((T, Hkv, D)), jnp.float32), jnp.asarray(pages),
+                               jnp.asarray(slots), view=view, k_scale=ks, v_scale=vs)
+    arena = jax.lax.bitcast_convert_type(arena, jnp.bfloat16)  # as the engine allocates it
+    q = jnp.asarray(rng.standard_normal((len(lens), Hkv * G, D)), jnp.bfloat16)
+    sk = jnp.asarray(rng.standard_normal(Hkv * G), jnp.float32) if sinks else None
+    calls = []
+    fake = types.SimpleNamespace(kernel=_stand_in_kernel(view, calls), CompilerParams=lambda **kw: None)
+    monkeypatch.setattr(paged_decode_mgpu, "_plgpu", lambda: fake)
+    kw = dict(view=view, window=window, softcap=softcap, sinks=sk, k_scale=ks, v_scale=vs)
+    tbl, ln = jnp.asarray(table), jnp.asarray(lens)
+    got = paged_decode_attention_mgpu.__wrapped__(q, arena, tbl, ln, **kw)
+    ref = paged_decode_attention_reference(q, arena, tbl, ln, **kw)
+    (c, q_dtype, arena_dtype), = calls
+    assert c.fp8 and c.dtype == jnp.float16 and q_dtype == jnp.float16 and arena_dtype == jnp.uint16
+    assert got.dtype == q.dtype and got.shape == ref.shape
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(ref).all() and (got[2] == 0).all()
+    np.testing.assert_allclose(got, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+    with pytest.raises(ValueError, match="k_scale"):  # per-head scales of the wrong length
+        paged_decode_attention_mgpu.__wrapped__(q, arena, tbl, ln, **{**kw, "k_scale": jnp.ones(3)})
+
+
+FP8_LOWER = [
+    # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits)
+    (8, 4, 128, 16, None, None, False, None, None, None),   # the benchmark's shape: 4 slots of 128 tokens
+    (2, 6, 128, 64, 200, None, True, None, None, None),     # G = 6, page 64, a window, sinks
+    (2, 1, 64, 16, None, 30.0, False, None, None, 3),       # G = 1, D = 64 (64-byte ring swizzle), fixed splits
+    (1, 8, 256, 16, 100, None, False, None, None, None),    # G = 8, D = 256: 64-token blocks, 3 slots
+    (1, 8, 256, 64, None, 50.0, True, 64, 2, None),         # a page equal to the block
+    (2, 6, 80, 16, 300, 5.0, True, None, None, None),       # D = 80: unswizzled byte rows, 32-byte 16-bit tiles
+    (4, 3, 96, 32, None, None, False, 64, 4, None),         # D = 96: 32-byte ring swizzle
+    (1, 2, 144, 16, None, None, False, None, None, None),   # unswizzled rows wider than a 64-value chunk
+    (2, 64, 64, 256, 40, None, False, None, None, 1),       # a whole wgmma tile of q heads, a page > the block
+]
+
+
+@pytest.mark.parametrize("case", FP8_LOWER, ids=[f"g{c[1]}_d{c[2]}_p{c[3]}_w{c[4]}" for c in FP8_LOWER])
+def test_fp8_lowers_for_cuda(case, monkeypatch):
+    """Mosaic GPU's lowering accepts the fp8 kernel (the RefUnion byte rings, the word TMA boxes, the
+    float8 chunk loads in WGMMA_8BIT layout, the e4m3 -> f16 converts, the 16-bit tile stores) for
+    GQA 1-64, head dims 64-256 (64- / 32-byte / no ring swizzle), pages below, equal to and above
+    the KV block, windows, soft-cap, sinks, ring depths and fixed splits."""
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    if not hasattr(plgpu, "kernel"):
+        pytest.skip(f"jax {jax.__version__} has no plgpu.kernel (the Mosaic GPU API the kernel is written in)")
+    monkeypatch.setattr(paged_prefill_mgpu, "mgpu_available", lambda: (True, ""))
+    Hkv, G, D, ps, window, softcap, sinks, bkv, slots, splits = case
+    view = fp8_view(Hkv, D, ps)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), jnp.bfloat16),
+            sds((3, 30), jnp.int32), sds((3,), jnp.int32), sds((Hkv,), jnp.float32), sds((Hkv,), jnp.float32))
+    kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits)
+    if sinks:
+        kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
+
+    def f(q, arena, pt, ln, ks, vs):
+        return paged_decode_attention_mgpu(q, arena, pt, ln, k_scale=ks, v_scale=vs, **kw)
+
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -344,8 +344,8 @@ def _check_kv_dtype_fp8(kv_dtype) -> None:
 DECODE_ENV = "UMEM_JAX_DECODE"
 # With $UMEM_JAX_DECODE unset, impl="pallas" runs the Triton kernel above: it covers every case of
 # the contract (fp8 and fp32 K/V, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The
-# Mosaic GPU kernel (paged_decode_mgpu.py) covers bf16/fp16 K/V on Hopper: "auto" takes it where it
-# covers the case, "mgpu" insists on it.
+# Mosaic GPU kernel (paged_decode_mgpu.py) covers bf16/fp16 and fp8 K/V on Hopper: "auto" takes it where
+# it covers the case (fp8 not yet: unmeasured), "mgpu" insists on it.
 DEFAULT_DECODE_BACKEND = "triton"
 _TRITON_TUNING = ("block_tokens", "num_warps", "num_stages", "fp8_dot")
 
@@ -367,9 +367,15 @@ def decode_backend(q, view, *, kv_dtype=None, backend: str | None = None,
         from .paged_decode_mgpu import check_decode_mgpu_supported, default_decode_mgpu_config
 
         try:  # pure shape/dtype logic
-            check_decode_mgpu_supported(q, view, default_decode_mgpu_config(q.shape[2], view.page_size), kv_dtype)
+            check_decode_mgpu_supported(q, view, default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8),
+                                        kv_dtype)
         except NotImplementedError as e:
             return str(e)
+        if choice == "auto" and view.fp8:
+            # Cross-lowered on the CPU only: until the GPU has run and timed it, "auto" keeps the
+            # Triton kernel's measured fp8 path (RESULTS.md, session 8).
+            return ("fp8 K/V: the Mosaic kernel's fp8 path has not been measured on the GPU yet (asked for with "
+                    "backend 'mgpu', it runs)")
         if choice == "auto" and (2 * q.shape[2]) % 128:
             # A head row that no 128-byte swizzle divides (D = 80, 96, ...) gets narrower shared-memory
             # swizzles; the H200 measured the Mosaic kernel at 0.91x Triton at D = 80 (RESULTS.md).
@@ -408,7 +414,8 @@ def paged_decode_attention(q, arena, page_table, lengths, *, view, window=None, 
 
         return paged_decode_attention_mgpu(q, arena, page_table, lengths, view=view, window=window, softcap=softcap,
                                            sinks=sinks, scale=None if scale is None else float(scale),
-                                           kv_dtype=kv_dtype, num_splits=tuning.get("num_splits"))
+                                           kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale,
+                                           num_splits=tuning.get("num_splits"))
     return _paged_decode_pallas(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
                                 softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
                                 interpret=interpret, **tuning)

@@ -4,18 +4,19 @@ shared-memory ring, warpgroup MMA (wgmma) for both products, a producer warpgrou
 Same contract as `paged_decode.paged_decode_attention` (docs/kernel_contracts.md)::
 
     paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None,
-                                sinks=None, scale=None) -> o [B, Hq, Dv]
+                                sinks=None, scale=None, k_scale=None, v_scale=None) -> o [B, Hq, Dv]
 
 and `paged_decode.paged_decode_attention_reference` is what it must compute.  It exists beside the
 Triton kernel because jax 0.11 deprecates Pallas' Triton backend, and because Triton gathers K/V
 token by token with vector loads where TMA moves a page as one box.
 
 Supported (anything else raises NotImplementedError naming the reason; use the Triton kernel):
-bf16 (or fp16) K/V stored one plane per token row (`view.planes == 1`, `mk == mv == 1`, not fp8),
-head_dim == v_head_dim, a multiple of 16 in [64, 256], any GQA ratio up to 64 (the q heads of one kv
-head are the rows of one wgmma M tile), row_words a multiple of 8 (16-byte TMA strides), page size
-a multiple of 8 that divides the KV block or is a multiple of it.  Windows, soft-cap, sinks and
-split-K.  Needs jax >= 0.11 (the `plgpu.kernel` API) and an sm_90 GPU; CPU tests cross-lower it.
+bf16 (or fp16) K/V stored one plane per token row (`view.planes == 1`, `mk == mv == 1`), or fp8
+(e4m3) K/V in the same rows (`view.fp8`, below), head_dim == v_head_dim, a multiple of 16 in
+[64, 256], any GQA ratio up to 64 (the q heads of one kv head are the rows of one wgmma M tile),
+row_words a multiple of 8 (16-byte TMA strides), page size a multiple of 8 that divides the KV
+block or is a multiple of it.  Windows, soft-cap, sinks and split-K.  Needs jax >= 0.11 (the
+`plgpu.kernel` API) and an sm_90 GPU; CPU tests cross-lower it.
 
 Kernel layout.  Grid (split, kv head, request).  A CTA is two warpgroups: a producer that walks
 the split's KV blocks (`block_kv` tokens each) and copies each block's K and V into a
@@ -39,6 +40,25 @@ Never-read key slots.  TMA copies whole pages, so a block can hold slots past le
 before the window (tombstoned: the sink page, possibly poisoned).  Their scores are masked with a
 `where` (NaN cannot pass) and, on the blocks that hold them, their V rows are zeroed in shared
 memory before the PV MMA, where p == 0 would still meet 0 * NaN.
+
+fp8 K/V (`view.fp8`: a head's D values are D/2 words, element 2j in the low byte of word j, so
+the words' bytes are the float8 array [D]).  The producer copies a page's [rows, D/2] box of
+words, as for bf16 (the arena is never bitcast in XLA: a width-changing bitcast there is a pass
+over the whole arena), into an fp8 ring of half the bytes.  Each ring slot is a `plgpu.RefUnion`
+of two views of the same bytes: [bkv, D/2] uint16 (what the TMA writes) and [bkv, D] float8_e4m3fn
+(what the consumer reads), tiled and swizzled alike in bytes (tiles of 8 rows x `fp8_swizzle(D)`
+bytes: (8, sw/2) words, (8, sw) values; plain rows where D % 32 == 16), so byte b of a row is
+element b in both.  The consumer dequantises a slot into a 16-bit tile ([bkv, D], the tiling
+above) in register chunks of 64 rows x 64 values (x D for plain rows; WGMMA_8BIT layout: 4 bytes a
+thread, one `cvt.rn.f16x2.e4m3x2` a pair) and releases the slot at once.  The wgmma products stay
+16-bit (fp8 wgmma needs both operands K-major, V is not), in f16: it holds every e4m3 value
+exactly, converts from e4m3 in one instruction (jax's Mosaic GPU emits e4m3 -> bf16 only with PTX
+ISA >= 9.2, else through f32) and rounds q and P more finely than bf16.  K's conversion runs while
+the tensor cores take the previous block's P V, V's while they take this block's Q K^T; V rows
+outside [start, len) are zeroed in registers on the way.  The scales never enter the kernel:
+k_scale multiplies q (in f32, clipped to f16's range, then f16) and v_scale the combined output,
+as in the Triton kernel; the split partials go out in f16.  paged_decode.decode_backend keeps fp8
+on the Triton kernel under "auto" until this path has been measured on the GPU.
 """
 
 from __future__ import annotations
@@ -54,18 +74,21 @@ from jax.experimental import pallas as pl
 
 from ._compat import mgpu_load
 from .decode_reference import check_decode_args, merge_splits
+from .kv_write import kv_scales
 from .launch import choose_num_splits
 from .paged_prefill_mgpu import RingStatics, _plgpu, head_swizzle, produce_kv_ring, tma_layout_refusal
-from .words import from_u16, kv_value_dtype, to_u16
+from .words import FP8, from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
-           "paged_decode_attention_mgpu"]
+           "fp8_swizzle", "paged_decode_attention_mgpu", "smem_bytes"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 1, never NaN
 _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 _ROWS = 64  # one wgmma M tile: the q heads of one kv head, zero-padded
 _ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as a [64, 32] f32 tile
+_CHUNK = 64  # fp8 -> f16 conversion in [64, <= 64] register chunks (64 rows: the WGMMA_8BIT layout's tile)
+_F16_MAX = 65504.0  # fp8 path: k_scale * q saturates here rather than becoming inf in f16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,22 +101,35 @@ class DecodeMgpuConfig:
     num_splits: int | None = None
 
 
-def smem_bytes(D: int, cfg: DecodeMgpuConfig) -> int:
-    """Q/O tile (2-byte) + K and V rings (2-byte) + the f32 max/sum tile + barriers."""
-    return 2 * _ROWS * D + 2 * 2 * cfg.ring_slots * cfg.block_kv * D + 4 * _ROWS * _ML_COLS + 1024
+def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
+    """Q/O tile (2-byte) + K and V rings (2-byte; fp8: 1-byte, plus one 2-byte K and one V tile the
+    consumer dequantises a slot into) + the f32 max/sum tile + barriers."""
+    ring = cfg.ring_slots * cfg.block_kv * D * (1 if fp8 else 2)
+    converted = 2 * cfg.block_kv * D if fp8 else 0
+    return 2 * _ROWS * D + 2 * (ring + converted) + 4 * _ROWS * _ML_COLS + 1024
 
 
-def default_decode_mgpu_config(D: int, page_size: int) -> DecodeMgpuConfig:
+def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> DecodeMgpuConfig:
     """128-token blocks where the page size allows (it divides 128 or is a multiple of it), else
     64; then as deep a ring as fits in shared memory, at most 4 (3 at D = 128 with 128-token blocks,
-    2 at D = 256; 64-token blocks where 128-token ones would leave a ring of 1)."""
+    2 at D = 256; 64-token blocks where 128-token ones would leave a ring of 1).  fp8 (smem_bytes'
+    fp8 budget): 4 slots of 128 tokens at D <= 128, 2 at D = 192, 3 slots of 64 tokens at D = 256."""
     bkv = 64 if (128 % page_size and page_size % 128) else 128
-    if smem_bytes(D, DecodeMgpuConfig(bkv, 2)) > _SMEM_LIMIT:
+    if smem_bytes(D, DecodeMgpuConfig(bkv, 2), fp8) > _SMEM_LIMIT:
         bkv = 64
     cfg = DecodeMgpuConfig(bkv, 2)
-    while cfg.ring_slots < 4 and smem_bytes(D, dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1)) <= _SMEM_LIMIT:
+    while cfg.ring_slots < 4 and \
+            smem_bytes(D, dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1), fp8) <= _SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1)
     return cfg
+
+
+def fp8_swizzle(D: int) -> int | None:
+    """Swizzle (bytes) of the fp8 ring's [rows, D]-byte tiles: 64 where it divides a row of D bytes,
+    else 32, else None (D % 32 == 16: plain rows, whose odd number of 16-byte chunks already puts
+    the 8 rows a warp reads on distinct banks).  Not 128: its 128-value tiles would make the
+    conversion's register chunks twice as wide."""
+    return next((sw for sw in (64, 32) if D % sw == 0), None)
 
 
 def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
@@ -106,7 +142,7 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
         raise NotImplementedError(f"paged_decode_attention_mgpu: {why}; use the Triton kernel "
                                   "(paged_decode_attention)")
 
-    why = tma_layout_refusal(D, view, kv_dtype)
+    why = tma_layout_refusal(D, view, kv_dtype, fp8=True)
     if why:
         no(why)
     if G > _ROWS:
@@ -118,8 +154,10 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     ps = view.page_size
     if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
         no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
-    if smem_bytes(D, cfg) > _SMEM_LIMIT:
-        no(f"{smem_bytes(D, cfg)} bytes of shared memory needed (limit {_SMEM_LIMIT}); lower block_kv or ring_slots")
+    need = smem_bytes(D, cfg, view.fp8)
+    if need > _SMEM_LIMIT:
+        no(f"{need} bytes of shared memory needed{' (fp8 K/V)' if view.fp8 else ''} (limit {_SMEM_LIMIT}); "
+           "lower block_kv or ring_slots")
 
 
 # --------------------------------------------------------------------------- kernel
@@ -129,6 +167,22 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
 class _Static(RingStatics):
     num_splits: int = 1
     G8: int = 8  # q rows read and written: G rounded up to a multiple of 8 (whole tiles)
+    fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
+
+
+def _fp8_ring(plgpu, slots: int, bkv: int, D: int):
+    """One fp8 ring (K or V): a RefUnion of the same bytes as [slots, bkv, D/2] uint16 words (the TMA
+    destination) and as [slots, bkv, D] float8_e4m3fn values (what the consumer loads).  Both views
+    are tiled 8 rows x sw bytes and swizzled by sw bytes (fp8_swizzle), so their byte layouts are
+    one; both union members start at byte 0 (each is a group of its own)."""
+    sw = fp8_swizzle(D)
+    if sw is None:
+        t_words = t_bytes = ()
+    else:
+        t_words = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
+        t_bytes = (plgpu.TilingTransform((8, sw)), plgpu.SwizzleTransform(sw))
+    return plgpu.RefUnion(plgpu.SMEM((slots, bkv, D // 2), jnp.uint16, transforms=t_words),
+                          plgpu.SMEM((slots, bkv, D), FP8, transforms=t_bytes))
 
 
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
@@ -137,11 +191,16 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
     ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
+    if c.fp8:  # byte rings, and the 16-bit K and V tiles the wgmma reads
+        rings = (_fp8_ring(plgpu, slots, bkv, D), _fp8_ring(plgpu, slots, bkv, D),
+                 plgpu.SMEM((bkv, D), c.dtype, transforms=tiled), plgpu.SMEM((bkv, D), c.dtype, transforms=tiled))
+    else:
+        rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
+                 plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled))
     pl.run_scoped(
         functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
         (plgpu.SMEM((_ROWS, D), c.dtype, transforms=tiled),
-         plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
-         plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
+         rings,
          plgpu.SMEM((_ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled)),
         (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
          plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
@@ -152,7 +211,13 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
 
 
 def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
-    q_smem, k_smem, v_smem, ml_smem = smem
+    q_smem, rings, ml_smem = smem
+    if c.fp8:
+        (k_words, k_bytes), (v_words, v_bytes), k16, v16 = rings[0], rings[1], rings[2], rings[3]
+        ring_words = (k_words, v_words)  # what the producer's TMA copies write
+    else:
+        k_smem, v_smem = rings
+        ring_words = rings
     k_filled, v_filled, q_filled = filled
     k_released, v_released = released
     D, bkv, slots = c.D, c.bkv, c.ring_slots
@@ -180,6 +245,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         layout = plgpu.Layout.WGMMA
+        chunk_layout = plgpu.Layout.WGMMA_8BIT  # fp8 dequantisation: 4 consecutive values a thread (32-bit loads)
         if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
             q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
             plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
@@ -191,8 +257,23 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), layout.reduce(1))
         acc = plgpu.layout_cast(jnp.full((_ROWS, D), 0.0, jnp.float32), layout)
 
-        def step(kb, carry, masked: bool):
+        def softmax(s, k0, masked: bool, carry):
+            """One block's online-softmax update: scores s [64, bkv] f32 of keys k0 .. k0 + bkv ->
+            (P in the 16-bit dtype, (acc rescaled, m, l))."""
             acc, m_i, l_i = carry
+            if c.softcap is not None:
+                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
+            if masked:  # every row is the same position: one mask over the key columns
+                kp = k0 + plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1, layout=layout)
+                s = jnp.where((kp >= start) & (kp < length), s, -jnp.inf)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l_i = l_i * alpha + p.sum(axis=1)
+            return p.astype(c.dtype), (acc, m_new, l_i)
+
+        def step(kb, carry, masked: bool):
             slot = lax.rem(kb - lo, i32(slots))
             plgpu.barrier_wait(k_filled.at[slot])
 
@@ -202,18 +283,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
             plgpu.barrier_arrive(k_released.at[slot])
-            if c.softcap is not None:
-                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
             k0 = kb * bkv
-            if masked:  # every row is the same position: one mask over the key columns
-                kp = k0 + plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1, layout=layout)
-                s = jnp.where((kp >= start) & (kp < length), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
-            p16 = p.astype(c.dtype)
+            p16, (acc, m_new, l_i) = softmax(s, k0, masked, carry)
             plgpu.barrier_wait(v_filled.at[slot])
             if masked:
                 @pl.when((k0 < start) | (k0 + bkv > length))
@@ -231,6 +302,60 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             plgpu.barrier_arrive(v_released.at[slot])
             return acc, m_new, l_i
 
+        def dequantise(src, dst, k0, masked: bool):
+            """An fp8 slot (src [bkv, D] float8) into a 16-bit tile (dst [bkv, D]); masked: rows
+            outside [start, length) (k0: position of row 0) become 0.  Ends with commit_smem, so the
+            tile is ready for the wgmma and the slot's reads are done (it may be released)."""
+            # Columns: 64 at a time (a multiple of both tilings' widths, which divide D and 64); plain
+            # (unswizzled) fp8 rows in one piece (jax 0.11 cannot load a column slice of them).
+            cols = _CHUNK if fp8_swizzle(D) else D
+            for r0 in range(0, bkv, _CHUNK):
+                for c0 in range(0, D, cols):
+                    w = min(cols, D - c0)
+                    x = mgpu_load(plgpu, src.at[pl.ds(r0, _CHUNK), pl.ds(c0, w)], chunk_layout).astype(c.dtype)
+                    if masked:
+                        rows = k0 + r0 + plgpu.broadcasted_iota(jnp.int32, (_CHUNK, w), 0, layout=chunk_layout)
+                        x = jnp.where((rows >= start) & (rows < length), x, jnp.zeros_like(x))
+                    dst.at[pl.ds(r0, _CHUNK), pl.ds(c0, w)][...] = x
+            plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) reads
+
+        def next_k(kb):
+            """Dequantise block kb's K (its ring slot, then released) into k16."""
+            slot = lax.rem(kb - lo, i32(slots))
+            plgpu.barrier_wait(k_filled.at[slot])
+            dequantise(k_bytes.at[slot], k16, None, masked=False)  # K: masked keys meet a `where` on S
+            plgpu.barrier_arrive(k_released.at[slot])
+
+        def step_fp8(kb, carry, masked: bool):
+            # k16 holds this block's K (dequantised during the previous block's P V, or before the loop).
+            slot = lax.rem(kb - lo, i32(slots))
+            k0 = kb * bkv
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k16.transpose((1, 0)))
+                # This block's V, dequantised while the tensor cores take Q K^T (v16's last reader,
+                # the previous block's P V, has completed).
+                plgpu.barrier_wait(v_filled.at[slot])
+                dequantise(v_bytes.at[slot], v16, k0, masked)
+                plgpu.barrier_arrive(v_released.at[slot])
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
+            p16, (acc, m_new, l_i) = softmax(s, k0, masked, carry)
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v16)
+                # The next block's K, dequantised while the tensor cores take P V (k16's reader,
+                # this block's Q K^T, has completed).
+                pl.when(kb + 1 < hi)(lambda: next_k(kb + 1))
+
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            return acc, m_new, l_i
+
+        if c.fp8:
+            step = step_fp8
+            pl.when(lo < hi)(lambda: next_k(lo))  # the first block's K; each step dequantises the next one's
+
         # Blocks wholly inside [start, length) need no mask: [i_lo, i_hi); the first and last
         # blocks of the visible range may hold slots outside it.
         i_lo = jnp.clip(cdiv(start, bkv), lo, hi)
@@ -241,7 +366,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         carry = lax.fori_loop(i_hi, hi, functools.partial(step, masked=True), carry)
         acc, m_i, l_i = carry
 
-        # O leaves normalised, in the K/V dtype, through the Q tile (no MMA reads Q any more);
+        # O leaves normalised, in the 16-bit dtype, through the Q tile (no MMA reads Q any more);
         # the max and sum go out in f32 beside it, for combine_splits.
         l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
         q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(c.dtype)
@@ -258,8 +383,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
     @pl.when(wg == 1)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
-        produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, (k_smem, v_smem), (k_filled, v_filled),
-                        (k_released, v_released))
+        produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, ring_words, (k_filled, v_filled),
+                        (k_released, v_released), head_words=D // 2 if c.fp8 else None)
 
 
 def combine_splits(o, ml, lengths, sinks, G: int, dtype):
@@ -273,14 +398,16 @@ def combine_splits(o, ml, lengths, sinks, G: int, dtype):
     return merge_splits(acc, m, l, lengths, sinks, dtype).reshape(B, Hkv * G, D)
 
 
-def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, *, view, window, softcap, scale, kv_dtype,
-                       cfg: DecodeMgpuConfig):
+def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *, view, window, softcap, scale,
+                       kv_dtype, cfg: DecodeMgpuConfig):
     plgpu = _plgpu()
     B, Hq, D = q.shape
     Hkv = view.num_kv_heads
     G = Hq // Hkv
     G8 = -(-G // 8) * 8
-    dtype = kv_value_dtype(view.planes, kv_dtype)
+    ks, vs = kv_scales(view, k_scale, v_scale)  # f32 [Hkv] each for fp8 views, else (None, None)
+    # fp8: the wgmma operands are f16 (see the module docstring), the ring copies the arena's words.
+    dtype = jnp.dtype(jnp.float16) if view.fp8 else kv_value_dtype(view.planes, kv_dtype)
     P = page_table.shape[1]
     num_splits = cfg.num_splits
     if num_splits is None:
@@ -289,15 +416,20 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, *, view, window, so
             visible = min(visible, -(-(window - 1) // cfg.block_kv) + 1)
         # One CTA per SM at a time (the ring fills most of shared memory): about two waves.
         num_splits = choose_num_splits(B, Hkv, visible, waves=2, min_blocks_per_split=4)
-    qg = q.astype(dtype).reshape(B, Hkv, G, D)
+    if view.fp8:  # k_scale folds into q (the scores are linear in K, before the soft-cap)
+        qg = q.astype(jnp.float32).reshape(B, Hkv, G, D) * ks[None, :, None, None]
+        qg = jnp.clip(qg, -_F16_MAX, _F16_MAX).astype(dtype)
+        arena = to_u16(arena)  # the ring's TMA copies move words (same-width view: no copy)
+    else:
+        qg = q.astype(dtype).reshape(B, Hkv, G, D)
+        if arena.dtype != dtype:
+            arena = from_u16(to_u16(arena), dtype)  # same-width view: a bitcast, no copy
     if G8 != G:  # whole 8-row tiles for the TMA box; the padded rows are zeros, sliced off below
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G8 - G), (0, 0)))
-    if arena.dtype != dtype:
-        arena = from_u16(to_u16(arena), dtype)  # same-width view: a bitcast, no copy
     c = _Static(bkv=cfg.block_kv, ring_slots=cfg.ring_slots, num_splits=int(num_splits), G8=G8, D=D, P=P,
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
-                scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype)
+                scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8)
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
         out_type=(jax.ShapeDtypeStruct((B, Hkv, c.num_splits, G8, D), dtype),
@@ -309,7 +441,10 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, *, view, window, so
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(lengths, page_table, qg, arena)
     lengths = jnp.minimum(lengths, P * view.page_size)
-    return combine_splits(o, ml, lengths, sinks, G, q.dtype)
+    if not view.fp8:
+        return combine_splits(o, ml, lengths, sinks, G, q.dtype)
+    out = combine_splits(o, ml, lengths, sinks, G, jnp.float32).reshape(B, Hkv, G, D)
+    return (out * vs[None, :, None, None]).reshape(B, Hq, D).astype(q.dtype)  # v_scale: linear in the output
 
 
 # --------------------------------------------------------------------------- public wrapper
@@ -318,17 +453,20 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, *, view, window, so
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
                                              "ring_slots", "num_splits"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
-                                scale=None, kv_dtype=None, block_kv=None, ring_slots=None, num_splits=None):
+                                scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
+                                num_splits=None):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
-    sinks f32 [Hq] or None -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits:
-    DecodeMgpuConfig (None: default_decode_mgpu_config's, num_splits from the grid size).
-    Unsupported cases raise NotImplementedError (see the module docstring).
+    sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits: DecodeMgpuConfig (None:
+    default_decode_mgpu_config's, num_splits from the grid size).  Unsupported cases raise
+    NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
-    cfg = default_decode_mgpu_config(q.shape[2], view.page_size)
+    cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
     cfg = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits)
     check_decode_mgpu_supported(q, view, cfg, kv_dtype)
-    return _paged_decode_mgpu(q, arena, page_table, lengths, sinks, view=view, window=window, softcap=softcap,
-                              scale=None if scale is None else float(scale), kv_dtype=kv_dtype, cfg=cfg)
+    return _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
+                              softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
+                              cfg=cfg)

@@ -120,17 +120,23 @@ def default_mgpu_config(D: int, page_size: int) -> MgpuConfig:
     return cfg
 
 
-def tma_layout_refusal(D: int, view, kv_dtype=None) -> str | None:
-    """Why the arena's K/V rows of this view cannot go by TMA boxes straight into wgmma tiles (the
-    Mosaic GPU prefill's and decode's shared condition), or None when they can."""
+def tma_layout_refusal(D: int, view, kv_dtype=None, *, fp8: bool = False) -> str | None:
+    """Why the arena's K/V rows of this view cannot go by TMA boxes into shared-memory tiles (the
+    Mosaic GPU prefill's and decode's shared condition), or None when they can.  fp8=True: the
+    caller's kernel also takes fp8 views (it copies a head's D/2 words and dequantises them in
+    shared memory before the wgmma: the decode); the prefill refuses them."""
     if view.fp8:
-        return ("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
-                "only bf16/fp16")
-    if view.planes != 1:
-        return "fp32 (two-plane) K/V is not supported, only bf16/fp16"
-    vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
-    if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"K/V dtype {vdt} is not supported, only bf16/fp16"
+        if not fp8:
+            return ("fp8 K/V is not supported (its tiles would be dequantised between the TMA copy and the wgmma), "
+                    "only bf16/fp16")
+        if kv_dtype is not None and jnp.dtype(kv_dtype) != jnp.dtype(jnp.float8_e4m3fn):
+            return f"an fp8 view stores float8_e4m3fn, kv_dtype says {jnp.dtype(kv_dtype)}"
+    else:
+        if view.planes != 1:
+            return "fp32 (two-plane) K/V is not supported, only bf16/fp16"
+        vdt = jnp.dtype(kv_value_dtype(view.planes, kv_dtype))
+        if vdt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            return f"K/V dtype {vdt} is not supported, only bf16/fp16"
     if view.mk != 1 or view.mv != 1:
         return f"a token's K/V vector spans {view.mk}/{view.mv} arena rows; one row per token is needed"
     if D != view.v_head_dim:
@@ -139,7 +145,7 @@ def tma_layout_refusal(D: int, view, kv_dtype=None) -> str | None:
         return f"head_dim must be a multiple of 16 in [64, 256], got {D}"
     if view.row_words % 8:
         return f"row_words {view.row_words} is not a multiple of 8 (TMA strides are 16-byte multiples)"
-    if view.num_kv_heads * D > view.row_words:
+    if view.num_kv_heads * view.head_words(D) > view.row_words:  # head_words: D, or D / 2 for fp8
         return "the kv heads of one token do not fit one arena row"
     return None
 
@@ -442,15 +448,18 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
                         (k_filled, v_filled), (k_released, v_released))
 
 
-def produce_kv_ring(plgpu, c: RingStatics, pt_ref, arena_ref, b, kv_head, first, n_steps, smem, filled, released):
+def produce_kv_ring(plgpu, c: RingStatics, pt_ref, arena_ref, b, kv_head, first, n_steps, smem, filled, released,
+                    head_words: int | None = None):
     """The producer warpgroup of the Mosaic GPU prefill and decode: copy the K and V of KV blocks
     first .. first + n_steps of request b's kv head into the shared-memory ring, slot i % ring_slots,
-    one TMA copy per page (a [rows, D] box at arena row page * rows_per_page + k_row (v_row) +
-    offset, column kv_head * D), waiting for the consumers' release of a slot before refilling it.
-    c: the kernel's RingStatics."""
+    one TMA copy per page (a [rows, W] box at arena row page * rows_per_page + k_row (v_row) +
+    offset, column kv_head * W), waiting for the consumers' release of a slot before refilling it.
+    c: the kernel's RingStatics; head_words W: the words of one head in a row (None: c.D, one word
+    per value; the fp8 decode passes D / 2, two values per word)."""
     (k_smem, v_smem), (k_filled, v_filled), (k_released, v_released) = smem, filled, released
     i32 = jnp.int32
-    bkv, ring_slots, D = c.bkv, c.ring_slots, c.D
+    bkv, ring_slots = c.bkv, c.ring_slots
+    D = c.D if head_words is None else head_words
     page_size, rows_per_page = c.page_size, c.rows_per_page
     col = kv_head * D
     rows_per_copy = min(page_size, bkv)
