@@ -12,7 +12,7 @@ requests under the exact rule) -- and it goes on that way:
   * its last pass also needs its own decode reservation, so it decodes as any admitted request;
   * once its whole need would be admitted by the usual rule, it is priced as any admitted request.
 
-So it never takes what another request is owed and never causes a retraction; it finishes once
+So it takes only bytes the demand model says no other request can need, and it finishes once
 the others have given back their memory.  One at a time: its unfit rest stays in the running
 requests' reservations, so every later request of the same or lower priority waits as it would
 have (first come, first served).  It evicts no prefix-cache entry (it is retried at every
@@ -82,9 +82,16 @@ class EarlyStart:
 
     def worst_case(self, req: Request) -> Demand:
         """All that every running request but `req` can still need: its whole rest and every
-        output it may produce (ratio 1), exactly so under the exact rule."""
+        output it may produce (ratio 1), exactly so under the exact rule; and for each with
+        prompt left, its next pass on top (a reservation prices a prompt's rest by decode passes,
+        while a prefill pass binds up to window - 1 + chunk window pages at once: the slack the
+        usual admission leaves covers that, an early start would take it)."""
         sch = self.sch
-        return self._reservations(lambda r: reservations.reserve_tokens(r, 1.0, sch.exact), but=req)
+        total = self._reservations(lambda r: reservations.reserve_tokens(r, 1.0, sch.exact), but=req)
+        for r in sch.running:
+            if r is not req and not r.decode_ready:
+                total = total + sch.demand.step(r, min(r.num_tokens, r.num_computed + sch.demand.chunk))
+        return total
 
     # ------------------------------------------------------------------ pricing
     def _reservations(self, tokens, but: Request) -> Demand:
