@@ -47,7 +47,7 @@ class EarlyStart:
     def start(self, req: Request, end: int) -> int:
         """Admit waiting `req` early if a first pass to at most `end` fits -> its end, or 0."""
         sch = self.sch
-        if not sch.cfg.early_admission or self.req is not None or end >= req.num_tokens:
+        if not sch.cfg.early_admission or self.req is not None or end >= req.num_tokens or self._would_share(req):
             return 0
         owed = self.worst_case(req)
         end = self._shrink(req, end, lambda e: sch.demand.step(req, e) + owed,
@@ -92,6 +92,15 @@ class EarlyStart:
             if r is not req and not r.decode_ready:
                 total = total + sch.demand.step(r, min(r.num_tokens, r.num_computed + sch.demand.chunk))
         return total
+
+    def _would_share(self, req: Request) -> bool:
+        """Whether a running request still computing its prompt shares at least one page more of
+        `req`'s prompt than is cached now: started early, `req` would compute those pages again
+        (and hold them twice); waiting, it finds them cached (requests often share a system
+        prompt with the one before them)."""
+        k = req.num_computed + self.sch.demand.page_size  # cached tokens (a hit) and one page more
+        mine = req.prompt_token_ids[:k]
+        return len(mine) == k and any(not r.decode_ready and r.prompt_token_ids[:k] == mine for r in self.sch.running)
 
     # ------------------------------------------------------------------ pricing
     def _reservations(self, tokens, but: Request) -> Demand:
