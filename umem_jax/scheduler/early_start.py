@@ -82,12 +82,15 @@ class EarlyStart:
 
     def worst_case(self, req: Request) -> Demand:
         """All that every running request but `req` can still need: its whole rest and every
-        output it may produce (ratio 1), exactly so under the exact rule; and for each with
+        output it may produce (ratio 1), exactly so under the exact rule (with speculation, a
+        verify's drafts past that too); and for each with
         prompt left, its next pass on top (a reservation prices a prompt's rest by decode passes,
         while a prefill pass binds up to window - 1 + chunk window pages at once: the slack the
         usual admission leaves covers that, an early start would take it)."""
         sch = self.sch
-        total = self._reservations(lambda r: reservations.reserve_tokens(r, 1.0, sch.exact), but=req)
+        k = sch.cfg.num_speculative_tokens  # a verify in flight and the next one place up to 2k + 1 more
+        ahead = 2 * k + 1 if k else 0
+        total = self._reservations(lambda r: reservations.reserve_tokens(r, 1.0, sch.exact) + ahead, but=req)
         for r in sch.running:
             if r is not req and not r.decode_ready:
                 total = total + sch.demand.step(r, min(r.num_tokens, r.num_computed + sch.demand.chunk))
