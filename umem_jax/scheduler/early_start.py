@@ -17,7 +17,9 @@ the others have given back their memory.  One at a time: its unfit rest stays in
 requests' reservations, so every later request of the same or lower priority waits as it would
 have (first come, first served).  It evicts no prefix-cache entry (it is retried at every
 schedule) unless it runs alone, and optional allocations (state checkpoints) are priced against
-what the others are owed, not against its unfit rest.  docs/memory.md measures it.
+what the others are owed, not against its unfit rest.  A prompt that shares a page more than is
+cached with a running request still computing its prompt does not start early: it would compute
+and hold those pages twice, where waiting it finds them cached.  docs/memory.md measures it.
 """
 
 from __future__ import annotations
