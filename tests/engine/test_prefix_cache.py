@@ -251,6 +251,38 @@ def test_a_prompt_end_mark_keeps_its_window_pages_until_evicted():
     assert cache.clear() and alloc.live_token_pages().size == 0
 
 
+def test_a_branch_points_window_pages_go_under_pressure_while_its_paths_run():
+    """Two running requests part after 24 tokens (depth 6): the branch point keeps the window
+    pages a resume there reads ((24 - 15) // 4 = 2 .. 5) after both have passed them, and no
+    eviction of an unreferenced leaf can free them while the requests run.  Under pressure they
+    go alone (the pages stay), before anything would be retracted; a new branch un-bares the node."""
+    alloc, owner, cache = make(with_state=False)
+    rng = np.random.default_rng(5)
+    base = rng.integers(3, 300, 24).tolist()
+    a = Seq(alloc, owner, base + rng.integers(3, 300, 16).tolist())
+    cache.insert(a.tokens, a.pages, 10)
+    b_tok = base + rng.integers(3, 300, 16).tolist()
+    b = Seq(alloc, owner, b_tok)
+    cache.insert(b.tokens, b.pages, 10)
+    a.advance(40)
+    b.advance(40)
+    check(alloc, owner, cache, a, b)
+    branch = cache.find(base, 6)
+    assert len(branch.children) == 2 and branch.wins and not branch.bare
+    path = [cache.find(base, d) for d in range(1, 7)]
+    assert [bool(x.wins) for x in path] == [False, False, True, True, True, True]
+    assert cache.evictable_by_subpool()["window16"] == 0  # its pages are the requests': no leaf to evict
+    assert cache.evict(lambda: branch.bare) == 1 and branch.bare
+    assert not any(x.wins for x in path) and cache.num_pages == 14  # windows let go, every page kept (6 + 4 + 4)
+    check(alloc, owner, cache, a, b)
+    c = Seq(alloc, owner, base + rng.integers(3, 300, 16).tolist())
+    cache.insert(c.tokens, c.pages, 10)
+    assert not branch.bare  # a third branch: a resume here is wanted again
+    for s_ in (a, b, c):
+        s_.free()
+    assert cache.clear() and alloc.live_token_pages().size == 0
+
+
 def test_lookahead_keys_a_page_with_the_token_after_it():
     """lookahead 1 (an MTP head: a page's last entry is made from the token after the page): A
     caches p + [1, ...] (p four pages) with checkpoints at depths 3, 4, 5.  B = p + [2, ...]

@@ -42,7 +42,10 @@ first, not branch points nor the newest: a soft bound, as SGLang's); optional me
 Eviction: LRU over leaves that no request holds (refcount 1: the tree's own).  Evicting one
 frees its token page, any window page and its checkpoint; its parent may become an evictable
 leaf.  A checkpoint or a mark of any other node goes alone (its windows then go where no anchor
-wants them).  The scheduler evicts before it retracts anything.
+wants them), and so do a branch point's window pages (the node turns `bare`, no anchor until a
+new branch grows from it): on the path of running requests they would stay as long as those
+run, though the requests have passed them and the demand model counts a passed window page as
+given back.  The scheduler evicts before it retracts anything.
 """
 
 from __future__ import annotations
@@ -164,6 +167,7 @@ class PrefixCache:
                 child = Node(key, vids[d], node, d + 1)
                 self.holdings.take_page(child.vid)
                 node.children[key] = child
+                node.bare = False  # a new branch: a resume here is wanted again
             child.stamp = t
             node = child
         rejected, deepest = [], node
@@ -213,7 +217,7 @@ class PrefixCache:
     def _is_anchor(self, n: Node) -> bool:
         if n is self.root:
             return False
-        return bool(n.ckpt) if self.state else (n.mark or len(n.children) != 1)
+        return bool(n.ckpt) if self.state else (n.mark or not n.children or (len(n.children) > 1 and not n.bare))
 
     def _nearest_anchor(self, n: Node, limit: int) -> int | None:
         """Depth of the shallowest anchor in n's subtree (n included), looking no deeper than
@@ -302,13 +306,20 @@ class PrefixCache:
         return n.alive and n is not self.root and not n.children and self.owner.refs[n.vid] == 1
 
     def _droppable(self, n: Node) -> bool:
-        """A checkpoint or a mark that may go alone (a future shortcut only: the page stays)."""
-        return n.alive and not n.pins and bool(n.ckpt or n.mark)
+        """A checkpoint, a mark or a branch point's window pages that may go alone (a future
+        shortcut only: the page stays).  A branch point on the path of running requests would
+        otherwise keep its window pages as long as they run, though they have passed them: the
+        demand model prices a passed window page as given back, so under pressure it goes before
+        any request is retracted."""
+        if not n.alive or n.pins:
+            return False
+        branch = not self.state and len(n.children) > 1 and not n.bare and bool(n.wins)
+        return bool(n.ckpt or n.mark or branch)
 
     def evict(self, enough=lambda: False) -> int:
         """Evict least recently used entries until enough() -> entries evicted.  An entry is a
-        leaf no request holds (its page, window pages and checkpoint), or the checkpoint or
-        mark alone of any other node (a request's own path included)."""
+        leaf no request holds (its page, window pages and checkpoint), or the checkpoint, mark
+        or branch point's window pages alone of any other node (a request's own path included)."""
         heap = []
         for x in self.nodes():
             if self._evictable(x) or self._droppable(x):
@@ -327,6 +338,7 @@ class PrefixCache:
                     self._drop_checkpoint(x)
                     self.evicted_checkpoints += 1
                 x.mark = False
+                x.bare = x.bare or (not self.state and len(x.children) > 1)
                 self._refresh(x, x.depth - self._reach)  # its windows may go too
             else:
                 continue

@@ -29,9 +29,12 @@ class Node:
     depth * page_size tokens, or 0; wins: windows in which the tree holds this page's window
     ref; alive: still in the tree; pins: lookups about to restore this node's checkpoint (it
     stays until they unpin it); mark: a prompt ended one token past this node (a model without
-    state keeps window pages for a resume here, as a checkpoint does with state)."""
+    state keeps window pages for a resume here, as a checkpoint does with state); bare: a
+    branch point whose window pages were let go under pressure (no longer an anchor, until a
+    new branch grows from it)."""
 
-    __slots__ = ("key", "vid", "parent", "children", "depth", "stamp", "ckpt", "wins", "alive", "pins", "mark")
+    __slots__ = ("key", "vid", "parent", "children", "depth", "stamp", "ckpt", "wins", "alive", "pins", "mark",
+                 "bare")
 
     def __init__(self, key, vid: int, parent, depth: int):
         self.key, self.vid, self.parent, self.depth = key, int(vid), parent, depth
@@ -42,6 +45,7 @@ class Node:
         self.alive = True
         self.pins = 0
         self.mark = False
+        self.bare = False
 
     def ancestor(self, depth: int) -> Node:
         """This node's ancestor (or itself) at `depth` (>= 0)."""
