@@ -307,14 +307,9 @@ class PrefixCache:
 
     def _droppable(self, n: Node) -> bool:
         """A checkpoint, a mark or a branch point's window pages that may go alone (a future
-        shortcut only: the page stays).  A branch point on the path of running requests would
-        otherwise keep its window pages as long as they run, though they have passed them: the
-        demand model prices a passed window page as given back, so under pressure it goes before
-        any request is retracted."""
-        if not n.alive or n.pins:
-            return False
+        shortcut only: the page stays; the module docstring says why a branch point's may)."""
         branch = not self.state and len(n.children) > 1 and not n.bare and bool(n.wins)
-        return bool(n.ckpt or n.mark or branch)
+        return n.alive and not n.pins and bool(n.ckpt or n.mark or branch)
 
     def evict(self, enough=lambda: False) -> int:
         """Evict least recently used entries until enough() -> entries evicted.  An entry is a
