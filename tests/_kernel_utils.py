@@ -83,6 +83,16 @@ def fill_kv(arena, view, page_table, lengths, rng, dtype=None, scale=1.0):
     return arena, kk, vv
 
 
+def decode_lengths(rng, B: int, ctx_max: int, min_len: int = 0) -> np.ndarray:
+    """Lengths int32 [B] of a decode batch: random in [min_len, ctx_max], row 0 at ctx_max and, with
+    B > 2, row 1 at length 1 and row 2 a padding lane (length 0)."""
+    lengths = rng.integers(min_len, ctx_max + 1, size=B).astype(np.int32)
+    lengths[0] = ctx_max
+    if B > 2:
+        lengths[1], lengths[2] = 1, 0
+    return lengths
+
+
 def decode_case(seed, *, B, Hkv, G, D, ps, ctx_max, planes=1, window=None, arena_dtype=jnp.uint16, Dv=None,
                  min_len=0):
     """A decode batch over a poisoned arena: random K/V written for [0, len) of each row (row 0 at
@@ -92,10 +102,7 @@ def decode_case(seed, *, B, Hkv, G, D, ps, ctx_max, planes=1, window=None, arena
     rng = np.random.default_rng(seed)
     view = make_view(Hkv, D, Dv, ps, layers=3, layer=2, planes=planes)
     P = -(-ctx_max // ps)
-    lengths = rng.integers(min_len, ctx_max + 1, size=B).astype(np.int32)
-    lengths[0] = ctx_max
-    if B > 2:
-        lengths[1], lengths[2] = 1, 0
+    lengths = decode_lengths(rng, B, ctx_max, min_len)
     npages = B * P + 2
     arena = poisoned_arena(npages * view.rows_per_page, view.row_words, arena_dtype)
     pt = random_page_tables(rng, B, P, 1, npages)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _kernel_utils import decode_case
+from _kernel_utils import decode_case, decode_lengths
 
 from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
 from umem_jax.pallas_kernels.backend import device_info, hopper_refusal
@@ -108,10 +108,7 @@ def fp8_case(seed, *, B, Hkv, G, D, ps, ctx_max, window=None, min_len=0):
     decls.append(LayerDecl(2, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Window(64)),)))
     view = plan(decls, page_size=ps).full.kv_view(1)  # rows not at 0 of the envelope
     P = -(-ctx_max // ps)
-    lengths = rng.integers(min_len, ctx_max + 1, size=B).astype(np.int32)
-    lengths[0] = ctx_max
-    if B > 2:
-        lengths[1], lengths[2] = 1, 0
+    lengths = decode_lengths(rng, B, ctx_max, min_len)
     npages = B * P + 2
     pt = rng.permutation(np.arange(1, npages))[:B * P].reshape(B, P).astype(np.int32)
     pos = [np.arange(n) for n in lengths]

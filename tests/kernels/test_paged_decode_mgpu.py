@@ -175,27 +175,35 @@ LOWER = [
 ]
 
 
-@pytest.mark.parametrize("case", LOWER, ids=[f"g{c[1]}_d{c[2]}_p{c[3]}" for c in LOWER])
-def test_lowers_for_cuda(case, monkeypatch):
-    """Mosaic GPU's lowering (layouts, transforms, barriers, TMA boxes) accepts the kernel for every
-    geometry family: GQA 1-64, head dims 64-256 (32/64/128-byte swizzles), a page below, equal to
-    and above the KV block, windows, soft-cap, sinks, the ring depths and fixed splits."""
+def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False) -> str:
+    """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
+    lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's)."""
     plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     if not hasattr(plgpu, "kernel"):
         pytest.skip(f"jax {jax.__version__} has no plgpu.kernel (the Mosaic GPU API the kernel is written in)")
     # The version gate guards running the kernel; lowering it for CUDA works on jax 0.10 as well.
     monkeypatch.setattr(paged_prefill_mgpu, "mgpu_available", lambda: (True, ""))
     Hkv, G, D, ps, window, softcap, sinks, bkv, slots, splits = case
-    view = kv_view(Hkv, D, ps)
     sds = jax.ShapeDtypeStruct
-    args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), jnp.uint16),
-            sds((3, 30), jnp.int32), sds((3,), jnp.int32))
+    args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
+            sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
-    f = jax.jit(functools.partial(paged_decode_attention_mgpu, **kw))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+
+    def f(q, arena, pt, ln, *kv_scales):
+        extra = dict(zip(("k_scale", "v_scale"), kv_scales))
+        return paged_decode_attention_mgpu(q, arena, pt, ln, **kw, **extra)
+
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("case", LOWER, ids=[f"g{c[1]}_d{c[2]}_p{c[3]}" for c in LOWER])
+def test_lowers_for_cuda(case, monkeypatch):
+    """Mosaic GPU's lowering (layouts, transforms, barriers, TMA boxes) accepts the kernel for every
+    geometry family: GQA 1-64, head dims 64-256 (32/64/128-byte swizzles), a page below, equal to
+    and above the KV block, windows, soft-cap, sinks, the ring depths and fixed splits."""
+    assert "mosaic_gpu" in _lowered_for_cuda(case, kv_view(case[0], case[2], case[3]), jnp.uint16, monkeypatch)
 
 
 # --------------------------------------------------------------------------- fp8 K/V
@@ -281,8 +289,9 @@ def test_fp8_ring_views_alias_the_same_bytes(D):
     placement, so this pins what jax does."""
     plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     core = pytest.importorskip("jax._src.pallas.mosaic_gpu.core")
-    if not hasattr(core, "flatten_ref_union"):
-        pytest.skip(f"jax {jax.__version__}: no flatten_ref_union to inspect")
+    # Not a skip: the kernel relies on this placement, so a jax that hides it must be checked by hand.
+    assert hasattr(core, "flatten_ref_union"), (f"jax {jax.__version__} has no flatten_ref_union: check the fp8 "
+                                                "ring's byte placement (_fp8_ring) by hand, then update this test")
     union = paged_decode_mgpu._fp8_ring(plgpu, 3, 128, D)
     words, values = jax.tree.leaves(core.flatten_ref_union(union.get_ref_aval()),
                                     is_leaf=lambda x: hasattr(x, "transforms"))
@@ -402,22 +411,7 @@ def test_fp8_lowers_for_cuda(case, monkeypatch):
     """Mosaic GPU's lowering accepts the fp8 kernel (the RefUnion byte rings, the word TMA boxes, the
     float8 chunk loads in WGMMA_8BIT layout, the e4m3 -> f16 converts, the 16-bit tile stores) for
     GQA 1-64, head dims 64-256 (64- / 32-byte / no ring swizzle), pages below, equal to and above
-    the KV block, windows, soft-cap, sinks, ring depths and fixed splits."""
-    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
-    if not hasattr(plgpu, "kernel"):
-        pytest.skip(f"jax {jax.__version__} has no plgpu.kernel (the Mosaic GPU API the kernel is written in)")
-    monkeypatch.setattr(paged_prefill_mgpu, "mgpu_available", lambda: (True, ""))
-    Hkv, G, D, ps, window, softcap, sinks, bkv, slots, splits = case
-    view = fp8_view(Hkv, D, ps)
-    sds = jax.ShapeDtypeStruct
-    args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), jnp.bfloat16),
-            sds((3, 30), jnp.int32), sds((3,), jnp.int32), sds((Hkv,), jnp.float32), sds((Hkv,), jnp.float32))
-    kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits)
-    if sinks:
-        kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
-
-    def f(q, arena, pt, ln, ks, vs):
-        return paged_decode_attention_mgpu(q, arena, pt, ln, k_scale=ks, v_scale=vs, **kw)
-
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    the KV block, windows, soft-cap, sinks, ring depths and fixed splits (the arena in bf16, as the
+    engine allocates it)."""
+    view = fp8_view(case[0], case[2], case[3])
+    assert "mosaic_gpu" in _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True)
