@@ -51,7 +51,7 @@ def test_small_mode_end_to_end(tmp_path):
         # chose otherwise (bf16 here: a few of ~400 choices flip at the top-k boundary)
         moe = getattr(fam["tiny"](fam["full"]("float32")), "moe", None)
         flips = check[0]["routing_flips"]
-        assert flips is None if moe is None else 0 <= flips <= 40, check
+        assert flips is None if moe is None else 0 <= flips <= 8, check  # 2-3 of 266-399 seen: under 3%
         timed = {(r["kind"], r["ctx"]): r for r in mine if r["kind"] in ("decode", "prefill", "chunk")}
         assert set(timed) == {("decode", 64), ("decode", 128), ("prefill", 64), ("chunk", 96)}, sorted(timed)
         for r in timed.values():
