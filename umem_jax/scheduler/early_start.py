@@ -66,7 +66,8 @@ class EarlyStart:
         if self._fits(lambda: self._admission_need(req, step, end), evict=sch.running == [req]):
             self.end(req)
             return None
-        return self._shrink(req, end, lambda e: self._need(req, e), sch.demand.chunk // LATER_PASS_FRACTION)
+        others = self.worst_case(req)  # once: the halving re-prices only the pass
+        return self._shrink(req, end, lambda e: self._need(req, e, others), sch.demand.chunk // LATER_PASS_FRACTION)
 
     def end(self, req: Request) -> None:
         """`req` has all it is owed, left the running set, or failed: no early start now."""
@@ -103,6 +104,8 @@ class EarlyStart:
         `req`'s prompt than is cached now: started early, `req` would compute those pages again
         (and hold them twice); waiting, it finds them cached (requests often share a system
         prompt with the one before them)."""
+        if self.sch.cache is None:  # nothing is shared without a prefix cache: waiting gains nothing
+            return False
         k = req.num_computed + self.sch.demand.page_size  # cached tokens (a hit) and one page more
         mine = req.prompt_token_ids[:k]
         return len(mine) == k and any(not r.decode_ready and r.prompt_token_ids[:k] == mine for r in self.sch.running)
@@ -113,11 +116,11 @@ class EarlyStart:
         others = [r for r in sch.running if r is not but]
         return reservations.reservations(others, sch.running + list(sch.held.values()), sch.demand, tokens, sch.exact)
 
-    def _need(self, req: Request, end: int) -> Demand:
-        """The pass to `end` and what every other running request can need; with its last pass
-        its own decode reservation too."""
+    def _need(self, req: Request, end: int, others: Demand) -> Demand:
+        """The pass to `end` and `others` (what every other running request can need); with its
+        last pass its own decode reservation too."""
         sch = self.sch
-        need = sch.demand.step(req, end) + self.worst_case(req)
+        need = sch.demand.step(req, end) + others
         if end == req.num_tokens:
             need = need + sch.demand.reservation(req, sch._reserve_tokens(req, after=end), after=end)
         return need
