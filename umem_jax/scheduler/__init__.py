@@ -9,5 +9,6 @@ preemption under pressure, and the prefix cache.
                      (a request's scheduling state changes only through core/request.py's methods)
   prefix_sharing.py  the scheduler's side of the prefix cache: hits, hand-off, checkpoints
   prefix_cache.py    the radix tree of cached pages (radix_node.py: its nodes and hits;
-                     cache_holdings.py: its refs and per-sub-pool accounting)
+                     cache_holdings.py: its refs and per-sub-pool accounting;
+                     window_retention.py: which cached pages keep their window rows)
 """

@@ -27,13 +27,10 @@ The three kinds of memory:
                its page (radix_node.py says why and what a hit loses).
 
 Anchors (where a hit may resume, so where window rows are kept): with state, the nodes that
-hold a checkpoint; without, the leaves (ends of cached sequences), branch points and MARKS: the
-node one token short of a cached prompt's end (where its exact repeat resumes; a finished
-request's leaf is past its outputs, so without marks a repeat found no window rows).  A branch
-point appears when a request diverges from a cached path; that request computed the pages
-before it itself, so when it inserts them the tree ADOPTS its copies (same tokens, window
-pages still bound) in place of cached ones whose window pages are gone.  The next request
-with that prefix then resumes exactly at the branch.
+hold a checkpoint; without, the leaves, branch points and MARKS (the node one token short of a
+cached prompt's end).  Where a request branches off a cached path the tree ADOPTS its copies of
+the pages before the branch (window pages still bound) in place of cached ones whose window
+pages are gone.  window_retention.py says more.
 
 Checkpoints: planned by the scheduler (prefill chunk ends, fork points, every N decode tokens),
 handed over with the pages; at most `max_checkpoints_per_path` per root path (the shallowest go
@@ -43,9 +40,8 @@ Eviction: LRU over leaves that no request holds (refcount 1: the tree's own).  E
 frees its token page, any window page and its checkpoint; its parent may become an evictable
 leaf.  A checkpoint or a mark of any other node goes alone (its windows then go where no anchor
 wants them), and so do a branch point's window pages (the node turns `bare`, no anchor until a
-new branch grows from it): on the path of running requests they would stay as long as those
-run, though the requests have passed them and the demand model counts a passed window page as
-given back.  The scheduler evicts before it retracts anything.
+new branch grows from it; window_retention.py says why).  The scheduler evicts before it
+retracts anything.
 """
 
 from __future__ import annotations
@@ -53,11 +49,10 @@ from __future__ import annotations
 import heapq
 import itertools
 
-import numpy as np
-
 from ..memory.page_owner import PageOwner
 from .cache_holdings import CacheHoldings
 from .radix_node import Hit, Node
+from .window_retention import WindowRetention
 
 
 class PrefixCache:
@@ -77,14 +72,13 @@ class PrefixCache:
         self.windows = tuple(windows)
         self.state = bool(state)
         self.max_checkpoints_per_path = max_checkpoints_per_path
-        widest = max((w for _, w in self.windows), default=0)
-        self._reach = -(-widest // self.page_size) + 1  # pages above an anchor its window can touch
         self.root = Node(None, 0, None, 0)
         self._tick = itertools.count(1)
         self.holdings = CacheHoldings(owner)
+        self.retention = WindowRetention(self.holdings, self.root, self.page_size, self.windows, self.state)
         # counters (monotone); shortened: matched but not resumable (window rows / checkpoint missing)
         self.queries = self.query_tokens = self.hits = self.hit_tokens = self.shortened_tokens = 0
-        self.evicted_pages = self.evicted_checkpoints = self.dropped_checkpoints = self.adopted_pages = 0
+        self.evicted_pages = self.evicted_checkpoints = self.dropped_checkpoints = 0
 
     # ================================================================== lookups
     def key(self, get, d: int) -> tuple:
@@ -109,12 +103,9 @@ class PrefixCache:
         if m and node.children and self.key(get, m) not in node.children:
             fork = m * page_size
         k = m
-        if k and self.windows:  # unbound[w][i]: pages among path[:i] tombstoned in w
-            unbound = {n: np.concatenate([[0], np.cumsum([not self.owner.window_bound(x.vid, n) for x in path])])
-                       for n, _ in self.windows}
+        rows_kept = self.retention.rows_kept(path)
         while k > 0:
-            if (not self.state or path[k - 1].ckpt) and all(
-                    unbound[n][k] == unbound[n][self._first_window_page(k, w)] for n, w in self.windows):
+            if (not self.state or path[k - 1].ckpt) and rows_kept(k):
                 break
             k -= 1
         t = next(self._tick)
@@ -167,7 +158,7 @@ class PrefixCache:
                 child = Node(key, vids[d], node, d + 1)
                 self.holdings.take_page(child.vid)
                 node.children[key] = child
-                node.bare = False  # a new branch: a resume here is wanted again
+                self.retention.branched(node)
             child.stamp = t
             node = child
         rejected, deepest = [], node
@@ -182,7 +173,7 @@ class PrefixCache:
         for target in (node.ancestor(d) for d in (() if self.state else marks)):
             if target is not self.root and not target.mark:
                 target.mark, low = True, min(low, target.depth)
-        self._refresh(deepest, low - self._reach, vids)
+        self.retention.refresh(deepest, low - self.retention.reach, vids)
         return deepest, rejected
 
     def _cap_checkpoints(self, node: Node) -> int:
@@ -209,66 +200,7 @@ class PrefixCache:
             low = min(low, x.depth)
         return low
 
-    # ================================================================== window retention
-    def _first_window_page(self, depth: int, w: int) -> int:
-        """First page a resume after `depth` pages reads in a window of w tokens."""
-        return max(0, depth * self.page_size - w + 1) // self.page_size
-
-    def _is_anchor(self, n: Node) -> bool:
-        if n is self.root:
-            return False
-        return bool(n.ckpt) if self.state else (n.mark or not n.children or (len(n.children) > 1 and not n.bare))
-
-    def _nearest_anchor(self, n: Node, limit: int) -> int | None:
-        """Depth of the shallowest anchor in n's subtree (n included), looking no deeper than
-        `limit` (an anchor deeper than that cannot reach n's page)."""
-        best, stack = None, [n]
-        while stack:
-            x = stack.pop()
-            if x.depth > limit or (best is not None and x.depth >= best):
-                continue
-            if self._is_anchor(x):
-                best = x.depth
-                continue
-            stack.extend(x.children.values())
-        return best
-
-    def _refresh(self, deepest: Node, low: int, vids=None) -> None:
-        """Re-decide the tree's window refs of the nodes from `deepest` up to depth `low` (the
-        anchors near them changed), adopting the inserting request's pages (`vids`) where the
-        tree's lack window pages it now wants."""
-        if not self.windows or deepest is self.root:
-            return
-        near = self._nearest_anchor(deepest, deepest.depth + self._reach)
-        node, child = deepest, None
-        while node is not self.root and node.depth >= max(1, low):
-            if child is not None:
-                limit = node.depth + self._reach
-                candidates = [near] + [self._nearest_anchor(o, limit) for o in node.children.values() if o is not child]
-                if self._is_anchor(node):
-                    candidates.append(node.depth)
-                candidates = [c for c in candidates if c is not None]
-                near = min(candidates) if candidates else None
-            want = {n for n, w in self.windows
-                    if near is not None and self._first_window_page(near, w) <= node.depth - 1}
-            if vids is not None and want and node.depth <= len(vids) and int(vids[node.depth - 1]) != node.vid:
-                self._maybe_adopt(node, int(vids[node.depth - 1]), want)
-            for n in self.owner.windows:
-                if n in want and n not in node.wins and self.owner.window_bound(node.vid, n):
-                    self.holdings.take_window(node, n)
-                elif n not in want and n in node.wins:
-                    self.holdings.release_window(node, n)
-            node, child = node.parent, node
-
-    def _maybe_adopt(self, node: Node, vid: int, want: set[str]) -> None:
-        """Swap node's page for `vid` (the same tokens, computed by the inserting request) when
-        that one has more of the wanted window pages."""
-        has = lambda v: sum(self.owner.window_bound(v, n) for n in want)
-        if has(vid) <= has(node.vid) or self.owner.refs[vid] <= 0:
-            return
-        self._swap_page(node, vid)
-        self.adopted_pages += 1
-
+    # ================================================================== page copies
     def release_duplicates(self, paths) -> int:
         """(node, vids): a running request's deepest cached node and its page ids.  A tree-only
         page above it is no leaf, so eviction cannot reach it, and the request pays for those
@@ -279,21 +211,14 @@ class PrefixCache:
                 vid = int(vids[node.depth - 1]) if node.depth <= len(vids) else node.vid
                 if vid != node.vid and self.owner.refs[node.vid] == 1 and self.owner.refs[vid] > 0:
                     wins = sorted(node.wins)
-                    self._swap_page(node, vid)
+                    self.retention.swap_page(node, vid)
                     for n in (n for n in wins if self.owner.window_bound(vid, n)):
                         self.holdings.take_window(node, n)
                     out += 1
                 node = node.parent
         return out
 
-    def _swap_page(self, node: Node, vid: int) -> None:
-        """Make `node` hold page `vid` (the same tokens) in place of its own, windows let go."""
-        self.holdings.take_page(vid)
-        for n in sorted(node.wins):
-            self.holdings.release_window(node, n)
-        self.holdings.release_page(node.vid)
-        node.vid = vid
-
+    # ================================================================== checkpoints
     pin = property(lambda self: self.holdings.pin)  # keep a node's checkpoint until unpin (a hit restores it)
     unpin = property(lambda self: self.holdings.unpin)
 
@@ -305,19 +230,13 @@ class PrefixCache:
     def _evictable(self, n: Node) -> bool:
         return n.alive and n is not self.root and not n.children and self.owner.refs[n.vid] == 1
 
-    def _droppable(self, n: Node) -> bool:
-        """A checkpoint, a mark or a branch point's window pages that may go alone (a future
-        shortcut only: the page stays; the module docstring says why a branch point's may)."""
-        branch = not self.state and len(n.children) > 1 and not n.bare and bool(n.wins)
-        return n.alive and not n.pins and bool(n.ckpt or n.mark or branch)
-
     def evict(self, enough=lambda: False) -> int:
         """Evict least recently used entries until enough() -> entries evicted.  An entry is a
         leaf no request holds (its page, window pages and checkpoint), or the checkpoint, mark
         or branch point's window pages alone of any other node (a request's own path included)."""
         heap = []
         for x in self.nodes():
-            if self._evictable(x) or self._droppable(x):
+            if self._evictable(x) or self.retention.droppable(x):
                 heap.append((x.stamp, -x.depth, id(x), x))
         heapq.heapify(heap)  # oldest first; deepest first among equals (leaves before their parents)
         out = 0
@@ -326,15 +245,13 @@ class PrefixCache:
             if self._evictable(x):
                 parent = x.parent
                 self._remove(x)
-                if self._evictable(parent) or self._droppable(parent):
+                if self._evictable(parent) or self.retention.droppable(parent):
                     heapq.heappush(heap, (parent.stamp, -parent.depth, id(parent), parent))
-            elif self._droppable(x):
+            elif self.retention.droppable(x):
                 if x.ckpt:
                     self._drop_checkpoint(x)
                     self.evicted_checkpoints += 1
-                x.mark = False
-                x.bare = x.bare or (not self.state and len(x.children) > 1)
-                self._refresh(x, x.depth - self._reach)  # its windows may go too
+                self.retention.let_go(x)  # its mark, its bare-ness, and its windows where no anchor wants them
             else:
                 continue
             out += 1
@@ -356,7 +273,7 @@ class PrefixCache:
         del parent.children[x.key]
         x.alive = False
         self.evicted_pages += 1
-        self._refresh(parent, parent.depth - self._reach)
+        self.retention.refresh(parent, parent.depth - self.retention.reach)
 
     # ================================================================== accounting
     def nodes(self):
@@ -388,6 +305,7 @@ class PrefixCache:
     num_pages = property(lambda self: self.holdings.num_pages)
     num_checkpoints = property(lambda self: self.holdings.num_checkpoints)
     num_window_pages = property(lambda self: self.holdings.num_window_pages)  # {window: pages}
+    adopted_pages = property(lambda self: self.retention.adopted_pages)  # counter: WindowRetention's
 
     def stats(self) -> dict:
         return {"queries": self.queries, "query_tokens": self.query_tokens, "hits": self.hits,
