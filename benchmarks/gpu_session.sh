@@ -7,10 +7,12 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420)
+# T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
+for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
   case "$1" in
     spec) python3 -m benchmarks.bench_speculative --out "$OUT" --dtype float32 --batches 1 --prompt 512 \
-            --gen 256 --budget-s 300 ;;
+            --gen 256 --budget-s ${SPEC_BUDGET_S:-300} ;;
     spec_profile) python3 -m benchmarks.bench_speculative --out "$OUT/profile" --dtype float32 --batches 1 \
             --prompt 512 --gen 64 --methods draft --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
     spec_profile_scan) UMEM_JAX_SHORT_SCAN=8 python3 -m benchmarks.bench_speculative --out "$OUT/profile_scan" \
