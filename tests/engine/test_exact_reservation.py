@@ -171,3 +171,71 @@ def test_engine_fixed_lengths_finish_without_retraction_and_unchanged():
     assert all(o.metrics.num_retractions == 0 for o in outs)
     assert [o.outputs[0].token_ids for o in outs] == dense_greedy(LONG, 70)
     assert_idle_clean(tight)
+
+
+def _siblings(budget: int, n: int = 4, L: int = 30, M: int = 40) -> tuple[Scheduler, list[Request]]:
+    """n fixed-length requests on one prompt, the others queued once the first has computed it
+    (as the engine queues n samples' siblings): they resume from its cached pages, so each
+    holds the same last window pages of the prompt when it starts to decode."""
+    sch = scheduler(budget, enable_prefix_caching=True)
+    first = request(sch, 0, L, M, **FIXED)
+    reqs, done = [first], []
+    while sch.has_work() or done:
+        b = sch.schedule()
+        finish(sch, done)
+        if b is None:
+            continue
+        emit(b, done)
+        if first.decode_ready and len(reqs) < n:
+            for i in range(1, n):
+                reqs.append(request(sch, i, L, M, **FIXED))
+                reqs[-1].prompt_token_ids = list(first.prompt_token_ids)
+        sch.allocator.check_invariants()
+        sch.allocator.take_moves()
+    assert all(r.num_output == r.max_tokens == M for r in reqs)
+    return sch, reqs
+
+
+@pytest.mark.parametrize("budget", [112 << 10, 120 << 10])
+def test_decoders_sharing_window_pages_finish_without_retraction(budget, monkeypatch):
+    """Siblings decoding on a shared prompt hold its last window pages together, and passing one
+    frees nothing until all have.  Priced as given back by each (the rule before), the joint
+    peak came short and a sibling was retracted near its end; priced as not held, each shared
+    page back when its last holder passes it (reservations.shared_window, shared_window_frees),
+    none is."""
+    sch, reqs = _siblings(budget)
+    assert sch.num_retractions == 0
+    assert sch.cache is not None and sch.cache.stats()["hit_tokens"] >= 3 * 28  # they did share the prompt
+    # the rule before, on the same trace: the shared pages counted as each one's own
+    monkeypatch.setattr(reservations, "shared_window", lambda req, *a, **k: {n: 0 for n in req.window_start})
+    monkeypatch.setattr(reservations, "shared_window_frees", lambda *a, **k: {})
+    before, _ = _siblings(budget)
+    assert before.num_retractions >= 1
+
+
+def test_shared_window_pages_come_back_when_the_last_holder_passes_them():
+    """Two decoders holding the same 4 window pages (one prompt): each prices its window growth
+    from the one page it holds alone, and the 4 come back once both have passed them, so the
+    joint peak is 4 + 4 - 4, not the 0 + 0 of counting each shared page as its own."""
+    sch = scheduler(1 << 20, enable_prefix_caching=True)
+    a = request(sch, 0, 30, 40, **FIXED)
+    sch.schedule()
+    a.output_token_ids.append(7)
+    b = request(sch, 1, 30, 40, **FIXED)
+    b.prompt_token_ids = list(a.prompt_token_ids)
+    sch.schedule()  # hands a's pages to the cache, admits b on them
+    b.output_token_ids.append(7)
+    (name, w), dm = sch.demand.windows[0], sch.demand
+    assert a.decode_ready and b.decode_ready
+    counts = reservations.window_holders([a, b], dm)
+    shared = [reservations.shared_window(r, counts, dm) for r in (a, b)]
+    assert shared == [{name: 4}, {name: 4}]  # pages 3..6: the prompt's tail both attend
+    left = [a.max_tokens - a.num_output, b.max_tokens - b.num_output]
+    frees = reservations.shared_window_frees([a, b], left, [a, b], dm, lag=1)[name]
+    # page j comes back once the one behind has passed it too: c + t - w + 1 >= (j + 1) * PS
+    behind = min(a.num_computed, b.num_computed)
+    assert sorted(frees.tolist()) == [(j + 1) * PS + w - 1 - behind for j in (3, 4, 5, 6)]
+    joint = dm.decode_peak([a, b], left, lag=1, shared_window=shared, shared_frees={name: frees})
+    alone = dm.decode_peak([a], left[:1], lag=1, shared_window=shared[:1]).window_pages[name]
+    assert alone == 4 and joint.window_pages[name] == 4 + 4 - 4
+    assert dm.decode_peak([a, b], left, lag=1).window_pages[name] == 0  # the rule before

@@ -242,8 +242,10 @@ def test_a_prompt_end_mark_keeps_its_window_pages_until_evicted():
     assert cache.match(toks[:30], 7).resume == 28  # the exact repeat of the prompt
     held = evictable_reference(cache)
     assert held == cache.evictable_by_subpool() == {"full": 0, "window16": 0}  # a's path: all its pages
-    assert cache.evict(lambda: not nodes[6].mark) == 1 and not nodes[6].mark  # the mark alone
-    assert bound(alloc, [x.vid for x in nodes]) == [False] * 6 + [True] * 4  # only the leaf's windows
+    # the leaf a still holds goes first (deepest among equals: the tree's window refs alone, a
+    # keeps its own), then the mark alone; the pages stay
+    assert cache.evict(lambda: not nodes[6].mark) == 2 and not nodes[6].mark and nodes[9].bare
+    assert bound(alloc, [x.vid for x in nodes]) == [False] * 6 + [True] * 4  # only a's own window
     check(alloc, owner, cache, a)
     a.free()
     cache.insert(toks, [x.vid for x in nodes], 10, marks=(7,))  # a mark on a path cached earlier
@@ -272,7 +274,8 @@ def test_a_branch_points_window_pages_go_under_pressure_while_its_paths_run():
     path = [cache.find(base, d) for d in range(1, 7)]
     assert [bool(x.wins) for x in path] == [False, False, True, True, True, True]
     assert cache.evictable_by_subpool()["window16"] == 0  # its pages are the requests': no leaf to evict
-    assert cache.evict(lambda: branch.bare) == 1 and branch.bare
+    # the two leaves the requests hold go first (deepest among equals), then the branch point
+    assert cache.evict(lambda: branch.bare) == 3 and branch.bare
     assert not any(x.wins for x in path) and cache.num_pages == 14  # windows let go, every page kept (6 + 4 + 4)
     check(alloc, owner, cache, a, b)
     c = Seq(alloc, owner, base + rng.integers(3, 300, 16).tolist())
@@ -280,6 +283,42 @@ def test_a_branch_points_window_pages_go_under_pressure_while_its_paths_run():
     assert not branch.bare  # a third branch: a resume here is wanted again
     for s_ in (a, b, c):
         s_.free()
+    assert cache.clear() and alloc.live_token_pages().size == 0
+
+
+def test_a_decoders_last_cached_page_lets_the_window_page_it_passed_go_under_pressure():
+    """A decoder's full pages are handed to the cache as they fill, so its last cached page is a
+    leaf it still holds.  That leaf anchors a resume at 40 ((40 - 15) // 4 = 6 .. 9) while the
+    decoder at 43 has let page 6 go (it reads 7 .. 10): the tree alone keeps that window page,
+    which the demand model counts as given back.  Under pressure it goes (the pages stay, the
+    leaf turns bare); the next hand-off grows a new leaf, an anchor again, and a request letting
+    its last leaf go makes it one again (`reanchor`)."""
+    alloc, owner, cache = make(with_state=False)
+    toks = np.random.default_rng(9).integers(3, 300, 48).tolist()
+    a = Seq(alloc, owner, toks[:44])  # 11 pages; the 11th is still filling
+    cache.insert(toks, a.pages, 10)
+    a.advance(43)
+    check(alloc, owner, cache, a)
+    leaf = cache.find(toks, 10)
+    nodes = [cache.find(toks, d) for d in range(1, 11)]
+    assert not leaf.children and owner.refs[leaf.vid] == 2 and not leaf.bare
+    assert bound(alloc, a.pages) == [False] * 6 + [True] * 5  # page 6: the tree's alone
+    assert cache.evictable_by_subpool()["window16"] == 0  # every page is a's: no leaf to evict
+    assert cache.evict(lambda: leaf.bare) == 1 and leaf.bare
+    assert bound(alloc, a.pages) == [False] * 7 + [True] * 4 and cache.num_pages == 10  # page 6 freed, pages kept
+    check(alloc, owner, cache, a)
+    cache.retention.reanchor(leaf)  # were a to stop here (finish, retraction): an anchor again
+    assert not leaf.bare and bound(alloc, a.pages) == [False] * 7 + [True] * 4 and leaf.wins
+    assert cache.match(toks[:44], 10).resume == 0  # page 6's rows are gone: a resume at 40 is shortened
+    assert cache.evict(lambda: leaf.bare) == 1 and leaf.bare  # under pressure again
+    a.pages += alloc.alloc_token_pages(1).tolist()  # a's 12th page
+    owner.take(a.pages[-1:], owner.windows)
+    cache.insert(toks, a.pages, 11)  # the next hand-off: a new leaf, an anchor, past the bare one
+    assert not cache.find(toks, 11).bare and len(leaf.children) == 1
+    a.advance(48)
+    a.free()
+    check(alloc, owner, cache)
+    assert cache.match(toks[:48], 11).resume == 44 and all(x.alive for x in nodes)
     assert cache.clear() and alloc.live_token_pages().size == 0
 
 

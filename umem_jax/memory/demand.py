@@ -132,24 +132,31 @@ class DemandModel:
         return self.span(req.num_computed, end, held_pages=len(req.pages), held_window=self.held_window(req),
                          held_slots=len(req.slots), pass_len=end - req.num_computed)
 
-    def reservation(self, req, tokens: int, *, after: int | None = None) -> Demand:
+    def reservation(self, req, tokens: int, *, after: int | None = None,
+                    shared_window: dict[str, int] | None = None) -> Demand:
         """The next `tokens` decode tokens of `req` once it has `after` tokens in the arena
-        (default: now).  Priced from the state after this step's pass, so only decode pages."""
+        (default: now).  Priced from the state after this step's pass, so only decode pages.
+        shared_window[w]: of the window pages it will hold then, those another request holds in
+        its window too (reservations.shared_window): passing one frees nothing until the other
+        passes it as well, so they are priced as not held (never less than the truth)."""
         start = req.num_computed if after is None else after
         if tokens <= 0:
             return Demand()
+        shared = shared_window or {}
         if after is None:
-            return self.span(start, start + tokens, held_pages=len(req.pages), held_window=self.held_window(req),
+            held_window = {n: max(0, k - shared.get(n, 0)) for n, k in self.held_window(req).items()}
+            return self.span(start, start + tokens, held_pages=len(req.pages), held_window=held_window,
                              held_slots=len(req.slots), pass_len=self.decode_pass)
         # after a pass that ends at `after`, the request holds ceil(after / page_size) pages, the
         # window pages touching [after - w + 1, after) and its slots
         page_size = self.page_size
         held = -(-start // page_size)
-        held_window = {n: held - max(0, start - w + 1) // page_size for n, w in self.windows}
+        held_window = {n: max(0, held - max(0, start - w + 1) // page_size - shared.get(n, 0)) for n, w in self.windows}
         return self.span(start, start + tokens, held_pages=held, held_window=held_window,
                          held_slots=self.slots_per_request, pass_len=self.decode_pass)
 
-    def decode_peak(self, reqs, tokens_left, gives_back=None, lag: int = 0) -> Demand:
+    def decode_peak(self, reqs, tokens_left, gives_back=None, lag: int = 0, shared_window=None,
+                    shared_frees=None) -> Demand:
         """What the decoders `reqs` must still be given, at the worst step, if request i decodes
         exactly tokens_left[i] more tokens (a fixed-length output: ignore_eos, no stop) and
         every decode step advances each of them by one token.
@@ -167,7 +174,14 @@ class DemandModel:
 
         `reservation` (so `span`) written over arrays [request, candidate t] at once: a Python
         span per (request, t) would cost O(R^2) calls per schedule at a few hundred decoders.
-        tests/memory/test_demand.py checks it against the loop over `reservation`."""
+        tests/memory/test_demand.py checks it against the loop over `reservation`.
+
+        A window page several of `reqs` hold (a shared prefix's tail, n siblings) frees nothing
+        when one passes it: each prices its window growth against the pages it holds alone
+        (shared_window[i][w]: how many of request i's window pages others hold too, priced as
+        not held, as in `reservation`), and the shared page comes back at the step its last
+        holder passes it or finishes -- shared_frees[w]: those steps, one per shared page
+        (scheduler/reservations.py: shared_window, shared_window_frees)."""
         if not reqs:
             return Demand()
         names = [name for name, _ in self.windows]
@@ -187,17 +201,22 @@ class DemandModel:
         full = np.maximum(0, need - pages)
         pass_tokens = np.maximum(1, np.minimum(self.decode_pass, t))
 
-        def peak(grown, given) -> int:  # per step: what the survivors took minus what the finished gave back
-            return int(max(0, np.where(alive, grown, -np.asarray(given, np.int64)[:, None]).sum(axis=0).max()))
+        def peak(grown, given, freed=0) -> int:  # per step: what the survivors took minus what came back
+            return int(max(0, (np.where(alive, grown, -np.asarray(given, np.int64)[:, None]).sum(axis=0)
+                               - freed).max()))
 
         window_pages = {}
         for name, w in self.windows:
             first = np.maximum(0, computed - w + 1) // ps
-            held_window = np.array([len(r.pages) - r.window_start[name] for r in reqs], np.int64)[:, None]
+            shared = [0] * len(reqs) if shared_window is None else [d.get(name, 0) for d in shared_window]
+            held_window = np.array([max(0, len(r.pages) - r.window_start[name] - k) for r, k in zip(reqs, shared)],
+                                   np.int64)[:, None]
             spans = np.minimum(w - 1 + pass_tokens, end)
             bound = np.minimum(need - first, np.where(spans <= 0, 0, (spans + ps - 2) // ps + 1))  # spanned()
             grown = np.minimum(full, np.maximum(0, bound - held_window))
-            window_pages[name] = peak(grown, [b.window_pages.get(name, 0) for b in back])
+            frees = np.asarray((shared_frees or {}).get(name, ()), np.int64)
+            freed = (frees[:, None] <= ts[None, :]).sum(axis=0)  # shared pages back by step ts[k]
+            window_pages[name] = peak(grown, [b.window_pages.get(name, 0) for b in back], freed)
         slots = np.array([max(0, self.slots_per_request - len(r.slots)) for r in reqs], np.int64)[:, None]
         return Demand(peak(full, [b.token_pages for b in back]), window_pages,
                       peak(slots * (t > 0), [b.state_slots for b in back]))

@@ -122,14 +122,14 @@ class EarlyStart:
         sch = self.sch
         need = sch.demand.step(req, end) + others
         if end == req.num_tokens:
-            need = need + sch.demand.reservation(req, sch._reserve_tokens(req, after=end), after=end)
+            need = need + reservations.own(req, end, sch.holders, sch.demand, sch._reserve_tokens(req, end))
         return need
 
     def _admission_need(self, req: Request, step: Demand, end: int) -> Demand:
         """What admitting `req` by the usual rule would need now: its pass, its reservation after
         it, and every other running request's."""
         sch = self.sch
-        own = sch.demand.reservation(req, sch._reserve_tokens(req, after=end), after=end)
+        own = reservations.own(req, end, sch.holders, sch.demand, sch._reserve_tokens(req, end))
         return step + own + self._reservations(sch._reserve_tokens, but=req)
 
     def _shrink(self, req: Request, end: int, need, shortest: int) -> int:

@@ -124,9 +124,12 @@ class PrefixSharing:
                 r.add_checkpoint(slot)
                 self.hand_off(r)
 
-    def hand_off(self, req: Request) -> None:
+    def hand_off(self, req: Request, last: bool = False) -> None:
         """Insert the pages `req` computed whose tokens are known (with the cache's lookahead: and
-        the token after them), with its planned checkpoints."""
+        the token after them), with its planned checkpoints.  last: `req` is about to let its
+        memory go (finished, retracted): its deepest cached node, if pressure let its window
+        pages go while `req` ran on past it, is an anchor again and takes them back while `req`
+        still holds them (window_retention.py)."""
         page_size = self.page_size
         known = req.prompt_len + len(req.output_token_ids) - self.cache.lookahead
         num_pages = min(req.num_computed, known) // page_size
@@ -139,6 +142,8 @@ class PrefixSharing:
             if rejected:
                 self.allocator.free_state_slots(rejected)
             req.mark_cached(node, num_pages)
+        if last and req.cache_node is not None:
+            self.cache.retention.reanchor(req.cache_node)
 
     def _decode_checkpoint_due(self, req: Request) -> bool:
         """The working slot holds the state after p = num_computed tokens, p is on the decode

@@ -273,7 +273,7 @@ class Scheduler:
             return got, reservation
         if self.early.blocks(req):
             return 0, reservation
-        reservation = self.demand.reservation(req, self._reserve_tokens(req, after=end), after=end)
+        reservation = reservations.own(req, end, self.holders, self.demand, self._reserve_tokens(req, end))
         need = lambda: step + reservation + self._reservations() + batch.admitted_reservations
         fits = self._fits(need)
         if not fits and not self.running:
@@ -367,6 +367,8 @@ class Scheduler:
         """Tokens to keep free for `req` beyond `after` (default: what it has computed)."""
         return reservations.reserve_tokens(req, self.ratio, self.exact, after)
 
+    holders = property(lambda self: self.running + list(self.held.values()))  # every request holding memory
+
     def _reservations(self) -> Demand:
         """Reservations of every running request: the rest of a chunked prompt and the decode
         reservation (what admission must leave free); memoised within one schedule until a
@@ -375,14 +377,13 @@ class Scheduler:
         key = self.num_retractions
         if self._reserved is not None and self._reserved[0] == key:
             return self._reserved[1]
-        total = reservations.reservations(self.running, self.running + list(self.held.values()), self.demand,
-                                          self._reserve_tokens, self.exact)
+        total = reservations.reservations(self.running, self.holders, self.demand, self._reserve_tokens, self.exact)
         self._reserved = (key, total)
         return total
 
     def _free_memory(self, req: Request) -> None:
         if self.prefix is not None:
-            self.prefix.hand_off(req)  # what it computed stays reusable
+            self.prefix.hand_off(req, last=True)  # what it computed stays reusable
         self.memory.free(req)
 
     # ------------------------------------------------------------------ checks

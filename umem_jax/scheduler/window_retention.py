@@ -15,11 +15,16 @@ it inserts them the tree ADOPTS its copies (same tokens, window pages still boun
 cached ones whose window pages are gone.  The next request with that prefix then resumes
 exactly at the branch.
 
-Under pressure an anchor that is not a leaf may go alone (`droppable`, `let_go`): a checkpoint,
-a mark, or a branch point's window pages (the node turns `bare`, no anchor until a new branch
-grows from it: `branched`).  A branch point may go because on the path of running requests its
-window pages would stay as long as those run, though the requests have passed them and the
-demand model counts a passed window page as given back.
+Under pressure an anchor may go alone, its page staying (`droppable`, `let_go`): a checkpoint,
+a mark, a branch point's window pages, or those of a leaf that a request still holds (the node
+turns `bare`, no anchor until a new branch grows from it: `branched`).  A branch point's may go
+because on the path of running requests its window pages would stay as long as those run,
+though the requests have passed them and the demand model counts a passed window page as given
+back.  A held leaf is, most often, the last cached page of a request still decoding (its pages
+are handed over as they fill): as an anchor it keeps the window page that request has just
+passed, one per decoder, which the demand model likewise counts as given back.  The request's
+next hand-over grows a new leaf past it (an anchor again), and its last one, when it finishes,
+leaves the anchor its repeat resumes at.
 
 The tree's window refs go through CacheHoldings; this module never touches the tree's shape
 (prefix_cache.py grows and evicts it) and holds only the root, to stop its walks there.
@@ -69,7 +74,7 @@ class WindowRetention:
     def is_anchor(self, n: Node) -> bool:
         if n is self.root:
             return False
-        return bool(n.ckpt) if self.state else (n.mark or not n.children or (len(n.children) > 1 and not n.bare))
+        return bool(n.ckpt) if self.state else (n.mark or (len(n.children) != 1 and not n.bare))
 
     def nearest_anchor(self, n: Node, limit: int) -> int | None:
         """Depth of the shallowest anchor in n's subtree (n included), looking no deeper than
@@ -90,17 +95,27 @@ class WindowRetention:
         anchor once more)."""
         n.bare = False
 
+    def reanchor(self, n: Node) -> None:
+        """The request holding leaf n lets it go: a bare leaf is an anchor again, and takes the
+        window pages a resume there reads, where they are still bound."""
+        if n.alive and n.bare and not n.children:
+            n.bare = False
+            self.refresh(n, n.depth - self.reach)
+
     def droppable(self, n: Node) -> bool:
-        """A checkpoint, a mark or a branch point's window pages that may go alone (a future
-        shortcut only: the page stays; the module docstring says why a branch point's may)."""
-        branch = not self.state and len(n.children) > 1 and not n.bare and bool(n.wins)
-        return n.alive and not n.pins and bool(n.ckpt or n.mark or branch)
+        """A checkpoint, a mark, a branch point's window pages, or those of a leaf a request
+        still holds, that may go alone (a future shortcut only: the page stays; the module
+        docstring says why the last two may)."""
+        shape = len(n.children) > 1 or (not n.children and self.owner.refs[n.vid] > 1)
+        windows = not self.state and shape and not n.bare and bool(n.wins)
+        return n.alive and not n.pins and bool(n.ckpt or n.mark or windows)
 
     def let_go(self, x: Node) -> None:
         """x (droppable, its checkpoint already gone) stops being an anchor: its mark goes, a
-        branch point turns bare, and the window pages no other anchor wants go with them."""
+        branch point or a leaf turns bare, and the window pages no other anchor wants go with
+        them."""
         x.mark = False
-        x.bare = x.bare or (not self.state and len(x.children) > 1)
+        x.bare = x.bare or (not self.state and len(x.children) != 1)
         self.refresh(x, x.depth - self.reach)  # its windows may go too
 
     # ================================================================== window refs
