@@ -5,6 +5,8 @@ Tuning run:       python3 -m benchmarks.bench_prefill --tune   (<= ~6 min: check
                   then the Mosaic GPU kernel in a child process with a time limit (checks, its own
                   sweep, timings), then the table with Triton, Mosaic GPU and cuDNN side by side)
 Mosaic GPU only:  python3 -m benchmarks.bench_prefill --mgpu [--json out.json]
+fp8 K/V:          python3 -m benchmarks.bench_prefill --fp8    (Mosaic GPU fp8 vs Triton fp8 vs both on
+                  bf16, B=2 prefix 0 and B=1 prefix 4096; prefill_mgpu.run_fp8)
 CPU smoke test:   python3 -m benchmarks.bench_prefill --small      (interpret mode, seconds)
 
 Order of work: (1) correctness: kernel vs the plain-JAX reference at real shapes (prefix 0 and a
@@ -61,7 +63,7 @@ from .prefill_cases import (  # noqa: E402
     rel_err,
     with_sinks,
 )
-from .prefill_mgpu import mgpu_child, run_mgpu  # noqa: E402
+from .prefill_mgpu import mgpu_child, run_fp8, run_mgpu  # noqa: E402
 from .report import RowLog, json_path  # noqa: E402
 
 __all__ = ["build", "main", "rel_err", "run"]  # build and rel_err: the GPU tests build their cases here
@@ -248,6 +250,8 @@ def parse(argv):
     ap.add_argument("--tune", action="store_true",
                     help="the Mosaic GPU kernel (child process) + the wide Triton sweep + the joint table")
     ap.add_argument("--mgpu", action="store_true", help="only the Mosaic GPU kernel (checks, sweep, timings)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="only fp8 K/V: the Mosaic GPU and Triton kernels on fp8 and on bf16 arenas of the same K/V")
     ap.add_argument("--mgpu-timeout", type=float, default=150.0,
                     help="seconds the --tune child may take before it is killed (default 150)")
     ap.add_argument("--mgpu-budget", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -257,8 +261,11 @@ def parse(argv):
 def main(argv=None):
     a = parse(argv)
     t_start = time.time()
-    if a.mgpu:
-        run_mgpu(a, RowLog(json_path(a.json, "bench_prefill"), jax=jax.__version__, device=str(jax.devices()[0])))
+    if a.mgpu or a.fp8:
+        if a.fp8:
+            silence_triton_deprecation()  # the fp8 rows time the Triton kernel too
+        only = run_fp8 if a.fp8 else run_mgpu
+        only(a, RowLog(json_path(a.json, "bench_prefill"), jax=jax.__version__, device=str(jax.devices()[0])))
         return 0
     a.iters = a.iters or (1 if a.small else 20)
     a.budget = a.budget if a.budget is not None else (350.0 if a.tune else 420.0)

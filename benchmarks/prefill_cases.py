@@ -29,21 +29,22 @@ from .timing import time_calls
 LAYERS = 4  # layers in the page envelope (the view is layer 1): pages are strided like the engine's
 
 
-def _view(Hkv, D, ps, layer=1):
-    rows = Hkv * D  # bf16 K row of one token == one arena row
+def _view(Hkv, D, ps, layer=1, fp8=False):
+    rows = Hkv * D // (2 if fp8 else 1)  # K row of one token == one arena row (fp8: two values a word)
     return KVView(rows_per_page=LAYERS * 2 * ps, page_size=ps, k_row=layer * 2 * ps, v_row=layer * 2 * ps + ps,
-                  num_kv_heads=Hkv, head_dim=D, v_head_dim=D, row_words=rows, planes=1)
+                  num_kv_heads=Hkv, head_dim=D, v_head_dim=D, row_words=rows, planes=1, fp8=fp8)
 
 
-def build(key, *, B, T, prefix, Hq, Hkv, D, ps, arena_gib, window=None, q_lens=None, prefixes=None):
+def build(key, *, B, T, prefix, Hq, Hkv, D, ps, arena_gib, window=None, q_lens=None, prefixes=None, fp8=False):
     """Random tokens of B requests, written into a paged arena in random page order.
 
     Every row has `prefix` cached tokens (or prefixes[b]) then a chunk of T (or q_lens[b]) new ones,
     already written.  Returns dict(view, q [B,T,Hq,D], arena, page_table, q_lens, kv_lens,
     q_full [B,S,Hq,D], k_full/v_full [B,S,Hkv,D]) with S = max(prefix) + T; the chunk's queries
-    are q_full[:, prefix:prefix+T].
+    are q_full[:, prefix:prefix+T].  fp8: the same K/V stored as e4m3 (scale 1: N(0, 1) values),
+    an arena of half the row width (k_full / v_full stay the bf16 values before quantisation).
     """
-    view = _view(Hkv, D, ps)
+    view = _view(Hkv, D, ps, fp8=fp8)
     prefixes = list(prefixes) if prefixes is not None else [prefix] * B
     q_lens = list(q_lens) if q_lens is not None else [T] * B
     S = max(p + T for p in prefixes)

@@ -4,6 +4,13 @@
 table: a hang or a crash in the kernel then costs the child's time limit, not the Triton results.
 The child checks the kernel against the reference first and times it only if every check passed;
 its rows carry mgpu_ms / mgpu_tflops per table shape for the parent's table.
+
+`bench_prefill --fp8` (run_fp8) times the Mosaic GPU kernel's fp8 K/V path against the Triton
+kernel's fp8 path and both kernels on a bf16 arena holding the same K/V, at the benchmark geometry
+(32/8 heads, D=128, page 16, 4K-token chunks after prefix 0 and 4096); every kernel is checked
+against the reference on its own arena first, and the Mosaic fp8 path is timed at its default
+tiling (64-token blocks, a K and a V tile per consumer) and at FP8_MGPU_CONFIGS.  `auto` keeps
+fp8 prefill on Triton until this has been measured (paged_prefill.prefill_backend).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from pathlib import Path
 
 import jax
 
+from umem_jax.pallas_kernels.prefill_reference import paged_prefill_attention_reference
+
 from .prefill_cases import (
     GPU_CHECKS,
     GPU_GEOMETRY,
@@ -30,10 +39,15 @@ from .prefill_cases import (
     flops,
     geomean,
     kernel_args,
+    rel_err,
     with_sinks,
 )
 from .report import RowLog
 
+# fp8 (block_kv, max_concurrent_steps) besides the default (64, 2): 128-token blocks leave one
+# 16-bit tile per consumer at D = 128 (paged_prefill_mgpu.fp8_tiles), a deeper ring of 64.
+FP8_MGPU_CONFIGS = [(128, 2), (64, 3)]
+FP8_SHAPES = [(2, 0), (1, 4096)]  # (B, prefix) at GPU_GEOMETRY
 # Mosaic GPU (block_kv, max_concurrent_steps, schedule_barrier); block_q is 64 per consumer.
 # Shared memory at D=128: 32 KiB of Q/O + 2 * steps * block_kv * 256 B of K/V ring.
 MGPU_CONFIGS = [(128, 2, True), (64, 3, True), (64, 4, True), (64, 2, True), (128, 2, False), (64, 3, False)]
@@ -166,3 +180,83 @@ def mgpu_child(args, timeout: float) -> list[dict]:
         rows = [dict(bench="prefill", kind="mgpu_failed", note=note)]
     os.unlink(path)
     return rows
+
+
+def _fp8_fns(d, kind: str) -> dict:
+    """label -> jitted kernel on the built batch d (kind "bf16" or "fp8"): the Triton and the Mosaic
+    GPU kernel through the engine's entry point, and for fp8 the Mosaic one at FP8_MGPU_CONFIGS."""
+    from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention
+    from umem_jax.pallas_kernels.paged_prefill_mgpu import paged_prefill_attention_mgpu
+
+    view = d["view"]
+    fns = {f"{kind} {b}": jax.jit(functools.partial(paged_prefill_attention, view=view, impl="pallas", backend=b))
+           for b in ("triton", "mgpu")}
+    if kind == "fp8":
+        for bkv, steps in FP8_MGPU_CONFIGS:
+            fns[f"fp8 mgpu {bkv}x{steps}"] = jax.jit(functools.partial(
+                paged_prefill_attention_mgpu, view=view, block_kv=bkv, max_concurrent_steps=steps))
+    return fns
+
+
+def run_fp8(args, log: RowLog) -> list[dict]:
+    """For each FP8_SHAPES row: bf16 then fp8 arenas of the same K/V, every kernel of _fp8_fns
+    checked against the reference on its arena (1.5e-2 of the largest output: fp8 Triton's
+    tolerance) and, if right, timed.  Prints the table; rows go to `log`."""
+    from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available
+
+    ok, why = mgpu_available()
+    if not ok or jax.default_backend() != "gpu":
+        print(f"  fp8: skipped ({why or 'needs an NVIDIA GPU'})", flush=True)
+        log.add(dict(bench="prefill", kind="fp8_skipped", why=why or "no GPU"))
+        return log.rows
+    iters = int(args.iters or 20)
+    arena_gib = float(args.arena_gib or 6.0)
+    key = jax.random.PRNGKey(0)
+    g = GPU_GEOMETRY
+    print(f"== prefill fp8 vs bf16 K/V: jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    rows = []
+    for B, p in FP8_SHAPES:
+        nflops = flops(g["Hq"], g["D"], B, p, g["T"])
+        row = dict(bench="prefill", kind="fp8", B=B, T=g["T"], prefix=p, shape=f"B={B} T={g['T']} prefix={p}")
+        for kind in ("bf16", "fp8"):
+            d = build(key, B=B, T=g["T"], prefix=p, Hq=g["Hq"], Hkv=g["Hkv"], D=g["D"], ps=g["ps"],
+                      arena_gib=arena_gib, fp8=kind == "fp8")
+            args_ = kernel_args(d)
+            ref = jax.jit(functools.partial(paged_prefill_attention_reference, view=d["view"]))(*args_)
+            for label, f in _fp8_fns(d, kind).items():
+                try:
+                    err = rel_err(f(*args_), ref)
+                    t = best_time(f, args_, iters=iters, reps=3) if err <= 1.5e-2 else None
+                except Exception as e:  # noqa: BLE001 - one kernel that does not compile must not end the run
+                    print(f"  {row['shape']} {label}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                key_ = label.replace(" ", "_")
+                row[key_ + "_err"] = err
+                if t is not None:
+                    row[key_ + "_ms"] = t * 1e3
+                print(f"  {row['shape']} {label:<18} " + (f"{t * 1e3:8.3f} ms {nflops / t / 1e12:6.1f} TFLOP/s"
+                      if t else "not timed") + f"  rel err {err:.2e}{'' if t else ' WRONG'}", flush=True)
+            del d, ref
+        rows.append(log.add(row))
+    print("\n" + fp8_table(rows))
+    return log.rows
+
+
+def fp8_table(rows) -> str:
+    """Triton vs Mosaic GPU on fp8 K/V (speed-up: Triton's time / Mosaic's), and each kernel's fp8
+    time over its bf16 time, per shape (ms)."""
+    g = GPU_GEOMETRY
+    head = (f"{'shape':<22} | {'triton bf16':>11} {'mgpu bf16':>9} | {'triton fp8':>10} {'mgpu fp8':>8} "
+            f"{'TFLOP/s':>7} | {'fp8 mgpu speed-up':>17} {'mgpu fp8/bf16 t':>15} {'triton fp8/bf16 t':>17} | "
+            "mgpu fp8 other tilings")
+    out = [head]
+    ratio = lambda x, y: f"{x / y:.3f}" if x and y else "-"
+    ms = lambda x: f"{x:.3f}" if x else "-"
+    for r in rows:
+        tb, mb, tf, mf = (r.get(k) for k in ("bf16_triton_ms", "bf16_mgpu_ms", "fp8_triton_ms", "fp8_mgpu_ms"))
+        tfl = flops(g["Hq"], g["D"], r["B"], r["prefix"], r["T"]) / (mf * 1e-3) / 1e12 if mf else None
+        alt = " ".join(f"{b}x{s}={ms(r.get(f'fp8_mgpu_{b}x{s}_ms'))}" for b, s in FP8_MGPU_CONFIGS)
+        out.append(f"{r['shape']:<22} | {ms(tb):>11} {ms(mb):>9} | {ms(tf):>10} {ms(mf):>8} "
+                   f"{(f'{tfl:.1f}' if tfl else '-'):>7} | {ratio(tf, mf):>17} {ratio(mf, mb):>15} "
+                   f"{ratio(tf, tb):>17} | {alt}")
+    return "\n".join(out)

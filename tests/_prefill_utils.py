@@ -2,8 +2,9 @@
 a KV view, random cases with poisoned unwritten rows, dtype-aware closeness, and an abstract H200
 for cross-lowering.
 
-Every test arena starts poisoned (all words 0xFFFF: NaN as bf16 and as an fp32 hi/lo pair); only
-the rows of live tokens are written, so any read of an unwritten row shows up as NaN."""
+Every test arena starts poisoned (all words 0xFFFF: NaN as bf16, as an fp32 hi/lo pair and as both
+e4m3 bytes of an fp8 word); only the rows of live tokens are written, so any read of an unwritten
+row shows up as NaN."""
 
 from __future__ import annotations
 
@@ -21,10 +22,10 @@ from umem_jax.pallas_kernels.paged_prefill import paged_prefill_attention_refere
 POISON = 0xFFFF
 
 
-def kv_view(Hkv, D, ps, *, fp32=False, row_words=None, layer=1) -> KVView:
+def kv_view(Hkv, D, ps, *, fp32=False, fp8=False, row_words=None, layer=1) -> KVView:
     """View of full-attention layer `layer` in a small hybrid plan (3 full layers + a window
-    layer), so K/V rows do not start at row 0 of the envelope."""
-    dt = "float32" if fp32 else "bfloat16"
+    layer), so K/V rows do not start at row 0 of the envelope.  fp8: e4m3 K/V (D/2 words a head)."""
+    dt = "float32" if fp32 else "float8_e4m3fn" if fp8 else "bfloat16"
     decls = [LayerDecl(i, (Part(MHA(Hkv, D, dtype=dt), Full()),)) for i in range(3)]
     decls.append(LayerDecl(3, (Part(MHA(Hkv, D, dtype=dt), Window(64)),)))
     p = plan(decls, page_size=ps, row_words=row_words)
@@ -32,14 +33,16 @@ def kv_view(Hkv, D, ps, *, fp32=False, row_words=None, layer=1) -> KVView:
 
 
 def make_case(rng, view, rows, *, T, P, Hq, q_dtype, window=None, tombstone=False, num_pages=None,
-              arena_dtype=jnp.uint16, page_pool=None):
+              arena_dtype=jnp.uint16, page_pool=None, scales=None):
     """A batch of chunks already written into a poisoned arena (built with jnp, so on the GPU it
     never passes through host memory).
 
     rows: [(prefix, q_len)] per request; kv_len = prefix + q_len.  Physical pages are handed out
     in random order from `page_pool` (default 1..num_pages-1); table entries past a row's pages
     are the sink 0.  With `tombstone`, pages wholly before the chunk's first query's window are
-    unmapped (0) and re-poisoned.  Returns (q, arena, page_table, q_lens, kv_lens).
+    unmapped (0) and re-poisoned.  scales (fp8 views): (k_scale, v_scale) f32 [Hkv] the writer
+    quantises with (K drawn 3x wider, so it spans e4m3's exponents).  Returns (q, arena,
+    page_table, q_lens, kv_lens).
     """
     ps, Hkv = view.page_size, view.num_kv_heads
     B = len(rows)
@@ -62,12 +65,13 @@ def make_case(rng, view, rows, *, T, P, Hq, q_dtype, window=None, tombstone=Fals
         slots.append(t % ps)
     pages = np.concatenate(pages).astype(np.int32)
     slots = np.concatenate(slots).astype(np.int32)
-    kv_dt = jnp.float32 if view.planes == 2 else jnp.bfloat16
+    kv_dt = jnp.float32 if view.planes == 2 or view.fp8 else jnp.bfloat16
     n_tok = len(pages)
-    k = jnp.asarray(rng.standard_normal((n_tok, Hkv, view.head_dim), np.float32), kv_dt)
+    k = jnp.asarray(rng.standard_normal((n_tok, Hkv, view.head_dim), np.float32) * (3 if view.fp8 else 1), kv_dt)
     v = jnp.asarray(rng.standard_normal((n_tok, Hkv, view.v_head_dim), np.float32), kv_dt)
     arena = jnp.full((num_pages * rpp, W), POISON, jnp.uint16)
-    arena = write_kv_reference(arena, k, v, jnp.asarray(pages), jnp.asarray(slots), view=view)
+    kw = {} if scales is None else dict(k_scale=scales[0], v_scale=scales[1])
+    arena = write_kv_reference(arena, k, v, jnp.asarray(pages), jnp.asarray(slots), view=view, **kw)
     if tombstone and window is not None:
         dead = []
         for b, (prefix, q_len) in enumerate(rows):
@@ -88,31 +92,38 @@ def make_case(rng, view, rows, *, T, P, Hq, q_dtype, window=None, tombstone=Fals
     return (jnp.asarray(q, q_dtype), arena, jnp.asarray(table), jnp.asarray(q_lens), jnp.asarray(kv_lens))
 
 
-def prefill_case(name, Hkv, G, D, ps, T, P, rows, *, fp32=False, window=None, softcap=None, use_sinks=False,
-                 scale=None, row_words=None, tombstone=False, arena_dtype=jnp.uint16):
+def prefill_case(name, Hkv, G, D, ps, T, P, rows, *, fp32=False, fp8=False, window=None, softcap=None,
+                 use_sinks=False, scale=None, row_words=None, tombstone=False, arena_dtype=jnp.uint16):
     """A case seeded by its name -> (q, arena, page_table, q_lens, kv_lens, kw, ref): K/V bf16 (or
-    fp32 planes), q of the same dtype, sinks f32 [Hkv * G] when `use_sinks`; kw holds the
-    attention options, ref the reference output."""
+    fp32 planes, or fp8 e4m3 written with random per-kv-head scales, k_scale != v_scale), q bf16
+    (fp32 for fp32 planes), sinks f32 [Hkv * G] when `use_sinks`; kw holds the attention options
+    (and fp8's k_scale / v_scale), ref the reference output."""
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
-    view = kv_view(Hkv, D, ps, fp32=fp32, row_words=row_words)
+    view = kv_view(Hkv, D, ps, fp32=fp32, fp8=fp8, row_words=row_words)
+    scales = None
+    if fp8:  # |k| < ~12 over k_scale >= 0.05: stored below e4m3's 448 (no saturation)
+        scales = (jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32),
+                  jnp.asarray(rng.uniform(0.25, 2.0, Hkv), jnp.float32))
     q, arena, pt, q_lens, kv_lens = make_case(rng, view, rows, T=T, P=P, Hq=Hkv * G,
                                               q_dtype=jnp.float32 if fp32 else jnp.bfloat16, window=window,
-                                              tombstone=tombstone, arena_dtype=arena_dtype)
+                                              tombstone=tombstone, arena_dtype=arena_dtype, scales=scales)
     sinks = jnp.asarray(rng.standard_normal(Hkv * G) + 1.0, jnp.float32) if use_sinks else None
     kw = dict(view=view, window=window, softcap=softcap, sinks=sinks, scale=scale)
+    if fp8:
+        kw.update(k_scale=scales[0], v_scale=scales[1])
     return q, arena, pt, q_lens, kv_lens, kw, paged_prefill_attention_reference(q, arena, pt, q_lens, kv_lens, **kw)
 
 
-def assert_close(out, ref, q_lens, *, fp32):
+def assert_close(out, ref, q_lens, *, fp32, tol=None):
     """Kernel output vs reference: both finite, exactly 0 past each row's q_len, and within 1e-5
-    (fp32 planes) or 1e-2 (bf16) relative to the reference's largest value."""
+    (fp32 planes) or 1e-2 (bf16), or `tol`, relative to the reference's largest value."""
     out = np.asarray(jnp.asarray(out, jnp.float32))
     ref = np.asarray(jnp.asarray(ref, jnp.float32))
     assert np.isfinite(ref).all(), "reference produced non-finite values"
     assert np.isfinite(out).all(), "kernel produced non-finite values (read a poisoned row?)"
     for b, ql in enumerate(np.asarray(q_lens)):
         assert (out[b, ql:] == 0).all(), f"row {b}: outputs past q_len={ql} are not 0"
-    tol = 1e-5 if fp32 else 1e-2
+    tol = tol or (1e-5 if fp32 else 1e-2)
     scale = max(1.0, float(np.abs(ref).max()))
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * scale)
 

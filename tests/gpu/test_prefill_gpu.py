@@ -1,7 +1,9 @@
 """paged_prefill_attention on a real GPU: the compiled Triton kernel, and the Mosaic GPU kernel
 (paged_prefill_mgpu.py, needs jax >= 0.11), vs the plain-JAX reference at real shapes, and a small
 hybrid model's prefill through the "auto" kernel choice (opt-in) vs impl="reference" (skipped
-without an NVIDIA GPU).
+without an NVIDIA GPU).  The Mosaic GPU kernel's fp8 (e4m3) path too (Hopper only): poisoned fp8
+arenas written with random per-kv-head k/v scales, both of its tile modes, within the fp8 Triton
+kernel's tolerance (1.5e-2 of the largest output), and the entry point running it when asked.
 
 Run on the GPU machine:  python -m pytest -q tests/gpu/test_prefill_gpu.py
 """
@@ -207,3 +209,81 @@ def test_gpu_engine_serves_with_mosaic_prefill(backend, monkeypatch):
         del llm
     same = sum(a == b for a, b in zip(outs["triton"], outs[backend]))
     assert same >= len(prompts) - 1, outs
+
+
+# --------------------------------------------------------------------------- fp8 K/V, Mosaic GPU
+
+# (name, Hkv, G, D, ps, window, softcap, sinks, T, P, rows, extra), as GPU_CASES without fp32
+FP8_MGPU_CASES = [
+    ("fp8_llama_gqa4_p16", 8, 4, 128, 16, None, None, False, 1024, 200,
+     [(0, 1024), (1000, 1024), (2100, 777), (0, 0)], {}),
+    ("fp8_gptoss_gqa8_window_sinks", 8, 8, 64, 64, 128, None, True, 512, 40,
+     [(1500, 512), (0, 300), (2000, 1)], {"tombstone": True}),
+    ("fp8_gemma_d256_window_softcap", 4, 2, 256, 32, 1024, 50.0, False, 512, 120,
+     [(3000, 512), (10, 200)], {"tombstone": True}),
+    ("fp8_g1_d128_window", 4, 1, 128, 16, 300, None, False, 256, 60, [(600, 256), (0, 256)], {"tombstone": True}),
+    ("fp8_g3_d80_window_sinks", 4, 3, 80, 16, 256, None, True, 512, 80,
+     [(700, 512), (0, 300), (1000, 1)], {"tombstone": True}),
+    ("fp8_g6_d96_softcap", 2, 6, 96, 32, None, 30.0, False, 256, 40, [(900, 256), (5, 100)], {}),
+    ("fp8_g6_d128_sinks", 8, 6, 128, 16, None, None, True, 512, 100, [(1000, 512), (0, 512)], {}),
+    ("fp8_g2_d144_p128", 2, 2, 144, 128, None, None, False, 256, 12, [(1000, 256), (3, 40)], {}),
+]
+
+
+def _fp8_hopper():
+    from umem_jax.pallas_kernels.backend import device_info, hopper_refusal
+
+    why = hopper_refusal(device_info())
+    if why:
+        pytest.skip(f"the Mosaic GPU prefill kernel needs Hopper and jax >= 0.11: {why}")
+
+
+def fp8_configs(D: int):
+    """(block_kv, max_concurrent_steps) to run besides the default: both tile modes where D allows."""
+    if D <= 112:
+        return [(128, 2), (64, 3)]   # K and V tiles per consumer at both block sizes
+    if D <= 208:
+        return [(64, 2), (64, 4), (128, 2)]   # 128-token blocks: one tile per consumer
+    return [(64, 2)]  # one tile per consumer
+
+
+@pytest.mark.parametrize("case", FP8_MGPU_CASES, ids=[c[0] for c in FP8_MGPU_CASES])
+def test_gpu_mgpu_fp8_kernel_matches_reference(case):
+    """The compiled fp8 path on poisoned arenas (tombstoned pages and unwritten slots are NaN bytes)
+    vs the reference on the same bytes and scales, at the default and the other tilings."""
+    from umem_jax.pallas_kernels.paged_prefill_mgpu import paged_prefill_attention_mgpu
+
+    _fp8_hopper()
+    name, Hkv, G, D, ps, window, softcap, use_sinks, T, P, rows, extra = case
+    q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case(name, Hkv, G, D, ps, T, P, rows, fp8=True, window=window,
+                                                          softcap=softcap, use_sinks=use_sinks,
+                                                          tombstone=extra.get("tombstone", False),
+                                                          arena_dtype=jnp.bfloat16)
+    for cfg in [None] + fp8_configs(D):
+        tiling = {} if cfg is None else dict(block_kv=cfg[0], max_concurrent_steps=cfg[1])
+        out = paged_prefill_attention_mgpu(q, arena, pt, q_lens, kv_lens, **kw, **tiling)
+        assert out.dtype == q.dtype
+        assert_close(out, ref, q_lens, fp32=False, tol=1.5e-2)
+
+
+def test_gpu_entry_point_runs_mgpu_fp8_when_asked(monkeypatch):
+    """fp8: backend "auto" keeps the Triton kernel (the Mosaic fp8 path is unmeasured), "mgpu"
+    (argument or $UMEM_JAX_PREFILL) runs the Mosaic kernel, with the scales, within fp8 tolerance
+    of the Triton kernel's answer and of the reference."""
+    _fp8_hopper()
+    silence_triton_deprecation()
+    q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case("fp8_entry", 4, 6, 128, 16, 512, 90,
+                                                          [(700, 512), (0, 300), (30, 0)], fp8=True, window=300,
+                                                          softcap=20.0, use_sinks=True, arena_dtype=jnp.bfloat16)
+    kernel, why = prefill_backend(q, kw["view"], backend="auto")
+    assert kernel == "triton" and "fp8" in why
+    assert prefill_backend(q, kw["view"], backend="mgpu") == ("mgpu", "")
+    tri = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", backend="triton")
+    mg = jax.jit(lambda *a: paged_prefill_attention(*a, **kw, impl="pallas", backend="mgpu"))(q, arena, pt, q_lens,
+                                                                                              kv_lens)
+    assert_close(mg, ref, q_lens, fp32=False, tol=1.5e-2)
+    assert_close(mg, tri, q_lens, fp32=False, tol=1.5e-2)
+    monkeypatch.setenv(PREFILL_ENV, "mgpu")
+    text = jax.jit(lambda *a: paged_prefill_attention(*a, **kw, impl="pallas")).lower(q, arena, pt, q_lens,
+                                                                                       kv_lens).as_text()
+    assert "mosaic_gpu" in text

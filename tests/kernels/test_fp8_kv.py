@@ -239,15 +239,23 @@ def test_prefill_kernel_matches_reference(Hkv, G, D, ps, q_dtype, window, softca
     close(out, ref, tol=2e-5 if q_dtype == jnp.float32 else 1.5e-2)
 
 
-def test_prefill_backend_refuses_mosaic_for_fp8():
-    """Mosaic GPU has no fp8 path: auto falls back to Triton saying why, mgpu refuses."""
+def test_prefill_backend_keeps_fp8_on_triton_under_auto():
+    """The Mosaic GPU prefill reads fp8 but has not been measured on the GPU: auto stays on Triton
+    saying why, mgpu runs it (on Hopper; elsewhere it refuses), an fp8 view read as bf16 is refused."""
     q = jax.ShapeDtypeStruct((1, 128, 8, 128), jnp.bfloat16)
     hopper = DeviceInfo("gpu", "9.0", (0, 11))
     assert prefill_backend(q, fp8_view(2, 128, 16, dtype="bfloat16"), backend="auto", device=hopper) == ("mgpu", "")
-    choice, why = prefill_backend(q, fp8_view(2, 128, 16), backend="auto", device=hopper)
-    assert choice == "triton" and "fp8" in why
-    with pytest.raises(NotImplementedError, match="fp8"):
-        prefill_backend(q, fp8_view(2, 128, 16), backend="mgpu", device=hopper)
+    for Hkv, D in ((2, 128), (2, 64), (1, 256), (2, 80)):
+        view = fp8_view(Hkv, D, 16)
+        qv = jax.ShapeDtypeStruct((1, 128, 4 * Hkv, D), jnp.bfloat16)
+        choice, why = prefill_backend(qv, view, backend="auto", device=hopper)
+        assert choice == "triton" and "fp8" in why and "not been measured" in why, why
+        assert prefill_backend(qv, view, backend="mgpu", device=hopper) == ("mgpu", "")
+        assert prefill_backend(qv, view, kv_dtype=jnp.float8_e4m3fn, backend="mgpu", device=hopper) == ("mgpu", "")
+    with pytest.raises(NotImplementedError, match="not an NVIDIA GPU"):
+        prefill_backend(q, fp8_view(2, 128, 16), backend="mgpu", device=DeviceInfo("cpu", None, (0, 11)))
+    with pytest.raises(NotImplementedError, match="kv_dtype"):
+        prefill_backend(q, fp8_view(2, 128, 16), kv_dtype=jnp.bfloat16, backend="mgpu", device=hopper)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -295,7 +303,8 @@ def test_fp8_attention_tracks_bf16_attention():
 @pytest.mark.parametrize("Hkv,G,D,ps", [(8, 4, 128, 16), (1, 4, 256, 16), (4, 6, 80, 32)])
 def test_gpu_fp8_kernels_match_reference(Hkv, G, D, ps):
     """The compiled Triton kernels (no interpret) on fp8 arenas: decode (split-K, window,
-    softcap) and prefill (default tiling, backend auto: Mosaic GPU refuses fp8, Triton runs)."""
+    softcap) and prefill (default tiling, backend auto: Triton, which auto keeps for fp8 until the
+    Mosaic fp8 path is measured; that one is tests/gpu/test_prefill_gpu.py's)."""
     view = fp8_view(Hkv, D, ps)
     rng = np.random.default_rng(Hkv * D)
     ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)

@@ -248,12 +248,13 @@ def test_fp8_refusals(case, why):
                                     jnp.bfloat16 if case == "kv_dtype" else None)
 
 
-def test_fp8_is_still_refused_by_the_prefill():
-    """The shared TMA-layout check takes fp8 views only for the decode (fp8=True)."""
+def test_fp8_passes_the_shared_tma_layout_check():
+    """The TMA-layout check the decode shares with the prefill takes fp8 views (both kernels read
+    them since the prefill learnt to, tests/kernels/test_paged_prefill_mgpu.py), read as e4m3 only."""
     view = fp8_view(2, 128, 16)
-    assert "fp8" in paged_prefill_mgpu.tma_layout_refusal(128, view)
-    assert paged_prefill_mgpu.tma_layout_refusal(128, view, fp8=True) is None
-    assert paged_prefill_mgpu.tma_layout_refusal(128, view, jnp.float8_e4m3fn, fp8=True) is None
+    assert paged_prefill_mgpu.tma_layout_refusal(128, view) is None
+    assert paged_prefill_mgpu.tma_layout_refusal(128, view, jnp.float8_e4m3fn) is None
+    assert "kv_dtype" in paged_prefill_mgpu.tma_layout_refusal(128, view, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("D", FP8_DIMS)
@@ -291,8 +292,8 @@ def test_fp8_ring_views_alias_the_same_bytes(D):
     core = pytest.importorskip("jax._src.pallas.mosaic_gpu.core")
     # Not a skip: the kernel relies on this placement, so a jax that hides it must be checked by hand.
     assert hasattr(core, "flatten_ref_union"), (f"jax {jax.__version__} has no flatten_ref_union: check the fp8 "
-                                                "ring's byte placement (_fp8_ring) by hand, then update this test")
-    union = paged_decode_mgpu._fp8_ring(plgpu, 3, 128, D)
+                                                "ring's byte placement (fp8_ring) by hand, then update this test")
+    union = paged_prefill_mgpu.fp8_ring(plgpu, 3, 128, D)  # the decode's and the prefill's rings
     words, values = jax.tree.leaves(core.flatten_ref_union(union.get_ref_aval()),
                                     is_leaf=lambda x: hasattr(x, "transforms"))
     (w_alias, *w_layout), (v_alias, *v_layout) = words.transforms, values.transforms

@@ -288,3 +288,36 @@ def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):
     monkeypatch.setenv(PREFILL_ENV, "triton")
     text = lowered()
     assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text
+
+
+@pytest.mark.skipif(paged_prefill.device_info().jax_version < (0, 11),
+                    reason="the dispatch takes the Mosaic GPU kernel only on jax >= 0.11 (plgpu.kernel's API there); "
+                    "this jax has an older one")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("D,G,window,softcap", [(128, 4, None, None), (256, 2, 1024, 50.0), (64, 6, 100, None)])
+def test_wrapper_fp8_auto_lowers_triton_and_mgpu_lowers_mosaic(monkeypatch, D, G, window, softcap):
+    """fp8 K/V with per-head scales through the public wrapper, with an H200's device info: "auto"
+    keeps the Triton kernel (the Mosaic fp8 path is not measured yet), UMEM_JAX_PREFILL=mgpu
+    cross-lowers the Mosaic GPU kernel (D = 256: one dequantised tile per consumer)."""
+    from _prefill_utils import abstract_gpu
+
+    monkeypatch.setattr(paged_prefill, "device_info", lambda: H200)
+    view = kv_view(2, D, 16, fp8=True, layer=0)
+    sds = jax.ShapeDtypeStruct
+    args = (sds((2, 200, 2 * G, D), jnp.bfloat16), sds((64 * view.rows_per_page, view.row_words), jnp.bfloat16),
+            sds((2, 40), jnp.int32), sds((2,), jnp.int32), sds((2,), jnp.int32), sds((2,), jnp.float32),
+            sds((2,), jnp.float32))
+
+    def lowered():
+        def f(q, arena, pt, q_lens, kv_lens, ks, vs):  # a new function per lowering: the choice is made when traced
+            return paged_prefill_attention(q, arena, pt, q_lens, kv_lens, view=view, window=window, softcap=softcap,
+                                           k_scale=ks, v_scale=vs, impl="pallas")
+
+        with abstract_gpu():
+            return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered()  # the fixture's "auto"
+    assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text
+    monkeypatch.setenv(PREFILL_ENV, "mgpu")
+    text = lowered()
+    assert "mosaic_gpu" in text and "triton" not in text

@@ -58,7 +58,8 @@ the tensor cores take the previous block's P V, V's while they take this block's
 outside [start, len) are zeroed in registers on the way.  The scales never enter the kernel:
 k_scale multiplies q (in f32, clipped to f16's range, then f16) and v_scale the combined output,
 as in the Triton kernel; the split partials go out in f16.  paged_decode.decode_backend keeps fp8
-on the Triton kernel under "auto" until this path has been measured on the GPU.
+on the Triton kernel under "auto" until this path has been measured on the GPU.  The ring
+(`fp8_ring`) and the conversion (`dequantise_fp8`) are shared with the prefill (paged_prefill_mgpu).
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ from ._compat import mgpu_load
 from .decode_reference import check_decode_args, merge_splits
 from .kv_write import kv_scales
 from .launch import choose_num_splits
-from .paged_prefill_mgpu import RingStatics, _plgpu, head_swizzle, produce_kv_ring, tma_layout_refusal
-from .words import FP8, from_u16, kv_value_dtype, to_u16
+from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_fp8, fp8_ring, fp8_swizzle, head_swizzle,
+                                 produce_kv_ring, tma_layout_refusal)
+from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
            "fp8_swizzle", "paged_decode_attention_mgpu", "smem_bytes"]
@@ -87,8 +89,6 @@ _NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 
 _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 _ROWS = 64  # one wgmma M tile: the q heads of one kv head, zero-padded
 _ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as a [64, 32] f32 tile
-_CHUNK = 64  # fp8 -> f16 conversion in [64, <= 64] register chunks (64 rows: the WGMMA_8BIT layout's tile)
-_F16_MAX = 65504.0  # fp8 path: k_scale * q saturates here rather than becoming inf in f16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,14 +124,6 @@ def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> Dec
     return cfg
 
 
-def fp8_swizzle(D: int) -> int | None:
-    """Swizzle (bytes) of the fp8 ring's [rows, D]-byte tiles: 64 where it divides a row of D bytes,
-    else 32, else None (D % 32 == 16: plain rows, whose odd number of 16-byte chunks already puts
-    the 8 rows a warp reads on distinct banks).  Not 128: its 128-value tiles would make the
-    conversion's register chunks twice as wide."""
-    return next((sw for sw in (64, 32) if D % sw == 0), None)
-
-
 def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     """Raise NotImplementedError if the Mosaic GPU decode kernel does not cover this case (pure shape
     logic: runs on any jax and any backend)."""
@@ -142,7 +134,7 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
         raise NotImplementedError(f"paged_decode_attention_mgpu: {why}; use the Triton kernel "
                                   "(paged_decode_attention)")
 
-    why = tma_layout_refusal(D, view, kv_dtype, fp8=True)
+    why = tma_layout_refusal(D, view, kv_dtype)
     if why:
         no(why)
     if G > _ROWS:
@@ -170,21 +162,6 @@ class _Static(RingStatics):
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
 
 
-def _fp8_ring(plgpu, slots: int, bkv: int, D: int):
-    """One fp8 ring (K or V): a RefUnion of the same bytes as [slots, bkv, D/2] uint16 words (the TMA
-    destination) and as [slots, bkv, D] float8_e4m3fn values (what the consumer loads).  Both views
-    are tiled 8 rows x sw bytes and swizzled by sw bytes (fp8_swizzle), so their byte layouts are
-    one; both union members start at byte 0 (each is a group of its own)."""
-    sw = fp8_swizzle(D)
-    if sw is None:
-        t_words = t_bytes = ()
-    else:
-        t_words = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
-        t_bytes = (plgpu.TilingTransform((8, sw)), plgpu.SwizzleTransform(sw))
-    return plgpu.RefUnion(plgpu.SMEM((slots, bkv, D // 2), jnp.uint16, transforms=t_words),
-                          plgpu.SMEM((slots, bkv, D), FP8, transforms=t_bytes))
-
-
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
     D, bkv, slots = c.D, c.bkv, c.ring_slots
     sw = head_swizzle(D)
@@ -192,7 +169,7 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
     if c.fp8:  # byte rings, and the 16-bit K and V tiles the wgmma reads
-        rings = (_fp8_ring(plgpu, slots, bkv, D), _fp8_ring(plgpu, slots, bkv, D),
+        rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D),
                  plgpu.SMEM((bkv, D), c.dtype, transforms=tiled), plgpu.SMEM((bkv, D), c.dtype, transforms=tiled))
     else:
         rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
@@ -245,7 +222,6 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
     def _consumer():
         plgpu.set_max_registers(232, action="increase")
         layout = plgpu.Layout.WGMMA
-        chunk_layout = plgpu.Layout.WGMMA_8BIT  # fp8 dequantisation: 4 consecutive values a thread (32-bit loads)
         if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
             q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
             plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
@@ -304,20 +280,9 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
 
         def dequantise(src, dst, k0, masked: bool):
             """An fp8 slot (src [bkv, D] float8) into a 16-bit tile (dst [bkv, D]); masked: rows
-            outside [start, length) (k0: position of row 0) become 0.  Ends with commit_smem, so the
-            tile is ready for the wgmma and the slot's reads are done (it may be released)."""
-            # Columns: 64 at a time (a multiple of both tilings' widths, which divide D and 64); plain
-            # (unswizzled) fp8 rows in one piece (jax 0.11 cannot load a column slice of them).
-            cols = _CHUNK if fp8_swizzle(D) else D
-            for r0 in range(0, bkv, _CHUNK):
-                for c0 in range(0, D, cols):
-                    w = min(cols, D - c0)
-                    x = mgpu_load(plgpu, src.at[pl.ds(r0, _CHUNK), pl.ds(c0, w)], chunk_layout).astype(c.dtype)
-                    if masked:
-                        rows = k0 + r0 + plgpu.broadcasted_iota(jnp.int32, (_CHUNK, w), 0, layout=chunk_layout)
-                        x = jnp.where((rows >= start) & (rows < length), x, jnp.zeros_like(x))
-                    dst.at[pl.ds(r0, _CHUNK), pl.ds(c0, w)][...] = x
-            plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) reads
+            outside [start, length) (k0: position of row 0) become 0 (dequantise_fp8, shared with
+            the prefill; it ends with commit_smem, so the slot may be released)."""
+            dequantise_fp8(plgpu, src, dst, (k0, start, length) if masked else None)
 
         def next_k(kb):
             """Dequantise block kb's K (its ring slot, then released) into k16."""
@@ -418,7 +383,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
         num_splits = choose_num_splits(B, Hkv, visible, waves=2, min_blocks_per_split=4)
     if view.fp8:  # k_scale folds into q (the scores are linear in K, before the soft-cap)
         qg = q.astype(jnp.float32).reshape(B, Hkv, G, D) * ks[None, :, None, None]
-        qg = jnp.clip(qg, -_F16_MAX, _F16_MAX).astype(dtype)
+        qg = jnp.clip(qg, -F16_MAX, F16_MAX).astype(dtype)
         arena = to_u16(arena)  # the ring's TMA copies move words (same-width view: no copy)
     else:
         qg = q.astype(dtype).reshape(B, Hkv, G, D)

@@ -44,7 +44,8 @@ kernel loads the [BK, D/2] word tile and unpacks it in registers into its even a
 (words.unpack_fp8), against q split the same way in the wrapper: the scores are
 q_even . k_even + q_odd . k_odd, the output two halves p . v_even, p . v_odd (f32, interleaved
 back in XLA).  k_scale multiplies q (scores are linear in K), v_scale the output; neither
-enters the kernel.  The Mosaic GPU kernel refuses fp8, so backend "auto" runs this one.
+enters the kernel.  The Mosaic GPU kernel reads fp8 too (paged_prefill_mgpu.py, not yet measured
+on the GPU), so backend "auto" keeps fp8 on this one and "mgpu" runs that one.
 
 Module layout: `prefill_config` (the Triton tiling), the kernel body, `_paged_prefill_pallas` (the
 pallas_call), `prefill_backend` (which kernel impl="pallas" runs: this Triton kernel, or the Mosaic
@@ -483,8 +484,8 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, k_scale=
 PREFILL_ENV = "UMEM_JAX_PREFILL"
 # With $UMEM_JAX_PREFILL unset, impl="pallas" runs the Triton kernel: it covers every case of the
 # contract (fp32 planes, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The Mosaic GPU
-# kernel is faster on Hopper but covers a subset and needs jax >= 0.11, so it is opt-in: "auto"
-# takes it where it covers the case, "mgpu" insists on it.
+# kernel is faster on Hopper but covers a subset (bf16/fp16 and fp8 K/V) and needs jax >= 0.11, so
+# it is opt-in: "auto" takes it where it covers the case (fp8 not yet: unmeasured), "mgpu" insists.
 DEFAULT_BACKEND = "triton"
 
 
@@ -492,8 +493,9 @@ def _requested(backend: str | None) -> str:
     return requested_backend(backend, PREFILL_ENV, DEFAULT_BACKEND)
 
 
-def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo) -> str | None:
-    """Why the Mosaic GPU kernel cannot run this case here, or None when it can."""
+def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo, choice: str) -> str | None:
+    """Why the Mosaic GPU kernel cannot (or, for choice "auto", should not yet) run this case
+    here, or None when it can."""
     why = hopper_refusal(info)
     if why is not None:
         return why
@@ -501,9 +503,14 @@ def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo) -> str | None:
     from .paged_prefill_mgpu import check_mgpu_supported, default_mgpu_config
 
     try:  # pure shape/dtype logic, at trace time
-        check_mgpu_supported(q, view, default_mgpu_config(q.shape[3], view.page_size), kv_dtype)
+        check_mgpu_supported(q, view, default_mgpu_config(q.shape[3], view.page_size, view.fp8), kv_dtype)
     except NotImplementedError as e:
         return str(e)
+    if choice == "auto" and view.fp8:
+        # Checked on the CPU only (GPU interpreter, cross-lowering): until the GPU has run and timed
+        # it, "auto" keeps the Triton kernel's measured fp8 path.
+        return ("fp8 K/V: the Mosaic kernel's fp8 path has not been measured on the GPU yet (asked for with "
+                "backend 'mgpu', it runs)")
     return None
 
 
@@ -516,12 +523,14 @@ def prefill_backend(q, view, *, kv_dtype=None, backend: str | None = None,
     backend: "auto" | "triton" | "mgpu"; None reads $UMEM_JAX_PREFILL (default DEFAULT_BACKEND).  auto
     takes the Mosaic GPU kernel (0.98x cuDNN on an H200 vs 0.69x for Triton) when the device is a
     CUDA GPU of compute capability 9.x, jax >= 0.11 and check_mgpu_supported accepts the case
-    (bf16/fp16 one-plane K/V, one row per token, D == Dv a multiple of 16 in [64, 256], ...); mgpu
-    raises NotImplementedError naming the reason where it cannot run.  device: the DeviceInfo to
-    decide for (default: this process's, device_info()).
+    (bf16/fp16 one-plane K/V, one row per token, D == Dv a multiple of 16 in [64, 256], ...), but
+    not yet for fp8 K/V (unmeasured); mgpu raises NotImplementedError naming the reason where it
+    cannot run (fp8 it runs).  device: the DeviceInfo to decide for (default: this process's,
+    device_info()).
     """
-    return choose(_requested(backend), "prefill",
-                  lambda: _mgpu_refusal(q, view, kv_dtype, device_info() if device is None else device))
+    choice = _requested(backend)
+    return choose(choice, "prefill",
+                  lambda: _mgpu_refusal(q, view, kv_dtype, device_info() if device is None else device, choice))
 
 
 # --------------------------------------------------------------------------- public wrapper
@@ -585,7 +594,8 @@ def _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, win
         from .paged_prefill_mgpu import paged_prefill_attention_mgpu
 
         return paged_prefill_attention_mgpu(q, arena, page_table, q_lens, kv_lens, view=view, window=window,
-                                            softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype)
+                                            softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype,
+                                            k_scale=k_scale, v_scale=v_scale)
     _check_pallas(q, view)
     G = q.shape[2] // view.num_kv_heads
     cfg = prefill_config(q.shape[1], G, q.shape[3], Dv=view.v_head_dim, planes=view.planes, fp8=view.fp8,
