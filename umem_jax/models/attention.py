@@ -30,6 +30,7 @@ from ..core.batch import Batch
 from ..pallas_kernels.kv_write import write_kv
 from ..pallas_kernels.paged_decode import paged_decode_attention
 from ..pallas_kernels.paged_prefill import paged_prefill_attention
+from ..pallas_kernels.short_extend import paged_short_extend_attention, short_extend_applies
 from .arena_slot import ArenaSlot
 from .config import ModelConfig
 from .layers import FusedLinear, Linear, RMSNorm, apply_rope, fp32_precision, rope_inv_freq
@@ -165,6 +166,8 @@ class Attention(nnx.Module):
                   **scales, **slot.kernel_kw)
         if t == 1:
             o = paged_decode_attention(q[:, 0], arena, table, batch.kv_lens, **kw)[:, None]
+        elif short_extend_applies(b, t, self.num_kv_heads):  # a verify's few queries: split-K decode rows
+            o = paged_short_extend_attention(q, arena, table, batch.q_lens, batch.kv_lens, **kw)
         else:
             o = paged_prefill_attention(q, arena, table, batch.q_lens, batch.kv_lens, **kw)
         return self.output(o, gate, x.dtype), arena
