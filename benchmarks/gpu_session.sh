@@ -4,9 +4,10 @@
 #   bash benchmarks/gpu_session.sh spec spec_profile      (the steps below; RESULTS.md's GPU list says which next)
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [qwen_b1]=300 [breakdown_b1]=260
+declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
-                    [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420)
+                    [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
+                    [mgpu_prefill_fp8]=420)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -18,6 +19,9 @@ step() {
     spec_profile_scan) UMEM_JAX_SHORT_SCAN=8 python3 -m benchmarks.bench_speculative --out "$OUT/profile_scan" \
             --dtype float32 --batches 1 --prompt 512 --gen 64 --methods draft --acceptance 0.8 --extra-ks "" \
             --profile-verify 1 ;;
+    spec_profile_before) UMEM_JAX_SHORT_EXTEND=prefill python3 -m benchmarks.bench_speculative \
+            --out "$OUT/profile_before" --dtype float32 --batches 1 --prompt 512 --gen 64 --methods draft \
+            --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
     qwen_b1) python3 -m benchmarks.bench_moe --only decode --json "$OUT/bench_moe.json" &&
             python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 24 \
             --budget 120 ;;
@@ -39,6 +43,8 @@ step() {
     state) python3 -m benchmarks.bench_state ;;
     mgpu_fp8) python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8 --budget 200 ;;
+    mgpu_prefill_fp8) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py -k fp8 &&
+            python3 -m benchmarks.bench_prefill --fp8 ;;
     serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
             --workloads kv-heavy,mixed,shifting --static-ratios 0.5:0.5 --budget-after-build --no-progress \
             --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_early$e" $e; done ;;
