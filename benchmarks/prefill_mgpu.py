@@ -125,16 +125,24 @@ def _table(log: RowLog, key, arena_gib: float, iters: int, deadline: float, best
         del d
 
 
+def _skipped(log: RowLog, what: str) -> bool:
+    """Whether the Mosaic GPU kernel cannot run here (no Hopper GPU, or jax < 0.11): says so, logs
+    a `<what>_skipped` row."""
+    from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available
+
+    ok, why = mgpu_available()
+    if ok and jax.default_backend() == "gpu":
+        return False
+    print(f"  {what}: skipped ({why or 'needs an NVIDIA GPU'})", flush=True)
+    log.add(dict(bench="prefill", kind=f"{what}_skipped", why=why or "no GPU"))
+    return True
+
+
 def run_mgpu(args, log: RowLog) -> list[dict]:
     """Correctness vs the reference on the GPU checks, a config sweep on SWEEP_SHAPES, then one
     timing per TABLE_SHAPES row.  Every row goes to `log` as it comes (a child killed on its time
     limit still reports)."""
-    from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available
-
-    ok, why = mgpu_available()
-    if not ok or jax.default_backend() != "gpu":
-        print(f"  mgpu: skipped ({why or 'needs an NVIDIA GPU'})", flush=True)
-        log.add(dict(bench="prefill", kind="mgpu_skipped", why=why or "no GPU"))
+    if _skipped(log, "mgpu"):
         return log.rows
     iters = int(args.iters or 20)
     arena_gib = float(args.arena_gib or 6.0)
@@ -202,12 +210,7 @@ def run_fp8(args, log: RowLog) -> list[dict]:
     """For each FP8_SHAPES row: bf16 then fp8 arenas of the same K/V, every kernel of _fp8_fns
     checked against the reference on its arena (1.5e-2 of the largest output: fp8 Triton's
     tolerance) and, if right, timed.  Prints the table; rows go to `log`."""
-    from umem_jax.pallas_kernels.paged_prefill_mgpu import mgpu_available
-
-    ok, why = mgpu_available()
-    if not ok or jax.default_backend() != "gpu":
-        print(f"  fp8: skipped ({why or 'needs an NVIDIA GPU'})", flush=True)
-        log.add(dict(bench="prefill", kind="fp8_skipped", why=why or "no GPU"))
+    if _skipped(log, "fp8"):
         return log.rows
     iters = int(args.iters or 20)
     arena_gib = float(args.arena_gib or 6.0)

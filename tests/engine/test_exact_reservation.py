@@ -138,17 +138,24 @@ def test_exact_reservation_is_the_rest_of_the_life():
     assert r.decode_ready and sch._reserve_tokens(r) == 9 == r.max_tokens - r.num_output
 
 
-def test_shared_pages_are_not_given_back_twice():
-    """Two decoders sharing a prefix through the cache (as siblings of n samples do): the one
-    finishing first gives back only what the other does not hold."""
+def _two_on_one_prompt(L: int, Ma: int, Mb: int) -> tuple[Scheduler, Request, Request]:
+    """Fixed-length a (L tokens, Ma outputs) decoding, then b on the same prompt admitted on its
+    cached pages (Mb outputs); both have sampled their first token."""
     sch = scheduler(1 << 20, enable_prefix_caching=True)
-    a = request(sch, 0, 12, 5, **FIXED)
+    a = request(sch, 0, L, Ma, **FIXED)
     sch.schedule()
     a.output_token_ids.append(7)
-    b = request(sch, 1, 12, 20, **FIXED)
+    b = request(sch, 1, L, Mb, **FIXED)
     b.prompt_token_ids = list(a.prompt_token_ids)
     sch.schedule()  # hands a's pages to the cache, admits b on them
     b.output_token_ids.append(7)
+    return sch, a, b
+
+
+def test_shared_pages_are_not_given_back_twice():
+    """Two decoders sharing a prefix through the cache (as siblings of n samples do): the one
+    finishing first gives back only what the other does not hold."""
+    sch, a, b = _two_on_one_prompt(12, 5, 20)
     shared = set(a.pages) & set(b.pages)
     assert a.decode_ready and b.decode_ready and len(shared) == 2  # (12 - 1) // 4 pages resumed
     back = reservations.gives_back([a, b], [a, b], sch.demand)
@@ -217,14 +224,7 @@ def test_shared_window_pages_come_back_when_the_last_holder_passes_them():
     """Two decoders holding the same 4 window pages (one prompt): each prices its window growth
     from the one page it holds alone, and the 4 come back once both have passed them, so the
     joint peak is 4 + 4 - 4, not the 0 + 0 of counting each shared page as its own."""
-    sch = scheduler(1 << 20, enable_prefix_caching=True)
-    a = request(sch, 0, 30, 40, **FIXED)
-    sch.schedule()
-    a.output_token_ids.append(7)
-    b = request(sch, 1, 30, 40, **FIXED)
-    b.prompt_token_ids = list(a.prompt_token_ids)
-    sch.schedule()  # hands a's pages to the cache, admits b on them
-    b.output_token_ids.append(7)
+    sch, a, b = _two_on_one_prompt(30, 40, 40)
     (name, w), dm = sch.demand.windows[0], sch.demand
     assert a.decode_ready and b.decode_ready
     counts = reservations.window_holders([a, b], dm)
