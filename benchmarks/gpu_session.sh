@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh spec spec_profile      (the steps below; RESULTS.md's GPU list says which next)
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
-declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [qwen_b1]=300 [breakdown_b1]=260
+declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [short_extend]=120 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420)
@@ -19,6 +19,7 @@ step() {
     spec_profile_scan) UMEM_JAX_SHORT_SCAN=8 python3 -m benchmarks.bench_speculative --out "$OUT/profile_scan" \
             --dtype float32 --batches 1 --prompt 512 --gen 64 --methods draft --acceptance 0.8 --extra-ks "" \
             --profile-verify 1 ;;
+    short_extend) python3 -m pytest -q -m gpu tests/gpu/test_short_extend_gpu.py ;;
     spec_profile_before) UMEM_JAX_SHORT_EXTEND=prefill python3 -m benchmarks.bench_speculative \
             --out "$OUT/profile_before" --dtype float32 --batches 1 --prompt 512 --gen 64 --methods draft \
             --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
