@@ -68,7 +68,7 @@ class Recurrent:
 
 FAMILIES = {
     "gemma3": Family("gemma3_tiny", ("model.layers.5.self_attn.k_norm.weight", "layers.5.self_attn.k_norm.weight"),
-                     (1, 4), 4096, ((13, 27), 32, 6)),
+                     (1, 4), 32768, ((13, 27), 32, 6)),
     "nemotron_h": Family("nemotron_h_tiny", ("backbone.layers.2.mixer.A_log", "layers.2.mixer.A_log"),
                          (1, 8), 32768, ((27,), 16, 8)),
     "qwen3_5": Family("qwen3_5_tiny", ("model.layers.1.linear_attn.dt_bias", "layers.1.linear_attn.dt_bias"),
