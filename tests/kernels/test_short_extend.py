@@ -50,11 +50,15 @@ def test_short_extend_rejects_mismatched_rows():
 
 def test_when_a_chunk_runs_as_decode_rows(monkeypatch):
     monkeypatch.delenv(short_extend.SHORT_EXTEND_ENV, raising=False)
+    monkeypatch.setattr(short_extend.jax, "default_backend", lambda: "gpu")
     assert short_extend_applies(1, 4, 4) and short_extend_applies(8, 8, 8)  # a verify at small B
     assert not short_extend_applies(1, 1, 4)  # a decode step is one already
     assert not short_extend_applies(1, 9, 4)  # longer chunks are prefills
     assert not short_extend_applies(64, 4, 8)  # 512 prefill programs fill the GPU: K/V read once
     assert short_extend_applies(64, 4, 8, "decode") and not short_extend_applies(1, 4, 4, "prefill")
+    monkeypatch.setattr(short_extend.jax, "default_backend", lambda: "cpu")
+    assert not short_extend_applies(1, 4, 4)  # the references have no idle SMs: auto keeps the prefill form
+    assert short_extend_applies(1, 4, 4, "decode")
     monkeypatch.setenv(short_extend.SHORT_EXTEND_ENV, "prefill")
     assert not short_extend_applies(1, 4, 4)
     monkeypatch.setenv(short_extend.SHORT_EXTEND_ENV, "fast")

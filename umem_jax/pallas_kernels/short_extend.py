@@ -23,12 +23,16 @@ leave most SMs idle.  The same kernel as the decode step also keeps a verify's l
 those of decoding the same tokens one by one (the greedy paths with and without speculation).
 
 UMEM_JAX_SHORT_EXTEND=decode|prefill|auto (default auto) overrides the choice at trace time.
+`auto` takes this form on a GPU only: elsewhere the kernels run as their plain-JAX references,
+which have no idle SMs to fill, and the per-query gather only costs time (the CPU tests that
+check the engine through this path set it to `decode`).
 """
 
 from __future__ import annotations
 
 import os
 
+import jax
 import jax.numpy as jnp
 
 from .paged_decode import paged_decode_attention
@@ -44,13 +48,16 @@ FEW_PROGRAMS = 128
 
 def short_extend_applies(batch: int, tokens: int, num_kv_heads: int, choice: str | None = None) -> bool:
     """Whether a chunk of `tokens` queries per row, `batch` rows, runs as decode rows.  choice:
-    "decode" | "prefill" | "auto" (None: $UMEM_JAX_SHORT_EXTEND, default auto)."""
+    "decode" | "prefill" | "auto" (None: $UMEM_JAX_SHORT_EXTEND, default auto; auto: on a GPU
+    where the prefill grid would leave it mostly idle)."""
     choice = (choice or os.environ.get(SHORT_EXTEND_ENV) or "auto").lower()
     if choice not in ("decode", "prefill", "auto"):
         raise ValueError(f"{SHORT_EXTEND_ENV} must be decode, prefill or auto, got {choice!r}")
     if tokens <= 1 or tokens > SHORT_EXTEND_TOKENS or choice == "prefill":
         return False
-    return choice == "decode" or batch * num_kv_heads < FEW_PROGRAMS
+    if choice == "decode":
+        return True
+    return jax.default_backend() == "gpu" and batch * num_kv_heads < FEW_PROGRAMS
 
 
 def paged_short_extend_attention(q, arena, page_table, q_lens, kv_lens, **kw):
