@@ -7,7 +7,7 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [short_extend]=120 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
-                    [mgpu_prefill_fp8]=420)
+                    [mgpu_prefill_fp8]=420 [graphs_b1]=400)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -49,6 +49,12 @@ step() {
     serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
             --workloads kv-heavy,mixed,shifting --static-ratios 0.5:0.5 --budget-after-build --no-progress \
             --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_early$e" $e; done ;;
+    graphs_b1)  # B = 1 is launch-bound: do CUDA graphs (XLA command buffers) cover the step, and would
+                # while loops and conditionals in them (off by default in XLA) help?
+      for x in "" "--xla_gpu_enable_command_buffer=" \
+               "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
+        echo "== XLA_FLAGS='$x'"; XLA_FLAGS="$x" python3 -m benchmarks.bench_models --families qwen35moe,qwen35 \
+            --ctx 2048 --decode-batches 1 --arena-gib 24 --no-check --budget 90; done ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
