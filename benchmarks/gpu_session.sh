@@ -24,7 +24,7 @@ step() {
             --out "$OUT/profile_before" --dtype float32 --batches 1 --prompt 512 --gen 64 --methods draft \
             --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
     qwen_b1) python3 -m benchmarks.bench_moe --only decode --json "$OUT/bench_moe.json" &&
-            python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 24 \
+            python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 8 \
             --budget 120 ;;
     breakdown_b1) python3 -m benchmarks.bench_models --breakdown --batch 1 \
             --variants full,no_head,no_gdn,no_attn,no_kernels --budget 200 ;;
@@ -54,7 +54,7 @@ step() {
       for x in "" "--xla_gpu_enable_command_buffer=" \
                "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
         echo "== XLA_FLAGS='$x'"; XLA_FLAGS="$x" python3 -m benchmarks.bench_models --families qwen35moe,qwen35 \
-            --ctx 2048 --decode-batches 1 --arena-gib 24 --no-check --budget 90; done ;;
+            --ctx 2048 --decode-batches 1 --arena-gib 4 --no-check --budget 90; done ;;  # 4 GiB: fits an H100 too
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
