@@ -104,8 +104,9 @@ def _run(path, arena, method=None, expected=None, oracle=None, params=None):
     return [list(o.outputs[0].token_ids) for o in outs], eng, work + work[:1], checked
 
 
-# NemotronH: Mamba2 state and a two-block head (attention, MoE) with plain norms
-@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "nemotron_h_moe_tiny"])
+# NemotronH: Mamba2 state and a two-block head (attention, MoE) with plain norms; Qwen3-Next:
+# gated DeltaNet, MoE with a shared expert, and its own head
+@pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "nemotron_h_moe_tiny", "qwen3_next_tiny"])
 def test_greedy_with_mtp_is_greedy_without(ckpt, name, monkeypatch):
     """Greedy without speculation is the cache-free forward's continuation here (the engine
     without speculation makes the same: the family tests), which spares a second engine's compiles."""
