@@ -74,9 +74,7 @@ def _greedy(name: str, arena: int) -> list:
 # ~80 KiB the draft's K/V shorten the 70-token prompt's max_tokens): a verify's rows cross windows.
 @pytest.mark.parametrize("name,arena,retracts", [("tiny-attention", 250 << 10, True), ("gemma", 175 << 10, False),
                                                  ("gpt_oss", 128 << 10, False)])
-def test_greedy_with_speculation_is_greedy_without(name, arena, retracts, monkeypatch):
-    # A verify's k + 1 queries as decode rows (the GPU's choice at small B; auto keeps the prefill form on the CPU)
-    monkeypatch.setenv("UMEM_JAX_SHORT_EXTEND", "decode")
+def test_greedy_with_speculation_is_greedy_without(name, arena, retracts, decode_row_verify):
     target = _model(name)
     want = _greedy(name, arena)
     assert all(len(t) == MAX_TOKENS for t in want)

@@ -107,11 +107,9 @@ def _run(path, arena, method=None, expected=None, oracle=None, params=None):
 # NemotronH: Mamba2 state and a two-block head (attention, MoE) with plain norms; Qwen3-Next:
 # gated DeltaNet, MoE with a shared expert, and its own head
 @pytest.mark.parametrize("name", ["qwen3_5_tiny", "qwen3_5_moe_tiny", "nemotron_h_moe_tiny", "qwen3_next_tiny"])
-def test_greedy_with_mtp_is_greedy_without(ckpt, name, monkeypatch):
+def test_greedy_with_mtp_is_greedy_without(ckpt, name, decode_row_verify):
     """Greedy without speculation is the cache-free forward's continuation here (the engine
     without speculation makes the same: the family tests), which spares a second engine's compiles."""
-    # A verify's k + 1 queries as decode rows (the GPU's choice at small B; auto keeps the prefill form on the CPU)
-    monkeypatch.setenv("UMEM_JAX_SHORT_EXTEND", "decode")
     from umem_jax.models.loader import load_model
     from umem_jax.models.mtp import load_head
 

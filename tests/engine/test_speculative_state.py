@@ -114,12 +114,10 @@ def _run(target, arena, draft=None, expected=None, overlap=True):
 # slot until the state grid started at the sink): the same pressure, so retractions and a cache hit.
 @pytest.mark.parametrize("name,arena", [("tiny", 220 << 10), ("qwen3_5_tiny", 288 << 10),
                                         pytest.param("nemotron_h_tiny", 288 << 10, marks=pytest.mark.slow)])
-def test_greedy_with_speculation_over_state_is_greedy_without(name, arena, monkeypatch):
+def test_greedy_with_speculation_over_state_is_greedy_without(name, arena, decode_row_verify):
     """Read back step by step in the tight arena, then overlapped (each step launched before the
     previous one is read back: placed for the worst case of the accepted counts, so it needs
     more room for the same prefix-cache hits)."""
-    # A verify's k + 1 queries as decode rows (the GPU's choice at small B; auto keeps the prefill form on the CPU)
-    monkeypatch.setenv("UMEM_JAX_SHORT_EXTEND", "decode")
     target, draft = _models(name)
     want, base, work = _run(target, arena)
     assert all(len(t) == MAX_TOKENS for t in want)
