@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .engine_trace import trace_steps
+from .engine_trace import print_trace, trace_steps
 from .modes import hand_over
 from .report import RowLog, json_path
 
@@ -119,8 +119,11 @@ def _roofline(eng, args) -> float | None:
     from .model_steps import param_counts, step_costs
 
     c = param_counts(eng.model.params)
+    # MoE: the experts a step reads are those its tokens route to (uniform-routing expectation;
+    # at B = 1 exactly top_k a layer), not every expert's weights
     cost = step_costs(eng.model.config, eng.plan, c["params"], c["param_bytes"], B=args.batch, T=1,
-                      start=args.prompt + args.gen // 2)
+                      start=args.prompt + args.gen // 2, expert_params=c["expert_params"],
+                      expert_bytes=c["expert_bytes"])
     return cost["total_bytes"] / args.copy_bw
 
 
@@ -193,15 +196,7 @@ def print_rows(rows: list[dict], models: list[str]) -> None:
               + (f"  roofline {r['roofline_ms']:.2f} ms, ITL/roofline {r['itl_over_roofline']:.2f}"
                  if "roofline_ms" in r else ""))
     for r in rows:
-        t = r.get("trace")
-        if t and "top" in t:
-            print(f"\ntrace {r['model']} {r['mode']} B={r['batch']} prompt={r['prompt']}: device busy "
-                  f"{t['busy_ms_per_step']:.2f} ms of a {t['span_ms_per_step']:.2f} ms span per step, "
-                  f"{t['kernels_per_step']:.0f} kernels per step")
-            for k in t["top"]:
-                print(f"  {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:<5.0f} {k['name']}")
-        elif t:
-            print(f"trace {r['model']} B={r['batch']}: {t}")
+        print_trace(f"{r['model']} {r['mode']} B={r['batch']} prompt={r['prompt']}", r.get("trace"))
     for name in models:
         u = next((r for r in rows if r["model"] == name and r["mode"] == "unified"), None)
         s = next((r for r in rows if r["model"] == name and r["mode"] == "static"

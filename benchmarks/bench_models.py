@@ -54,6 +54,7 @@ from umem_jax.memory import size_arena
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 
 from .families import ALIASES, FAMILIES, build_model, family_key
+from .engine_trace import print_trace, trace_calls
 from .model_check import CHECK_T, check_family, check_width
 from .model_steps import ArenaFull, Pager, Stepper, param_counts, routed_experts, step_costs
 from .modes import hand_over
@@ -154,6 +155,10 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
         finite = bool(np.isfinite(np.asarray(t.first)).all())
         # MoE: the weights the roofline counts are the experts this batch's router really picked
         # (random weights route unevenly: the uniform-routing expectation overstates them)
+        trace = None
+        if a.trace and decode and not a.small:
+            trace = trace_calls(lambda: run(batch), a.trace, tag=f"{fam}_B{B}_ctx{ctx}")
+            print_trace(f"{name} decode B={B} ctx={ctx}", trace)
         routed = None
         if getattr(cfg, "moe", None) is not None:
             routed, run.arena = routed_experts(model, run.arena, batch, impl=a.impl)
@@ -172,7 +177,7 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
                first_call_s=t.first_s, roofline_ms=roof * 1e3, ratio=ratio, verdict=verdict,
                tokens_per_s=B * T / med, tflops=c["flops"] / med / 1e12, page_table_width=m["width"],
                held={k: dict(pages=v[0], bytes=v[1]) for k, v in live.items()}, iters=iters, trials=trials,
-               finite=finite, note=note, routed_experts=routed, **c)
+               finite=finite, note=note, routed_experts=routed, **({"trace": trace} if trace else {}), **c)
 
 
 def _skip_all(log, name, todo):
@@ -290,6 +295,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="kernels (default: pallas on the GPU; --small: reference)")
     ap.add_argument("--goal", type=float, default=1.25, help="decode ms / roofline ms goal at the goal batch")
     ap.add_argument("--goal-batch", type=int, default=64)
+    ap.add_argument("--trace", type=int, default=0, help="also profile this many decode steps (kernel table, engine_trace)")
     ap.add_argument("--json", default=None, help="rows here (default $OUT/bench_models.json if $OUT is set)")
     return ap
 

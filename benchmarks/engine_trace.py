@@ -23,20 +23,32 @@ def trace_steps(runner, step_fn, captured, reps: int) -> dict | None:
     (launch-bound); None (with the error printed) where the profiler is not available."""
     if captured is None:
         return None
+    params, meta, prev, counts, lay = captured
+
+    def step():
+        tokens, runner.arena = step_fn(params, runner.arena, meta, prev, counts, layout=lay)
+        return tokens
+
+    return trace_calls(step, reps)
+
+
+def trace_calls(call, reps: int, tag: str = "") -> dict | None:
+    """The kernel table (kernel_table) of `reps` back-to-back calls of `call` (no arguments; it
+    returns something to wait on), after one untraced call; None where the profiler fails."""
     import jax
 
-    params, meta, prev, counts, lay = captured
     d = tempfile.mkdtemp(prefix="umem_trace_")
     try:
-        arena = runner.arena
-        tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
-        jax.block_until_ready(tokens)
+        jax.block_until_ready(call())
         with jax.profiler.trace(d, create_perfetto_trace=True):
+            out = None
             for _ in range(reps):
-                tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
-            jax.block_until_ready(tokens)
-        runner.arena = arena
+                out = call()
+            jax.block_until_ready(out)
         path = glob.glob(os.path.join(d, "**", "*perfetto_trace.json.gz"), recursive=True)[0]
+        if os.environ.get("OUT"):  # keep the raw trace beside the results (ui.perfetto.dev opens it)
+            import shutil
+            shutil.copy(path, os.path.join(os.environ["OUT"], f"trace_{tag or os.getpid()}.json.gz"))
         with gzip.open(path, "rt") as f:
             ev = json.load(f)
     except Exception as e:  # noqa: BLE001 - a missing profiler must not lose the timings
@@ -69,9 +81,19 @@ def kernel_table(ev, reps: int) -> dict:
     by: dict[str, list[float]] = {}
     for e in ks:
         by.setdefault(e["name"], []).append(float(e["dur"]))
-    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:15]
+    top = sorted(by.items(), key=lambda kv: -sum(kv[1]))[:40]
     return {"steps": reps, "busy_ms_per_step": busy / reps / 1e3,
             "span_ms_per_step": (iv[-1][1] - iv[0][0]) / reps / 1e3, "kernels_per_step": len(ks) / reps,
             "top": [{"name": n[:90], "ms_per_step": sum(v) / reps / 1e3, "count_per_step": len(v) / reps}
                     for n, v in top]}
 
+
+def print_trace(title: str, t: dict | None) -> None:
+    """The kernel table as text: busy / span / kernels per step, then the top kernels."""
+    if t and "top" in t:
+        print(f"\ntrace {title}: device busy {t['busy_ms_per_step']:.2f} ms of a {t['span_ms_per_step']:.2f} ms "
+              f"span per step, {t['kernels_per_step']:.0f} kernels per step")
+        for k in t["top"]:
+            print(f"  {k['ms_per_step']:7.3f} ms  x{k['count_per_step']:<5.0f} {k['name']}")
+    elif t:
+        print(f"trace {title}: {t}")

@@ -7,7 +7,7 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [short_extend]=120 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
-                    [mgpu_prefill_fp8]=420 [graphs_b1]=400)
+                    [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -24,7 +24,7 @@ step() {
             --out "$OUT/profile_before" --dtype float32 --batches 1 --prompt 512 --gen 64 --methods draft \
             --acceptance 0.8 --extra-ks "" --profile-verify 1 ;;
     qwen_b1) python3 -m benchmarks.bench_moe --only decode --json "$OUT/bench_moe.json" &&
-            python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 8 \
+            XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 6 \
             --budget 120 ;;
     breakdown_b1) python3 -m benchmarks.bench_models --breakdown --batch 1 \
             --variants full,no_head,no_gdn,no_attn,no_kernels --budget 200 ;;
@@ -53,8 +53,19 @@ step() {
                 # while loops and conditionals in them (off by default in XLA) help?
       for x in "" "--xla_gpu_enable_command_buffer=" \
                "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_graph_min_graph_size=1"; do
-        echo "== XLA_FLAGS='$x'"; XLA_FLAGS="$x" python3 -m benchmarks.bench_models --families qwen35moe,qwen35 \
-            --ctx 2048 --decode-batches 1 --arena-gib 4 --no-check --budget 90; done ;;  # 4 GiB: fits an H100 too
+        echo "== XLA_FLAGS='$x'"; XLA_FLAGS="$x" XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families qwen35moe,qwen35 \
+            --ctx 2048 --decode-batches 1 --arena-gib 4 --no-check --budget 60; done ;;  # JAX takes 75% of the card by default: 59 GiB on an H100, below the 64.6 GiB of weights
+    trace_b1)  # the B = 1 decode step kernel by kernel (engine_trace), bench_models' step and the engine's
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 --arena-gib 4 \
+            --no-check --budget 30 --trace 5 &&
+      python3 -m benchmarks.bench_engine --models qwen3.5-35b-a3b-like --batch 1 --modes unified --gen 24 \
+            --arena-gib 4 --replay 30 --trace 5 ;;
+    triton_gemm_b1)  # XLA's Triton GEMMs at one row of input: on or off, alternating, three processes each
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for i in 1 2 3; do for x in "--xla_gpu_enable_triton_gemm=false" ""; do echo "== $i XLA_FLAGS='$x'"
+        XLA_FLAGS="$x" python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 \
+            --arena-gib 4 --no-check --budget 60 --trace 3 | grep -v "skipped"; done; done ;;
     *) echo "unknown step $1"; return 2 ;;
   esac
 }
