@@ -56,15 +56,11 @@ if os.environ.get("UMEM_JAX_TEST_FULL_OPT", "0") == "0" and "xla_backend_optimiz
 @pytest.fixture
 def decode_row_verify(monkeypatch):
     """A verify's k + 1 queries as decode rows (pallas_kernels/short_extend.py): the GPU's choice
-    at small B, which `auto` leaves off on the CPU.  The choice is read when a step is traced, and
-    JAX keeps traced steps across tests: the caches are cleared before (so this test traces under
-    the choice) and after (so no later test reuses a step traced under it)."""
-    import jax
-
-    jax.clear_caches()
+    at small B, which `auto` leaves off on the CPU.  The choice is read when a step is traced;
+    the runner keys its traced steps on it (backend.trace_env), so steps traced here are never
+    reused by a later test that runs without it."""
     monkeypatch.setenv("UMEM_JAX_SHORT_EXTEND", "decode")
     yield
-    jax.clear_caches()
 
 
 def pytest_addoption(parser):

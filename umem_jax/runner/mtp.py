@@ -46,6 +46,7 @@ import numpy as np
 
 from ..core.scheduled_batch import ScheduledBatch
 from ..models import mtp
+from ..pallas_kernels.backend import trace_env
 from .acceptance import ONEHOT
 from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel
 from .sampler import sample, sample_with_penalties, token_logprobs
@@ -69,7 +70,7 @@ _HEAD_MODELS: dict = {}
 
 
 def head_model(target, head, runner: Runner, treedef) -> HeadModel:
-    key = (target.graphdef, head.graphdef, treedef, runner.plan, runner.impl, runner.interpret)
+    key = (target.graphdef, head.graphdef, treedef, runner.plan, runner.impl, runner.interpret, trace_env())
     got = _HEAD_MODELS.get(key)
     if got is None:
         pools = [sp for sp in runner.plan.token_pools if any(m == mtp.MEMORY_MODEL for m, _ in sp.layers)]

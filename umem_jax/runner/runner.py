@@ -34,6 +34,7 @@ from ..arena import Arena, apply_moves
 from ..core.batch import Batch
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
+from ..pallas_kernels.backend import trace_env
 from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
@@ -58,7 +59,7 @@ _STEP_MODELS: dict = {}
 
 def step_model(model, plan, impl: str | None, interpret: bool, treedef) -> StepModel:
     """The StepModel of `model` (whose params flatten to `treedef`) over `plan`'s arena."""
-    key = (model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None))
+    key = (model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None), trace_env())
     got = _STEP_MODELS.get(key)
     if got is None:
         got = _STEP_MODELS[key] = StepModel(model.forward_fn(plan, impl=impl, interpret=interpret), treedef)

@@ -41,6 +41,7 @@ import numpy as np
 
 from ..core.batch import Batch
 from ..core.scheduled_batch import ScheduledBatch
+from ..pallas_kernels.backend import trace_env
 from .acceptance import accept, draw, row_probs
 from .runner import Launched, Runner, StepModel, step
 from .shift import as_output, commit_on_device, decode_fields, next_tokens, only_verified
@@ -208,7 +209,8 @@ _STEP_MODELS: dict = {}
 def _step_model(model, runner: Runner, treedef, **model_kw) -> StepModel:
     """One StepModel per (graph, params structure, plan, kernels, forward options), shared by
     engines on one model as runner.step_model does, so each compiles once."""
-    key = (model.graphdef, treedef, runner.plan, runner.impl, runner.interpret, tuple(sorted(model_kw.items())))
+    key = (model.graphdef, treedef, runner.plan, runner.impl, runner.interpret, tuple(sorted(model_kw.items())),
+           trace_env())
     got = _STEP_MODELS.get(key)
     if got is None:
         fwd = model.forward_fn(runner.plan, impl=runner.impl, interpret=runner.interpret, **model_kw)
