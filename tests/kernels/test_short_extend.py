@@ -64,3 +64,30 @@ def test_when_a_chunk_runs_as_decode_rows(monkeypatch):
     monkeypatch.setenv(short_extend.SHORT_EXTEND_ENV, "fast")
     with pytest.raises(ValueError, match="UMEM_JAX_SHORT_EXTEND"):
         short_extend_applies(1, 4, 4)
+
+
+def test_the_runner_keeps_a_step_per_trace_time_choice(monkeypatch):
+    """The choice is read when a step is traced, and JAX reuses a trace by its static arguments:
+    the runner's step object (a static argument) is keyed on the choice, so a step traced under
+    one value is never run under another (backend.trace_env)."""
+    import jax
+
+    from umem_jax.memory import plan as make_plan
+    from umem_jax.models.loader import load_model
+    from umem_jax.runner.runner import step_model
+
+    model = load_model("tiny-attention")
+    plan = make_plan(model.decls(), page_size=4)
+    treedef = jax.tree.structure(model.params)
+    make = lambda: step_model(model, plan, "reference", False, treedef)
+    monkeypatch.delenv(short_extend.SHORT_EXTEND_ENV, raising=False)
+    auto = make()
+    assert make() is auto  # engines on one model share their compiled steps
+    monkeypatch.setenv(short_extend.SHORT_EXTEND_ENV, "decode")
+    decode = make()
+    assert decode is not auto and make() is decode
+    monkeypatch.setenv("UMEM_JAX_DECODE", "triton")
+    assert make() is not decode
+    monkeypatch.delenv(short_extend.SHORT_EXTEND_ENV)
+    monkeypatch.delenv("UMEM_JAX_DECODE")
+    assert make() is auto
