@@ -37,7 +37,8 @@ step() {
       python3 -m benchmarks.bench_serving --models "$m" --workloads shifting --short 512,256 \
             --buckets 1,4,64:512,2048:2048 --budget-after-build --no-progress --time-budget-s 220 \
             --max-run-s 30 --out "$OUT/serving_$m" ;;
-    moe_models) python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
+    moe_models)  # needs an H200 (run's needs_h200): 64.6 GiB of Qwen3.5-MoE weights + a 24 GiB arena
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
             --decode-batches 64,1 --arena-gib 24 --budget 300 ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --budget 140; done ;;
