@@ -57,7 +57,7 @@ if os.environ.get("UMEM_JAX_TEST_FULL_OPT", "0") == "0" and "xla_backend_optimiz
 def decode_row_verify(monkeypatch):
     """A verify's k + 1 queries as decode rows (pallas_kernels/short_extend.py): the GPU's choice
     at small B, which `auto` leaves off on the CPU.  The choice is read when a step is traced;
-    the runner keys its traced steps on it (backend.trace_env), so steps traced here are never
+    the runner keys its traced steps on it (runner.step_key), so steps traced here are never
     reused by a later test that runs without it."""
     monkeypatch.setenv("UMEM_JAX_SHORT_EXTEND", "decode")
     yield

@@ -22,6 +22,7 @@ from umem_jax.runner.acceptance import accept, row_probs  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FIXTURE = FIXTURES / "gemma3_tiny"
+LOCAL = {"gemma": FIXTURE, "gpt_oss": FIXTURES / "gpt_oss_tiny"}  # test names of fixture checkpoints
 # One shape per dimension (one compile per step kind); an arena small enough that four long
 # requests with a draft's K/V beside the target's retract.
 SPEC = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=256, batch_buckets=(4,),
@@ -34,7 +35,7 @@ MAX_TOKENS = 16
 def _model(name: str):
     from umem_jax.models.loader import load_model
 
-    return load_model(str(FIXTURE) if name == "gemma" else str(FIXTURES / "gpt_oss_tiny") if name == "gpt_oss" else name)
+    return load_model(str(LOCAL.get(name, name)))
 
 
 @functools.lru_cache(maxsize=None)

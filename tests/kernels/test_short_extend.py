@@ -69,7 +69,7 @@ def test_when_a_chunk_runs_as_decode_rows(monkeypatch):
 def test_the_runner_keeps_a_step_per_trace_time_choice(monkeypatch):
     """The choice is read when a step is traced, and JAX reuses a trace by its static arguments:
     the runner's step object (a static argument) is keyed on the choice, so a step traced under
-    one value is never run under another (backend.trace_env)."""
+    one value is never run under another (runner.step_key)."""
     import jax
 
     from umem_jax.memory import plan as make_plan

@@ -17,20 +17,9 @@ import os
 
 import jax
 
-__all__ = ["BACKENDS", "DeviceInfo", "TRACE_ENV", "choose", "device_info", "hopper_refusal", "requested_backend",
-           "trace_env"]
+__all__ = ["BACKENDS", "DeviceInfo", "choose", "device_info", "hopper_refusal", "requested_backend"]
 
 BACKENDS = ("auto", "triton", "mgpu")
-# The environment variables the kernels read when a step is traced (this module's two, and the
-# short extend's, pallas_kernels/short_extend.py).
-TRACE_ENV = ("UMEM_JAX_PREFILL", "UMEM_JAX_DECODE", "UMEM_JAX_SHORT_EXTEND")
-
-
-def trace_env() -> tuple:
-    """TRACE_ENV's values now, for the key of anything that holds traced steps: JAX caches a
-    trace by its function and static arguments, so a step object shared across a change of these
-    variables would keep running the kernels chosen before it (runner.step_model keys on this)."""
-    return tuple(os.environ.get(name, "").strip().lower() for name in TRACE_ENV)
 
 
 @dataclasses.dataclass(frozen=True)

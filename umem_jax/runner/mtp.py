@@ -46,9 +46,8 @@ import numpy as np
 
 from ..core.scheduled_batch import ScheduledBatch
 from ..models import mtp
-from ..pallas_kernels.backend import trace_env
 from .acceptance import ONEHOT
-from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel
+from .runner import _SAMPLER_ARGS, Launched, Runner, StepModel, step_key
 from .sampler import sample, sample_with_penalties, token_logprobs
 from .shift import commit_on_device, decode_fields, only_verified
 from .speculative import SpecLaunched, Speculator, _batch, _step_model, accept_verified, verify_batch, verify_logprobs
@@ -70,7 +69,7 @@ _HEAD_MODELS: dict = {}
 
 
 def head_model(target, head, runner: Runner, treedef) -> HeadModel:
-    key = (target.graphdef, head.graphdef, treedef, runner.plan, runner.impl, runner.interpret, trace_env())
+    key = step_key(target.graphdef, head.graphdef, treedef, runner.plan, runner.impl, runner.interpret)
     got = _HEAD_MODELS.get(key)
     if got is None:
         pools = [sp for sp in runner.plan.token_pools if any(m == mtp.MEMORY_MODEL for m, _ in sp.layers)]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,9 @@ from ..arena import Arena, apply_moves
 from ..core.batch import Batch
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
-from ..pallas_kernels.backend import trace_env
+from ..pallas_kernels.paged_decode import DECODE_ENV
+from ..pallas_kernels.paged_prefill import PREFILL_ENV
+from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
 from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
@@ -57,9 +60,21 @@ class StepModel:
 _STEP_MODELS: dict = {}
 
 
+# The environment variables the kernels read when a step is traced.
+TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV)
+
+
+def step_key(*parts) -> tuple:
+    """The key of a cached step object (this module's, speculative.py's, mtp.py's): `parts` and
+    TRACE_ENV's values now.  JAX caches a trace by its function and static arguments, so a step
+    object shared across a change of these variables would keep running the kernels chosen
+    before it."""
+    return (*parts, *(os.environ.get(name, "").strip().lower() for name in TRACE_ENV))
+
+
 def step_model(model, plan, impl: str | None, interpret: bool, treedef) -> StepModel:
     """The StepModel of `model` (whose params flatten to `treedef`) over `plan`'s arena."""
-    key = (model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None), trace_env())
+    key = step_key(model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None))
     got = _STEP_MODELS.get(key)
     if got is None:
         got = _STEP_MODELS[key] = StepModel(model.forward_fn(plan, impl=impl, interpret=interpret), treedef)

@@ -41,9 +41,8 @@ import numpy as np
 
 from ..core.batch import Batch
 from ..core.scheduled_batch import ScheduledBatch
-from ..pallas_kernels.backend import trace_env
 from .acceptance import accept, draw, row_probs
-from .runner import Launched, Runner, StepModel, step
+from .runner import Launched, Runner, StepModel, step, step_key
 from .shift import as_output, commit_on_device, decode_fields, next_tokens, only_verified
 from .sampler import apply_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
@@ -209,8 +208,7 @@ _STEP_MODELS: dict = {}
 def _step_model(model, runner: Runner, treedef, **model_kw) -> StepModel:
     """One StepModel per (graph, params structure, plan, kernels, forward options), shared by
     engines on one model as runner.step_model does, so each compiles once."""
-    key = (model.graphdef, treedef, runner.plan, runner.impl, runner.interpret, tuple(sorted(model_kw.items())),
-           trace_env())
+    key = step_key(model.graphdef, treedef, runner.plan, runner.impl, runner.interpret, tuple(sorted(model_kw.items())))
     got = _STEP_MODELS.get(key)
     if got is None:
         fwd = model.forward_fn(runner.plan, impl=runner.impl, interpret=runner.interpret, **model_kw)
