@@ -95,6 +95,12 @@ class FusedLinear(nnx.Module):
         y = jnp.einsum("...i,oi->...o", x, w, precision=fp32_precision(x, w))
         if self.bias is not None:
             y = y + self.bias[...]
+        # Each part goes to a different consumer, and XLA may fuse the whole matmul into every one of
+        # them: on an H100 a Qwen3.5-MoE decode step ran the DeltaNet input projection (with its
+        # RMSNorm) three times a layer, 1.2 ms of a 5.5 ms step (benchmarks/RESULTS.md, session 18
+        # traces).  The barrier makes the product one buffer that the parts are sliced from.
+        if len(self.sizes) > 1:
+            y = jax.lax.optimization_barrier(y)
         ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
         return tuple(y[..., e - n:e] for e, n in zip(ends, self.sizes))
 
