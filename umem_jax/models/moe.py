@@ -34,6 +34,7 @@ from flax import nnx
 
 from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
+from ..pallas_kernels.route_topk import route_backend, route_topk, route_topk_reference, scores_of, topk_weights
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, activation, fp32_precision, normal_init
 from .moe_config import EXPERT_KINDS, SCORINGS, MoEConfig
@@ -81,35 +82,26 @@ def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array
 
 def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None = None):
     """Router logits [..., E] (fp32, router bias included) -> (weights [..., k] fp32, experts
-    [..., k] int32).  correction_bias [E] shifts the selection only (never the weights)."""
+    [..., k] int32).  correction_bias [E] shifts the selection only (never the weights).  Without
+    expert groups this is one Pallas kernel on a GPU (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
-    k = cfg.top_k
-    if cfg.scoring == "topk_softmax":
-        _, experts = jax.lax.top_k(logits, k)
-    else:
-        scores = _scores(logits, cfg)
-        choice = scores if correction_bias is None else scores + correction_bias.astype(jnp.float32)
-        if cfg.n_group > 1:
-            choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
-        _, experts = jax.lax.top_k(choice, k)
-    experts = experts.astype(jnp.int32)
-    return route_weights(logits, experts, cfg), experts
-
-
-def _scores(logits: jax.Array, cfg: MoEConfig) -> jax.Array:
-    return jax.nn.softmax(logits, axis=-1) if cfg.scoring == "softmax" else jax.nn.sigmoid(logits)
+    kw = dict(k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+    if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the groups not kept, then pick in XLA
+        choice = scores_of(logits, cfg.scoring)
+        choice = choice if correction_bias is None else choice + correction_bias.astype(jnp.float32)
+        choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
+        experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
+        return route_weights(logits, experts, cfg), experts
+    if route_backend() == "pallas":
+        return route_topk(logits, correction_bias=correction_bias, interpret=jax.default_backend() != "gpu", **kw)
+    return route_topk_reference(logits, correction_bias=correction_bias, **kw)
 
 
 def route_weights(logits: jax.Array, experts: jax.Array, cfg: MoEConfig) -> jax.Array:
     """The weights `route` gives the experts [..., k] chosen, from the router logits [..., E] -> [..., k]
     fp32.  Apart from `route`, a check that forces one path's choice on another uses it."""
-    logits = logits.astype(jnp.float32)
-    if cfg.scoring == "topk_softmax":  # softmax over the k chosen logits alone (gpt-oss)
-        return jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1) * cfg.routed_scaling_factor
-    weights = jnp.take_along_axis(_scores(logits, cfg), experts, axis=-1)
-    if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
-    return weights * cfg.routed_scaling_factor
+    return topk_weights(logits, experts, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob,
+                        scale=cfg.routed_scaling_factor)
 
 
 class Router(nnx.Module):

@@ -1,0 +1,193 @@
+"""An MoE router's top-k in one kernel: scores, the k experts each token picks, and their weights.
+
+    weights, experts = route_topk(logits, k=k, scoring=..., correction_bias=..., norm_topk_prob=..., scale=...)
+    logits [N, E] fp32 (the router's x W^T + bias), correction_bias [E] fp32 | None
+        -> weights [N, k] fp32, experts [N, k] int32, best first
+
+    scoring "softmax":      s = softmax(logits)   pick top-k of s (+ correction_bias),  w = s[picked]
+    scoring "sigmoid":      s = sigmoid(logits)   pick top-k of s (+ correction_bias),  w = s[picked]
+    scoring "topk_softmax": pick top-k of logits,                w = softmax(logits[picked])  (gpt-oss)
+    norm_topk_prob: w /= sum(w) (+ 1e-20 for sigmoid);   then w *= scale (routed_scaling_factor)
+
+Ties go to the lower expert id, as `jax.lax.top_k` breaks them.  Grouped selection (DeepSeek's
+n_group / topk_group) is not here: models/moe.py masks the groups first and calls the reference.
+
+Why a kernel: at one decode token XLA spends five launches on this (the softmax, a sort of E
+values by one 64-thread block, a copy and two selects, ~8.5 us a layer on the H200 inside a
+CUDA graph; benchmarks/RESULTS.md, session 18 traces), 0.26 ms of a 40-layer MoE model's
+3.1 ms step.  Here one program holds a block of rows with all E scores in registers and takes the
+maximum k times (two row reductions each), so the whole router after its matmul is one launch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._compat import pltr, triton_params
+from .launch import ANY, pow2_ceil
+
+__all__ = ["ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
+           "topk_weights"]
+
+SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+BLOCK_ROWS = 16  # rows a program takes: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
+
+# $UMEM_JAX_ROUTE: "pallas" (this kernel), "xla" (route_topk_reference), unset or "auto": the kernel
+# on a GPU, XLA elsewhere (where the kernel would only be interpreted).  Read at trace time; the
+# runner keys its steps on it (runner.TRACE_ENV).
+ROUTE_ENV = "UMEM_JAX_ROUTE"
+ROUTE_BACKENDS = ("auto", "pallas", "xla")
+
+
+def route_backend() -> str:
+    """"pallas" or "xla": what a model's router runs now ($UMEM_JAX_ROUTE, else by backend)."""
+    import os
+
+    choice = os.environ.get(ROUTE_ENV, "").strip().lower() or "auto"
+    if choice not in ROUTE_BACKENDS:
+        raise ValueError(f"${ROUTE_ENV}={choice!r}; known: {', '.join(ROUTE_BACKENDS)}")
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return choice
+
+
+def _check_scoring(scoring: str):
+    if scoring not in SCORINGS:
+        raise ValueError(f"route_topk: scoring {scoring!r}; known: {', '.join(SCORINGS)}")
+
+
+def scores_of(logits: jax.Array, scoring: str) -> jax.Array:
+    """[..., E] fp32 logits -> the scores the experts are picked by and weighted with (the logits
+    themselves for topk_softmax)."""
+    if scoring == "softmax":
+        return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits) if scoring == "sigmoid" else logits
+
+
+def topk_weights(logits: jax.Array, experts: jax.Array, *, scoring: str, norm_topk_prob: bool,
+                 scale: float) -> jax.Array:
+    """The weights of the experts chosen: logits [..., E], experts [..., k] -> [..., k] fp32."""
+    _check_scoring(scoring)
+    logits = logits.astype(jnp.float32)
+    if scoring == "topk_softmax":  # softmax over the k chosen logits alone
+        return jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1) * scale
+    w = jnp.take_along_axis(scores_of(logits, scoring), experts, axis=-1)
+    if norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    return w * scale
+
+
+def route_topk_reference(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
+                         norm_topk_prob: bool = False, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """The definition in XLA ops (jax.lax.top_k): logits [..., E] -> (weights [..., k] fp32,
+    experts [..., k] int32)."""
+    _check_scoring(scoring)
+    logits = logits.astype(jnp.float32)
+    choice = scores_of(logits, scoring)
+    if correction_bias is not None and scoring != "topk_softmax":
+        choice = choice + correction_bias.astype(jnp.float32)
+    experts = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
+    return topk_weights(logits, experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale), experts
+
+
+def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias):
+    bias_ref, w_ref, e_ref = refs if has_bias else (None, *refs)
+    rows = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
+    cols = jnp.arange(ep, dtype=jnp.int32)
+    row_ok, col_ok = rows < N, cols < E
+    mask = row_ok[:, None] & col_ok[None, :]
+    neg = jnp.float32(-jnp.inf)
+    # Padding columns read -inf and padding rows 0: every row has a finite maximum, so no NaN is
+    # formed (a row of -inf would make softmax 0/0); padding rows are never stored.
+    x = pltr.load(logits_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0)
+    x = jnp.where(col_ok[None, :], x, neg)
+    if scoring == "softmax":
+        p = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
+        s = p / jnp.sum(p, axis=1, keepdims=True)
+    elif scoring == "sigmoid":
+        s = 1.0 / (1.0 + jnp.exp(-x))  # padding columns: 1 / inf = 0
+    else:
+        s = x
+    choice = s
+    if has_bias:
+        choice = choice + pltr.load(bias_ref.at[cols], mask=col_ok, other=0.0)[None, :]
+    choice = jnp.where(col_ok[None, :], choice, neg)
+    kcols = jnp.arange(kp, dtype=jnp.int32)
+    w = jnp.zeros((bn, kp), jnp.float32)
+    ids = jnp.zeros((bn, kp), jnp.int32)
+    for j in range(k):  # k is small (4-10): unrolled, two row reductions each
+        best = jnp.max(choice, axis=1, keepdims=True)
+        idx = jnp.min(jnp.where(choice == best, cols[None, :], ep), axis=1, keepdims=True)  # lowest id of a tie
+        idx = jnp.minimum(idx, E - 1)  # a NaN row matches nothing: keep the id an expert's
+        picked = cols[None, :] == idx
+        # Without a correction bias the choice is the score itself: the maximum is the value.
+        val = jnp.sum(jnp.where(picked, s, 0.0), axis=1, keepdims=True) if has_bias else best
+        choice = jnp.where(picked, neg, choice)
+        w = jnp.where(kcols[None, :] == j, val, w)
+        ids = jnp.where(kcols[None, :] == j, idx, ids)
+    live = kcols[None, :] < k
+    if scoring == "topk_softmax":  # the first pick holds the largest logit
+        first = jnp.sum(jnp.where(kcols[None, :] == 0, w, 0.0), axis=1, keepdims=True)
+        w = jnp.where(live, jnp.exp(w - first), 0.0)
+        w = w / jnp.sum(w, axis=1, keepdims=True)
+    elif norm:
+        w = w / (jnp.sum(jnp.where(live, w, 0.0), axis=1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    out_mask = row_ok[:, None] & live
+    pltr.store(w_ref.at[rows[:, None], kcols[None, :]], w * scale, mask=out_mask)
+    pltr.store(e_ref.at[rows[:, None], kcols[None, :]], ids, mask=out_mask)
+
+
+def _warps(elements: int) -> int:
+    """One warp up to 1,024 scores (a decode token's row): its 2k + 2 row reductions are then warp
+    shuffles with no shared-memory barrier (4 warps took 3.5 us a Qwen3.5-MoE layer on an H100)."""
+    return 1 if elements <= 1024 else 4 if elements <= 4096 else 8
+
+
+@functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scale", "interpret"))
+def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale, interpret):
+    N, E = logits.shape
+    ep = max(16, pow2_ceil(E))
+    bn = min(BLOCK_ROWS, pow2_ceil(N))
+    kernel = functools.partial(_kernel, N=N, E=E, k=k, bn=bn, ep=ep, kp=max(2, pow2_ceil(k)), scoring=scoring,
+                               norm=norm_topk_prob, scale=float(scale), has_bias=correction_bias is not None)
+    operands = [logits.astype(jnp.float32)]
+    if correction_bias is not None:
+        operands.append(correction_bias.astype(jnp.float32))
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(N, bn),),
+        in_specs=[ANY] * len(operands),
+        out_specs=(ANY, ANY),
+        out_shape=(jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32)),
+        compiler_params=triton_params(num_warps=_warps(bn * ep), num_stages=1),
+        interpret=interpret,
+        name="umem_route_topk",
+    )(*operands)
+
+
+def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
+               norm_topk_prob: bool = False, scale: float = 1.0, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The Pallas kernel: logits [..., E] (any leading dims, fp32 or castable) -> (weights [..., k]
+    fp32, experts [..., k] int32), as route_topk_reference gives them."""
+    _check_scoring(scoring)
+    *lead, E = logits.shape
+    if not 1 <= k <= E:
+        raise ValueError(f"route_topk: k={k} must be in [1, E={E}]")
+    if E > 1024:
+        raise ValueError(f"route_topk: {E} experts; the kernel holds a row's scores in registers (E <= 1024)")
+    if correction_bias is not None and correction_bias.shape != (E,):
+        raise ValueError(f"route_topk: correction_bias must be [{E}], got {list(correction_bias.shape)}")
+    if scoring == "topk_softmax":
+        correction_bias = None  # selection on raw logits (gpt-oss has no correction bias)
+    n = 1
+    for d in lead:
+        n *= d
+    if n == 0:
+        return jnp.zeros((*lead, k), jnp.float32), jnp.zeros((*lead, k), jnp.int32)
+    w, ids = _route_topk_2d(logits.reshape(n, E), correction_bias, k=k, scoring=scoring,
+                            norm_topk_prob=bool(norm_topk_prob), scale=float(scale), interpret=interpret)
+    return w.reshape(*lead, k), ids.reshape(*lead, k)
