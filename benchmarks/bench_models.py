@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 import time
 import traceback
@@ -125,7 +126,7 @@ def measurements(a) -> list[dict]:
     out.append(dict(kind="prefill", B=pb, T=pt, ctxs=[pt], width=w(pt)))
     cb, ct = a.chunk
     out.append(dict(kind="chunk", B=cb, T=ct, ctxs=[a.chunk_prefix + ct], width=w(a.chunk_prefix + ct)))
-    return out
+    return [m for m in out if m["kind"] in a.kinds]
 
 
 def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts) -> None:
@@ -173,7 +174,10 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
         note = "" if finite else "NON-FINITE LOGITS; "
         if not decode:
             note += f"{c['flops'] / med / 1e12:.0f} TFLOP/s (matmul+attn)"
-        record(log, family=name, kind=m["kind"], B=B, T=T, ctx=ctx, prefix=start, ms=med * 1e3, ms_min=t.best * 1e3,
+        issue = statistics.median(t.issue)
+        if issue > 0.8 * med:
+            note += f"host-bound: issuing a step took {issue * 1e3:.3f} ms; "
+        record(log, family=name, kind=m["kind"], B=B, T=T, ctx=ctx, prefix=start, ms=med * 1e3, ms_min=t.best * 1e3, issue_ms=issue * 1e3,
                first_call_s=t.first_s, roofline_ms=roof * 1e3, ratio=ratio, verdict=verdict,
                tokens_per_s=B * T / med, tflops=c["flops"] / med / 1e12, page_table_width=m["width"],
                held={k: dict(pages=v[0], bytes=v[1]) for k, v in live.items()}, iters=iters, trials=trials,
@@ -278,6 +282,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-batches", default=None, help="decode batch sizes (default 64,1; --small 2)")
     ap.add_argument("--prefill", default=None, help="BxT of the prompt prefill (default 1x2048; --small 2x64)")
     ap.add_argument("--chunk", default=None, help="BxT of the chunk step (default 8x512; --small 2x64)")
+    ap.add_argument("--kinds", default="decode,prefill,chunk", help="which steps to time, comma list")
     ap.add_argument("--chunk-prefix", type=int, default=None, help="cached tokens before the chunk (default 1536)")
     ap.add_argument("--width", type=int, default=None,
                     help="one page-table width for every bucket (default: each bucket its own; --small: one, "
@@ -311,6 +316,9 @@ def parse(argv):
     a.ctx = _ints(a.ctx or ("64,128" if s else "2048,8192"))
     a.decode_batches = _ints(a.decode_batches or ("2" if s else "64,1"))
     a.prefill = bxt(a.prefill or ("2x64" if s else "1x2048"))
+    a.kinds = set(a.kinds.split(","))
+    if not a.kinds <= {"decode", "prefill", "chunk"}:
+        ap.error(f"--kinds {sorted(a.kinds)}: choose from decode, prefill, chunk")
     a.chunk = bxt(a.chunk or (f"2x{CHECK_T}" if s else "8x512"))
     a.chunk_prefix = a.chunk_prefix if a.chunk_prefix is not None else (32 if s else 1536)
     if s and a.width is None:

@@ -108,7 +108,10 @@ class Stepper:
     """Holds the newest arena and runs the donated step on it."""
 
     def __init__(self, step, params, arena):
-        self.step, self.params, self.arena = step, params, arena
+        """step: a Model.jit_forward(); it is called with the params' flat leaves (see there)."""
+        import jax
+
+        self.step, self.params, self.arena = step, jax.tree.leaves(params), arena
 
     def __call__(self, batch):
         logits, self.arena = self.step(self.params, self.arena, batch)

@@ -27,6 +27,9 @@ class Timing:
     per_call: list[float]
     first_s: float
     first: Any  # what the first call returned
+    # Seconds per call the host spent issuing each trial's calls (until the last returned): near
+    # per_call, the host sets the pace, not the device.
+    issue: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -47,15 +50,16 @@ def time_calls(fn: Callable[[], Any], *, iters: int, trials: int, warmup: int = 
     first_s = time.perf_counter() - t
     for _ in range(warmup):
         jax.block_until_ready(fn())
-    per = []
+    per, issue = [], []
     for _ in range(trials):
         t = time.perf_counter()
         out = None
         for _ in range(iters):
             out = fn()
+        issue.append((time.perf_counter() - t) / iters)
         jax.block_until_ready(out)
         per.append((time.perf_counter() - t) / iters)
-    return Timing(per, first_s, first)
+    return Timing(per, first_s, first, issue)
 
 
 class Chain:
