@@ -13,6 +13,12 @@ decode   Experts.__call__ at N tokens (1, 2, 4, 64) by each dispatch path ("ragg
          copy limit measured here (bound_us; of_bound = bound / time), rows also against gather
          (vs_gather = gather time / rows time); then the expert GEMV alone on each projection
          (decode_rows_gate_up / _down) under a few tunings, the fastest kept with its config
+chain    (--only chain) the expert GEMV as a model step runs it: --chain L calls in one jit, each
+         on other experts of one large stack (no call finds its weights in L2), launched as one
+         CUDA graph as XLA does for a decode step, per call = total / L, for a grid of tunings on
+         each projection of each family's shape at --chain-tokens tokens (decode_chain_gate_up / _down).
+         A call timed alone pays the launch and the host's dispatch (tens of us against the ~10 us
+         a Qwen3.5-MoE projection takes inside the step), so only this mode can rank tunings.
 Every timed function is first checked against moe_reference-style math on the same device.
 The table comes last; with $OUT (or --json) set, the rows are also written as JSON.
 """
@@ -33,7 +39,8 @@ from flax import nnx
 
 from umem_jax.models.moe import Experts, MoEConfig, expert_activation
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
-from umem_jax.pallas_kernels.expert_gemv import MAX_ROWS, default_config, expert_gemv, expert_gemv_reference
+from umem_jax.pallas_kernels.expert_gemv import (MAX_ROWS, default_config, expert_gemv, expert_gemv_partials,
+                                                 expert_gemv_reference)
 from umem_jax.pallas_kernels.grouped_matmul import grouped_matmul
 
 from .report import RowLog, fmt, format_table, json_path
@@ -52,6 +59,7 @@ class Shape:
 
 GPT_OSS = Shape("gpt-oss-20b", 32, 4, 2880, 2880)
 QWEN = Shape("qwen3.5-35b-a3b-like", 256, 8, 2048, 512)
+NEMOTRON = Shape("nemotron-3-nano-30b-a3b-like", 128, 6, 2688, 1856)  # ungated relu^2 experts
 SMALL = (Shape("small-a", 8, 2, 64, 32), Shape("small-b", 16, 4, 32, 16))
 
 
@@ -259,13 +267,59 @@ def bench_rows_kernel(a, shape: Shape, n: int, which: str, x, ids, w, rate, repe
             of_bound=bound / t, err=err, note=str(cfg))
 
 
+# The grid the chain mode tries on every projection (default_config's choice first).
+CHAIN_TUNINGS = tuple([{}] + [{"block_n": bn, "k_splits": s} for bn in (32, 64, 128) for s in (1, 2, 4, 8)]
+                      + [{"num_stages": 2}, {"num_warps": 8, "block_n": 128}])
+
+
+def bench_chain(a, shape: Shape, n: int, rate):
+    """Both projections of n tokens, each as a.chain back-to-back calls in one jit (see the module
+    docstring), under every CHAIN_TUNINGS config."""
+    kind = "ungated" if shape is NEMOTRON else "swiglu"
+    width = shape.I if kind == "ungated" else 2 * shape.I
+    rng = np.random.default_rng(n)
+    per_call = min(n * shape.k, shape.E)
+    stack = a.chain * per_call  # distinct experts: each call reads its own
+    key = jax.random.key(n)
+    x = jax.random.normal(key, (n, shape.d), jnp.float32).astype(jnp.bfloat16)
+    h = jax.random.normal(key, (n * shape.k, shape.I), jnp.float32).astype(jnp.bfloat16)
+    for which, xin, K, F, repeat in (("gate_up", x, shape.d, width, shape.k), ("down", h, shape.I, shape.d, 1)):
+        w = (jax.random.normal(jax.random.key(1), (stack, K, F), jnp.float32) * K ** -0.5).astype(jnp.bfloat16)
+        # each token picks k distinct experts of its call's share (tokens may share experts)
+        ids = np.stack([np.concatenate([c * per_call + rng.permutation(per_call)[:shape.k] for _ in range(n)])
+                        for c in range(a.chain)]).astype(np.int32)  # [L, R]
+        ids = jnp.asarray(ids)
+        distinct = sum(len(np.unique(np.asarray(i))) for i in ids)
+        bound = distinct * K * F * 2 / rate.bytes_per_s / a.chain
+        want = expert_gemv_reference(xin, ids[0], w, repeat=repeat)
+        label = f"{shape.name} N={n} R={n * shape.k} K={K} F={F} x{a.chain}"
+
+        def attempt(cfg):
+            one = functools.partial(expert_gemv_partials, repeat=repeat, interpret=a.interpret, **cfg)
+            err = rel_err(one(xin, ids[0], w).sum(0), want)
+            fn = jax.jit(lambda xin, ids, w: [one(xin, ids[c], w) for c in range(a.chain)])
+            t = timed(a, lambda: fn(xin, ids, w)) / a.chain
+            return t, err, f"{t * 1e6:.2f} us a call ({bound / t:.2f} of bound)"
+
+        base = default_config(n * shape.k, K, F, w.dtype)
+        tunings = CHAIN_TUNINGS if not a.small else CHAIN_TUNINGS[:2]
+        best = best_tuning(f"chain {which}", [{**base, **tune} for tune in tunings], attempt)
+        if best:
+            t, cfg, err = best
+            row(a, case=f"decode_chain_{which}", shape=label, us=t * 1e6, bound_us=bound * 1e6, of_bound=bound / t,
+                err=err, note=str(cfg))
+        del w
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.bench_moe", description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
-    p.add_argument("--only", default="prefill,decode", help="comma list of: prefill, decode")
+    p.add_argument("--only", default="prefill,decode", help="comma list of: prefill, decode, chain")
+    p.add_argument("--chain", type=int, default=None, help="calls per jit in the chain mode (default 40, small 3)")
+    p.add_argument("--chain-tokens", default="1", help="decode tokens of the chain mode, comma list")
     p.add_argument("--decode-tokens", default="1,2,4,64", help="decode batch sizes (tokens), comma list")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--trials", type=int, default=None)
@@ -273,8 +327,10 @@ def parse(argv):
     a = p.parse_args(argv)
     a.interpret = jax.default_backend() != "gpu"
     a.decode_tokens = [int(t) for t in a.decode_tokens.split(",")]
+    a.chain_tokens = [int(t) for t in a.chain_tokens.split(",")]
     a.iters = a.iters or (2 if a.small else 5)
     a.trials = a.trials or (2 if a.small else 3)
+    a.chain = a.chain or (3 if a.small else 40)
     return a
 
 
@@ -300,6 +356,13 @@ def main(argv=None) -> int:
                     row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
             for n in a.decode_tokens if i == 0 and "decode" in only else ():
                 bench_decode(a, shape, n, rate)
+    for shape in (SMALL if a.small else (QWEN, GPT_OSS, NEMOTRON)) if "chain" in only else ():
+        for n in a.chain_tokens:
+            try:
+                bench_chain(a, shape, n, rate)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row(a, case="decode_chain", shape=f"{shape.name} N={n}", note=f"FAILED {type(e).__name__}: {e}"[:200])
     keys = ["case", "shape", "us", "tflops", "dense_tflops", "ratio", "bound_us", "of_bound", "vs_gather",
             "err"]
     print(format_table(keys, [[r.get("case"), r.get("shape")] + [fmt(r.get(k), ".3g") for k in keys[2:]]

@@ -7,7 +7,8 @@ OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [short_extend]=120 [qwen_b1]=300 [breakdown_b1]=260
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
-                    [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560)
+                    [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
+                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -67,6 +68,18 @@ step() {
       for i in 1 2 3; do for x in "--xla_gpu_enable_triton_gemm=false" ""; do echo "== $i XLA_FLAGS='$x'"
         XLA_FLAGS="$x" python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 --decode-batches 1 \
             --arena-gib 4 --no-check --budget 60 --trace 3 | grep -v "skipped"; done; done ;;
+    route_b1)  # the router's top-k kernel: its GPU tests, then the three MoE families at B = 1 with XLA's
+      # routing and with the kernel, alternating, each its own process, twice, traced
+      python3 -m pytest -q tests/kernels/test_route_topk.py
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for i in 1 2; do for r in xla pallas; do echo "== $i UMEM_JAX_ROUTE=$r"
+        UMEM_JAX_ROUTE=$r python3 -m benchmarks.bench_models --families qwen35moe,gptoss,nemo3nano --ctx 2048 \
+            --decode-batches 1 --kinds decode --arena-gib 4 --no-check --budget 150 --trace 3 \
+            | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
+    b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
+            --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 120 ;;
+    gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
 }

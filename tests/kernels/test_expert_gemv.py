@@ -123,10 +123,11 @@ def test_jit_with_traced_ids_one_compile():
 
 
 def test_default_config_splits_k_for_few_programs():
-    gpt = default_config(4, 2880, 5760, jnp.bfloat16)  # gpt-oss-20b gate_up at one token
-    assert gpt["block_n"] == 64 and gpt["block_k"] == 128 and 4 * 90 * gpt["k_splits"] >= 512
-    qwen_down = default_config(8, 512, 2048, jnp.bfloat16)  # Qwen3.5-35B-A3B-like down: K = 4 chunks
-    assert qwen_down["k_splits"] == 2  # each split keeps >= 2 chunks
+    gpt = default_config(4, 2880, 5760, jnp.bfloat16)  # gpt-oss-20b gate_up at one token: 360 programs
+    assert gpt["block_n"] == 64 and gpt["block_k"] == 128 and gpt["k_splits"] == 1
+    small = default_config(1, 512, 256, jnp.bfloat16)  # 4 column blocks: split K until ~TARGET_PROGRAMS
+    assert small["k_splits"] == 2  # K = 4 chunks: each split keeps >= 2 of them
+    assert default_config(2, 4096, 512, jnp.bfloat16)["k_splits"] == 8  # 16 programs a split
     assert default_config(64, 4096, 8192, jnp.float32)["block_k"] == 64
 
 

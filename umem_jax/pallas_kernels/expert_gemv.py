@@ -48,9 +48,11 @@ from .launch import ANY, pow2_ceil
 __all__ = ["MAX_ROWS", "default_config", "expert_gemv", "expert_gemv_partials", "expert_gemv_reference"]
 
 MAX_ROWS = 64  # every live program holds all rows' tile ([bm, bk] and a [bm, bn] fp32 accumulator)
-# Programs to aim for when choosing k_splits: ~4 per SM of an H200 (132 SMs), enough loads in
-# flight to cover HBM latency.  Not yet measured (benchmarks/bench_moe.py sweeps the tunings).
-TARGET_PROGRAMS = 512
+# Programs to aim for when choosing k_splits (about one per SM).  Measured inside a step-like chain
+# of 40 calls (bench_moe --only chain, H100, 2026-12-05): at one token the six projections of
+# gpt-oss-20b, Qwen3.5-35B-A3B and Nemotron-3-Nano ran as fast or faster without a K split
+# (-7 to -11% for Qwen's down and both of Nemotron's) than at the 512 programs aimed for before.
+TARGET_PROGRAMS = 128
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -126,7 +128,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, repeat
 
 
 def default_config(rows: int, K: int, N: int, dtype) -> dict:
-    """Block sizes and K splits (not yet tuned on the GPU; bench_moe.py sweeps the alternatives).
+    """Block sizes and K splits (bench_moe.py --only chain times the alternatives; RESULTS.md).
     64-column blocks keep each weight row segment a 128-byte line in bf16 and give many programs;
     splits are added (powers of two, each keeping >= 2 K chunks) until `rows` live slots (the
     distinct experts of one decode token) times the column blocks reach TARGET_PROGRAMS."""
