@@ -94,6 +94,13 @@ def test_route_follows_the_env_choice(monkeypatch):
             got[choice] = route(logits, cfg, cb)
     np.testing.assert_array_equal(np.asarray(got["pallas"][1]), np.asarray(got["xla"][1]))
     np.testing.assert_allclose(np.asarray(got["pallas"][0]), np.asarray(got["xla"][0]), rtol=2e-6)
+    # More experts than the kernel holds in registers: under =pallas the router stays in XLA
+    # (the same picks as =xla, set last by the loop above), and the model is not refused.
+    wide = MoEConfig(num_experts=2048, top_k=8, intermediate_size=8)
+    w, ids = route(logits_of(5, (2, 2048)), wide)
+    monkeypatch.setenv(ROUTE_ENV, "pallas")
+    w2, ids2 = route(logits_of(5, (2, 2048)), wide)
+    np.testing.assert_array_equal(np.asarray(ids2), np.asarray(ids))
     monkeypatch.setenv(ROUTE_ENV, "fastest")
     with pytest.raises(ValueError, match="UMEM_JAX_ROUTE"):
         route_backend()

@@ -34,6 +34,7 @@ from flax import nnx
 
 from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
+from ..pallas_kernels.route_topk import MAX_EXPERTS as ROUTE_MAX_EXPERTS
 from ..pallas_kernels.route_topk import route_backend, route_topk, route_topk_reference, scores_of, topk_weights
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, activation, fp32_precision, normal_init
@@ -83,7 +84,8 @@ def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array
 def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None = None):
     """Router logits [..., E] (fp32, router bias included) -> (weights [..., k] fp32, experts
     [..., k] int32).  correction_bias [E] shifts the selection only (never the weights).  Without
-    expert groups this is one Pallas kernel on a GPU (pallas_kernels/route_topk.py)."""
+    expert groups (and up to route_topk.MAX_EXPERTS experts) this is one Pallas kernel on a GPU
+    (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
     kw = dict(k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the groups not kept, then pick in XLA
@@ -92,7 +94,7 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
         choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
         experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
         return route_weights(logits, experts, cfg), experts
-    if route_backend() == "pallas":
+    if route_backend() == "pallas" and cfg.num_experts <= ROUTE_MAX_EXPERTS:
         return route_topk(logits, correction_bias=correction_bias, interpret=jax.default_backend() != "gpu", **kw)
     return route_topk_reference(logits, correction_bias=correction_bias, **kw)
 

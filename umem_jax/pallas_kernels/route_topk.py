@@ -30,11 +30,12 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .launch import ANY, pow2_ceil
 
-__all__ = ["ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
+__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
            "topk_weights"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 BLOCK_ROWS = 16  # rows a program takes: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
+MAX_EXPERTS = 1024  # a row's scores live in registers; past this the router stays in XLA (moe.route)
 
 # $UMEM_JAX_ROUTE: "pallas" (this kernel), "xla" (route_topk_reference), unset or "auto": the kernel
 # on a GPU, XLA elsewhere (where the kernel would only be interpreted).  Read at trace time; the
@@ -177,8 +178,9 @@ def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.
     *lead, E = logits.shape
     if not 1 <= k <= E:
         raise ValueError(f"route_topk: k={k} must be in [1, E={E}]")
-    if E > 1024:
-        raise ValueError(f"route_topk: {E} experts; the kernel holds a row's scores in registers (E <= 1024)")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"route_topk: {E} experts; the kernel holds a row's scores in registers "
+                         f"(E <= {MAX_EXPERTS}): use route_topk_reference")
     if correction_bias is not None and correction_bias.shape != (E,):
         raise ValueError(f"route_topk: correction_bias must be [{E}], got {list(correction_bias.shape)}")
     if scoring == "topk_softmax":
