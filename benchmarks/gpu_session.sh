@@ -78,7 +78,7 @@ step() {
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
-            --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 120 ;;
+            --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 150 --trace 3 ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
