@@ -362,7 +362,8 @@ def main(argv=None) -> int:
                 bench_chain(a, shape, n, rate)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                row(a, case="decode_chain", shape=f"{shape.name} N={n}", note=f"FAILED {type(e).__name__}: {e}"[:200])
+                row(a, case="decode_chain", shape=f"{shape.name} N={n}",
+                    note=f"FAILED {type(e).__name__}: {e}"[:200])
     keys = ["case", "shape", "us", "tflops", "dense_tflops", "ratio", "bound_us", "of_bound", "vs_gather",
             "err"]
     print(format_table(keys, [[r.get("case"), r.get("shape")] + [fmt(r.get(k), ".3g") for k in keys[2:]]

@@ -88,7 +88,7 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
     (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
     kw = dict(k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-    if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the groups not kept, then pick in XLA
+    if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the others, pick in XLA
         choice = scores_of(logits, cfg.scoring)
         choice = choice if correction_bias is None else choice + correction_bias.astype(jnp.float32)
         choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
