@@ -22,7 +22,8 @@ os.environ.setdefault("UMEM_JAX_COMPILATION_CACHE", "0")
 # controller makes it (the workers see the variable) and removes it at exit.  OFF by default
 # (UMEM_JAX_TEST_XLA_CACHE=1 turns it on): on jax 0.10's CPU backend, writing an entry
 # (executable.serialize()) segfaulted a worker in 2 of 4 full runs on 2026-12-05.  Compiling
-# alone has segfaulted too (session 14, the cache off): README's command reruns a crashed test once.
+# alone has segfaulted too (session 14, the cache off), which the mapping limit at the end of this
+# file explains; whether it explains the cache's crashes too is untested.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("UMEM_JAX_TEST_XLA_CACHE", "0") != "0":
     import atexit
     import shutil
@@ -99,3 +100,35 @@ HEAVY_FIRST = (
     "tests/models/test_tensor_parallel.py::test_moe_layer_tp2_and_tp4_match_tp1_on_several_devices",
 )
 
+
+
+# XLA:CPU maps the code of every executable it compiles into the process (about three mappings
+# each), and a pytest worker compiles for most of the suite: past Linux's vm.max_map_count (65,530
+# by default) the next compile aborts or segfaults.  That was the "random" XLA crash of earlier
+# runs: counted per worker on 2026-12-05, a worker reached 57,700 mappings by its 1,075th test and
+# died compiling test_speculative_mtp's steps, in three full runs out of three.  So every
+# MAP_CHECK_EVERY tests a worker past MAP_LIMIT mappings drops JAX's compiled executables
+# (jax.clear_caches: steps compiled later again, the mappings released).
+MAP_LIMIT = 36_000
+MAP_CHECK_EVERY = 10
+_tests_done = 0
+
+
+def _mappings() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to keep under
+        return 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+    global _tests_done
+    _tests_done += 1
+    if _tests_done % MAP_CHECK_EVERY == 0 and _mappings() > MAP_LIMIT:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
