@@ -101,12 +101,11 @@ HEAVY_FIRST = (
 )
 
 
-
 # XLA:CPU maps the code of every executable it compiles into the process (about three mappings
 # each), and a pytest worker compiles for most of the suite: past Linux's vm.max_map_count (65,530
 # by default) the next compile aborts or segfaults.  That was the "random" XLA crash of earlier
 # runs: counted per worker on 2026-12-05, a worker reached 57,700 mappings by its 1,075th test and
-# died compiling test_speculative_mtp's steps, in three full runs out of three.  So every
+# died compiling test_speculative_mtp's steps, the test three full runs that day died at.  So every
 # MAP_CHECK_EVERY tests a worker past MAP_LIMIT mappings drops JAX's compiled executables
 # (jax.clear_caches: steps compiled later again, the mappings released).
 MAP_LIMIT = 36_000
