@@ -23,6 +23,7 @@ for gpt-oss's 32 experts to Qwen3.5-MoE's 256).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +48,6 @@ ROUTE_BACKENDS = ("auto", "pallas", "xla")
 
 def route_backend() -> str:
     """"pallas" or "xla": what a model's router runs now ($UMEM_JAX_ROUTE, else by backend)."""
-    import os
-
     choice = os.environ.get(ROUTE_ENV, "").strip().lower() or "auto"
     if choice not in ROUTE_BACKENDS:
         raise ValueError(f"${ROUTE_ENV}={choice!r}; known: {', '.join(ROUTE_BACKENDS)}")
