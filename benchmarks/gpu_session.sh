@@ -76,6 +76,20 @@ step() {
         UMEM_JAX_ROUTE=$r python3 -m benchmarks.bench_models --families qwen35moe,gptoss,nemo3nano --ctx 2048 \
             --decode-batches 1 --kinds decode --arena-gib 4 --no-check --budget 150 --trace 3 \
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
+    h200_moe)  # needs an H200: the three MoE families at B = 64 and 1, decode only, traced (Qwen3.5-MoE's
+      # arena does not fit an H100 beside its 64.6 GiB of weights at B = 64)
+      python3 -m pytest -q tests/kernels/test_route_topk.py
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families qwen35moe,gptoss,nemo3nano \
+            --ctx 2048 --decode-batches 64,1 --kinds decode --arena-gib 24 --budget 170 --trace 3 ;;
+    norm_b1)  # the RMSNorm kernels: their GPU tests (and route_topk's), then the three MoE families at B = 1
+      # with XLA's norms and with the kernels, alternating, each its own process, twice; the kernels' runs traced
+      python3 -m pytest -q tests/kernels/test_rms_norm.py tests/kernels/test_route_topk.py
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for i in 1 2; do for n in xla pallas; do echo "== $i UMEM_JAX_NORM=$n"
+        tr=0; [ "$n" = pallas ] && [ "$i" = 2 ] && tr=3
+        UMEM_JAX_NORM=$n python3 -m benchmarks.bench_models --families qwen35moe,gptoss,nemo3nano --ctx 2048 \
+            --decode-batches 1 --kinds decode --arena-gib 4 --no-check --budget 150 --trace $tr \
+            | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 150 --trace 3 ;;

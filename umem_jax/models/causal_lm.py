@@ -34,14 +34,15 @@ from ..memory.declarations import (
 from ..memory.plan import Plan
 from .arena_slot import arena_slot
 from .config import FULL, LAYER_TYPES, RECURRENT, SLIDING, ModelConfig
-from .layers import Embedding, RMSNorm
+from .layers import Embedding, RMSNorm, settle
 
 
 class ResidualLayer(nnx.Module):
-    """h = ffn(h + post_mixer(mixer(input_layernorm(h)))).
+    """h = ffn(h, post_mixer(mixer(input_layernorm(h)))), ffn(h, a) the feed-forward block over h + a.
 
     A subclass provides `input_layernorm`, `mixer` (attention or a recurrent mixer: a `dense`
-    forward and a serving forward over the arena) and `ffn(h)` (the residual feed-forward block);
+    forward and a serving forward over the arena) and `ffn(h, a)` (the residual add, then the
+    residual feed-forward block: it takes the add apart so that its norm can fuse it, RMSNorm.add);
     `post_mixer` is the identity unless overridden (Gemma's post-attention norm).
     """
 
@@ -49,11 +50,11 @@ class ResidualLayer(nnx.Module):
         return a
 
     def dense(self, h: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-        return self.ffn(h + self.post_mixer(self.mixer.dense(self.input_layernorm(h), positions, valid)))
+        return self.ffn(h, self.post_mixer(self.mixer.dense(self.input_layernorm(h), positions, valid)))
 
     def __call__(self, h: jax.Array, arena: jax.Array, batch: Batch, slot):
         a, arena = self.mixer(self.input_layernorm(h), arena, batch, slot)
-        return self.ffn(h + self.post_mixer(a)), arena
+        return self.ffn(h, self.post_mixer(a)), arena
 
 
 class CausalLM(nnx.Module):
@@ -170,6 +171,7 @@ class CausalLM(nnx.Module):
             keeps_memory = self.config.layer_types[i] in LAYER_TYPES
             slot = arena_slot(plan, i, memory_model, decode_rows=decode_rows, **kernel_kw) if keeps_memory else None
             h, arena = layer(h, arena, batch, slot)
+        h = settle(h)  # a layer may leave its residual add pending (RMSNorm.enter)
         last = lambda x: x if all_positions else jnp.take_along_axis(x, batch.last_index()[:, None, None], axis=1)[:, 0]
         if hidden:
             normed = self.final_norm(h)

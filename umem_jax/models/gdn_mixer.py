@@ -59,18 +59,22 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
         return True
 
-    def _project(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        """x [B, T, hidden] -> qkv [B, T, conv_dim], z [B, T, Hv*Dv], b [B, T, Hv], a [B, T, Hv]."""
+    def _project(self, x: jax.Array):
+        """x [B, T, hidden] -> qkv [B, T, conv_dim], (zs, z_offset), b [B, T, Hv], a [B, T, Hv]: z
+        [B, T, Hv*Dv] is zs[..., z_offset:z_offset + Hv*Dv] (the fused projection's whole output,
+        which the gated norm's kernel reads in place)."""
         if self.in_proj is not None:
-            return self.in_proj(x)
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+            y, starts = self.in_proj.product(x)
+            qkv, _, b, a = (y[..., s:s + n] for s, n in zip(starts, self.in_proj.sizes))
+            return qkv, (y, starts[1]), b, a
+        return self.in_proj_qkv(x), (self.in_proj_z(x), 0), self.in_proj_b(x), self.in_proj_a(x)
 
-    def _out(self, o: jax.Array, z: jax.Array, dtype) -> jax.Array:
-        """o [B, T, Hv, Dv], z [B, T, Hv*Dv] -> out_proj(GatedRMSNorm(o, z)) [B, T, hidden]."""
+    def _out(self, o: jax.Array, z, dtype) -> jax.Array:
+        """o [B, T, Hv, Dv], z (zs, z_offset) as _project gives it -> out_proj(GatedRMSNorm(o, z))
+        [B, T, hidden] (one group a head, all heads sharing the norm's weight)."""
         b, t = o.shape[:2]
-        z = z.reshape(b, t, self.v_heads, self.v_dim)
-        o = self.norm(o.astype(dtype), z)
-        return self.out_proj(o.reshape(b, t, self.value_dim))
+        o = self.norm(o.astype(dtype).reshape(b, t, self.value_dim), z[0], z_offset=z[1])
+        return self.out_proj(o)
 
     # ------------------------------------------------------------------ dense (cache-free)
     def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:

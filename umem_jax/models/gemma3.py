@@ -149,8 +149,9 @@ class DecoderLayer(ResidualLayer):
     def post_mixer(self, a: jax.Array) -> jax.Array:
         return self.post_attention_layernorm(a)
 
-    def ffn(self, h: jax.Array) -> jax.Array:
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+    def ffn(self, h: jax.Array, a: jax.Array) -> jax.Array:
+        h, x = self.pre_feedforward_layernorm.add(h, a)
+        return h + self.post_feedforward_layernorm(self.mlp(x))
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -203,15 +203,16 @@ class GptOssDecoderLayer(ResidualLayer):
     def mixer(self) -> Attention:
         return self.self_attn
 
-    def ffn(self, h: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        return h + self.mlp(self.post_attention_layernorm(h), valid)  # padding tokens take no expert rows
+    def ffn(self, h: jax.Array, a: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        h, x = self.post_attention_layernorm.add(h, a)
+        return h + self.mlp(x, valid)  # padding tokens take no expert rows
 
     def dense(self, h: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-        return self.ffn(h + self.self_attn.dense(self.input_layernorm(h), positions, valid), valid)
+        return self.ffn(h, self.self_attn.dense(self.input_layernorm(h), positions, valid), valid)
 
     def __call__(self, h: jax.Array, arena: jax.Array, batch, slot):
         a, arena = self.self_attn(self.input_layernorm(h), arena, batch, slot)
-        return self.ffn(h + a, batch.valid()), arena
+        return self.ffn(h, a, batch.valid()), arena
 
 
 class GptOssForCausalLM(CausalLM):

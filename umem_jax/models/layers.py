@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..pallas_kernels.rms_norm import norm_backend, rms_norm, rms_norm_reference
 from ..parallel.collectives import reduce_sum
 from .config import RopeConfig
 
@@ -61,6 +62,12 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def settle(h) -> jax.Array:
+    """The residual stream as an array: a block that leaves its residual add to the next block's
+    norm (RMSNorm.enter, one kernel with the norm) returns the pending (h, delta)."""
+    return h[0] + h[1] if isinstance(h, tuple) else h
+
+
 class FusedLinear(nnx.Module):
     """Several column projections of the same input as one matmul: y_i = x W_i^T (+ b_i) for each part.
 
@@ -91,6 +98,13 @@ class FusedLinear(nnx.Module):
                     p.bias[...].delete()
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """x [..., in] -> the parts' outputs [..., out_i], sliced from `product`."""
+        y, starts = self.product(x)
+        return tuple(y[..., s:s + n] for s, n in zip(starts, self.sizes))
+
+    def product(self, x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+        """x [..., in] -> (y [..., sum(out_i)], each part's first column in y): for a consumer that
+        reads its part in place (a slice is a copy launch at decode)."""
         w = self.weight[...]
         y = jnp.einsum("...i,oi->...o", x, w, precision=fp32_precision(x, w))
         if self.bias is not None:
@@ -101,8 +115,7 @@ class FusedLinear(nnx.Module):
         # traces).  The barrier makes the product one buffer that the parts are sliced from.
         if len(self.sizes) > 1:
             y = jax.lax.optimization_barrier(y)
-        ends = [sum(self.sizes[:i + 1]) for i in range(len(self.sizes))]
-        return tuple(y[..., e - n:e] for e, n in zip(ends, self.sizes))
+        return y, tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
 
 
 class Embedding(nnx.Module):
@@ -136,9 +149,28 @@ class RMSNorm(nnx.Module):
         self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        """x [..., dim] -> [..., dim] in x.dtype (one Pallas kernel on a GPU: pallas_kernels/rms_norm.py)."""
+        return self._norm(x, None)
+
+    def add(self, h: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The residual add and the norm after it: h, delta [..., dim] -> (h + delta, norm(h + delta)),
+        the sum as `h + delta` gives it; one kernel on a GPU instead of XLA's three."""
+        if delta.dtype != h.dtype:  # the sum promotes: keep XLA's
+            h = h + delta
+            return h, self(h)
+        y, h = self._norm(h, delta)
+        return h, y
+
+    def enter(self, h) -> tuple[jax.Array, jax.Array]:
+        """A block's entry: the residual stream h, an array or a pending add (h, delta) that the block
+        before left (settle) -> (the stream as an array, its norm)."""
+        return self.add(*h) if isinstance(h, tuple) else (h, self(h))
+
+    def _norm(self, x, residual):
+        kw = dict(eps=self.eps, offset=self.offset, residual=residual)
+        if norm_backend() == "pallas":
+            return rms_norm(x, self.weight[...], interpret=jax.default_backend() != "gpu", **kw)
+        return rms_norm_reference(x, self.weight[...], **kw)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> jax.Array:

@@ -75,10 +75,12 @@ class Mamba2Mixer(nnx.Module):
         a, b = self.d_inner, self.d_inner + self.conv_dim
         return zxbcdt[..., :a], zxbcdt[..., a:b], zxbcdt[..., b:]
 
-    def _out(self, y: jax.Array, z: jax.Array, dtype) -> jax.Array:
-        """y [B, T, H, P] -> out_proj(GatedRMSNorm(y, z)) [B, T, hidden]."""
+    def _out(self, y: jax.Array, zxbcdt: jax.Array, dtype) -> jax.Array:
+        """y [B, T, H, P], zxbcdt the in_proj output -> out_proj(GatedRMSNorm(y, z)) [B, T, hidden].
+        The norm takes z as its first d_inner channels: its kernel reads them in place, where a
+        slice would cost a copy launch at decode."""
         y = y.reshape(*y.shape[:2], self.d_inner)
-        return self.out_proj(self.norm(y, z).astype(dtype))
+        return self.out_proj(self.norm(y, zxbcdt, z_offset=0).astype(dtype))
 
     # ------------------------------------------------------------------ dense (cache-free)
     def dense(self, x: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
@@ -88,7 +90,8 @@ class Mamba2Mixer(nnx.Module):
         b, t, _ = x.shape
         h, p, n, g = self.num_heads, self.head_dim, self.state_size, self.n_groups
         mask = valid[..., None].astype(x.dtype)
-        z, xbc, dt = self._split(self.in_proj(x * mask))
+        zxbcdt = self.in_proj(x * mask)
+        _, xbc, dt = self._split(zxbcdt)
         xbc = jax.nn.silu(self.conv1d.dense(xbc)) * mask.astype(jnp.float32)
         xs = xbc[..., :self.d_inner].reshape(b, t, h, p)
         heads_per_group = h // g
@@ -109,12 +112,13 @@ class Mamba2Mixer(nnx.Module):
         time_major = lambda v: jnp.swapaxes(v, 0, 1)
         _, ys = jax.lax.scan(step, jnp.zeros((b, h, p, n), jnp.float32),
                              (time_major(xs), time_major(b_heads), time_major(c_heads), time_major(dt)))
-        return self._out(time_major(ys), z, x.dtype)
+        return self._out(time_major(ys), zxbcdt, x.dtype)
 
     # ------------------------------------------------------------------ serving path
     def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: ArenaSlot):
         """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
-        z, xbc, dt = self._split(self.in_proj(x))
+        zxbcdt = self.in_proj(x)
+        _, xbc, dt = self._split(zxbcdt)
         params = (self.conv1d.kernel_weight, self.conv1d.bias_or_none, self.A_log[...], self.dt_bias[...],
                   self.D[...])
         if x.shape[1] == 1:
@@ -127,7 +131,7 @@ class Mamba2Mixer(nnx.Module):
                                       reset=first_chunk(batch),
                                       checkpoint_positions=batch.checkpoint_positions,
                                       checkpoint_slots=batch.checkpoint_slots, **slot.kernel_kw)
-        return self._out(y, z, x.dtype), arena
+        return self._out(y, zxbcdt, x.dtype), arena
 
     def _prefill_dt_min(self, batch: Batch) -> jax.Array:
         """[B] per-row dt floor for the prefill kernel: time_step_min for prefilling rows, 0 (no

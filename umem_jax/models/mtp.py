@@ -40,7 +40,7 @@ from ..memory.declarations import LayerDecl
 from ..memory.plan import Plan
 from .arena_slot import arena_slot
 from .config import LAYER_TYPES, ModelConfig
-from .layers import Linear, RMSNorm
+from .layers import Linear, RMSNorm, settle
 from .model import Model
 
 PREFIXES = ("mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp.")
@@ -119,6 +119,7 @@ class MTPHead(nnx.Module):
             keeps = self.kinds[i] in LAYER_TYPES
             slot = arena_slot(plan, i, MEMORY_MODEL, impl=impl, interpret=interpret) if keeps else None
             y, arena = layer(y, arena, batch, slot)
+        y = settle(y)  # a layer may leave its residual add pending (RMSNorm.enter)
         y = self.norm(jnp.take_along_axis(y, batch.last_index()[:, None, None], axis=1)[:, 0])
         return target.head_logits(y), y, arena
 

@@ -231,13 +231,15 @@ class NemotronHBlock(nnx.Module):
         return h + self.mixer.dense(a, positions, valid)
 
     def __call__(self, h, arena, batch, slot):
-        a = self.norm(h)
+        """h: [B, T, d] or the pending add (h, delta) the block before left -> ((h, delta), arena): the
+        residual add is left to the next block's norm, which fuses it (RMSNorm.enter), or to settle()."""
+        h, a = self.norm.enter(h)
         if self.kind == MLP_BLOCK:
-            return h + self.mixer(a), arena
+            return (h, self.mixer(a)), arena
         if self.kind == MOE_BLOCK:
-            return h + self.mixer(a, batch.valid()), arena
+            return (h, self.mixer(a, batch.valid())), arena
         out, arena = self.mixer(a, arena, batch, slot)
-        return h + out, arena
+        return (h, out), arena
 
 
 class NemotronHForCausalLM(CausalLM):

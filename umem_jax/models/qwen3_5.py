@@ -209,16 +209,16 @@ class Qwen3_5DecoderLayer(ResidualLayer):
     def mixer(self) -> nnx.Module:
         return self.self_attn if self.kind == FULL else self.linear_attn
 
-    def ffn(self, h: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-        x = self.post_attention_layernorm(h)
+    def ffn(self, h: jax.Array, a: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+        h, x = self.post_attention_layernorm.add(h, a)
         return h + (self.mlp(x, valid) if self.sparse else self.mlp(x))
 
     def dense(self, h: jax.Array, positions: jax.Array, valid: jax.Array) -> jax.Array:
-        return self.ffn(h + self.mixer.dense(self.input_layernorm(h), positions, valid), valid)
+        return self.ffn(h, self.mixer.dense(self.input_layernorm(h), positions, valid), valid)
 
     def __call__(self, h: jax.Array, arena: jax.Array, batch: Batch, slot):
         a, arena = self.mixer(self.input_layernorm(h), arena, batch, slot)
-        return self.ffn(h + a, batch.valid()), arena
+        return self.ffn(h, a, batch.valid()), arena
 
 
 class Qwen3_5ForCausalLM(CausalLM):

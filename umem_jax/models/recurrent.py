@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..core.batch import Batch
+from ..pallas_kernels.rms_norm import gated_rms_norm, gated_rms_norm_reference, norm_backend
 from ..parallel.collectives import group_sum
 from .layers import normal_init
 
@@ -68,18 +69,28 @@ class GatedRMSNorm(nnx.Module):
         self.norm_before_gate = norm_before_gate
         self.reduce_axis, self.group_shards = None, 1
 
-    def __call__(self, y: jax.Array, z: jax.Array) -> jax.Array:
+    def __call__(self, y: jax.Array, z: jax.Array, z_offset: int = 0) -> jax.Array:
+        """y [..., D], z [..., W] (the gate: channels z_offset .. z_offset + D, so a projection's
+        output can be passed whole) -> [..., D] in y.dtype.  D is dim, or a multiple of it when
+        every group shares the weight (dim == group_size: DeltaNet's heads).  One Pallas kernel on a
+        GPU, which reads z in place (pallas_kernels/rms_norm.py), unless a group is split over
+        devices."""
         dtype = y.dtype
+        if self.reduce_axis is None or self.group_shards == 1:
+            kw = dict(eps=self.eps, group_size=self.group_size, norm_before_gate=self.norm_before_gate,
+                      z_offset=z_offset)
+            if norm_backend() == "pallas" and self.weight.dtype == dtype:
+                return gated_rms_norm(y, z, self.weight[...], interpret=jax.default_backend() != "gpu", **kw)
+            return gated_rms_norm_reference(y, z, self.weight[...], **kw)
+        z = jax.lax.slice_in_dim(z, z_offset, z_offset + y.shape[-1], axis=-1)
         yf = y.astype(jnp.float32)
         gate = jax.nn.silu(z.astype(jnp.float32))
         if not self.norm_before_gate:
             yf = yf * gate
         g = yf.reshape(*yf.shape[:-1], -1, self.group_size)
-        if self.reduce_axis is None or self.group_shards == 1:
-            ms = jnp.mean(g * g, axis=-1, keepdims=True)
-        else:  # this device holds 1/group_shards of the group's channels
-            ms = group_sum(jnp.sum(g * g, axis=-1, keepdims=True), self.reduce_axis, self.group_shards)
-            ms = ms / (self.group_size * self.group_shards)
+        # this device holds 1/group_shards of the group's channels
+        ms = group_sum(jnp.sum(g * g, axis=-1, keepdims=True), self.reduce_axis, self.group_shards)
+        ms = ms / (self.group_size * self.group_shards)
         g = g * jax.lax.rsqrt(ms + self.eps)
         out = self.weight[...] * g.reshape(yf.shape).astype(dtype)
         if self.norm_before_gate:

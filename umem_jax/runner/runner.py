@@ -37,6 +37,7 @@ from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..pallas_kernels.paged_decode import DECODE_ENV
 from ..pallas_kernels.paged_prefill import PREFILL_ENV
+from ..pallas_kernels.rms_norm import NORM_ENV
 from ..pallas_kernels.route_topk import ROUTE_ENV
 from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
 from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
@@ -62,7 +63,7 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV)
+TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV)
 
 
 def step_key(*parts) -> tuple:
