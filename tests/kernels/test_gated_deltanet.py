@@ -217,3 +217,24 @@ def test_decode_lowers_for_cuda():
             S((B, d.v_heads), jnp.bfloat16), S((B, d.v_heads), jnp.bfloat16), S((d.conv_dim, 4), jnp.bfloat16),
             S((d.v_heads,), jnp.float32), S((d.v_heads,), jnp.float32))
     check_decode_lowers_for_cuda(gdn_decode, view, args)
+
+
+def test_decode_reads_inputs_in_place_from_one_projection():
+    """qkv, a and b as recurrent.Cols of one wider [B, W] projection (the fused qkv | z | b | a the
+    model hands over): both impls give exactly what the sliced inputs give, with the kernels reading
+    the columns in place; columns outside the input are refused."""
+    case = Case(2, 4, 16, 8, row_words=64, seed=23)
+    qkv, a, b = case.inputs()
+    B, C, H = qkv.shape[0], qkv.shape[1], a.shape[1]
+    z = jnp.asarray(np.random.default_rng(5).standard_normal((B, 24), np.float32))
+    wide = jnp.concatenate([qkv, z, b, a], axis=1)  # the fused projection's order
+    cols = (recurrent.Cols(wide, 0, C), recurrent.Cols(wide, C + 24 + H, H), recurrent.Cols(wide, C + 24, H))
+    for impl in ("reference", "pallas"):
+        kw = dict(view=case.view, impl=impl, interpret=impl == "pallas")
+        o, arena = gdn_decode(case.arena, case.slots, qkv, a, b, *case.params(), **kw)
+        o2, arena2 = gdn_decode(case.arena, case.slots, *cols, *case.params(), **kw)
+        np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
+        np.testing.assert_array_equal(np.asarray(arena2), np.asarray(arena))
+    with pytest.raises(ValueError, match="outside"):
+        gdn_decode(case.arena, case.slots, recurrent.Cols(wide, wide.shape[1] - C + 1, C), a, b, *case.params(), view=case.view,
+                   impl="pallas", interpret=True)

@@ -21,6 +21,7 @@ from flax import nnx
 
 from ..core.batch import Batch
 from ..pallas_kernels.gated_deltanet import L2NORM_EPS, gdn_decode, gdn_prefill
+from ..pallas_kernels.recurrent import Cols
 from ..pallas_kernels.mamba2 import softplus
 from .arena_slot import ArenaSlot
 from .layers import FusedLinear, Linear
@@ -113,8 +114,12 @@ class GatedDeltaNet(nnx.Module):
         qkv, z, b, a = self._project(x)
         params = (self.conv1d.kernel_weight, self.A_log[...], self.dt_bias[...])
         if x.shape[1] == 1:
-            o, arena = gdn_decode(arena, batch.state_slots, qkv[:, 0], a[:, 0], b[:, 0], *params, view=slot.view,
-                                  **slot.kernel_kw)
+            if self.in_proj is not None:  # the kernels read qkv, a and b in place from the fused product
+                y, (q0, _, b0, a0) = z[0][:, 0], self.in_proj.starts
+                qkv1, a1, b1 = Cols(y, q0, qkv.shape[-1]), Cols(y, a0, a.shape[-1]), Cols(y, b0, b.shape[-1])
+            else:
+                qkv1, a1, b1 = qkv[:, 0], a[:, 0], b[:, 0]
+            o, arena = gdn_decode(arena, batch.state_slots, qkv1, a1, b1, *params, view=slot.view, **slot.kernel_kw)
             o = o[:, None]
         else:
             o, arena = gdn_prefill(arena, batch.state_slots, qkv, a, b, batch.q_lens, *params, view=slot.view,

@@ -102,6 +102,11 @@ class FusedLinear(nnx.Module):
         y, starts = self.product(x)
         return tuple(y[..., s:s + n] for s, n in zip(starts, self.sizes))
 
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Each part's first column in the product."""
+        return tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
+
     def product(self, x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
         """x [..., in] -> (y [..., sum(out_i)], each part's first column in y): for a consumer that
         reads its part in place (a slice is a copy launch at decode)."""
@@ -115,7 +120,7 @@ class FusedLinear(nnx.Module):
         # traces).  The barrier makes the product one buffer that the parts are sliced from.
         if len(self.sizes) > 1:
             y = jax.lax.optimization_barrier(y)
-        return y, tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
+        return y, self.starts
 
 
 class Embedding(nnx.Module):

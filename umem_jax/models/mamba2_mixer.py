@@ -32,6 +32,7 @@ from flax import nnx
 from ..core.batch import Batch
 from ..memory.declarations import StateTensor, mamba2_state_tensors
 from ..pallas_kernels.mamba2 import mamba2_decode, mamba2_prefill, softplus
+from ..pallas_kernels.recurrent import Cols
 from .arena_slot import ArenaSlot
 from .config import MambaConfig
 from .layers import Linear
@@ -121,9 +122,10 @@ class Mamba2Mixer(nnx.Module):
         _, xbc, dt = self._split(zxbcdt)
         params = (self.conv1d.kernel_weight, self.conv1d.bias_or_none, self.A_log[...], self.dt_bias[...],
                   self.D[...])
-        if x.shape[1] == 1:
-            y, arena = mamba2_decode(arena, batch.state_slots, xbc[:, 0], dt[:, 0], *params, view=slot.view,
-                                     **slot.kernel_kw)
+        if x.shape[1] == 1:  # the kernels read xBC and dt in place from the in_proj output
+            row, a = zxbcdt[:, 0], self.d_inner
+            xbc1, dt1 = Cols(row, a, xbc.shape[-1]), Cols(row, a + xbc.shape[-1], dt.shape[-1])
+            y, arena = mamba2_decode(arena, batch.state_slots, xbc1, dt1, *params, view=slot.view, **slot.kernel_kw)
             y = y[:, None]
         else:
             y, arena = mamba2_prefill(arena, batch.state_slots, xbc, dt, batch.q_lens, *params, view=slot.view,

@@ -87,7 +87,7 @@ def conv_block(view, rows, C: int, cap: int = 1024) -> int:
     return block
 
 
-def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, block, has_bias, activation):
+def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, block, has_bias, activation, x_start):
     if has_bias:
         b_ref, arena_in, out_ref, arena_ref = rest
     else:
@@ -105,7 +105,7 @@ def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, block, has_bi
     @pl.when(slot != 0)
     def _():
         window = [load_block(arena_ref, slot, view, rows, t * C + c0, (block,), jnp.float32) for t in range(K - 1)]
-        window.append(pltr.load(x_ref.at[b, pl.ds(c0, block)]).astype(jnp.float32))
+        window.append(pltr.load(x_ref.at[b, pl.ds(x_start + c0, block)]).astype(jnp.float32))
         acc = (pltr.load(b_ref.at[pl.ds(c0, block)]).astype(jnp.float32) if has_bias
                else jnp.zeros((block,), jnp.float32))
         for k in range(K):
@@ -118,19 +118,21 @@ def _conv_kernel(slots_ref, x_ref, w_ref, *rest, view, rows, C, K, block, has_bi
 
 
 def conv_decode_pallas(words, slots, x, weight, bias, *, view, rows, activation="silu", interpret=False,
-                       block=None, compiler_params=None):
+                       block=None, compiler_params=None, x_start=0):
     """Pallas conv decode on a uint16 arena view `words`, in place on the conv state `rows`
-    (a StateRows of shape [K-1, C]).  x [B, C]; weight [C, K]; bias [C] | None.
+    (a StateRows of shape [K-1, C]).  x [B, W]: the input is its columns x_start .. x_start + C
+    (read in place); weight [C, K]; bias [C] | None.
     Returns (out fp32 [B, C], words).  Padding lanes (slot 0): out 0, state untouched."""
-    B, C = x.shape
-    K = weight.shape[1]
+    B, C, K = x.shape[0], weight.shape[0], weight.shape[1]
+    if not 0 <= x_start <= x.shape[1] - C:
+        raise ValueError(f"conv input columns {x_start}..{x_start + C} outside x {list(x.shape)}")
     block = block or conv_block(view, rows, C)
     if C % block or view.row_words % block:
         raise ValueError(f"conv block {block} must divide the channels {C} and the row width {view.row_words}")
     args = [slots, x, weight] + ([bias] if bias is not None else []) + [words]
     out, words = pl.pallas_call(
         functools.partial(_conv_kernel, view=view, rows=rows, C=C, K=K, block=block, has_bias=bias is not None,
-                          activation=activation),
+                          activation=activation, x_start=int(x_start)),
         grid=(B, C // block),
         in_specs=[ANY] * len(args),
         out_specs=(ANY, ANY),

@@ -143,7 +143,7 @@ def gdn_decode_reference(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *
 
 
 def _delta_update(b, h, slot, v0, xc_ref, a_ref, b_ref, alog_ref, dtb_ref, arena_ref, *, view, d: GDNDims,
-                  block_v: int):
+                  block_v: int, a_start: int = 0, b_start: int = 0):
     """In-kernel: value rows [v0, v0 + block_v) of head h's S^T in `slot`, updated in place
     -> o fp32 [block_v]."""
     Hk, Dk, Dv = d.k_heads, d.k_dim, d.v_dim
@@ -153,9 +153,9 @@ def _delta_update(b, h, slot, v0, xc_ref, a_ref, b_ref, alog_ref, dtb_ref, arena
     v = pltr.load(xc_ref.at[b, pl.ds(2 * Hk * Dk + h * Dv + v0, block_v)])     # [block_v]
     q = q * jax.lax.rsqrt(jnp.sum(q * q) + L2NORM_EPS) * (Dk ** -0.5)
     k = k * jax.lax.rsqrt(jnp.sum(k * k) + L2NORM_EPS)
-    g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus(a_ref[b, h].astype(jnp.float32)
+    g = -jnp.exp(alog_ref[h].astype(jnp.float32)) * softplus(a_ref[b, a_start + h].astype(jnp.float32)
                                                               + dtb_ref[h].astype(jnp.float32))
-    beta = jax.nn.sigmoid(b_ref[b, h].astype(jnp.float32))
+    beta = jax.nn.sigmoid(b_ref[b, b_start + h].astype(jnp.float32))
     rows = view["recurrent"]
     flat0 = h * (Dv * Dk) + v0 * Dk
     S = load_block(arena_ref, slot, view, rows, flat0, (block_v, Dk), jnp.float32) * jnp.exp(g)  # [block_v, Dk] = S^T rows
@@ -177,20 +177,28 @@ def pallas_supported(view) -> bool:
             and conv_block(view, view["conv"], d.conv_dim) >= 16)
 
 
-@functools.partial(jax.jit, static_argnames=("view", "interpret", "block_v", "conv_block_c", "num_warps", "num_stages"))
-def _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, interpret=False,
-                       block_v=None, conv_block_c=None, num_warps=4, num_stages=1):
+@functools.partial(jax.jit, static_argnames=("view", "starts", "interpret", "block_v", "conv_block_c", "num_warps",
+                                             "num_stages"))
+def _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, starts=None,
+                       interpret=False, block_v=None, conv_block_c=None, num_warps=4, num_stages=1):
+    """starts: None, or qkv, a, b are [B, W] arrays whose columns from `starts` hold the inputs
+    (recurrent.Cols)."""
+    if starts is not None:
+        d = gdn_dims(view)
+        qkv, a, b = (recurrent.Cols(v, s, w) for v, s, w in zip((qkv, a, b), starts, (d.conv_dim, d.v_heads,
+                                                                                       d.v_heads)))
     d = _checked_dims(arena, view, qkv, a, b, conv_weight, A_log, dt_bias, slots.shape[:1])
+    (qkv, x_start), (a, a_start), (b, b_start) = (recurrent.src_start(v) for v in (qkv, a, b))
     check_slots(slots)
     block_v = block_v or recurrent.tile_rows(view, d.v_dim, d.k_dim)
     if block_v is None or d.v_dim % block_v or not block_fits(view, block_v * d.k_dim) or not _pow2(d.k_dim):
         raise ValueError(f"no Pallas tile for recurrent [{d.v_heads}, {d.v_dim}, {d.k_dim}] in {view.row_words}-word "
                          "rows (needs power-of-two Dk and block_v*Dk dividing or whole rows); use impl='reference'")
-    update = functools.partial(_delta_update, view=view, d=d, block_v=block_v)
+    update = functools.partial(_delta_update, view=view, d=d, block_v=block_v, a_start=a_start, b_start=b_start)
     return recurrent.decode_pallas(arena, slots, qkv, conv_weight, None, (a, b, A_log, dt_bias), view=view,
                                    update=update, heads=d.v_heads, rows=d.v_dim, block=block_v,
                                    name="gdn_delta_decode", interpret=interpret, conv_block_c=conv_block_c,
-                                   num_warps=num_warps, num_stages=num_stages)
+                                   num_warps=num_warps, num_stages=num_stages, x_start=x_start)
 
 
 def gdn_decode(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, impl: str | None = None,
@@ -198,13 +206,19 @@ def gdn_decode(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, im
     """One gated DeltaNet decode token per request, reading and writing each slot in place.
 
     Returns (o [B, Hv, Dv] in qkv's dtype, arena).  impl: "pallas" | "reference"; default pallas on
-    GPU (or with interpret=True) when `pallas_supported(view)`, else the reference.
+    GPU (or with interpret=True) when `pallas_supported(view)`, else the reference.  qkv, a and b
+    may be recurrent.Cols of one projection's output: the kernels read them in place.
     tuning: block_v, conv_block_c, num_warps, num_stages.
     """
     if recurrent.decode_impl(impl, interpret, lambda: pallas_supported(view)) == "reference":
+        qkv, a, b = (recurrent.as_array(v) for v in (qkv, a, b))
         return gdn_decode_reference(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, view=view)
-    return _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, view=view, interpret=interpret,
-                              **tuning)
+    starts = None
+    if any(isinstance(v, recurrent.Cols) for v in (qkv, a, b)):
+        (qkv, s0), (a, s1), (b, s2) = (recurrent.src_start(v) for v in (qkv, a, b))
+        starts = (s0, s1, s2)
+    return _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, view=view, starts=starts,
+                              interpret=interpret, **tuning)
 
 
 # --------------------------------------------------------------------------- prefill

@@ -134,14 +134,14 @@ def mamba2_decode_reference(arena, slots, xbc, dt, conv_weight, conv_bias, A_log
 
 
 def _ssm_update(b, h, slot, p0, xc_ref, dt_ref, alog_ref, dtb_ref, d_ref, arena_ref, *, view, d: Mamba2Dims,
-                block_p: int):
+                block_p: int, dt_start: int = 0):
     """In-kernel: head rows [p0, p0 + block_p) of S_h in `slot`, updated in place -> y fp32 [block_p]."""
     H, P, N, G = d.heads, d.head_dim, d.state_size, d.groups
     g = h // (H // G)
     x = pltr.load(xc_ref.at[b, pl.ds(h * P + p0, block_p)])                 # fp32 [block_p]
     Bv = pltr.load(xc_ref.at[b, pl.ds(H * P + g * N, N)])                   # [N]
     Cv = pltr.load(xc_ref.at[b, pl.ds(H * P + G * N + g * N, N)])
-    dt = softplus(dt_ref[b, h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32))
+    dt = softplus(dt_ref[b, dt_start + h].astype(jnp.float32) + dtb_ref[h].astype(jnp.float32))
     dA = jnp.exp(-dt * jnp.exp(alog_ref[h].astype(jnp.float32)))
     rows = view["ssm"]
     flat0 = h * (P * N) + p0 * N
@@ -158,20 +158,27 @@ def pallas_supported(view) -> bool:
             and conv_block(view, view["conv"], d.conv_dim) >= 16)
 
 
-@functools.partial(jax.jit, static_argnames=("view", "interpret", "block_p", "conv_block_c", "num_warps", "num_stages"))
-def _mamba2_decode_pallas(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
+@functools.partial(jax.jit, static_argnames=("view", "starts", "interpret", "block_p", "conv_block_c", "num_warps",
+                                             "num_stages"))
+def _mamba2_decode_pallas(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, *, view, starts=None,
                           interpret=False, block_p=None, conv_block_c=None, num_warps=4, num_stages=1):
+    """starts: None, or xbc, dt are [B, W] arrays whose columns from `starts` hold the inputs
+    (recurrent.Cols)."""
+    if starts is not None:
+        d = mamba2_dims(view)
+        xbc, dt = recurrent.Cols(xbc, starts[0], d.conv_dim), recurrent.Cols(dt, starts[1], d.heads)
     d = _checked_dims(arena, view, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, slots.shape[:1])
+    (xbc, x_start), (dt, dt_start) = recurrent.src_start(xbc), recurrent.src_start(dt)
     check_slots(slots)
     block_p = block_p or recurrent.tile_rows(view, d.head_dim, d.state_size)
     if block_p is None or d.head_dim % block_p or not block_fits(view, block_p * d.state_size):
         raise ValueError(f"no Pallas tile for ssm [{d.heads}, {d.head_dim}, {d.state_size}] in {view.row_words}-word "
                          "rows (needs a power-of-two block_p*N that divides or is whole rows); use impl='reference'")
-    update = functools.partial(_ssm_update, view=view, d=d, block_p=block_p)
+    update = functools.partial(_ssm_update, view=view, d=d, block_p=block_p, dt_start=dt_start)
     return recurrent.decode_pallas(arena, slots, xbc, conv_weight, conv_bias, (dt, A_log, dt_bias, D), view=view,
                                    update=update, heads=d.heads, rows=d.head_dim, block=block_p,
                                    name="mamba2_ssm_decode", interpret=interpret, conv_block_c=conv_block_c,
-                                   num_warps=num_warps, num_stages=num_stages)
+                                   num_warps=num_warps, num_stages=num_stages, x_start=x_start)
 
 
 def mamba2_decode(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
@@ -180,12 +187,18 @@ def mamba2_decode(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias,
 
     Returns (y [B, H, P] in xbc's dtype, arena).  impl: "pallas" | "reference"; default pallas on
     GPU (or with interpret=True) when the layout has a Pallas tile (`pallas_supported`), else the
-    reference.  tuning: block_p, conv_block_c, num_warps, num_stages.
+    reference.  xbc and dt may be recurrent.Cols of the in_proj output: the kernels read them in
+    place.  tuning: block_p, conv_block_c, num_warps, num_stages.
     """
     if recurrent.decode_impl(impl, interpret, lambda: pallas_supported(view)) == "reference":
+        xbc, dt = recurrent.as_array(xbc), recurrent.as_array(dt)
         return mamba2_decode_reference(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, view=view)
+    starts = None
+    if isinstance(xbc, recurrent.Cols) or isinstance(dt, recurrent.Cols):
+        (xbc, s0), (dt, s1) = recurrent.src_start(xbc), recurrent.src_start(dt)
+        starts = (s0, s1)
     return _mamba2_decode_pallas(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, view=view,
-                                 interpret=interpret, **tuning)
+                                 starts=starts, interpret=interpret, **tuning)
 
 
 # --------------------------------------------------------------------------- prefill

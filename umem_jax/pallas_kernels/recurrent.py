@@ -12,12 +12,18 @@ kernel body); this module reads and writes the arena around it.
 
 Shapes: slots int32 [B] (0 = padding lane: output 0, no state touched); checkpoint positions and
 checkpoint slots int32 [B, C] (C checkpoints per row; position -1 or slot 0 is padding).
+
+A decode token's per-row inputs (the conv input, the gates) are slices of one input projection.
+Handed over as `Cols(src, start, width)`, columns start..start+width of src [B, W], the Pallas
+decode kernels read them in place: at batch 1 each slice XLA materialises is a copy launch of
+about 1.1 us (three or four a layer, benchmarks/RESULTS.md session 20 traces).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +37,38 @@ from .words import from_u16, to_u16
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")  # what the recurrent tensor may be stored as
 
-__all__ = ["STATE_DTYPES", "check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
-           "initial_checkpoints", "prefill", "scan_tokens", "softplus", "tile_rows", "to_chunks"]
+__all__ = ["STATE_DTYPES", "Cols", "as_array", "check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
+           "initial_checkpoints", "prefill", "scan_tokens", "softplus", "src_start", "tile_rows", "to_chunks"]
+
+
+class Cols(NamedTuple):
+    """Columns start .. start + width of src [..., W]: a decode input read in place."""
+
+    src: jax.Array
+    start: int
+    width: int
+
+    @property
+    def shape(self):
+        return (*self.src.shape[:-1], self.width)
+
+    @property
+    def dtype(self):
+        return self.src.dtype
+
+
+def as_array(v) -> jax.Array:
+    """A decode input (an array or Cols) as an array: Cols sliced (an XLA copy)."""
+    return jax.lax.slice_in_dim(v.src, v.start, v.start + v.width, axis=-1) if isinstance(v, Cols) else v
+
+
+def src_start(v) -> tuple[jax.Array, int]:
+    """A decode input (an array or Cols) -> (the array a kernel reads, its first column there)."""
+    if not isinstance(v, Cols):
+        return v, 0
+    if not 0 <= v.start <= v.src.shape[-1] - v.width:
+        raise ValueError(f"columns {v.start}..{v.start + v.width} outside an input of {v.src.shape[-1]}")
+    return v.src, int(v.start)
 
 
 def softplus(x):
@@ -108,16 +144,18 @@ def _head_program(slots_ref, *refs, update, block: int):
 
 
 def decode_pallas(arena, slots, x, conv_weight, conv_bias, head_inputs, *, view, update, heads: int, rows: int,
-                  block: int, name: str, interpret: bool, conv_block_c, num_warps: int, num_stages: int):
+                  block: int, name: str, interpret: bool, conv_block_c, num_warps: int, num_stages: int,
+                  x_start: int = 0):
     """Pallas decode token: the conv kernel, then one `_head_program` per (lane, head, block of
-    `block` rows), both in place on the arena's uint16 words.  `update` gets the refs of the conv
-    output xc fp32 [B, conv_dim] and of `head_inputs`, then the arena.
+    `block` rows), both in place on the arena's uint16 words.  x [B, W]: the conv input is its
+    columns x_start .. x_start + conv_dim.  `update` gets the refs of the conv output xc fp32
+    [B, conv_dim] and of `head_inputs`, then the arena.
     Returns (out [B, heads, rows] in x's dtype, arena)."""
     dtype = arena.dtype
     words = to_u16(arena)  # integer words only: see state_io._U16_NOTE
     params = triton_params(num_warps=num_warps, num_stages=num_stages)
     xc, words = conv_decode_pallas(words, slots, x, conv_weight, conv_bias, view=view, rows=view["conv"],
-                                   interpret=interpret, block=conv_block_c, compiler_params=params)
+                                   interpret=interpret, block=conv_block_c, compiler_params=params, x_start=x_start)
     args = (slots, xc, *head_inputs, words)
     B = slots.shape[0]
     out, words = pl.pallas_call(
