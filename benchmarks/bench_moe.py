@@ -13,6 +13,12 @@ decode   Experts.__call__ at N tokens (1, 2, 4, 64) by each dispatch path ("ragg
          copy limit measured here (bound_us; of_bound = bound / time), rows also against gather
          (vs_gather = gather time / rows time); then the expert GEMV alone on each projection
          (decode_rows_gate_up / _down) under a few tunings, the fastest kept with its config
+grouped  (--only grouped) the Pallas grouped matmul at a decode batch's rows (--grouped-tokens, default
+         64 tokens x k), both projections of each family, under a grid of tile shapes, with the
+         tokens routed uniformly and "skewed" (over a quarter of the experts, as a random-weight
+         router concentrates them): time against the bytes of the experts touched over the copy
+         limit.  Tiles of block_m rows read an expert's matrix once per tile, and every tile does
+         block_m rows of MACs however few are live: the mode ranks block_m for a batch's rows.
 chain    (--only chain) the expert GEMV as a model step runs it: --chain L calls in one jit, each
          on other experts of one large stack (no call finds its weights in L2), launched as one
          CUDA graph as XLA does for a decode step, per call = total / L, for a grid of tunings on
@@ -267,6 +273,53 @@ def bench_rows_kernel(a, shape: Shape, n: int, which: str, x, ids, w, rate, repe
             of_bound=bound / t, err=err, note=str(cfg))
 
 
+# The tiles the grouped mode tries (the default first).
+GROUPED_TUNINGS = tuple([{}] + [{"block_m": bm, "block_n": bn, "block_k": bk, "num_warps": w, "num_stages": s}
+                                for bm, bn, bk, w, s in ((16, 64, 128, 4, 4), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
+                                                         (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+                                                         (128, 128, 64, 8, 3), (128, 256, 64, 8, 3))])
+
+
+def bench_grouped(a, shape: Shape, n: int, rate):
+    """Both grouped matmuls of n decode tokens, uniform and skewed routing, under GROUPED_TUNINGS."""
+    kind = "ungated" if shape is NEMOTRON else "swiglu"
+    ex = experts_of(shape, kind)
+    for routing in ("uniform", "skewed"):
+        key = jax.random.key(n + (0 if routing == "uniform" else 1))
+        if routing == "uniform":
+            _, ids = random_routing(key, n, shape)
+        else:  # every token picks k of the same E/4 experts (at least k of them)
+            sub_e = max(shape.E // 4, shape.k)
+            experts = jax.random.permutation(jax.random.key(7), shape.E)[:sub_e]
+            _, pick = jax.lax.top_k(jax.random.normal(key, (n, sub_e)), shape.k)
+            ids = experts[pick].astype(jnp.int32)
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        group_sizes = jnp.zeros((shape.E,), jnp.int32).at[flat].add(1)
+        distinct = len(np.unique(np.asarray(flat)))
+        rows = flat.shape[0]
+        for which, w in (("gate_up", ex.first), ("down", ex.down_proj[...])):
+            K, F = w.shape[1], w.shape[2]
+            xs = jax.random.normal(jax.random.key(3), (rows, K), jnp.float32).astype(jnp.bfloat16)
+            rows_checked, want = sample_reference(xs, w, group_sizes)
+            bound = distinct * K * F * w.dtype.itemsize / rate.bytes_per_s
+            label = f"{shape.name} N={n} R={rows} K={K} F={F} {routing} experts={distinct}"
+
+            def attempt(tune, xs=xs, w=w, group_sizes=group_sizes, rows_checked=rows_checked, want=want, bound=bound):
+                fn = jax.jit(functools.partial(grouped_matmul, interpret=a.interpret, **tune))
+                err = rel_err(fn(xs, w, group_sizes)[rows_checked], want)
+                t = timed(a, lambda: fn(xs, w, group_sizes), decode_iters(a))
+                return t, err, f"{t * 1e6:.1f} us ({bound / t:.2f} of bound)"
+
+            tunings = GROUPED_TUNINGS if not a.small else GROUPED_TUNINGS[:2]
+            best = best_tuning(f"grouped {which} {routing}", tunings, attempt)
+            if best:
+                t, cfg, err = best
+                row(a, case=f"decode_grouped_{which}", shape=label, us=t * 1e6, bound_us=bound * 1e6,
+                    of_bound=bound / t, err=err, note=str(cfg))
+        del order
+
+
 # The grid the chain mode tries on every projection (default_config's choice first).
 CHAIN_TUNINGS = tuple([{}] + [{"block_n": bn, "k_splits": s} for bn in (32, 64, 128) for s in (1, 2, 4, 8)]
                       + [{"num_stages": 2}, {"num_warps": 8, "block_n": 128}])
@@ -317,7 +370,8 @@ def bench_chain(a, shape: Shape, n: int, rate):
 def parse(argv):
     p = argparse.ArgumentParser(prog="python3 -m benchmarks.bench_moe", description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
-    p.add_argument("--only", default="prefill,decode", help="comma list of: prefill, decode, chain")
+    p.add_argument("--only", default="prefill,decode", help="comma list of: prefill, decode, grouped, chain")
+    p.add_argument("--grouped-tokens", default="64", help="decode tokens of the grouped mode, comma list")
     p.add_argument("--chain", type=int, default=None, help="calls per jit in the chain mode (default 40, small 3)")
     p.add_argument("--chain-tokens", default="1", help="decode tokens of the chain mode, comma list")
     p.add_argument("--decode-tokens", default="1,2,4,64", help="decode batch sizes (tokens), comma list")
@@ -328,6 +382,7 @@ def parse(argv):
     a.interpret = jax.default_backend() != "gpu"
     a.decode_tokens = [int(t) for t in a.decode_tokens.split(",")]
     a.chain_tokens = [int(t) for t in a.chain_tokens.split(",")]
+    a.grouped_tokens = [int(t) for t in a.grouped_tokens.split(",")]
     a.iters = a.iters or (2 if a.small else 5)
     a.trials = a.trials or (2 if a.small else 3)
     a.chain = a.chain or (3 if a.small else 40)
@@ -356,6 +411,13 @@ def main(argv=None) -> int:
                     row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
             for n in a.decode_tokens if i == 0 and "decode" in only else ():
                 bench_decode(a, shape, n, rate)
+    for shape in (SMALL if a.small else (QWEN, GPT_OSS, NEMOTRON)) if "grouped" in only else ():
+        for n in a.grouped_tokens:
+            try:
+                bench_grouped(a, shape, n, rate)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                row(a, case="decode_grouped", shape=f"{shape.name} N={n}", note=f"FAILED {type(e).__name__}: {e}"[:200])
     for shape in (SMALL if a.small else (QWEN, GPT_OSS, NEMOTRON)) if "chain" in only else ():
         for n in a.chain_tokens:
             try:

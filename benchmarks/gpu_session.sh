@@ -90,6 +90,8 @@ step() {
         UMEM_JAX_NORM=$n python3 -m benchmarks.bench_models --families qwen35moe,gptoss,nemo3nano --ctx 2048 \
             --decode-batches 1 --kinds decode --arena-gib 4 --no-check --budget 150 --trace $tr \
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
+    grouped_b64)  # the grouped matmul's tiles at a B = 64 decode's rows, uniform and skewed routing
+      python3 -m benchmarks.bench_moe --only grouped --grouped-tokens 64 ;;
     b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 150 --trace 3 ;;
