@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from umem_jax.pallas_kernels.grouped_matmul import grouped_matmul, grouped_matmul_reference, tile_metadata
+from umem_jax.pallas_kernels.grouped_matmul import default_blocks, grouped_matmul, grouped_matmul_reference, tile_metadata
 
 SMALL = {"block_m": 16, "block_n": 32, "block_k": 16, "interpret": True}
 
@@ -63,6 +63,16 @@ def test_default_blocks_and_jit_with_traced_sizes():
     for sizes in ([40, 0, 0], [0, 13, 20], [1, 1, 1]):
         g = jnp.asarray(sizes, jnp.int32)
         assert rel(f(x, w, g), grouped_matmul_reference(x, w, g)) < 1e-5
+
+
+def test_default_tiles_follow_rows_a_group():
+    """A decode batch's rows spread over many experts take the small tiles at any row count (a
+    128-row tile would compute 128 rows for two or three live ones); prefill rows the large ones."""
+    small, large = default_blocks(64, 8, 8)["block_m"], default_blocks(16384, 8, 8, 32)["block_m"]
+    assert (small, large) == (16, 128)
+    assert default_blocks(64 * 8, 2048, 1024, 256)["block_m"] == small  # Qwen3.5-MoE, B = 64
+    assert default_blocks(64 * 6, 2688, 1856, 128)["block_m"] == small  # Nemotron 3 Nano, B = 64
+    assert default_blocks(4096 * 8, 2048, 1024, 256)["block_m"] == large  # a 4096-token prefill
 
 
 _metadata = jax.jit(tile_metadata, static_argnums=(1, 2))

@@ -96,12 +96,17 @@ def _kernel(group_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, bloc
                    mask=out_mask)
 
 
-def default_blocks(rows: int, K: int, N: int) -> dict:
+def default_blocks(rows: int, K: int, N: int, groups: int = 1) -> dict:
     """Tile sizes: 128x256 tiles for prefill (the better of the two measured on the H200 at
     gpt-oss-20b and Qwen3.5-35B-A3B-like shapes, 4096 and 16384 tokens: 1.1-1.3x faster than
     128x128); 16-row tiles (the smallest Triton dot) and narrow column blocks for a few rows (a
-    weight read: more programs in flight)."""
-    if rows <= 256:
+    weight read: more programs in flight), up to 256 rows or 16 rows a group on average.
+
+    Every tile of a group computes block_m rows however few of them are live: a decode batch of
+    64 tokens spread over 128-256 experts has 2-3 rows an expert, and 128-row tiles made its
+    expert GEMMs compute-bound (Nemotron-3-Nano-like at B = 64 on an H100: 5.5 of an 11.3 ms step
+    in the two grouped GEMMs, benchmarks/RESULTS.md session 20)."""
+    if rows <= 256 or rows <= 16 * groups:
         return {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
     return {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3}
 
@@ -117,7 +122,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dt
     G, K2, N = w.shape
     if K2 != K:
         raise ValueError(f"grouped_matmul: x has K={K} columns, w has K={K2} rows")
-    cfg = default_blocks(R, K, N)
+    cfg = default_blocks(R, K, N, G)
     given = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
     cfg.update({k: v for k, v in given.items() if v is not None})
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
