@@ -411,7 +411,7 @@ def main(argv=None) -> int:
                     row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
             for n in a.decode_tokens if i == 0 and "decode" in only else ():
                 bench_decode(a, shape, n, rate)
-    for shape in (SMALL if a.small else (QWEN, GPT_OSS, NEMOTRON)) if "grouped" in only else ():
+    for shape in (SMALL if a.small else (GPT_OSS, NEMOTRON, QWEN)) if "grouped" in only else ():
         for n in a.grouped_tokens:
             try:
                 bench_grouped(a, shape, n, rate)
