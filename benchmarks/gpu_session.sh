@@ -92,6 +92,8 @@ step() {
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     grouped_b64)  # the grouped matmul's tiles at a B = 64 decode's rows, uniform and skewed routing
       python3 -m benchmarks.bench_moe --only grouped --grouped-tokens 64 ;;
+    inplace)  # the recurrent decode kernels reading their inputs in place (recurrent.Cols), compiled
+      python3 -m pytest -q tests/kernels/test_gated_deltanet.py tests/kernels/test_mamba2.py -k in_place ;;
     b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 150 --trace 3 ;;

@@ -230,11 +230,12 @@ def test_decode_reads_inputs_in_place_from_one_projection():
     wide = jnp.concatenate([qkv, z, b, a], axis=1)  # the fused projection's order
     cols = (recurrent.Cols(wide, 0, C), recurrent.Cols(wide, C + 24 + H, H), recurrent.Cols(wide, C + 24, H))
     for impl in ("reference", "pallas"):
-        kw = dict(view=case.view, impl=impl, interpret=impl == "pallas")
+        compiled = impl == "pallas" and jax.default_backend() == "gpu"
+        kw = dict(view=case.view, impl=impl, interpret=impl == "pallas" and not compiled)
         o, arena = gdn_decode(case.arena, case.slots, qkv, a, b, *case.params(), **kw)
         o2, arena2 = gdn_decode(case.arena, case.slots, *cols, *case.params(), **kw)
         np.testing.assert_array_equal(np.asarray(o2), np.asarray(o))
         np.testing.assert_array_equal(np.asarray(arena2), np.asarray(arena))
     with pytest.raises(ValueError, match="outside"):
-        gdn_decode(case.arena, case.slots, recurrent.Cols(wide, wide.shape[1] - C + 1, C), a, b, *case.params(), view=case.view,
-                   impl="pallas", interpret=True)
+        past = recurrent.Cols(wide, wide.shape[1] - C + 1, C)
+        gdn_decode(case.arena, case.slots, past, a, b, *case.params(), view=case.view, impl="pallas", interpret=True)

@@ -224,7 +224,8 @@ def test_decode_reads_inputs_in_place_from_the_projection():
     zxbcdt = jnp.concatenate([z, xbc, dt], axis=1)
     cols = (recurrent.Cols(zxbcdt, 32, C), recurrent.Cols(zxbcdt, 32 + C, H))
     for impl in ("reference", "pallas"):
-        kw = dict(view=case.view, impl=impl, interpret=impl == "pallas")
+        compiled = impl == "pallas" and jax.default_backend() == "gpu"
+        kw = dict(view=case.view, impl=impl, interpret=impl == "pallas" and not compiled)
         y, arena = mamba2_decode(case.arena, case.slots, xbc, dt, *case.params(), **kw)
         y2, arena2 = mamba2_decode(case.arena, case.slots, *cols, *case.params(), **kw)
         np.testing.assert_array_equal(np.asarray(y2), np.asarray(y))

@@ -154,8 +154,8 @@ def _norm_2d(x, other, w, *, G, eps, offset, mode, interpret, z_offset=0):
     """x [R, L], w [G or 1, L], other: the residual [R, L] or the gate [R / G, W]."""
     R, L = x.shape
     bn, lp, warps = _tiles(R, L)
-    kernel = functools.partial(_kernel, R=R, L=L, G=G, WG=w.shape[0], bn=bn, lp=lp, eps=float(eps), offset=float(offset),
-                               z_offset=int(z_offset), mode=mode)
+    kernel = functools.partial(_kernel, R=R, L=L, G=G, WG=w.shape[0], bn=bn, lp=lp, eps=float(eps),
+                               offset=float(offset), z_offset=int(z_offset), mode=mode)
     operands = [x] + ([] if other is None else [other]) + [w]
     out_shape = [jax.ShapeDtypeStruct((R, L), x.dtype)]
     if mode == "residual":
