@@ -411,21 +411,17 @@ def main(argv=None) -> int:
                     row(a, case="prefill", shape=f"{shape.name} T={tokens}", note=f"FAILED {type(e).__name__}: {e}"[:200])
             for n in a.decode_tokens if i == 0 and "decode" in only else ():
                 bench_decode(a, shape, n, rate)
-    for shape in (SMALL if a.small else (GPT_OSS, NEMOTRON, QWEN)) if "grouped" in only else ():
-        for n in a.grouped_tokens:
-            try:
-                bench_grouped(a, shape, n, rate)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row(a, case="decode_grouped", shape=f"{shape.name} N={n}", note=f"FAILED {type(e).__name__}: {e}"[:200])
-    for shape in (SMALL if a.small else (QWEN, GPT_OSS, NEMOTRON)) if "chain" in only else ():
-        for n in a.chain_tokens:
-            try:
-                bench_chain(a, shape, n, rate)
-            except Exception as e:  # noqa: BLE001
-                traceback.print_exc()
-                row(a, case="decode_chain", shape=f"{shape.name} N={n}",
-                    note=f"FAILED {type(e).__name__}: {e}"[:200])
+    modes = (("grouped", bench_grouped, (GPT_OSS, NEMOTRON, QWEN), a.grouped_tokens),
+             ("chain", bench_chain, (QWEN, GPT_OSS, NEMOTRON), a.chain_tokens))
+    for mode, bench, real_shapes, counts in modes:
+        for shape in (SMALL if a.small else real_shapes) if mode in only else ():
+            for n in counts:
+                try:
+                    bench(a, shape, n, rate)
+                except Exception as e:  # noqa: BLE001 - one failing shape must not end a one-shot GPU run
+                    traceback.print_exc()
+                    row(a, case=f"decode_{mode}", shape=f"{shape.name} N={n}",
+                        note=f"FAILED {type(e).__name__}: {e}"[:200])
     keys = ["case", "shape", "us", "tflops", "dense_tflops", "ratio", "bound_us", "of_bound", "vs_gather",
             "err"]
     print(format_table(keys, [[r.get("case"), r.get("shape")] + [fmt(r.get(k), ".3g") for k in keys[2:]]

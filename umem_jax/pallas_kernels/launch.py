@@ -7,14 +7,16 @@ that is what selects the Triton lowering over Mosaic GPU.
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.experimental import pallas as pl
 
 from ._compat import triton_params
 from .words import from_u16, kernel_view
 
-__all__ = ["ANY", "IMPLS", "choose_num_splits", "in_place_call", "pow2_ceil", "pow2_divisor", "pow2_floor",
-           "resolve_impl"]
+__all__ = ["ANY", "IMPLS", "choose_num_splits", "in_place_call", "kernel_or_xla", "pow2_ceil", "pow2_divisor",
+           "pow2_floor", "resolve_impl"]
 
 IMPLS = ("pallas", "reference")
 
@@ -29,6 +31,17 @@ def resolve_impl(impl: str | None, interpret: bool = False) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     return impl
+
+
+def kernel_or_xla(env: str) -> str:
+    """"pallas" or "xla", from $env: "pallas", "xla", or unset / "auto": the kernel on a GPU, XLA
+    elsewhere (where the kernel would only be interpreted).  Read when a step is traced."""
+    choice = os.environ.get(env, "").strip().lower() or "auto"
+    if choice not in ("auto", "pallas", "xla"):
+        raise ValueError(f"${env}={choice!r}; known: auto, pallas, xla")
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    return choice
 
 
 def pow2_divisor(n: int, cap: int = 1024) -> int:

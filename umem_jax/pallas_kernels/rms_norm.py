@@ -31,14 +31,13 @@ row keeps more loads in flight than one CTA over all of them (a Qwen3.5 DeltaNet
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .launch import ANY, pow2_ceil, pow2_floor
+from .launch import ANY, kernel_or_xla, pow2_ceil, pow2_floor
 
 __all__ = ["NORM_ENV", "gated_rms_norm", "gated_rms_norm_reference", "norm_backend", "rms_norm",
            "rms_norm_reference"]
@@ -47,19 +46,13 @@ __all__ = ["NORM_ENV", "gated_rms_norm", "gated_rms_norm_reference", "norm_backe
 # a GPU, XLA elsewhere (where they would only be interpreted).  Read at trace time; the runner keys
 # its steps on it (runner.TRACE_ENV).
 NORM_ENV = "UMEM_JAX_NORM"
-NORM_BACKENDS = ("auto", "pallas", "xla")
 TILE = 4096  # elements a program holds at most ([bn, L] fp32 in registers: 32 a thread at 4 warps)
 SPREAD = 128  # up to about this many programs, a program takes one row (about one per SM)
 
 
 def norm_backend() -> str:
     """"pallas" or "xla": what the models' norms run now ($UMEM_JAX_NORM, else by backend)."""
-    choice = os.environ.get(NORM_ENV, "").strip().lower() or "auto"
-    if choice not in NORM_BACKENDS:
-        raise ValueError(f"${NORM_ENV}={choice!r}; known: {', '.join(NORM_BACKENDS)}")
-    if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return choice
+    return kernel_or_xla(NORM_ENV)
 
 
 # ----------------------------------------------------------------------------- references

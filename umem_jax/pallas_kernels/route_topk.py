@@ -23,14 +23,13 @@ for gpt-oss's 32 experts to Qwen3.5-MoE's 256).
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .launch import ANY, pow2_ceil
+from .launch import ANY, kernel_or_xla, pow2_ceil
 
 __all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
            "topk_weights"]
@@ -43,17 +42,11 @@ MAX_EXPERTS = 1024  # a row's scores live in registers; past this the router sta
 # on a GPU, XLA elsewhere (where the kernel would only be interpreted).  Read at trace time; the
 # runner keys its steps on it (runner.TRACE_ENV).
 ROUTE_ENV = "UMEM_JAX_ROUTE"
-ROUTE_BACKENDS = ("auto", "pallas", "xla")
 
 
 def route_backend() -> str:
     """"pallas" or "xla": what a model's router runs now ($UMEM_JAX_ROUTE, else by backend)."""
-    choice = os.environ.get(ROUTE_ENV, "").strip().lower() or "auto"
-    if choice not in ROUTE_BACKENDS:
-        raise ValueError(f"${ROUTE_ENV}={choice!r}; known: {', '.join(ROUTE_BACKENDS)}")
-    if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return choice
+    return kernel_or_xla(ROUTE_ENV)
 
 
 def _check_scoring(scoring: str):
