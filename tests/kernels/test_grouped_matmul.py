@@ -66,10 +66,10 @@ def test_default_blocks_and_jit_with_traced_sizes():
 
 
 def test_default_tiles_follow_rows_a_group():
-    """A decode batch's rows spread over many experts take the small tiles at any row count (a
-    128-row tile would compute 128 rows for two or three live ones); prefill rows the large ones."""
+    """A decode batch's rows (up to 256, or 16 an expert on average: B = 64 over many experts) take
+    the decode tiles, a prefill's the large ones."""
     small, large = default_blocks(64, 8, 8)["block_m"], default_blocks(16384, 8, 8, 32)["block_m"]
-    assert (small, large) == (16, 128)
+    assert (small, large) == (64, 128)
     assert default_blocks(64 * 8, 2048, 1024, 256)["block_m"] == small  # Qwen3.5-MoE, B = 64
     assert default_blocks(64 * 6, 2688, 1856, 128)["block_m"] == small  # Nemotron 3 Nano, B = 64
     assert default_blocks(4096 * 8, 2048, 1024, 256)["block_m"] == large  # a 4096-token prefill

@@ -99,15 +99,18 @@ def _kernel(group_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, bloc
 def default_blocks(rows: int, K: int, N: int, groups: int = 1) -> dict:
     """Tile sizes: 128x256 tiles for prefill (the better of the two measured on the H200 at
     gpt-oss-20b and Qwen3.5-35B-A3B-like shapes, 4096 and 16384 tokens: 1.1-1.3x faster than
-    128x128); 16-row tiles (the smallest Triton dot) and narrow column blocks for a few rows (a
-    weight read: more programs in flight), up to 256 rows or 16 rows a group on average.
+    128x128); 64x128 tiles for a decode batch's rows (up to 256, or 16 a group on average).
 
-    Every tile of a group computes block_m rows however few of them are live: a decode batch of
-    64 tokens spread over 128-256 experts has 2-3 rows an expert, and 128-row tiles made its
-    expert GEMMs compute-bound (Nemotron-3-Nano-like at B = 64 on an H100: 5.5 of an 11.3 ms step
-    in the two grouped GEMMs, benchmarks/RESULTS.md session 20)."""
+    A decode batch's expert GEMM is a weight read, and a tile reads its expert's matrix once, so
+    the tile must hold all of an expert's rows: a random-weight router sends 64 tokens to a few
+    experts (gpt-oss-20b-like: 8 of 32, 32 rows each), where 16-row tiles read each matrix twice
+    or three times.  Measured on an H100 (bench_moe --only grouped, 64 tokens, 9 tilings, both
+    projections of the three MoE families, uniform and skewed routing; benchmarks/RESULTS.md
+    session 20): 64x128 (4 warps, 3 stages) was within 4% of the best tiling in 11 of 12 cases and
+    -3 to -18% against 16x64; rows an expert holds cost little compute (128-row tiles over 2-3
+    live rows were as fast)."""
     if rows <= 256 or rows <= 16 * groups:
-        return {"block_m": 16, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4}
+        return {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 3}
     return {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3}
 
 
