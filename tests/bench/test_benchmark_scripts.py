@@ -28,11 +28,12 @@ def test_help(argv, capsys):
 
 
 def test_copy_limit_is_the_fastest_exact_variant():
-    """The roofline is the fastest variant that wrote the right bytes, and every variant is reported."""
-    from benchmarks.copy_limit import copy_limit
+    """The roofline is the fastest trusted variant that wrote the right bytes (device_put is
+    reported, never taken: its timing read above the card's peak), and every variant is reported."""
+    from benchmarks.copy_limit import UNTRUSTED, copy_limit
 
     lim = copy_limit(1 << 20, iters=2, trials=2)
-    rates = {k: v for k, v in lim.variants.items() if isinstance(v, float)}
+    rates = {k: v for k, v in lim.variants.items() if isinstance(v, float) and k not in UNTRUSTED}
     assert {"xla_xor", "xla_copy", "device_put"} <= set(lim.variants)
-    assert lim.fastest in rates and lim.tbps == max(rates.values())
+    assert lim.fastest in rates and lim.tbps == max(rates.values()) and lim.fastest not in UNTRUSTED
     assert lim.nbytes == 2 * (1 << 20) and abs(lim.seconds * lim.bytes_per_s - lim.nbytes) < 1e-6 * lim.nbytes
