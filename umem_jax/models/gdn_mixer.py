@@ -65,7 +65,7 @@ class GatedDeltaNet(nnx.Module):
         [B, T, Hv*Dv] is zs[..., z_offset:z_offset + Hv*Dv] (the fused projection's whole output,
         which the gated norm's kernel reads in place)."""
         if self.in_proj is not None:
-            y, starts = self.in_proj.product(x)
+            y, starts = self.in_proj.product(x), self.in_proj.starts
             qkv, _, b, a = (y[..., s:s + n] for s, n in zip(starts, self.in_proj.sizes))
             return qkv, (y, starts[1]), b, a
         return self.in_proj_qkv(x), (self.in_proj_z(x), 0), self.in_proj_b(x), self.in_proj_a(x)

@@ -99,17 +99,17 @@ class FusedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """x [..., in] -> the parts' outputs [..., out_i], sliced from `product`."""
-        y, starts = self.product(x)
-        return tuple(y[..., s:s + n] for s, n in zip(starts, self.sizes))
+        y = self.product(x)
+        return tuple(y[..., s:s + n] for s, n in zip(self.starts, self.sizes))
 
     @property
     def starts(self) -> tuple[int, ...]:
         """Each part's first column in the product."""
         return tuple(sum(self.sizes[:i]) for i in range(len(self.sizes)))
 
-    def product(self, x: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
-        """x [..., in] -> (y [..., sum(out_i)], each part's first column in y): for a consumer that
-        reads its part in place (a slice is a copy launch at decode)."""
+    def product(self, x: jax.Array) -> jax.Array:
+        """x [..., in] -> y [..., sum(out_i)], part i at columns starts[i]..+sizes[i]: for a consumer
+        that reads its part in place (a slice is a copy launch at decode)."""
         w = self.weight[...]
         y = jnp.einsum("...i,oi->...o", x, w, precision=fp32_precision(x, w))
         if self.bias is not None:
@@ -120,7 +120,7 @@ class FusedLinear(nnx.Module):
         # traces).  The barrier makes the product one buffer that the parts are sliced from.
         if len(self.sizes) > 1:
             y = jax.lax.optimization_barrier(y)
-        return y, self.starts
+        return y
 
 
 class Embedding(nnx.Module):

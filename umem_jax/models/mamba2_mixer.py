@@ -72,9 +72,9 @@ class Mamba2Mixer(nnx.Module):
         self.out_proj = Linear(self.d_inner, hidden, dtype=dtype, rngs=rngs)
 
     def _split(self, zxbcdt: jax.Array):
-        """[..., d_inner + conv_dim + H] -> z, xBC, dt (raw)."""
+        """[..., d_inner + conv_dim + H] -> xBC, dt (raw); z, the first d_inner, the norm reads in place."""
         a, b = self.d_inner, self.d_inner + self.conv_dim
-        return zxbcdt[..., :a], zxbcdt[..., a:b], zxbcdt[..., b:]
+        return zxbcdt[..., a:b], zxbcdt[..., b:]
 
     def _out(self, y: jax.Array, zxbcdt: jax.Array, dtype) -> jax.Array:
         """y [B, T, H, P], zxbcdt the in_proj output -> out_proj(GatedRMSNorm(y, z)) [B, T, hidden].
@@ -92,7 +92,7 @@ class Mamba2Mixer(nnx.Module):
         h, p, n, g = self.num_heads, self.head_dim, self.state_size, self.n_groups
         mask = valid[..., None].astype(x.dtype)
         zxbcdt = self.in_proj(x * mask)
-        _, xbc, dt = self._split(zxbcdt)
+        xbc, dt = self._split(zxbcdt)
         xbc = jax.nn.silu(self.conv1d.dense(xbc)) * mask.astype(jnp.float32)
         xs = xbc[..., :self.d_inner].reshape(b, t, h, p)
         heads_per_group = h // g
@@ -119,7 +119,7 @@ class Mamba2Mixer(nnx.Module):
     def __call__(self, x: jax.Array, arena: jax.Array, batch: Batch, slot: ArenaSlot):
         """x [B, T, hidden] -> ([B, T, hidden], arena with each row's state slot advanced)."""
         zxbcdt = self.in_proj(x)
-        _, xbc, dt = self._split(zxbcdt)
+        xbc, dt = self._split(zxbcdt)
         params = (self.conv1d.kernel_weight, self.conv1d.bias_or_none, self.A_log[...], self.dt_bias[...],
                   self.D[...])
         if x.shape[1] == 1:  # the kernels read xBC and dt in place from the in_proj output

@@ -177,16 +177,10 @@ def pallas_supported(view) -> bool:
             and conv_block(view, view["conv"], d.conv_dim) >= 16)
 
 
-@functools.partial(jax.jit, static_argnames=("view", "starts", "interpret", "block_v", "conv_block_c", "num_warps",
-                                             "num_stages"))
-def _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, starts=None,
-                       interpret=False, block_v=None, conv_block_c=None, num_warps=4, num_stages=1):
-    """starts: None, or qkv, a, b are [B, W] arrays whose columns from `starts` hold the inputs
-    (recurrent.Cols)."""
-    if starts is not None:
-        d = gdn_dims(view)
-        qkv, a, b = (recurrent.Cols(v, s, w) for v, s, w in zip((qkv, a, b), starts, (d.conv_dim, d.v_heads,
-                                                                                       d.v_heads)))
+@functools.partial(jax.jit, static_argnames=("view", "interpret", "block_v", "conv_block_c", "num_warps", "num_stages"))
+def _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, interpret=False,
+                       block_v=None, conv_block_c=None, num_warps=4, num_stages=1):
+    """qkv, a, b: arrays or recurrent.Cols (read in place)."""
     d = _checked_dims(arena, view, qkv, a, b, conv_weight, A_log, dt_bias, slots.shape[:1])
     (qkv, x_start), (a, a_start), (b, b_start) = (recurrent.src_start(v) for v in (qkv, a, b))
     check_slots(slots)
@@ -213,12 +207,8 @@ def gdn_decode(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, *, view, im
     if recurrent.decode_impl(impl, interpret, lambda: pallas_supported(view)) == "reference":
         qkv, a, b = (recurrent.as_array(v) for v in (qkv, a, b))
         return gdn_decode_reference(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, view=view)
-    starts = None
-    if any(isinstance(v, recurrent.Cols) for v in (qkv, a, b)):
-        (qkv, s0), (a, s1), (b, s2) = (recurrent.src_start(v) for v in (qkv, a, b))
-        starts = (s0, s1, s2)
-    return _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, view=view, starts=starts,
-                              interpret=interpret, **tuning)
+    return _gdn_decode_pallas(arena, slots, qkv, a, b, conv_weight, A_log, dt_bias, view=view, interpret=interpret,
+                              **tuning)
 
 
 # --------------------------------------------------------------------------- prefill

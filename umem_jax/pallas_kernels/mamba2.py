@@ -158,15 +158,10 @@ def pallas_supported(view) -> bool:
             and conv_block(view, view["conv"], d.conv_dim) >= 16)
 
 
-@functools.partial(jax.jit, static_argnames=("view", "starts", "interpret", "block_p", "conv_block_c", "num_warps",
-                                             "num_stages"))
-def _mamba2_decode_pallas(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, *, view, starts=None,
+@functools.partial(jax.jit, static_argnames=("view", "interpret", "block_p", "conv_block_c", "num_warps", "num_stages"))
+def _mamba2_decode_pallas(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, *, view,
                           interpret=False, block_p=None, conv_block_c=None, num_warps=4, num_stages=1):
-    """starts: None, or xbc, dt are [B, W] arrays whose columns from `starts` hold the inputs
-    (recurrent.Cols)."""
-    if starts is not None:
-        d = mamba2_dims(view)
-        xbc, dt = recurrent.Cols(xbc, starts[0], d.conv_dim), recurrent.Cols(dt, starts[1], d.heads)
+    """xbc, dt: arrays or recurrent.Cols (read in place)."""
     d = _checked_dims(arena, view, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, slots.shape[:1])
     (xbc, x_start), (dt, dt_start) = recurrent.src_start(xbc), recurrent.src_start(dt)
     check_slots(slots)
@@ -193,12 +188,8 @@ def mamba2_decode(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias,
     if recurrent.decode_impl(impl, interpret, lambda: pallas_supported(view)) == "reference":
         xbc, dt = recurrent.as_array(xbc), recurrent.as_array(dt)
         return mamba2_decode_reference(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, view=view)
-    starts = None
-    if isinstance(xbc, recurrent.Cols) or isinstance(dt, recurrent.Cols):
-        (xbc, s0), (dt, s1) = recurrent.src_start(xbc), recurrent.src_start(dt)
-        starts = (s0, s1)
     return _mamba2_decode_pallas(arena, slots, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, view=view,
-                                 starts=starts, interpret=interpret, **tuning)
+                                 interpret=interpret, **tuning)
 
 
 # --------------------------------------------------------------------------- prefill

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +40,21 @@ __all__ = ["STATE_DTYPES", "Cols", "as_array", "check_shapes", "checkpoint_args"
            "initial_checkpoints", "prefill", "scan_tokens", "softplus", "src_start", "tile_rows", "to_chunks"]
 
 
-class Cols(NamedTuple):
-    """Columns start .. start + width of src [..., W]: a decode input read in place."""
+@jax.tree_util.register_pytree_node_class
+class Cols:
+    """Columns start .. start + width of src [..., W]: a decode input read in place.  A pytree whose
+    one leaf is src: start and width are static, so a jitted kernel wrapper takes it as an argument
+    and compiles once per window."""
 
-    src: jax.Array
-    start: int
-    width: int
+    def __init__(self, src: jax.Array, start: int, width: int):
+        self.src, self.start, self.width = src, int(start), int(width)
+
+    def tree_flatten(self):
+        return (self.src,), (self.start, self.width)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(leaves[0], *aux)
 
     @property
     def shape(self):
