@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150)
+                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -97,6 +97,18 @@ step() {
     b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 150 --trace 3 ;;
+    shared_b1)  # the shared expert joined to the routed experts' GEMV (MoE.fuse_projections): the kernels'
+      # GPU tests, then Qwen3.5-MoE and Nemotron at B = 1 with it apart and joined, alternating, each its own
+      # process, twice; the last joined run traced
+      python3 -m pytest -q tests/kernels/test_route_topk.py tests/kernels/test_expert_gemv.py -m gpu -k "gpu or matches"
+      python3 -m pytest -q tests/kernels/test_route_topk.py
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for i in 1 2; do for j in apart join; do echo "== $i UMEM_JAX_SHARED_EXPERT=$j"
+        tr=0; [ "$j" = join ] && [ "$i" = 2 ] && tr=3
+        ck=--no-check; [ "$j" = join ] && [ "$i" = 1 ] && ck=  # the arena-vs-dense check, joined, once
+        UMEM_JAX_SHARED_EXPERT=$j python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano --ctx 2048 \
+            --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck \
+            | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac

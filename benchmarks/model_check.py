@@ -109,13 +109,14 @@ def _dense_forced(model, toks: np.ndarray, forced: list[np.ndarray]):
     own: list[np.ndarray] = []
 
     def call(router, x):
-        logits = router.logits(x)
+        full = router.logits(x)
+        logits = full[..., :router.cfg.num_experts]  # without a joined shared expert's gate column
         bias = None if router.e_score_correction_bias is None else router.e_score_correction_bias[...]
         _, mine = route(logits, router.cfg, bias)
         f = jnp.asarray(forced[next(blocks)].reshape(mine.shape))
         jax.debug.callback(lambda e: own.append(np.asarray(e)), mine, ordered=True)
         experts = jnp.where(f >= 0, f, mine)
-        return route_weights(logits, experts, router.cfg), experts
+        return router.with_shared(route_weights(logits, experts, router.cfg), experts, full)
 
     graphdef = model.graphdef
     with routers_replaced(call):

@@ -159,7 +159,8 @@ class RouterRecorder:
         import jax
 
         weights, experts = PLAIN_ROUTER(router, x)
-        jax.debug.callback(lambda e: self.seen.append(np.asarray(e)), experts, ordered=True)
+        routed = experts[..., :router.cfg.top_k]  # not the shared expert's slots that follow (MoE.fuse_projections)
+        jax.debug.callback(lambda e: self.seen.append(np.asarray(e)), routed, ordered=True)
         return weights, experts
 
     @contextlib.contextmanager

@@ -32,6 +32,7 @@ JSON summary.  Sections:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -173,9 +174,10 @@ def _moe_layer(cfg, d: int, seed: int = 0):
     return nnx.merge(graphdef, jax.tree.unflatten(jax.tree.structure(state), leaves))
 
 
-def _moe_sharded(full, tp: int, ep: bool = False):
+def _moe_sharded(full, tp: int, ep: bool = False, join: bool = False):
     """full's TP split by sharding.py (ep: expert parallelism): a jitted (x, valid) -> output
-    under shard_map over tp devices."""
+    under shard_map over tp devices.  join: each device's layer joins its shared expert slice to
+    its experts (MoE.fuse_projections, as a fused model's layers do) before it runs."""
     from flax import nnx
     from jax.sharding import PartitionSpec as P
 
@@ -206,7 +208,10 @@ def _moe_sharded(full, tp: int, ep: bool = False):
 
     def body(leaves, x, valid):
         own = [a[0] if s else a for a, s in zip(leaves, stacked)]
-        return nnx.merge(local_def, jax.tree.unflatten(treedef, own))(x, valid)
+        layer = nnx.merge(local_def, jax.tree.unflatten(treedef, own))
+        if join:
+            layer.fuse_projections()
+        return layer(x, valid)
 
     specs = [P("tp") if s else P() for s in stacked]
     run = jax.jit(shard_map(body, tp_mesh(tp), (specs, P(), P()), P()))
@@ -259,6 +264,19 @@ def moe() -> dict:
                 assert err < 1e-5, f"MoE {name} EP={tp} {path}: rel {err}"
                 assert np.all(got[~mask] == 0.0) or cfg.shared_intermediate_size, f"{name} EP={tp} {path}: padding rows"
                 out[f"{name}_ep{tp}_{path}"] = err
+    # The shared expert joined per device (its slice of columns as pseudo-experts of the local
+    # width): in the expert GEMV ("rows") and dense beside ragged_dot, at TP=2 and EP=2.
+    for name in ("qwen_next", "nemotron"):
+        full = _moe_layer(dataclasses.replace(configs[name], num_experts=8), 32, seed=2)
+        for (tp, ep), path in itertools.product(((2, False), (2, True)), ("rows", "ragged")):
+            xs, ok = paths[path]
+            moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = 0, ("rows" if path == "rows" else None)
+            want = np.asarray(full(xs, ok))
+            got = np.asarray(_moe_sharded(full, tp, ep=ep, join=True)(xs, ok))
+            mask = np.asarray(ok)
+            err = float(np.abs(got - want)[mask].max() / np.abs(want).max())
+            assert err < 1e-5, f"MoE {name} joined {'EP' if ep else 'TP'}={tp} {path}: rel {err}"
+            out[f"{name}_joined_{'ep' if ep else 'tp'}{tp}_{path}"] = err
     moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = default_rows, None
     return out
 

@@ -112,6 +112,32 @@ def test_repeat_reads_each_tokens_row(dtype):
     np.testing.assert_array_equal(want, expert_gemv_reference(jnp.repeat(x, k, axis=0), ids_, w, b))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shared_pseudo_experts_follow_the_routed(dtype):
+    """shared=[m, K, N]: ids E .. E+m-1 read the shared matrices (no bias, even where the routed
+    experts have one), tokens naming the same shared slot share one read; ids past E+m and
+    negative ones are padding (exact zeros, their NaN x never read)."""
+    k, m, E, K, N = 3, 2, 5, 40, 24
+    ids = [4, 0, 2, 5, 6,   1, 1, 3, 5, 6,   -1, -1, -1, -1, -1,   0, 4, 2, 7, 6]  # 4 tokens x (k + m)
+    rng = np.random.default_rng(5)
+    x, ids_, w, b = case(13, 4 * (k + m), K, N, E, ids, dtype, bias=True)
+    x = jnp.asarray(rng.standard_normal((4, K), np.float32)).astype(dtype).at[2].set(jnp.nan)  # token 2 padded
+    shared = jnp.asarray(rng.standard_normal((m, K, N), np.float32) / np.sqrt(K)).astype(dtype)
+    with no_triton_deprecation():
+        parts = np.asarray(expert_gemv_partials(x, ids_, w, b, repeat=k + m, shared=shared, interpret=True,
+                                                block_n=16, block_k=16, k_splits=2))
+    got = parts.sum(0)
+    want = expert_gemv_reference(x, ids_, w, b, repeat=k + m, shared=shared)
+    assert np.all(np.isfinite(parts))  # every element written
+    assert np.all(got[10:15] == 0) and np.all(got[18] == 0)  # the padded token; id 7 = E + m: padding
+    assert rel(got, want) < 1e-5
+    xf, sf = np.asarray(x, np.float32), np.asarray(shared, np.float32)
+    for r, t in ((3, 0), (4, 0), (8, 1), (9, 1), (19, 3)):  # shared rows: x @ shared[id - E], no bias
+        assert rel(got[r], xf[t] @ sf[ids[r] - E]) < (1e-5 if dtype == jnp.float32 else 1e-2)
+    with pytest.raises(ValueError, match="shared must be"):
+        expert_gemv(x, ids_, w, b, repeat=k + m, shared=shared[:, :-1], interpret=True)
+
+
 def test_jit_with_traced_ids_one_compile():
     """Under jit the ids are traced values: one compile serves every routing."""
     x, _, w, b = case(3, 8, 40, 24, 6, [0] * 8, bias=True)
@@ -150,11 +176,16 @@ def test_lowers_for_cuda_at_real_shapes():
     """The Triton kernel builds for CUDA (cross-lowered): gpt-oss-20b gate_up with bias, and
     weights over 4 GiB (Pallas then addresses them with int64 offsets)."""
     S = jax.ShapeDtypeStruct
-    for R, K, N, E, bias in [(4, 2880, 5760, 32, True), (2, 4096, 2048, 512, False)]:
+    for R, K, N, E, bias, m in [(4, 2880, 5760, 32, True, 0), (2, 4096, 2048, 512, False, 0),
+                                (9, 2048, 1024, 256, False, 1)]:  # the last with Qwen3.5-MoE's shared expert
         args = [S((R, K), jnp.bfloat16), S((R,), jnp.int32), S((E, K, N), jnp.bfloat16)]
         args += [S((E, N), jnp.bfloat16)] if bias else []
+        fn = lambda *a: expert_gemv_partials(*a)  # noqa: E731
+        if m:
+            args, fn = args + [S((m, K, N), jnp.bfloat16)], lambda x, i, w, s: expert_gemv_partials(x[:1], i, w, repeat=9,
+                                                                                                     shared=s)
         with no_triton_deprecation():
-            text = cuda_lowering(lambda *a: expert_gemv_partials(*a), *args)
+            text = cuda_lowering(fn, *args)
         if text is None:
             pytest.skip("this jax cannot cross-lower for CUDA without a GPU")
         assert "umem_expert_gemv" in text
@@ -175,3 +206,26 @@ def test_triton_kernel_on_gpu(R, K, N, E, bias):
     want = expert_gemv_reference(x, ids_, w, b)
     assert np.all(np.isfinite(parts)) and np.all(parts[:, -1] == 0)
     assert rel(got[:-1], want[:-1]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("R,K,N,E,m", [(9, 2048, 1024, 16, 1), (8, 2688, 1856, 12, 2), (18, 2048, 512, 8, 1)])
+def test_triton_kernel_with_shared_on_gpu(R, K, N, E, m):
+    """The compiled kernel with the shared pseudo-experts (Qwen3.5-MoE's gate_up at one and two
+    tokens, Nemotron's up): a token's routed rows then its m shared rows, a padding row last."""
+    k = R // 2 if R == 18 else R - m
+    per = k + m if R != 18 else R // 2
+    rng = np.random.default_rng(R + m)
+    ids = np.concatenate([np.concatenate([rng.choice(E, per - m, replace=False), E + np.arange(m)])
+                          for _ in range(R // per)]).astype(np.int32)
+    ids[-1] = E + m  # a padding row
+    x, ids_, w, _ = case(R + 7, R // per, K, N, E, ids[::per])
+    shared = jnp.asarray(rng.standard_normal((m, K, N), np.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    ids_ = jnp.asarray(ids)
+    parts = np.asarray(expert_gemv_partials(x, ids_, w, repeat=per, shared=shared))
+    got = expert_gemv(x, ids_, w, repeat=per, shared=shared)
+    want = expert_gemv_reference(x, ids_, w, repeat=per, shared=shared)
+    assert np.all(np.isfinite(parts)) and np.all(parts[:, -1] == 0)
+    assert rel(got[:-1], want[:-1]) < 1e-3
+

@@ -53,6 +53,40 @@ def test_matches_reference(N, E, k, scoring, bias, norm, scale):
         np.testing.assert_allclose(np.asarray(w).sum(-1), scale, rtol=1e-5)
 
 
+# (N, E, k, scoring, bias, norm, scale, shared, gate): the shared experts' slots after the picks
+SHARED_CASES = [
+    (1, 256, 8, "softmax", False, True, 1.0, 1, True),   # Qwen3.5-MoE: one shared expert, sigmoid-gated
+    (21, 512, 10, "softmax", False, True, 1.0, 1, True),  # Qwen3-Next, a partial block of rows
+    (2, 128, 6, "sigmoid", True, True, 2.5, 2, False),   # Nemotron 3 Nano: the shared MLP as two slots, weight 1
+    (5, 60, 4, "softmax", False, False, 1.0, 3, True),   # k + shared past a power of two
+]
+
+
+@pytest.mark.parametrize("N,E,k,scoring,bias,norm,scale,shared,gate", SHARED_CASES)
+def test_shared_slots_follow_the_picks(N, E, k, scoring, bias, norm, scale, shared, gate):
+    """The gate's column (when present) never takes part in the pick; the slots after the k picks
+    name E, E+1, .. with weight 1 or sigmoid(gate logit), unscaled; the picks are as without them."""
+    rng = np.random.default_rng(N * 31 + E + shared)
+    logits = logits_of(N * 3 + E + k + shared, (N, E + int(gate)))
+    if gate:  # a gate logit above every expert's: a kernel that let it into the pick would choose it
+        logits = logits.at[:, E].set(50.0 * rng.random(N, np.float32) + 10.0)
+    cb = jnp.asarray(rng.standard_normal(E, np.float32) * 0.1) if bias else None
+    kw = dict(k=k, scoring=scoring, correction_bias=cb, norm_topk_prob=norm, scale=scale)
+    with no_triton_deprecation():
+        w, ids = route_topk(logits, interpret=not ON_GPU, shared=shared, shared_gate=gate, **kw)
+    w_ref, ids_ref = route_topk_reference(logits, shared=shared, shared_gate=gate, **kw)
+    plain_w, plain_ids = route_topk_reference(logits[:, :E], **kw)
+    assert w.shape == ids.shape == (N, k + shared)
+    for got_w, got_ids in ((w, ids), (w_ref, ids_ref)):
+        np.testing.assert_array_equal(np.asarray(got_ids[:, :k]), np.asarray(plain_ids))
+        np.testing.assert_array_equal(np.asarray(got_ids[:, k:]), np.broadcast_to(E + np.arange(shared), (N, shared)))
+        np.testing.assert_allclose(np.asarray(got_w[:, :k]), np.asarray(plain_w), rtol=2e-6, atol=1e-7)
+        want = 1 / (1 + np.exp(-np.asarray(logits[:, E:E + 1]))) if gate else np.ones((N, 1), np.float32)
+        np.testing.assert_allclose(np.asarray(got_w[:, k:]), np.broadcast_to(want, (N, shared)), rtol=2e-6)
+    with pytest.raises(ValueError, match="a gate needs slots"):
+        route_topk_reference(logits, k=k, scoring=scoring, shared=0, shared_gate=True)
+
+
 def test_ties_go_to_the_lower_expert_and_leading_dims_are_kept():
     """Equal logits (quantised to a few values) pick the lowest ids first, as lax.top_k does."""
     rng = np.random.default_rng(0)

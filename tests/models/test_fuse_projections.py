@@ -1,7 +1,8 @@
 """Fused projections (Model.fuse_projections): same math as the separate ones, fewer matmuls.
 
 For every family's committed tiny fixture and the built-in tiny hybrid: the fused model's
-parameter tree has no separate q/k/v, gate/up or gated-DeltaNet input projections left, holds the
+parameter tree has no separate q/k/v, gate/up or gated-DeltaNet input projections left (nor a
+separate shared expert: the MoE families' join their routed experts, models/moe.py), holds the
 same number of weights, and gives the same dense logits as the model it was made from; for Qwen3.5
 (gated DeltaNet + gated attention) also the same arena-path greedy tokens and logits (fp32, chunked
 prefill then decode).  The engine fuses by default, so every engine test serves a fused model.
@@ -23,12 +24,14 @@ from umem_jax.models.loader import load_model
 from umem_jax.models.tiny import tiny_model
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
-SEPARATE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b"}
+SEPARATE = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b",
+            "shared_expert", "shared_expert_gate"}
 
 
 def _models():
     yield "tiny", lambda: tiny_model(seed=3, dtype="float32")
-    for name in ("gemma3_tiny", "nemotron_h_tiny", "qwen3_5_tiny"):
+    for name in ("gemma3_tiny", "nemotron_h_tiny", "qwen3_5_tiny", "qwen3_5_moe_tiny", "nemotron_h_moe_tiny",
+                 "qwen3_next_tiny"):
         yield name, lambda name=name: load_model(FIXTURES / name)
 
 

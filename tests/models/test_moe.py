@@ -398,3 +398,88 @@ def test_unsupported_configs_say_what(kw, match):
 
 def test_config_is_hashable():
     assert hash(CONFIGS["gpt_oss"]) == hash(dataclasses.replace(CONFIGS["gpt_oss"]))
+
+
+# ----------------------------------------------------------------------------- the shared expert joined
+
+# shared widths that are multiples of the routed experts' (2 and 3 pseudo-experts), with and without a gate
+JOINABLE = {
+    "qwen_gate_m2": MoEConfig(**BASE, shared_intermediate_size=32, shared_expert_gate=True),
+    "nemotron_ungated_m3": MoEConfig(num_experts=12, top_k=3, intermediate_size=8, scoring="sigmoid",
+                                     score_correction_bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                     expert_kind="ungated", activation="relu2", shared_intermediate_size=24,
+                                     shared_expert_kind="ungated"),
+    "sigmoid_no_gate_m1": MoEConfig(num_experts=9, top_k=2, intermediate_size=8, scoring="sigmoid",
+                                    norm_topk_prob=False, score_correction_bias=True, shared_intermediate_size=8),
+}
+
+
+def joined(m: MoE) -> MoE:
+    """A copy of m with its shared expert joined to the routed ones (MoE.fuse_projections)."""
+    graphdef, state = nnx.split(m)
+    twin = nnx.merge(graphdef, jax.tree.map(jnp.array, state))
+    assert twin.fuse_projections()
+    return twin
+
+
+@pytest.mark.parametrize("path,tokens", [("rows", 1), ("rows", 3), ("gather", 2), ("ragged", 7)])
+@pytest.mark.parametrize("name", sorted(JOINABLE))
+def test_joined_shared_expert_matches_the_separate_one(name, path, tokens, monkeypatch):
+    """The router's shared slots (ids E.., weight = the gate's sigmoid or 1) and the pseudo-experts
+    give the block's output with the shared expert run apart: inside the expert GEMV ("rows"), or
+    dense beside the gather and grouped paths; the parameters are the same count, none left over."""
+    cfg = JOINABLE[name]
+    m = build(cfg, seed=sum(map(ord, name)) + tokens)
+    x = inputs(tokens + 40, (tokens, HIDDEN))
+    want = jitted(block, m, x)
+    if path == "rows":
+        use_rows(monkeypatch)
+    else:
+        monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "gather")
+        use_path(monkeypatch, path)
+    j = joined(m)
+    m_count = cfg.shared_intermediate_size // cfg.intermediate_size
+    assert j.shared_expert is None and j.shared_expert_gate is None and j.shared_first.shape[0] == m_count
+    size = lambda mod: sum(a.size for a in jax.tree.leaves(nnx.state(mod)))
+    assert size(j) == size(m)
+    w, ids = jitted(lambda mod, x: mod.gate(x), j, x)
+    k, E = cfg.top_k, cfg.num_experts
+    assert ids.shape == (tokens, k + m_count)
+    np.testing.assert_array_equal(np.asarray(ids[:, k:]), np.broadcast_to(E + np.arange(m_count), (tokens, m_count)))
+    got = jitted(block, j, x)
+    assert rel(got, want) < 1e-5
+    assert rel(jitted(moe_reference, j, x), want) < 1e-5
+
+
+def test_joined_rows_path_padding_rows_do_not_touch_valid_rows(monkeypatch):
+    """Padding tokens (NaN and huge x) send no row to any expert, shared ones included."""
+    use_rows(monkeypatch)
+    j = joined(build(JOINABLE["qwen_gate_m2"], seed=91))
+    x = inputs(16, (2, 3, HIDDEN))
+    valid = jnp.asarray([[True, False, True], [False, True, False]])
+    junk = jnp.where(jnp.arange(6).reshape(2, 3, 1) % 2 == 0, jnp.nan, 1e6)
+    got = np.asarray(jitted(block, j, jnp.where(valid[..., None], x, junk), valid))
+    keep = np.asarray(valid)
+    np.testing.assert_allclose(got[keep], np.asarray(jitted(block, j, x[valid])), rtol=1e-6, atol=1e-6)
+    assert np.all(got[~keep] == 0)
+
+
+def test_joined_bf16_rows_path(monkeypatch):
+    """bf16: the joined rows path against the separate shared expert, within bf16 rounding (the
+    shared hidden is now rounded once, from fp32, as the routed experts' is)."""
+    use_rows(monkeypatch)
+    m = build(JOINABLE["qwen_gate_m2"], seed=93, dtype=jnp.bfloat16)
+    x = inputs(17, (2, HIDDEN), jnp.bfloat16)
+    assert rel(jitted(block, joined(m), x), jitted(block, m, x)) < 2e-2
+
+
+@pytest.mark.parametrize("cfg", [
+    MoEConfig(**BASE, shared_intermediate_size=24, shared_expert_gate=True),  # 24 is no multiple of 16
+    MoEConfig(**BASE, expert_kind="ungated", activation="relu2", shared_intermediate_size=32),  # gated shared MLP
+    MoEConfig(**BASE),  # no shared expert
+], ids=["width", "kind", "none"])
+def test_shared_expert_that_cannot_join_stays_apart(cfg):
+    m = build(cfg, seed=95)
+    graphdef_before = nnx.split(m)[0]
+    assert not m.fuse_projections()
+    assert nnx.split(m)[0] == graphdef_before and m.shared_first is None

@@ -217,9 +217,10 @@ def test_moe_tp_that_splits_an_expert_unevenly_is_refused():
 
 
 def test_moe_layer_tp2_and_tp4_match_tp1_on_several_devices():
-    """Split by width (ragged, gather) and whole experts (ragged, gather, the expert GEMV)."""
+    """Split by width (ragged, gather) and whole experts (ragged, gather, the expert GEMV); the
+    shared expert joined to each device's experts (TP=2, EP=2; rows and ragged)."""
     got = _run_worker(["moe"], timeout=600)["moe"]
-    assert len(got) == 12 + 18 and max(got.values()) < 1e-5
+    assert len(got) == 12 + 18 + 8 and max(got.values()) < 1e-5
 
 
 def test_moe_fixtures_with_expert_parallelism_match_tp1():

@@ -1,32 +1,32 @@
-"""The mixture-of-experts block: a router, E stacked expert MLPs, an optional shared expert.
+"""The mixture-of-experts block: a router (router.py), E stacked expert MLPs, an optional shared expert.
 
     w, e = route(logits, cfg)                 [N, k] weights (fp32) and expert ids of every token
     y_n  = sum_j w[n, j] * expert_{e[n, j]}(x_n)  (+ shared_expert(x_n), optionally gated)
 
 Expert weights are stacked leaves ([E, d, 2I] gate|up, [E, I, d] down; (in, out) layout, the
-layout a grouped matmul takes), never one module per expert, so a step has no per-expert
-Python loop and no shape that depends on the routing.  Dispatch (`Experts.__call__`) flattens
-the N*k (token, expert) assignments, sorts them by expert, runs the two grouped matmuls over the
-sorted rows with the experts' row counts as group sizes (the Pallas Triton kernel of
-pallas_kernels/grouped_matmul.py on a GPU, jax.lax.ragged_dot elsewhere), weights each row,
-un-sorts with the inverse permutation (a gather: deterministic, no scatter-add) and sums over k.
-Padding rows (valid False) get the sort key E: they sort to the end, fall outside every group,
-and come back as zeros, so they cost no expert work and cannot touch other rows.  For a handful
-of rows (a decode step at batch 1) the gather path reads each row's expert matrices directly, or
-(FEW_ROWS_PATH = "rows") the Pallas expert GEMV of pallas_kernels/expert_gemv.py reads each chosen
-expert's matrices once, in place.
+layout a grouped matmul takes), so a step has no per-expert Python loop and no shape that depends
+on the routing.  Dispatch (`Experts.__call__`) sorts the N*k (token, expert) rows by expert, runs
+two grouped matmuls with the experts' row counts as group sizes (pallas_kernels/grouped_matmul.py
+on a GPU, jax.lax.ragged_dot elsewhere), weights each row, un-sorts by the inverse permutation (a
+gather: deterministic) and sums over k.  Padding rows get the sort key E: they fall outside every
+group and come back as zeros.  For a handful of rows (decode at batch 1) the gather path reads
+each row's expert matrices directly, or the Pallas expert GEMV (pallas_kernels/expert_gemv.py)
+reads each chosen expert's matrices once, in place.
 
-`moe_reference` is the dense per-token definition (each token's k experts' weights gathered
-explicitly, einsum, no ragged_dot) that the dispatch is tested against.
+The shared expert (Qwen3.5-MoE, Qwen3-Next, Nemotron-H) joins the routed ones once the model is
+fused (MoE.fuse_projections): cut into pseudo-experts of their width, named by the router's extra
+slots (weight: its gate's sigmoid, whose row joins the router's matmul), it runs in the same
+expert GEMV launches at decode and as one dense product elsewhere.
 
-Under tensor parallelism (sharding.py) each device holds a slice of every expert's
-intermediate dimension: gate_up column-parallel ([gate_r | up_r] per device), down row-parallel;
-`Experts.reduce_axis` psums the routed partial sums, then the down bias is added once.
+`moe_reference` is the dense per-token definition the dispatch is tested against.  Under tensor
+parallelism (sharding.py) each device holds a slice of every expert's intermediate dimension
+(gate_up column-parallel, [gate_r | up_r] per device; down row-parallel); `Experts.reduce_axis`
+psums the partial sums, then the down bias is added once.
 """
-
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +34,10 @@ from flax import nnx
 
 from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
-from ..pallas_kernels.route_topk import MAX_EXPERTS as ROUTE_MAX_EXPERTS
-from ..pallas_kernels.route_topk import route_backend, route_topk, route_topk_reference, scores_of, topk_weights
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, activation, fp32_precision, normal_init
 from .moe_config import EXPERT_KINDS, SCORINGS, MoEConfig
+from .router import Router, route, route_weights
 
 # Up to this many (token, expert) rows the dispatch gathers each row's expert weights instead of
 # sorting and running the grouped matmul.  Measured on the H200 (benchmarks/bench_moe.py,
@@ -65,69 +64,10 @@ ROWS_MAX = 16
 # experts (24 TFLOP/s at gpt-oss-20b prefill shapes, 3 at Qwen3.5-35B-A3B-like, out of memory at
 # 16384 tokens) where the Pallas kernel ran 390-555 and 157-445 TFLOP/s.
 GROUPED_PATH = None
-
-
-# ----------------------------------------------------------------------------- routing
-
-
-def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
-    """[..., E] selection scores -> [..., E] bool: the experts of the topk_group groups whose
-    top-2 scores (top-1 for groups of one) sum highest."""
-    *lead, e = choice.shape
-    groups = choice.reshape(*lead, n_group, e // n_group)
-    group_score = jax.lax.top_k(groups, min(2, e // n_group))[0].sum(-1)  # [..., G]
-    _, keep = jax.lax.top_k(group_score, topk_group)
-    kept = jnp.any(keep[..., :, None] == jnp.arange(n_group), axis=-2)  # [..., G]
-    return jnp.repeat(kept, e // n_group, axis=-1)
-
-
-def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None = None):
-    """Router logits [..., E] (fp32, router bias included) -> (weights [..., k] fp32, experts
-    [..., k] int32).  correction_bias [E] shifts the selection only (never the weights).  Without
-    expert groups (and up to route_topk.MAX_EXPERTS experts) this is one Pallas kernel on a GPU
-    (pallas_kernels/route_topk.py)."""
-    logits = logits.astype(jnp.float32)
-    kw = dict(k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
-    if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the others, pick in XLA
-        choice = scores_of(logits, cfg.scoring)
-        choice = choice if correction_bias is None else choice + correction_bias.astype(jnp.float32)
-        choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
-        experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
-        return route_weights(logits, experts, cfg), experts
-    if route_backend() == "pallas" and cfg.num_experts <= ROUTE_MAX_EXPERTS:
-        return route_topk(logits, correction_bias=correction_bias, interpret=jax.default_backend() != "gpu", **kw)
-    return route_topk_reference(logits, correction_bias=correction_bias, **kw)
-
-
-def route_weights(logits: jax.Array, experts: jax.Array, cfg: MoEConfig) -> jax.Array:
-    """The weights `route` gives the experts [..., k] chosen, from the router logits [..., E] -> [..., k]
-    fp32.  Apart from `route`, a check that forces one path's choice on another uses it."""
-    return topk_weights(logits, experts, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob,
-                        scale=cfg.routed_scaling_factor)
-
-
-class Router(nnx.Module):
-    """logits = x W^T (+ bias), in fp32; W [E, d]; e_score_correction_bias [E] for selection."""
-
-    def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
-        e = cfg.num_experts
-        self.weight = nnx.Param(normal_init(rngs, (e, hidden), dtype))
-        self.bias = nnx.Param(jnp.zeros((e,), dtype)) if cfg.router_bias else nnx.data(None)
-        # fp32 whatever the model dtype (checkpoints keep it so): it picks experts by differences
-        # that bf16 would round away.
-        self.e_score_correction_bias = (nnx.Param(jnp.zeros((e,), jnp.float32)) if cfg.score_correction_bias
-                                        else nnx.data(None))
-        self.cfg = cfg
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
-        out = jnp.einsum("...d,ed->...e", x, w, precision=fp32_precision(x, w), preferred_element_type=jnp.float32)
-        return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
-
-    def __call__(self, x: jax.Array):
-        """x [..., d] -> (weights [..., k] fp32, experts [..., k] int32)."""
-        bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
-        return route(self.logits(x), self.cfg, bias)
+# $UMEM_JAX_SHARED_EXPERT: "apart" keeps a fused model's shared expert apart from the routed ones
+# (its own MLP and gate, as before MoE.fuse_projections joined them); unset or "join": joined.
+# Read when a model is fused; for measuring one against the other.
+SHARED_ENV = "UMEM_JAX_SHARED_EXPERT"
 
 
 # ----------------------------------------------------------------------------- experts
@@ -201,25 +141,48 @@ class Experts(nnx.Module):
         return getattr(self, self.first_name + "_bias")[...] if self.cfg.expert_bias else None
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array | None = None,
-                 *, path: str | None = None):
-        """x [N, d], weights/experts [N, k], valid [N] bool or None -> [N, d] fp32 (the weighted
-        sum of each token's k experts; zeros for invalid rows).
+                 *, path: str | None = None, shared: tuple | None = None):
+        """x [N, d], weights/experts [N, k] (with shared: [N, k + m], the router's shared slots
+        last), valid [N] bool or None -> [N, d] fp32: the weighted sum of each token's k experts
+        and the shared expert's m pseudo-experts; zeros for invalid rows.
 
-        path: "ragged" (sort, then jax.lax.ragged_dot), "pallas" (sort, then the Pallas grouped
-        matmul; interpreted off the GPU), "gather" (each row's expert weights gathered: touches
-        only the chosen experts, for a few rows), "rows" (the Pallas expert GEMV: each chosen
-        expert read once; interpreted off the GPU); None: few_rows_path(N*k), else GROUPED_PATH."""
-        n, k = experts.shape
+        shared: (first [m, d, F], down [m, I, d]) (MoE.fuse_projections): on the "rows" path its
+        rows join the routed ones in the expert GEMV (ids E..E+m-1); elsewhere it runs dense.
+        path: "ragged" / "pallas" (sort, then ragged_dot / the Pallas grouped matmul), "gather"
+        (each row's expert weights gathered), "rows" (the Pallas expert GEMV: each chosen expert
+        read once); None: few_rows_path(N*k), else GROUPED_PATH.  Pallas is interpreted off a GPU."""
+        n = x.shape[0]
+        k, e = self.cfg.top_k, self.cfg.local_experts
+        m = experts.shape[1] - k
+        if (m > 0) != (shared is not None):
+            raise ValueError(f"MoE experts: {experts.shape[1]} slots for top_k={k}, shared experts: {shared is not None}")
+        routed_w, routed = (weights[:, :k], experts[:, :k]) if m else (weights, experts)
         if self.expert_axis is not None:
-            weights, experts = self._local_choice(weights, experts)
+            routed_w, routed = self._local_choice(routed_w, routed)
+        joined = m and (path or few_rows_path(n * (k + m))) == "rows"
         if path is None:
             path = few_rows_path(n * k) or grouped_path()
-        if path == "gather":
-            return self._gathered(x, weights, experts, valid)
-        if path == "rows":
-            return self._rows(x, weights, experts, valid)
-        if path not in ("ragged", "pallas"):
+        if joined:
+            if self.expert_axis is not None:  # this device's experts, then the shared slots renumbered after them
+                experts = jnp.concatenate([jnp.where(routed < e, routed, -1),
+                                           experts[:, k:] - self.cfg.num_experts + e], 1)
+                weights = jnp.concatenate([routed_w, weights[:, k:]], 1)
+            out = self._rows(x, weights, experts, valid, shared=shared)
+        elif path == "gather":
+            out = self._gathered(x, routed_w, routed)
+        elif path == "rows":
+            out = self._rows(x, routed_w, routed, valid)
+        elif path in ("ragged", "pallas"):
+            out = self._sorted(x, routed_w, routed, valid, path)
+        else:
             raise ValueError(f"MoE dispatch path {path!r}; known: ragged, pallas, gather, rows")
+        if m and not joined:
+            out = out + self._shared_dense(x, weights[:, k:], shared)
+        return self._finish(out, routed_w, routed, valid)
+
+    def _sorted(self, x, weights, experts, valid, impl):
+        """The grouped path: the rows sorted by expert, two grouped matmuls -> [N, d] fp32 before _finish."""
+        n, k = experts.shape
         e = self.cfg.local_experts
         key = experts.reshape(-1)
         if valid is not None:
@@ -227,7 +190,7 @@ class Experts(nnx.Module):
         order = jnp.argsort(key, stable=True)  # [R]: sorted row -> flat assignment
         sorted_experts = key[order]
         group_sizes = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]
-        matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, impl=path)
+        matmul = functools.partial(_grouped_matmul, group_sizes=group_sizes, impl=impl)
         xs = jnp.take(x, order // k, axis=0)  # [R, d]
         h = matmul(xs, self.first).astype(jnp.float32)
         bias = self.first_bias()
@@ -238,10 +201,9 @@ class Experts(nnx.Module):
         # rows past the groups (padding, other devices' experts) may hold anything: select, not scale
         y = jnp.where((sorted_experts < e)[:, None], y * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-        out = jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
-        return self._finish(out, weights, experts, valid)
+        return jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
 
-    def _gathered(self, x, weights, experts, valid):
+    def _gathered(self, x, weights, experts):
         """The few-rows path: every (token, expert) row reads its expert's weights by a gather."""
         n, k = experts.shape
         ids = jnp.minimum(experts.reshape(-1), self.cfg.local_experts - 1)  # id E (another device's): weight 0
@@ -254,22 +216,31 @@ class Experts(nnx.Module):
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
         w2 = jnp.take(self.down_proj[...], ids, axis=0)
         y = jnp.einsum("ri,rid->rd", a, w2, precision=fp32_precision(a, w2), preferred_element_type=jnp.float32)
-        out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
-        return self._finish(out, weights, experts, valid)
+        return (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
 
-    def _rows(self, x, weights, experts, valid):
+    def _rows(self, x, weights, experts, valid, *, shared=None):
         """The Pallas few-rows path: both projections by expert_gemv, which reads each distinct
-        chosen expert's matrix once and gives padding rows (expert id E) zeros without a read."""
+        chosen expert's matrix once (and with shared, the shared expert's pseudo-experts, ids
+        E..) and gives padding rows (any other id) zeros without a read."""
         n, k = experts.shape
         ids = experts.reshape(-1)
         if valid is not None:
-            ids = jnp.where(jnp.repeat(valid, k), ids, self.cfg.local_experts)
+            ids = jnp.where(jnp.repeat(valid, k), ids, -1)
+        first, down = (None, None) if shared is None else shared
         gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
-        h = gemv(x, ids, self.first, self.first_bias(), repeat=k)  # [R, F] fp32: row r is token r // k
+        h = gemv(x, ids, self.first, self.first_bias(), repeat=k, shared=first)  # [R, F] fp32: row r is token r // k
         a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
-        y = gemv(a, ids, self.down_proj[...])  # [R, d] fp32; the down bias is added once, in _finish
-        out = (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
-        return self._finish(out, weights, experts, valid)
+        y = gemv(a, ids, self.down_proj[...], shared=down)  # [R, d] fp32; the down bias is added once, in _finish
+        return (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
+
+    def _shared_dense(self, x, weights, shared):
+        """The shared expert from its pseudo-experts, every token through all m: x [N, d],
+        weights [N, m] (its gate) -> [N, d] fp32, this device's partial sum (before _finish)."""
+        first, down = shared
+        h = jnp.einsum("nd,mdf->nmf", x, first, precision=fp32_precision(x, first), preferred_element_type=jnp.float32)
+        a = expert_activation(h, self.cfg).astype(down.dtype)
+        y = jnp.einsum("nmi,mid->nmd", a, down, precision=fp32_precision(a, down), preferred_element_type=jnp.float32)
+        return jnp.einsum("nm,nmd->nd", weights, y, precision=fp32_precision(weights, y))
 
     def _local_choice(self, weights, experts):
         """Expert parallelism: the global choice [N, k] -> this device's (weights, ids), ids local
@@ -302,7 +273,12 @@ class Experts(nnx.Module):
 
 class MoE(nnx.Module):
     """gate (Router), experts (Experts), optional shared_expert (MLP / UngatedMLP) and
-    shared_expert_gate (Linear d -> 1, sigmoid)."""
+    shared_expert_gate (Linear d -> 1, sigmoid).
+
+    fuse_projections() (after loading) cuts the shared expert into m = I_shared / I pseudo-experts
+    of the routed experts' shape, `shared_first` [m, d, F] and `shared_down` [m, I, d], and gives
+    its gate to the router's matmul: at decode the shared expert then rides in the routed experts'
+    GEMV launches (Qwen3.5-MoE: 4 launches a layer fewer), and runs dense otherwise."""
 
     def __init__(self, hidden: int, cfg: MoEConfig, *, dtype, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -310,14 +286,43 @@ class MoE(nnx.Module):
         self.experts = Experts(hidden, cfg, dtype=dtype, rngs=rngs)
         self.shared_expert = nnx.data(None)
         self.shared_expert_gate = nnx.data(None)
+        self.shared_first = nnx.data(None)  # the shared expert as pseudo-experts, once fuse_projections ran
+        self.shared_down = nnx.data(None)
         if cfg.shared_intermediate_size:
             cls = MLP if cfg.shared_expert_kind == "swiglu" else UngatedMLP
             self.shared_expert = cls(hidden, cfg.shared_intermediate_size, cfg.activation, dtype=dtype, rngs=rngs)
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = Linear(hidden, 1, dtype=dtype, rngs=rngs)
 
-    def shared(self, x: jax.Array) -> jax.Array | None:
-        """The shared expert's output [N, d] fp32 (times its sigmoid gate), or None."""
+    def fuse_projections(self, donate: bool = False) -> bool:
+        """Join the shared expert to the routed ones (class docstring), when it has their kind
+        and activation, no biases, and a width that is a multiple of theirs (on this device);
+        else leave it as it is.  Its MLP may be fused already (children fuse first)."""
+        choice = os.environ.get(SHARED_ENV, "").strip().lower() or "join"
+        if choice not in ("join", "apart"):
+            raise ValueError(f"${SHARED_ENV}={choice!r}; known: join, apart")
+        if self.shared_expert is None or choice == "apart":
+            return False
+        stacks = _shared_stacks(self.shared_expert, self.cfg, self.experts)
+        gate = self.shared_expert_gate
+        if stacks is None or (gate is not None and gate.bias is not None):
+            return False
+        self.shared_first, self.shared_down = nnx.Param(stacks[0]), nnx.Param(stacks[1])
+        self.gate.join_shared(stacks[0].shape[-3], gate)
+        if donate:
+            self.shared_first[...].block_until_ready()
+            self.gate.weight[...].block_until_ready()
+            for leaf in jax.tree.leaves(nnx.state(self.shared_expert)) + (
+                    [] if gate is None else jax.tree.leaves(nnx.state(gate))):
+                leaf.delete()
+        self.shared_expert = self.shared_expert_gate = None
+        return True
+
+    def shared(self, x: jax.Array, weights: jax.Array | None = None) -> jax.Array | None:
+        """The shared expert's output [N, d] fp32 (times its gate), or None; once it is joined,
+        from the router's shared slots' weights [N, m] (then this device's partial sum)."""
+        if self.shared_first is not None:
+            return self.experts._shared_dense(x, weights, (self.shared_first[...], self.shared_down[...]))
         if self.shared_expert is None:
             return None
         s = self.shared_expert(x).astype(jnp.float32)
@@ -332,11 +337,37 @@ class MoE(nnx.Module):
         flat = x.reshape(-1, d)
         ok = None if valid is None else jnp.broadcast_to(valid, lead).reshape(-1)
         weights, experts = self.gate(flat)
-        out = self.experts(flat, weights, experts, ok)
-        s = self.shared(flat)
-        if s is not None:
+        joined = None if self.shared_first is None else (self.shared_first[...], self.shared_down[...])
+        out = self.experts(flat, weights, experts, ok, shared=joined)
+        if joined is None and (s := self.shared(flat)) is not None:
             out = out + s
         return out.astype(x.dtype).reshape(*lead, d)
+
+
+def _shared_stacks(mlp, cfg: MoEConfig, experts: Experts):
+    """The shared expert (MLP or UngatedMLP, fused or not; leaves may lead with [tp]) as m
+    pseudo-experts of the routed width I -> (first [..., m, d, F], down [..., m, I, d]), or None
+    if it cannot join.  Chunk j holds intermediate columns [jI, (j+1)I): the activation is per
+    column, so the chunks' down products sum to the shared expert's output."""
+    gated = isinstance(mlp, MLP)
+    if cfg.expert_kind != ("swiglu" if gated else "ungated") or mlp.act != cfg.activation:
+        return None
+    parts = [mlp.gate_up] if gated and mlp.gate_up is not None else (
+        [mlp.gate_proj, mlp.up_proj] if gated else [mlp.up_proj])
+    if any(p.bias is not None for p in parts + [mlp.down_proj]):
+        return None
+    down = mlp.down_proj.weight[...]  # [..., d, Is] (out, in)
+    width, I = down.shape[-1], experts.down_proj[...].shape[-2]
+    if width % I or down.dtype != experts.down_proj.dtype:
+        return None
+    rows = [p.weight[...] for p in parts]  # (out, in): gate_up [..., 2 Is, d], or gate and up [..., Is, d]
+    if len(rows) == 1 and gated:
+        rows = [rows[0][..., :width, :], rows[0][..., width:, :]]
+    cols = lambda w, j: jnp.swapaxes(w[..., j * I:(j + 1) * I, :], -1, -2)  # noqa: E731  [..., d, I]
+    m = width // I
+    first = jnp.stack([jnp.concatenate([cols(w, j) for w in rows], axis=-1) for j in range(m)], axis=-3)
+    down = jnp.stack([jnp.swapaxes(down[..., :, j * I:(j + 1) * I], -1, -2) for j in range(m)], axis=-3)
+    return first, down
 
 
 def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
@@ -347,6 +378,8 @@ def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
     lead, d = x.shape[:-1], x.shape[-1]
     flat = x.reshape(-1, d)
     weights, experts = moe.gate(flat)
+    shared_w = weights[:, cfg.top_k:]
+    weights, experts = weights[:, :cfg.top_k], experts[:, :cfg.top_k]
     w1 = jnp.take(ex.first, experts, axis=0)  # [N, k, d, F]
     h = jnp.einsum("nd,nkdf->nkf", flat, w1, precision=fp32_precision(flat, w1), preferred_element_type=jnp.float32)
     if cfg.expert_bias:
@@ -357,7 +390,7 @@ def moe_reference(moe: MoE, x: jax.Array) -> jax.Array:
     if cfg.expert_bias:
         y = y + jnp.take(ex.down_proj_bias[...], experts, axis=0).astype(jnp.float32)
     out = jnp.einsum("nk,nkd->nd", weights, y, precision=fp32_precision(weights, y))
-    s = moe.shared(flat)
+    s = moe.shared(flat, shared_w)
     if s is not None:
         out = out + s
     return out.astype(x.dtype).reshape(*lead, d)

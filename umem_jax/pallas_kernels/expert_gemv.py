@@ -3,6 +3,8 @@ every chosen expert's matrix read once.
 
     y = expert_gemv(x, ids, w, bias)          x [R, K], ids [R] int32, w [E, K, N], bias [E, N] | None
     y[r] = x[r] @ w[ids[r]] (+ bias[ids[r]])  for 0 <= ids[r] < E
+    y[r] = x[r] @ shared[ids[r] - E]          for E <= ids[r] < E + m  (shared=[m, K, N]: an MoE's
+                                              shared expert as m pseudo-experts, no bias)
                                               (repeat=k: x [R/k, K], row r reads x[r // k], as an
                                               MoE's k rows of one token do: no repeated copy of x)
     y[r] = 0                                  otherwise (padding rows: no expert is read for them)
@@ -57,10 +59,15 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                          repeat: int = 1, out_dtype=jnp.float32) -> jax.Array:
-    """The definition, row by row in fp32: x[r // repeat] @ w[ids[r]] (+ bias[ids[r]]), zeros
-    where ids[r] is outside [0, E).  Gathers a [R, K, N] copy of the weights: small shapes only."""
+                          repeat: int = 1, shared: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
+    """The definition, row by row in fp32: x[r // repeat] @ w[ids[r]] (+ bias[ids[r]]), with
+    shared [m, K, N] ids E.. name shared[ids[r] - E] (no bias); zeros where ids[r] is outside
+    [0, E + m).  Gathers a [R, K, N] copy of the weights: small shapes only."""
     x = jnp.repeat(x, repeat, axis=0)
+    if shared is not None:
+        if bias is not None:
+            bias = jnp.concatenate([bias, jnp.zeros((shared.shape[0], bias.shape[1]), bias.dtype)])
+        w = jnp.concatenate([w, shared.astype(w.dtype)])
     E = w.shape[0]
     valid = (ids >= 0) & (ids < E)
     safe = jnp.clip(ids, 0, E - 1)
@@ -85,13 +92,17 @@ def _load(ref, mask, **kw):
     return pltr.load(ref, **({} if mask is None else {"mask": mask, "other": 0}), **kw)
 
 
-def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, repeat, has_bias, mask_k, mask_n):
-    b_ref, o_ref = refs if has_bias else (None, refs[0])
+def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, repeat, has_bias, mask_k, mask_n):
+    refs = list(refs)
+    s_ref = refs.pop(0) if M else None
+    b_ref = refs.pop(0) if has_bias else None
+    o_ref, = refs
     u, nb, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = jnp.arange(bm, dtype=jnp.int32)
     ids = pltr.load(ids_ref.at[rows], mask=rows < R, other=-1) if bm > R else pltr.load(ids_ref.at[rows])
     e = ids_ref[u]
-    valid = (e >= 0) & (e < E)
+    routed = (e >= 0) & (e < E)
+    valid = (e >= 0) & (e < E + M)
     # The slot leads its expert when no earlier row names it (rows past R hold -1).
     earlier = jnp.sum(((ids == e) & (rows < u)).astype(jnp.int32))
     group = (ids == e) & (rows < R)  # the rows this slot computes
@@ -99,28 +110,37 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, bm, bn, bk, chunks, repeat
     cols = nb * bn + jnp.arange(bn, dtype=jnp.int32)
     col_ok = cols < N if mask_n else None
 
-    @pl.when(valid & (earlier == 0))
-    def _product():
-        ec = jnp.clip(e, 0, E - 1)  # already in range here; the clamp keeps any hoisted address legal
-        precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None  # fp32: IEEE, not TF32
+    precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None  # fp32: IEEE, not TF32
 
+    def product(ref, idx, bias_ref):
+        """The group's rows times matrix ref[idx] (+ bias_ref[idx] by split 0), stored."""
         def body(i, acc):
             ks = (s * chunks + i) * bk + jnp.arange(bk, dtype=jnp.int32)
             k_ok = ks < K if mask_k else None
             a = _load(x_ref.at[x_rows[:, None], ks[None, :]],
                       _and(group[:, None], None if k_ok is None else k_ok[None, :]))
             # The weights are streamed once: evict them first so x and the ids stay in L2.
-            b = _load(w_ref.at[ec, ks[:, None], cols[None, :]],
+            b = _load(ref.at[idx, ks[:, None], cols[None, :]],
                       _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :]),
                       eviction_policy="evict_first")
             return acc + jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
         acc = lax.fori_loop(0, chunks, body, jnp.zeros((bm, bn), jnp.float32))
-        if has_bias:
-            bias = _load(b_ref.at[ec, cols], col_ok).astype(jnp.float32)
+        if bias_ref is not None:
+            bias = _load(bias_ref.at[idx, cols], col_ok).astype(jnp.float32)
             acc = acc + jnp.where(s == 0, bias, 0.0)[None, :]
         pltr.store(o_ref.at[s, rows[:, None], cols[None, :]], acc,
                    mask=_and(group[:, None], None if col_ok is None else col_ok[None, :]))
+
+    @pl.when(routed & (earlier == 0))
+    def _routed():
+        # already in range here; the clamp keeps any hoisted address legal
+        product(w_ref, jnp.clip(e, 0, E - 1), b_ref)
+
+    if M:
+        @pl.when(valid & ~routed & (earlier == 0))
+        def _shared():
+            product(s_ref, jnp.clip(e - E, 0, M - 1), None)
 
     @pl.when(~valid)
     def _padding():
@@ -142,7 +162,7 @@ def default_config(rows: int, K: int, N: int, dtype) -> dict:
     return {"block_n": bn, "block_k": bk, "k_splits": s, "num_warps": 4, "num_stages": 4}
 
 
-def _check(x, ids, w, bias, repeat):
+def _check(x, ids, w, bias, repeat, shared=None):
     R, K = x.shape[0] * repeat, x.shape[1]
     E, K2, N = w.shape
     if K2 != K:
@@ -158,17 +178,20 @@ def _check(x, ids, w, bias, repeat):
         raise ValueError(f"expert_gemv: weights of {w.dtype}; supported: bf16, f16, f32")
     if bias is not None and bias.shape != (E, N):
         raise ValueError(f"expert_gemv: bias must be [{E}, {N}], got {list(bias.shape)}")
+    if shared is not None and (shared.ndim != 3 or shared.shape[1:] != (K, N) or shared.dtype != w.dtype):
+        raise ValueError(f"expert_gemv: shared must be [m, {K}, {N}] {w.dtype}, "
+                         f"got {shared.dtype}{list(shared.shape)}")
 
 
 @functools.partial(jax.jit, static_argnames=("repeat", "block_n", "block_k", "k_splits", "num_warps",
                                              "num_stages", "interpret"))
 def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                         repeat: int = 1, block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
-                         num_warps: int | None = None, num_stages: int | None = None,
-                         interpret: bool = False) -> jax.Array:
+                         repeat: int = 1, shared: jax.Array | None = None, block_n: int | None = None,
+                         block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
+                         num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """The kernel's raw output: fp32 partial sums [k_splits, R, N] (their sum over axis 0 is
     expert_gemv's result).  x is cast to w's dtype (the dot takes one input type)."""
-    _check(x, ids, w, bias, repeat)
+    _check(x, ids, w, bias, repeat, shared)
     R, K = ids.shape[0], x.shape[1]
     E, _, N = w.shape
     cfg = default_config(R, K, N, w.dtype)
@@ -180,9 +203,10 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
         raise ValueError(f"expert_gemv: block_n={bn}, block_k={bk} must be powers of two >= 16, k_splits >= 1")
     chunks = pl.cdiv(pl.cdiv(K, bk), S)  # K chunks per split; a split past K loads nothing
     kernel = functools.partial(
-        _kernel, R=R, K=K, N=N, E=E, bm=max(16, pow2_ceil(R)), bn=bn, bk=bk, chunks=chunks,
-        repeat=repeat, has_bias=bias is not None, mask_k=chunks * S * bk != K, mask_n=N % bn != 0)
-    operands = [ids.astype(jnp.int32), x.astype(w.dtype), w] + ([] if bias is None else [bias])
+        _kernel, R=R, K=K, N=N, E=E, M=0 if shared is None else shared.shape[0], bm=max(16, pow2_ceil(R)), bn=bn,
+        bk=bk, chunks=chunks, repeat=repeat, has_bias=bias is not None, mask_k=chunks * S * bk != K,
+        mask_n=N % bn != 0)
+    operands = [ids.astype(jnp.int32), x.astype(w.dtype), w] + [a for a in (shared, bias) if a is not None]
     return pl.pallas_call(
         kernel,
         grid=(R, pl.cdiv(N, bn), S),
@@ -196,12 +220,13 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
 
 
 def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, repeat: int = 1,
-                out_dtype=jnp.float32, interpret: bool = False, **tuning) -> jax.Array:
-    """x [R / repeat, K] (row r reads x[r // repeat]), ids [R] int (outside [0, E): a padding
-    row, zeros out), w [E, K, N], bias [E, N] or None -> [R, N] in out_dtype (default fp32), fp32
-    accumulation.  `tuning`: block_n, block_k, k_splits, num_warps, num_stages (defaults:
+                shared: jax.Array | None = None, out_dtype=jnp.float32, interpret: bool = False,
+                **tuning) -> jax.Array:
+    """x [R / repeat, K] (row r reads x[r // repeat]), ids [R] int (E.. name shared [m, K, N]'s
+    matrices; outside [0, E + m): a padding row, zeros out), w [E, K, N], bias [E, N] or None
+    -> [R, N] in out_dtype (default fp32), fp32 accumulation.  `tuning`: block_n, block_k, k_splits, num_warps, num_stages (defaults:
     default_config).  Not jitted itself, so the sum over the K splits fuses into the caller's next
     op under the caller's jit."""
-    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, interpret=interpret, **tuning)
+    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, shared=shared, interpret=interpret, **tuning)
     y = parts[0] if parts.shape[0] == 1 else parts.sum(0)
     return y.astype(out_dtype)

@@ -9,6 +9,11 @@
     scoring "topk_softmax": pick top-k of logits,                w = softmax(logits[picked])  (gpt-oss)
     norm_topk_prob: w /= sum(w) (+ 1e-20 for sigmoid);   then w *= scale (routed_scaling_factor)
 
+    shared=m: m more slots after the k picks name the shared experts' pseudo-ids E .. E+m-1 (an MoE
+    whose shared expert runs in the expert GEMV, models/moe.py), each weighted 1, or with
+    shared_gate sigmoid(logits[:, E]): the router's matmul then carries the shared expert's gate
+    as one more column, which the pick never sees -> weights, experts [N, k + m]
+
 Ties go to the lower expert id, as `jax.lax.top_k` breaks them.  Grouped selection (DeepSeek's
 n_group / topk_group) is not here: models/moe.py masks the groups first and calls the reference.
 
@@ -32,7 +37,7 @@ from ._compat import pltr, triton_params
 from .launch import ANY, kernel_or_xla, pow2_ceil
 
 __all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
-           "topk_weights"]
+           "topk_weights", "with_shared"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 BLOCK_ROWS = 16  # rows a program takes: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
@@ -75,20 +80,45 @@ def topk_weights(logits: jax.Array, experts: jax.Array, *, scoring: str, norm_to
     return w * scale
 
 
+def with_shared(weights: jax.Array, experts: jax.Array, logits: jax.Array, *, num_experts: int, shared: int,
+                shared_gate: bool) -> tuple[jax.Array, jax.Array]:
+    """The routed choice [..., k] followed by the `shared` pseudo-experts' slots (ids E .., weight
+    1 or sigmoid(logits[..., E]) with shared_gate) -> [..., k + shared]."""
+    if not shared:
+        return weights, experts
+    lead = experts.shape[:-1]
+    ids = jnp.broadcast_to(num_experts + jnp.arange(shared, dtype=jnp.int32), (*lead, shared))
+    g = (jax.nn.sigmoid(logits[..., num_experts:num_experts + 1].astype(jnp.float32)) if shared_gate
+         else jnp.ones((*lead, 1), jnp.float32))
+    return (jnp.concatenate([weights, jnp.broadcast_to(g, (*lead, shared))], axis=-1),
+            jnp.concatenate([experts, ids], axis=-1))
+
+
+def _split_gate(logits: jax.Array, shared: int, shared_gate: bool) -> int:
+    """The routed experts' count E of logits [..., E (+ 1 gate column)], checked."""
+    if shared < 0 or (shared_gate and not shared):
+        raise ValueError(f"route_topk: shared={shared} slots, shared_gate={shared_gate}: a gate needs slots")
+    return logits.shape[-1] - int(bool(shared_gate))
+
+
 def route_topk_reference(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
-                         norm_topk_prob: bool = False, scale: float = 1.0) -> tuple[jax.Array, jax.Array]:
-    """The definition in XLA ops (jax.lax.top_k): logits [..., E] -> (weights [..., k] fp32,
-    experts [..., k] int32)."""
+                         norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0,
+                         shared_gate: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The definition in XLA ops (jax.lax.top_k): logits [..., E] (with shared_gate [..., E + 1])
+    -> (weights [..., k + shared] fp32, experts [..., k + shared] int32)."""
     _check_scoring(scoring)
-    logits = logits.astype(jnp.float32)
+    E = _split_gate(logits, shared, shared_gate)
+    full = logits.astype(jnp.float32)
+    logits = full[..., :E]
     choice = scores_of(logits, scoring)
     if correction_bias is not None and scoring != "topk_softmax":
         choice = choice + correction_bias.astype(jnp.float32)
     experts = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
-    return topk_weights(logits, experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale), experts
+    weights = topk_weights(logits, experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale)
+    return with_shared(weights, experts, full, num_experts=E, shared=shared, shared_gate=shared_gate)
 
 
-def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias):
+def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias, shared, gate):
     bias_ref, w_ref, e_ref = refs if has_bias else (None, *refs)
     rows = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
     cols = jnp.arange(ep, dtype=jnp.int32)
@@ -130,8 +160,16 @@ def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bi
         w = w / jnp.sum(w, axis=1, keepdims=True)
     elif norm:
         w = w / (jnp.sum(jnp.where(live, w, 0.0), axis=1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0.0))
-    out_mask = row_ok[:, None] & live
-    pltr.store(w_ref.at[rows[:, None], kcols[None, :]], w * scale, mask=out_mask)
+    w = w * scale
+    if shared:  # the shared experts' slots k .. k+shared-1: pseudo-ids E.., weight 1 or the gate's sigmoid
+        slot = (kcols >= k)[None, :]
+        g = jnp.ones((bn,), jnp.float32)
+        if gate:  # the gate's logit is the column after the experts' (never part of the pick above)
+            g = 1.0 / (1.0 + jnp.exp(-pltr.load(logits_ref.at[rows, E], mask=row_ok, other=0.0)))
+        w = jnp.where(slot, g[:, None], w)
+        ids = jnp.where(slot, E + kcols[None, :] - k, ids)
+    out_mask = row_ok[:, None] & (kcols < k + shared)[None, :]
+    pltr.store(w_ref.at[rows[:, None], kcols[None, :]], w, mask=out_mask)
     pltr.store(e_ref.at[rows[:, None], kcols[None, :]], ids, mask=out_mask)
 
 
@@ -141,13 +179,16 @@ def _warps(elements: int) -> int:
     return 1 if elements <= 1024 else 4 if elements <= 4096 else 8
 
 
-@functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scale", "interpret"))
-def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale, interpret):
-    N, E = logits.shape
+@functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scale", "shared", "shared_gate",
+                                             "interpret"))
+def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale, shared, shared_gate, interpret):
+    N, W = logits.shape
+    E = W - int(shared_gate)
     ep = max(16, pow2_ceil(E))
     bn = min(BLOCK_ROWS, pow2_ceil(N))
-    kernel = functools.partial(_kernel, N=N, E=E, k=k, bn=bn, ep=ep, kp=max(2, pow2_ceil(k)), scoring=scoring,
-                               norm=norm_topk_prob, scale=float(scale), has_bias=correction_bias is not None)
+    kernel = functools.partial(_kernel, N=N, E=E, k=k, bn=bn, ep=ep, kp=max(2, pow2_ceil(k + shared)),
+                               scoring=scoring, norm=norm_topk_prob, scale=float(scale),
+                               has_bias=correction_bias is not None, shared=shared, gate=shared_gate)
     operands = [logits.astype(jnp.float32)]
     if correction_bias is not None:
         operands.append(correction_bias.astype(jnp.float32))
@@ -156,7 +197,8 @@ def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale
         grid=(pl.cdiv(N, bn),),
         in_specs=[ANY] * len(operands),
         out_specs=(ANY, ANY),
-        out_shape=(jax.ShapeDtypeStruct((N, k), jnp.float32), jax.ShapeDtypeStruct((N, k), jnp.int32)),
+        out_shape=(jax.ShapeDtypeStruct((N, k + shared), jnp.float32),
+                   jax.ShapeDtypeStruct((N, k + shared), jnp.int32)),
         compiler_params=triton_params(num_warps=_warps(bn * ep), num_stages=1),
         interpret=interpret,
         name="umem_route_topk",
@@ -164,12 +206,14 @@ def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale
 
 
 def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
-               norm_topk_prob: bool = False, scale: float = 1.0,
+               norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0, shared_gate: bool = False,
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The Pallas kernel: logits [..., E] (any leading dims, fp32 or castable) -> (weights [..., k]
-    fp32, experts [..., k] int32), as route_topk_reference gives them."""
+    """The Pallas kernel: logits [..., E] (with shared_gate [..., E + 1]; any leading dims, fp32 or
+    castable) -> (weights [..., k + shared] fp32, experts [..., k + shared] int32), as
+    route_topk_reference gives them."""
     _check_scoring(scoring)
-    *lead, E = logits.shape
+    *lead, W = logits.shape
+    E = _split_gate(logits, shared, shared_gate)
     if not 1 <= k <= E:
         raise ValueError(f"route_topk: k={k} must be in [1, E={E}]")
     if E > MAX_EXPERTS:
@@ -182,8 +226,10 @@ def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.
     n = 1
     for d in lead:
         n *= d
+    out = k + shared
     if n == 0:
-        return jnp.zeros((*lead, k), jnp.float32), jnp.zeros((*lead, k), jnp.int32)
-    w, ids = _route_topk_2d(logits.reshape(n, E), correction_bias, k=k, scoring=scoring,
-                            norm_topk_prob=bool(norm_topk_prob), scale=float(scale), interpret=interpret)
-    return w.reshape(*lead, k), ids.reshape(*lead, k)
+        return jnp.zeros((*lead, out), jnp.float32), jnp.zeros((*lead, out), jnp.int32)
+    w, ids = _route_topk_2d(logits.reshape(n, W), correction_bias, k=k, scoring=scoring,
+                            norm_topk_prob=bool(norm_topk_prob), scale=float(scale), shared=int(shared),
+                            shared_gate=bool(shared_gate), interpret=interpret)
+    return w.reshape(*lead, out), ids.reshape(*lead, out)
