@@ -97,17 +97,18 @@ step() {
     b64_moe)  # B = 64 decode of the two MoE families whose arena fits an H100 beside their weights
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families gptoss,nemo3nano \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 150 --trace 3 ;;
-    shared_b1)  # the shared expert joined to the routed experts' GEMV (MoE.fuse_projections): the kernels'
-      # GPU tests, then Qwen3.5-MoE and Nemotron at B = 1 with it apart and joined, alternating, each its own
-      # process, twice; the last joined run traced
+    shared_b1)  # the MoE decode changes of session 21 (shared expert joined to the expert GEMV, the activation
+      # in the down GEMV's prologue, padding masked by the router): the kernels' GPU tests, then Qwen3.5-MoE and
+      # Nemotron at B = 1, session 20's tree (.base: `git archive 2bf3b83`, carried) against this one, alternating,
+      # each its own process, twice; this tree's first run checked against the dense forward, its last traced
       python3 -m pytest -q tests/kernels/test_route_topk.py tests/kernels/test_expert_gemv.py -m gpu -k "gpu or matches"
       python3 -m pytest -q tests/kernels/test_route_topk.py
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
-      for i in 1 2; do for j in apart join; do echo "== $i UMEM_JAX_SHARED_EXPERT=$j"
-        tr=0; [ "$j" = join ] && [ "$i" = 2 ] && tr=3
-        ck=--no-check; [ "$j" = join ] && [ "$i" = 1 ] && ck=  # the arena-vs-dense check, joined, once
-        UMEM_JAX_SHARED_EXPERT=$j python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano --ctx 2048 \
-            --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck \
+      for i in 1 2; do for v in base new; do echo "== $i $v"
+        tr=0; [ "$v" = new ] && [ "$i" = 2 ] && tr=3
+        ck=--no-check; [ "$v" = new ] && [ "$i" = 1 ] && ck=
+        (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano \
+            --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck) \
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;

@@ -22,6 +22,7 @@ from flax import nnx
 
 from umem_jax.arena import apply_moves
 from umem_jax.models.moe import route, route_weights
+from umem_jax.pallas_kernels.route_topk import padding_masked
 
 from .families import FAMILIES
 from .model_steps import Pager, RouterRecorder, Stepper, rel_err, routers_replaced
@@ -108,7 +109,7 @@ def _dense_forced(model, toks: np.ndarray, forced: list[np.ndarray]):
     blocks = iter(range(len(forced)))
     own: list[np.ndarray] = []
 
-    def call(router, x):
+    def call(router, x, valid=None):
         full = router.logits(x)
         logits = full[..., :router.cfg.num_experts]  # without a joined shared expert's gate column
         bias = None if router.e_score_correction_bias is None else router.e_score_correction_bias[...]
@@ -116,7 +117,7 @@ def _dense_forced(model, toks: np.ndarray, forced: list[np.ndarray]):
         f = jnp.asarray(forced[next(blocks)].reshape(mine.shape))
         jax.debug.callback(lambda e: own.append(np.asarray(e)), mine, ordered=True)
         experts = jnp.where(f >= 0, f, mine)
-        return router.with_shared(route_weights(logits, experts, router.cfg), experts, full)
+        return padding_masked(*router.with_shared(route_weights(logits, experts, router.cfg), experts, full), valid)
 
     graphdef = model.graphdef
     with routers_replaced(call):

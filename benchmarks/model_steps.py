@@ -155,10 +155,10 @@ class RouterRecorder:
     def __init__(self):
         self.seen: list = []
 
-    def call(self, router, x):
+    def call(self, router, x, valid=None):
         import jax
 
-        weights, experts = PLAIN_ROUTER(router, x)
+        weights, experts = PLAIN_ROUTER(router, x, valid)
         routed = experts[..., :router.cfg.top_k]  # not the shared expert's slots that follow (MoE.fuse_projections)
         jax.debug.callback(lambda e: self.seen.append(np.asarray(e)), routed, ordered=True)
         return weights, experts
@@ -176,9 +176,9 @@ class RouterRecorder:
 
 @contextlib.contextmanager
 def routers_replaced(call):
-    """Router.__call__ is `call(router, x)` while traces are made (restored after).  A function
-    is put on the class, so it binds to each router as a method would."""
-    Router.__call__ = lambda router, x: call(router, x)
+    """Router.__call__ is `call(router, x, valid)` while traces are made (restored after).  A
+    function is put on the class, so it binds to each router as a method would."""
+    Router.__call__ = lambda router, x, valid=None: call(router, x, valid)
     try:
         yield
     finally:

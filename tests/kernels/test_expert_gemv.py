@@ -138,6 +138,41 @@ def test_shared_pseudo_experts_follow_the_routed(dtype):
         expert_gemv(x, ids_, w, b, repeat=k + m, shared=shared[:, :-1], interpret=True)
 
 
+PROLOGUES = [("swiglu", "silu"), ("ungated", "relu2"), ("gpt_oss", "silu")]
+
+
+@pytest.mark.parametrize("kind,act", PROLOGUES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prologue_activates_the_input_as_it_loads(kind, act, dtype):
+    """prologue=f: the kernel reads the first projection's fp32 output h [R, 2K] (gate | up; [R, K]
+    ungated) and multiplies f(gate, up), rounded to w's dtype, as the XLA chain (activation, cast,
+    then the kernel) would; K ragged against the blocks, splits past K, shared rows, padding rows
+    (NaN h, never read)."""
+    from umem_jax.models.moe_config import expert_prologue
+
+    f = expert_prologue(kind, act, 1.702, 7.0)
+    gated = kind != "ungated"
+    R, K, N, E, m = 6, 40, 24, 5, 1
+    ids = jnp.asarray([3, 0, 5, 3, -1, 1], jnp.int32)  # 5 = E: the shared pseudo-expert
+    rng = np.random.default_rng(len(kind) + len(act))
+    h = rng.standard_normal((R, 2 * K if gated else K), np.float32) * 3.0
+    h[4] = np.nan
+    h = jnp.asarray(h)
+    w = jnp.asarray(rng.standard_normal((E, K, N), np.float32) / np.sqrt(K)).astype(dtype)
+    shared = jnp.asarray(rng.standard_normal((m, K, N), np.float32) / np.sqrt(K)).astype(dtype)
+    with no_triton_deprecation():
+        parts = np.asarray(expert_gemv_partials(h, ids, w, shared=shared, prologue=f, gated=gated, interpret=True,
+                                                block_n=16, block_k=16, k_splits=2))
+    got = parts.sum(0)
+    a = f(h[:, :K], h[:, K:] if gated else None).astype(dtype)
+    want = expert_gemv_reference(a, ids, w, shared=shared)
+    assert np.all(np.isfinite(parts)) and np.all(got[4] == 0)
+    assert rel(got, want) < 1e-5
+    np.testing.assert_allclose(expert_gemv_reference(h, ids, w, shared=shared, prologue=f, gated=gated), want)
+    with pytest.raises(ValueError, match="columns"):
+        expert_gemv(h[:, :-1], ids, w, prologue=f, gated=gated, interpret=True)
+
+
 def test_jit_with_traced_ids_one_compile():
     """Under jit the ids are traced values: one compile serves every routing."""
     x, _, w, b = case(3, 8, 40, 24, 6, [0] * 8, bias=True)
@@ -228,4 +263,26 @@ def test_triton_kernel_with_shared_on_gpu(R, K, N, E, m):
     want = expert_gemv_reference(x, ids_, w, repeat=per, shared=shared)
     assert np.all(np.isfinite(parts)) and np.all(parts[:, -1] == 0)
     assert rel(got[:-1], want[:-1]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,act,K,N", [("swiglu", "silu", 512, 2048), ("ungated", "relu2", 1856, 2688),
+                                          ("gpt_oss", "silu", 2880, 2880)])
+def test_prologue_on_gpu(kind, act, K, N):
+    """The compiled kernel with each expert activation as its prologue (the down projections of
+    Qwen3.5-MoE, Nemotron and gpt-oss at one token), against the XLA activation then the kernel."""
+    from umem_jax.models.moe_config import expert_prologue
+
+    f = expert_prologue(kind, act, 1.702, 7.0)
+    gated = kind != "ungated"
+    R, E = 8, 16
+    rng = np.random.default_rng(K)
+    ids = jnp.asarray(np.append(rng.choice(E, R - 1, replace=False), -1), jnp.int32)
+    h = jnp.asarray(rng.standard_normal((R, 2 * K if gated else K), np.float32) * 2.0)
+    w = jnp.asarray(rng.standard_normal((E, K, N), np.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    got = expert_gemv(h, ids, w, prologue=f, gated=gated)
+    a = f(h[:, :K], h[:, K:] if gated else None).astype(jnp.bfloat16)
+    want = expert_gemv(a, ids, w)
+    assert np.all(np.asarray(got)[-1] == 0)
+    assert rel(got[:-1], want[:-1]) < 2e-3
 

@@ -87,6 +87,28 @@ def test_shared_slots_follow_the_picks(N, E, k, scoring, bias, norm, scale, shar
         route_topk_reference(logits, k=k, scoring=scoring, shared=0, shared_gate=True)
 
 
+@pytest.mark.parametrize("shared,gate", [(0, False), (1, True)])
+def test_padding_tokens_name_no_expert(shared, gate):
+    """valid [..] False: every slot of that token gets id -1 and weight 0 (the expert GEMV then
+    reads nothing for it); the valid tokens' choice is unchanged.  Leading dims [2, 9]."""
+    E, k = 64, 6
+    logits = logits_of(77 + shared, (2, 9, E + int(gate)))
+    valid = jnp.asarray(np.random.default_rng(3).random((2, 9)) < 0.6)
+    kw = dict(k=k, scoring="softmax", norm_topk_prob=True, shared=shared, shared_gate=gate)
+    with no_triton_deprecation():
+        w, ids = route_topk(logits, interpret=not ON_GPU, valid=valid, **kw)
+    w_ref, ids_ref = route_topk_reference(logits, valid=valid, **kw)
+    plain_w, plain_ids = route_topk_reference(logits, **kw)
+    keep = np.asarray(valid)
+    for got_w, got_ids in ((w, ids), (w_ref, ids_ref)):
+        assert got_ids.shape == (2, 9, k + shared)
+        assert np.all(np.asarray(got_ids)[~keep] == -1) and np.all(np.asarray(got_w)[~keep] == 0)
+        np.testing.assert_array_equal(np.asarray(got_ids)[keep], np.asarray(plain_ids)[keep])
+        np.testing.assert_allclose(np.asarray(got_w)[keep], np.asarray(plain_w)[keep], rtol=2e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="valid must be"):
+        route_topk(logits, valid=valid[0], **kw)
+
+
 def test_ties_go_to_the_lower_expert_and_leading_dims_are_kept():
     """Equal logits (quantised to a few values) pick the lowest ids first, as lax.top_k does."""
     rng = np.random.default_rng(0)

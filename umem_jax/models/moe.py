@@ -35,8 +35,8 @@ from flax import nnx
 from ..pallas_kernels.expert_gemv import expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
-from .layers import MLP, Linear, UngatedMLP, activation, fp32_precision, normal_init
-from .moe_config import EXPERT_KINDS, SCORINGS, MoEConfig
+from .layers import MLP, Linear, UngatedMLP, fp32_precision, normal_init
+from .moe_config import EXPERT_KINDS, SCORINGS, MoEConfig, activation_of, expert_activation
 from .router import Router, route, route_weights
 
 # Up to this many (token, expert) rows the dispatch gathers each row's expert weights instead of
@@ -54,9 +54,8 @@ GATHER_ROWS = 8
 # 1 / 2 tokens (gather 93 / 87, grouped 123 / 227); at 32 rows it was 3-4x slower than both
 # (403 us vs 122 / 101), hence ROWS_MAX.
 FEW_ROWS_PATH = None
-# With FEW_ROWS_PATH = "rows": the rows path serves up to this many (token, expert) rows (the
-# kernel takes up to expert_gemv.MAX_ROWS; it reads only the distinct experts, where gather's
-# copies grow with every row).
+# With FEW_ROWS_PATH = "rows": the rows path serves up to this many (token, expert) rows (the kernel
+# takes up to expert_gemv.MAX_ROWS; it reads only the distinct experts, gather copies every row's).
 ROWS_MAX = 16
 # The grouped matmul of the sorted path: "pallas" (the Triton grouped GEMM of
 # pallas_kernels/grouped_matmul.py) or "ragged" (jax.lax.ragged_dot); None: pallas on a GPU,
@@ -64,6 +63,9 @@ ROWS_MAX = 16
 # experts (24 TFLOP/s at gpt-oss-20b prefill shapes, 3 at Qwen3.5-35B-A3B-like, out of memory at
 # 16384 tokens) where the Pallas kernel ran 390-555 and 157-445 TFLOP/s.
 GROUPED_PATH = None
+# The rows path's down GEMV applies the experts' activation as it loads the gate_up output
+# (expert_gemv's prologue) instead of a launch between the two; False: an XLA op between them.
+FUSED_ACTIVATION = True
 # $UMEM_JAX_SHARED_EXPERT: "apart" keeps a fused model's shared expert apart from the routed ones
 # (its own MLP and gate, as before MoE.fuse_projections joined them); unset or "join": joined.
 # Read when a model is fused; for measuring one against the other.
@@ -98,20 +100,6 @@ def _grouped_matmul(x, w, *, group_sizes, impl):
     return grouped_matmul(x, w, group_sizes, interpret=jax.default_backend() != "gpu")
 
 
-def expert_activation(h: jax.Array, cfg: MoEConfig) -> jax.Array:
-    """The expert's hidden activation: h [..., 2I] (gate | up) or [..., I] (ungated) -> [..., I]."""
-    if cfg.expert_kind == "ungated":
-        return activation(cfg.activation)(h)
-    i = h.shape[-1] // 2
-    gate, up = h[..., :i], h[..., i:]
-    if cfg.expert_kind == "swiglu":
-        return activation(cfg.activation)(gate) * up
-    limit = cfg.swiglu_limit  # gpt-oss: clamp, then gate * sigmoid(alpha * gate) * (up + 1)
-    gate = jnp.minimum(gate, limit)
-    up = jnp.clip(up, -limit, limit)
-    return (up + 1.0) * (gate * jax.nn.sigmoid(cfg.swiglu_alpha * gate))
-
-
 class Experts(nnx.Module):
     """E stacked expert MLPs: gate_up_proj [E, d, 2I] (or up_proj [E, d, I]), down_proj [E, I, d],
     optional biases [E, 2I] / [E, d], E = cfg.local_experts.  reduce_axis: the tp axis when the
@@ -141,7 +129,7 @@ class Experts(nnx.Module):
         return getattr(self, self.first_name + "_bias")[...] if self.cfg.expert_bias else None
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array, valid: jax.Array | None = None,
-                 *, path: str | None = None, shared: tuple | None = None):
+                 *, path: str | None = None, shared: tuple | None = None, masked: bool = False):
         """x [N, d], weights/experts [N, k] (with shared: [N, k + m], the router's shared slots
         last), valid [N] bool or None -> [N, d] fp32: the weighted sum of each token's k experts
         and the shared expert's m pseudo-experts; zeros for invalid rows.
@@ -150,7 +138,8 @@ class Experts(nnx.Module):
         rows join the routed ones in the expert GEMV (ids E..E+m-1); elsewhere it runs dense.
         path: "ragged" / "pallas" (sort, then ragged_dot / the Pallas grouped matmul), "gather"
         (each row's expert weights gathered), "rows" (the Pallas expert GEMV: each chosen expert
-        read once); None: few_rows_path(N*k), else GROUPED_PATH.  Pallas is interpreted off a GPU."""
+        read once); None: few_rows_path(N*k), else GROUPED_PATH (Pallas interpreted off a GPU).
+        masked: the router gave invalid tokens ids -1 (Router's valid): the rows path takes them so."""
         n = x.shape[0]
         k, e = self.cfg.top_k, self.cfg.local_experts
         m = experts.shape[1] - k
@@ -167,11 +156,11 @@ class Experts(nnx.Module):
                 experts = jnp.concatenate([jnp.where(routed < e, routed, -1),
                                            experts[:, k:] - self.cfg.num_experts + e], 1)
                 weights = jnp.concatenate([routed_w, weights[:, k:]], 1)
-            out = self._rows(x, weights, experts, valid, shared=shared)
+            out = self._rows(x, weights, experts, None if masked else valid, shared=shared)
         elif path == "gather":
             out = self._gathered(x, routed_w, routed)
         elif path == "rows":
-            out = self._rows(x, routed_w, routed, valid)
+            out = self._rows(x, routed_w, routed, None if masked else valid)
         elif path in ("ragged", "pallas"):
             out = self._sorted(x, routed_w, routed, valid, path)
         else:
@@ -229,8 +218,12 @@ class Experts(nnx.Module):
         first, down = (None, None) if shared is None else shared
         gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
         h = gemv(x, ids, self.first, self.first_bias(), repeat=k, shared=first)  # [R, F] fp32: row r is token r // k
-        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
-        y = gemv(a, ids, self.down_proj[...], shared=down)  # [R, d] fp32; the down bias is added once, in _finish
+        if FUSED_ACTIVATION:  # the down GEMV activates h as it loads it: no launch between the two
+            y = gemv(h, ids, self.down_proj[...], shared=down, prologue=activation_of(self.cfg),
+                     gated=self.cfg.expert_kind != "ungated")
+        else:
+            y = gemv(expert_activation(h, self.cfg).astype(self.down_proj.dtype), ids, self.down_proj[...], shared=down)
+        # [R, d] fp32; the down bias is added once, in _finish
         return (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
 
     def _shared_dense(self, x, weights, shared):
@@ -336,9 +329,9 @@ class MoE(nnx.Module):
         lead, d = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, d)
         ok = None if valid is None else jnp.broadcast_to(valid, lead).reshape(-1)
-        weights, experts = self.gate(flat)
+        weights, experts = self.gate(flat, ok)  # padding tokens name no expert: ids -1
         joined = None if self.shared_first is None else (self.shared_first[...], self.shared_down[...])
-        out = self.experts(flat, weights, experts, ok, shared=joined)
+        out = self.experts(flat, weights, experts, ok, shared=joined, masked=True)
         if joined is None and (s := self.shared(flat)) is not None:
             out = out + s
         return out.astype(x.dtype).reshape(*lead, d)

@@ -1,10 +1,16 @@
 """MoEConfig: one MoE block's shape and routing, as a family's ModelConfig carries it (field `moe`)
-and as tensor / expert parallelism rewrites it per device (sharding.local_config).  The block
-itself: moe.py."""
+and as tensor / expert parallelism rewrites it per device (sharding.local_config), and the expert
+activation its expert_kind names.  The block itself: moe.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .layers import activation
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
 EXPERT_KINDS = ("swiglu", "gpt_oss", "ungated")
@@ -72,4 +78,36 @@ class MoEConfig:
             raise ValueError(f"MoE top_k={self.top_k} exceeds the experts of topk_group={self.topk_group} groups")
 
 
-__all__ = ["EXPERT_KINDS", "SCORINGS", "MoEConfig"]
+@functools.lru_cache(maxsize=None)
+def expert_prologue(kind: str, act: str, alpha: float, limit: float):
+    """The expert's activation as f(gate, up or None) -> [..., I]: one function object per
+    (kind, activation, gpt-oss alpha and limit), so the expert GEMV, which runs it as it loads its
+    input (pallas_kernels/expert_gemv.py `prologue`), compiles once per kind."""
+    f = activation(act)
+    if kind == "ungated":
+        return lambda gate, up: f(gate)
+    if kind == "swiglu":
+        return lambda gate, up: f(gate) * up
+
+    def gpt_oss(gate, up):  # clamp, then gate * sigmoid(alpha * gate) * (up + 1)
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1.0) * (gate * jax.nn.sigmoid(alpha * gate))
+
+    return gpt_oss
+
+
+def activation_of(cfg: MoEConfig):
+    """cfg's expert_prologue."""
+    return expert_prologue(cfg.expert_kind, cfg.activation, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+
+
+def expert_activation(h: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """The expert's hidden activation: h [..., 2I] (gate | up) or [..., I] (ungated) -> [..., I]."""
+    if cfg.expert_kind == "ungated":
+        return activation_of(cfg)(h, None)
+    i = h.shape[-1] // 2
+    return activation_of(cfg)(h[..., :i], h[..., i:])
+
+
+__all__ = ["EXPERT_KINDS", "SCORINGS", "MoEConfig", "activation_of", "expert_activation", "expert_prologue"]

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..pallas_kernels.route_topk import MAX_EXPERTS as ROUTE_MAX_EXPERTS
-from ..pallas_kernels.route_topk import (route_backend, route_topk, route_topk_reference, scores_of, topk_weights,
-                                         with_shared)
+from ..pallas_kernels.route_topk import (padding_masked, route_backend, route_topk, route_topk_reference, scores_of,
+                                         topk_weights, with_shared)
 from .layers import Linear, fp32_precision, normal_init
 from .moe_config import MoEConfig
 
@@ -34,13 +34,14 @@ def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array
 
 
 def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None = None, *, shared: int = 0,
-          shared_gate: bool = False):
+          shared_gate: bool = False, valid: jax.Array | None = None):
     """Router logits [..., E] (fp32, router bias included; with shared_gate [..., E + 1], the last
     column the shared expert's gate) -> (weights [..., k + shared] fp32, experts [..., k + shared]
     int32): the k picks, then `shared` slots naming the shared expert's pseudo-experts E.. (weight
     1, or the gate's sigmoid; route_topk.with_shared).  correction_bias [E] shifts the selection
-    only (never the weights).  Without expert groups (and up to route_topk.MAX_EXPERTS experts)
-    this is one Pallas kernel on a GPU (pallas_kernels/route_topk.py)."""
+    only (never the weights).  valid [...] bool: padding tokens name no expert (ids -1, weights 0).
+    Without expert groups (and up to route_topk.MAX_EXPERTS experts) this is one Pallas kernel on
+    a GPU (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
     E = cfg.num_experts
     kw = dict(k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
@@ -49,9 +50,9 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
         choice = choice if correction_bias is None else choice + correction_bias.astype(jnp.float32)
         choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
         experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
-        return with_shared(route_weights(logits[..., :E], experts, cfg), experts, logits, num_experts=E,
-                           shared=shared, shared_gate=shared_gate)
-    kw.update(correction_bias=correction_bias, shared=shared, shared_gate=shared_gate)
+        return padding_masked(*with_shared(route_weights(logits[..., :E], experts, cfg), experts, logits,
+                                           num_experts=E, shared=shared, shared_gate=shared_gate), valid)
+    kw.update(correction_bias=correction_bias, shared=shared, shared_gate=shared_gate, valid=valid)
     if route_backend() == "pallas" and E <= ROUTE_MAX_EXPERTS:
         return route_topk(logits, interpret=jax.default_backend() != "gpu", **kw)
     return route_topk_reference(logits, **kw)
@@ -104,10 +105,12 @@ class Router(nnx.Module):
         out = jnp.einsum("...d,ed->...e", x, w, precision=fp32_precision(x, w), preferred_element_type=jnp.float32)
         return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
 
-    def __call__(self, x: jax.Array):
-        """x [..., d] -> (weights [..., k + shared_slots] fp32, experts [..., k + shared_slots] int32)."""
+    def __call__(self, x: jax.Array, valid: jax.Array | None = None):
+        """x [..., d], valid [...] bool or None -> (weights [..., k + shared_slots] fp32, experts
+        [..., k + shared_slots] int32; a token that is not valid names no expert: ids -1)."""
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
-        return route(self.logits(x), self.cfg, bias, shared=self.shared_slots, shared_gate=self.shared_gated)
+        return route(self.logits(x), self.cfg, bias, shared=self.shared_slots, shared_gate=self.shared_gated,
+                     valid=valid)
 
 
 __all__ = ["Router", "route", "route_weights"]

@@ -8,6 +8,7 @@ every chosen expert's matrix read once.
                                               (repeat=k: x [R/k, K], row r reads x[r // k], as an
                                               MoE's k rows of one token do: no repeated copy of x)
     y[r] = 0                                  otherwise (padding rows: no expert is read for them)
+    prologue=f (gated): x[r] is f(x[r, :K], x[r, K:]) as it is loaded (the MLP's activation)
                                                                             -> [R, N] fp32 accumulation
 
 At one decode token an MoE layer must read exactly top_k experts' weights, and that read is the
@@ -59,10 +60,15 @@ DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                          repeat: int = 1, shared: jax.Array | None = None, out_dtype=jnp.float32) -> jax.Array:
+                          repeat: int = 1, shared: jax.Array | None = None, prologue=None, gated: bool = False,
+                          out_dtype=jnp.float32) -> jax.Array:
     """The definition, row by row in fp32: x[r // repeat] @ w[ids[r]] (+ bias[ids[r]]), with
     shared [m, K, N] ids E.. name shared[ids[r] - E] (no bias); zeros where ids[r] is outside
-    [0, E + m).  Gathers a [R, K, N] copy of the weights: small shapes only."""
+    [0, E + m).  With a prologue x is first prologue(gate, up) (gated: x = [gate | up]) rounded
+    to w's dtype.  Gathers a [R, K, N] copy of the weights: small shapes only."""
+    if prologue is not None:
+        K = w.shape[1]
+        x = prologue(x[:, :K].astype(jnp.float32), x[:, K:].astype(jnp.float32) if gated else None).astype(w.dtype)
     x = jnp.repeat(x, repeat, axis=0)
     if shared is not None:
         if bias is not None:
@@ -92,7 +98,8 @@ def _load(ref, mask, **kw):
     return pltr.load(ref, **({} if mask is None else {"mask": mask, "other": 0}), **kw)
 
 
-def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, repeat, has_bias, mask_k, mask_n):
+def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, repeat, has_bias, mask_k, mask_n,
+            prologue, gated):
     refs = list(refs)
     s_ref = refs.pop(0) if M else None
     b_ref = refs.pop(0) if has_bias else None
@@ -117,8 +124,11 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, rep
         def body(i, acc):
             ks = (s * chunks + i) * bk + jnp.arange(bk, dtype=jnp.int32)
             k_ok = ks < K if mask_k else None
-            a = _load(x_ref.at[x_rows[:, None], ks[None, :]],
-                      _and(group[:, None], None if k_ok is None else k_ok[None, :]))
+            a_mask = _and(group[:, None], None if k_ok is None else k_ok[None, :])
+            a = _load(x_ref.at[x_rows[:, None], ks[None, :]], a_mask)
+            if prologue is not None:  # x is the previous projection's fp32 output: activate it here
+                up = _load(x_ref.at[x_rows[:, None], K + ks[None, :]], a_mask) if gated else None
+                a = prologue(a, up).astype(ref.dtype)
             # The weights are streamed once: evict them first so x and the ids stay in L2.
             b = _load(ref.at[idx, ks[:, None], cols[None, :]],
                       _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :]),
@@ -162,11 +172,12 @@ def default_config(rows: int, K: int, N: int, dtype) -> dict:
     return {"block_n": bn, "block_k": bk, "k_splits": s, "num_warps": 4, "num_stages": 4}
 
 
-def _check(x, ids, w, bias, repeat, shared=None):
-    R, K = x.shape[0] * repeat, x.shape[1]
+def _check(x, ids, w, bias, repeat, shared=None, gated=False):
+    R, K = x.shape[0] * repeat, x.shape[1] // (2 if gated else 1)
     E, K2, N = w.shape
-    if K2 != K:
-        raise ValueError(f"expert_gemv: x has K={K} columns, w has K={K2} rows")
+    if K2 != K or (gated and x.shape[1] != 2 * K):
+        raise ValueError(f"expert_gemv: x has K={x.shape[1]} columns{' (gate | up)' if gated else ''}, "
+                         f"w has K={K2} rows")
     if ids.shape != (R,) or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"expert_gemv: ids must be int [{R}] (x's rows * repeat), "
                          f"got {ids.dtype}{list(ids.shape)}")
@@ -183,16 +194,18 @@ def _check(x, ids, w, bias, repeat, shared=None):
                          f"got {shared.dtype}{list(shared.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("repeat", "block_n", "block_k", "k_splits", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("repeat", "prologue", "gated", "block_n", "block_k", "k_splits",
+                                             "num_warps", "num_stages", "interpret"))
 def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                         repeat: int = 1, shared: jax.Array | None = None, block_n: int | None = None,
-                         block_k: int | None = None, k_splits: int | None = None, num_warps: int | None = None,
-                         num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                         repeat: int = 1, shared: jax.Array | None = None, prologue=None, gated: bool = False,
+                         block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
+                         num_warps: int | None = None, num_stages: int | None = None,
+                         interpret: bool = False) -> jax.Array:
     """The kernel's raw output: fp32 partial sums [k_splits, R, N] (their sum over axis 0 is
-    expert_gemv's result).  x is cast to w's dtype (the dot takes one input type)."""
-    _check(x, ids, w, bias, repeat, shared)
-    R, K = ids.shape[0], x.shape[1]
+    expert_gemv's result).  x is cast to w's dtype (the dot takes one input type), or with a
+    prologue kept as it is (see expert_gemv)."""
+    _check(x, ids, w, bias, repeat, shared, gated and prologue is not None)
+    R, K = ids.shape[0], w.shape[1]
     E, _, N = w.shape
     cfg = default_config(R, K, N, w.dtype)
     given = {"block_n": block_n, "block_k": block_k, "k_splits": k_splits, "num_warps": num_warps,
@@ -205,8 +218,9 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
     kernel = functools.partial(
         _kernel, R=R, K=K, N=N, E=E, M=0 if shared is None else shared.shape[0], bm=max(16, pow2_ceil(R)), bn=bn,
         bk=bk, chunks=chunks, repeat=repeat, has_bias=bias is not None, mask_k=chunks * S * bk != K,
-        mask_n=N % bn != 0)
-    operands = [ids.astype(jnp.int32), x.astype(w.dtype), w] + [a for a in (shared, bias) if a is not None]
+        mask_n=N % bn != 0, prologue=prologue, gated=bool(gated and prologue is not None))
+    x = x if prologue is not None else x.astype(w.dtype)
+    operands = [ids.astype(jnp.int32), x, w] + [a for a in (shared, bias) if a is not None]
     return pl.pallas_call(
         kernel,
         grid=(R, pl.cdiv(N, bn), S),
@@ -220,13 +234,19 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
 
 
 def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, repeat: int = 1,
-                shared: jax.Array | None = None, out_dtype=jnp.float32, interpret: bool = False,
-                **tuning) -> jax.Array:
+                shared: jax.Array | None = None, prologue=None, gated: bool = False, out_dtype=jnp.float32,
+                interpret: bool = False, **tuning) -> jax.Array:
     """x [R / repeat, K] (row r reads x[r // repeat]), ids [R] int (E.. name shared [m, K, N]'s
     matrices; outside [0, E + m): a padding row, zeros out), w [E, K, N], bias [E, N] or None
-    -> [R, N] in out_dtype (default fp32), fp32 accumulation.  `tuning`: block_n, block_k, k_splits, num_warps, num_stages (defaults:
-    default_config).  Not jitted itself, so the sum over the K splits fuses into the caller's next
-    op under the caller's jit."""
-    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, shared=shared, interpret=interpret, **tuning)
+    -> [R, N] in out_dtype (default fp32), fp32 accumulation.
+
+    prologue: the activation between an MLP's two projections, done as x is loaded, so the first
+    projection's fp32 output needs no launch of its own: x [R / repeat, 2K] (gated: gate | up)
+    or [R / repeat, K] -> prologue(gate [bm, bk] fp32, up or None) rounded to w's dtype.  A
+    function object that stays the same between traces (it keys the kernel's compile).
+    `tuning`: block_n, block_k, k_splits, num_warps, num_stages (defaults: default_config).  Not
+    jitted itself, so the sum over the K splits fuses into the caller's next op under the caller's jit."""
+    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, shared=shared, prologue=prologue, gated=gated,
+                                 interpret=interpret, **tuning)
     y = parts[0] if parts.shape[0] == 1 else parts.sum(0)
     return y.astype(out_dtype)

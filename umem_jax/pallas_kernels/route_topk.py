@@ -13,6 +13,7 @@
     whose shared expert runs in the expert GEMV, models/moe.py), each weighted 1, or with
     shared_gate sigmoid(logits[:, E]): the router's matmul then carries the shared expert's gate
     as one more column, which the pick never sees -> weights, experts [N, k + m]
+    valid [N] bool: a row that is not valid (a padding token) gets ids -1 and weights 0 in every slot
 
 Ties go to the lower expert id, as `jax.lax.top_k` breaks them.  Grouped selection (DeepSeek's
 n_group / topk_group) is not here: models/moe.py masks the groups first and calls the reference.
@@ -37,7 +38,7 @@ from ._compat import pltr, triton_params
 from .launch import ANY, kernel_or_xla, pow2_ceil
 
 __all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
-           "topk_weights", "with_shared"]
+           "padding_masked", "topk_weights", "with_shared"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 BLOCK_ROWS = 16  # rows a program takes: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
@@ -103,7 +104,7 @@ def _split_gate(logits: jax.Array, shared: int, shared_gate: bool) -> int:
 
 def route_topk_reference(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
                          norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0,
-                         shared_gate: bool = False) -> tuple[jax.Array, jax.Array]:
+                         shared_gate: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The definition in XLA ops (jax.lax.top_k): logits [..., E] (with shared_gate [..., E + 1])
     -> (weights [..., k + shared] fp32, experts [..., k + shared] int32)."""
     _check_scoring(scoring)
@@ -115,11 +116,23 @@ def route_topk_reference(logits: jax.Array, *, k: int, scoring: str, correction_
         choice = choice + correction_bias.astype(jnp.float32)
     experts = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
     weights = topk_weights(logits, experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale)
-    return with_shared(weights, experts, full, num_experts=E, shared=shared, shared_gate=shared_gate)
+    weights, experts = with_shared(weights, experts, full, num_experts=E, shared=shared, shared_gate=shared_gate)
+    return padding_masked(weights, experts, valid)
 
 
-def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias, shared, gate):
-    bias_ref, w_ref, e_ref = refs if has_bias else (None, *refs)
+def padding_masked(weights: jax.Array, experts: jax.Array, valid: jax.Array | None):
+    """A choice [..., s] with the tokens that are not `valid` [...] naming no expert (id -1,
+    weight 0); unchanged for valid None."""
+    if valid is None:
+        return weights, experts
+    return jnp.where(valid[..., None], weights, 0.0), jnp.where(valid[..., None], experts, -1)
+
+
+def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias, shared, gate, has_valid):
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    valid_ref = refs.pop(0) if has_valid else None
+    w_ref, e_ref = refs
     rows = pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)
     cols = jnp.arange(ep, dtype=jnp.int32)
     row_ok, col_ok = rows < N, cols < E
@@ -168,6 +181,10 @@ def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bi
             g = 1.0 / (1.0 + jnp.exp(-pltr.load(logits_ref.at[rows, E], mask=row_ok, other=0.0)))
         w = jnp.where(slot, g[:, None], w)
         ids = jnp.where(slot, E + kcols[None, :] - k, ids)
+    if has_valid:  # a padding token names no expert (id -1, weight 0): its rows are never read
+        ok = pltr.load(valid_ref.at[rows], mask=row_ok, other=0) != 0
+        w = jnp.where(ok[:, None], w, 0.0)
+        ids = jnp.where(ok[:, None], ids, -1)
     out_mask = row_ok[:, None] & (kcols < k + shared)[None, :]
     pltr.store(w_ref.at[rows[:, None], kcols[None, :]], w, mask=out_mask)
     pltr.store(e_ref.at[rows[:, None], kcols[None, :]], ids, mask=out_mask)
@@ -181,17 +198,21 @@ def _warps(elements: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scale", "shared", "shared_gate",
                                              "interpret"))
-def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale, shared, shared_gate, interpret):
+def _route_topk_2d(logits, correction_bias, valid, *, k, scoring, norm_topk_prob, scale, shared, shared_gate,
+                   interpret):
     N, W = logits.shape
     E = W - int(shared_gate)
     ep = max(16, pow2_ceil(E))
     bn = min(BLOCK_ROWS, pow2_ceil(N))
     kernel = functools.partial(_kernel, N=N, E=E, k=k, bn=bn, ep=ep, kp=max(2, pow2_ceil(k + shared)),
                                scoring=scoring, norm=norm_topk_prob, scale=float(scale),
-                               has_bias=correction_bias is not None, shared=shared, gate=shared_gate)
+                               has_bias=correction_bias is not None, shared=shared, gate=shared_gate,
+                               has_valid=valid is not None)
     operands = [logits.astype(jnp.float32)]
     if correction_bias is not None:
         operands.append(correction_bias.astype(jnp.float32))
+    if valid is not None:
+        operands.append(valid.astype(jnp.int32))
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(N, bn),),
@@ -207,7 +228,7 @@ def _route_topk_2d(logits, correction_bias, *, k, scoring, norm_topk_prob, scale
 
 def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
                norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0, shared_gate: bool = False,
-               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+               valid: jax.Array | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The Pallas kernel: logits [..., E] (with shared_gate [..., E + 1]; any leading dims, fp32 or
     castable) -> (weights [..., k + shared] fp32, experts [..., k + shared] int32), as
     route_topk_reference gives them."""
@@ -229,7 +250,10 @@ def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.
     out = k + shared
     if n == 0:
         return jnp.zeros((*lead, out), jnp.float32), jnp.zeros((*lead, out), jnp.int32)
-    w, ids = _route_topk_2d(logits.reshape(n, W), correction_bias, k=k, scoring=scoring,
+    if valid is not None and valid.shape != tuple(lead):
+        raise ValueError(f"route_topk: valid must be {list(lead)} (the logits' leading dims), got {list(valid.shape)}")
+    w, ids = _route_topk_2d(logits.reshape(n, W), correction_bias, None if valid is None else valid.reshape(n),
+                            k=k, scoring=scoring,
                             norm_topk_prob=bool(norm_topk_prob), scale=float(scale), shared=int(shared),
                             shared_gate=bool(shared_gate), interpret=interpret)
     return w.reshape(*lead, out), ids.reshape(*lead, out)
