@@ -342,20 +342,6 @@ def test_rows_path_matches_reference_bf16(name, monkeypatch):
     assert got.dtype == jnp.bfloat16 and rel(got, want) < 2e-2
 
 
-def test_rows_path_padding_rows_do_not_touch_valid_rows(monkeypatch):
-    """Padding tokens (NaN and huge x) name no expert in the kernel: valid rows equal the block
-    run on the valid tokens alone."""
-    use_rows(monkeypatch)
-    m = build(CONFIGS["gpt_oss"], seed=71)
-    x = inputs(15, (2, 5, HIDDEN))
-    valid = jnp.asarray(np.random.default_rng(1).random((2, 5)) < 0.6).at[0, 0].set(True)
-    junk = jnp.where(jnp.arange(10).reshape(2, 5, 1) % 2 == 0, jnp.nan, 1e6)
-    got = np.asarray(jitted(block, m, jnp.where(valid[..., None], x, junk), valid))
-    keep = np.asarray(valid)
-    np.testing.assert_allclose(got[keep], np.asarray(jitted(block, m, x[valid])), rtol=1e-6, atol=1e-6)
-    assert np.all(got[~keep] == 0)
-
-
 def test_few_rows_dispatch_default_and_rows(monkeypatch):
     """The default is the backend's choice (None: the rows kernel on a GPU, where it beat the
     gather at every measured row count up to ROWS_MAX, gather elsewhere); with FEW_ROWS_PATH =
@@ -451,16 +437,18 @@ def test_joined_shared_expert_matches_the_separate_one(name, path, tokens, monke
     assert rel(jitted(moe_reference, j, x), want) < 1e-5
 
 
-def test_joined_rows_path_padding_rows_do_not_touch_valid_rows(monkeypatch):
-    """Padding tokens (NaN and huge x) send no row to any expert, shared ones included."""
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen_gate_m2"])
+def test_rows_path_padding_rows_do_not_touch_valid_rows(name, monkeypatch):
+    """Padding tokens (NaN and huge x) name no expert in the kernel (the router gives them id -1,
+    shared slots included): valid rows equal the block run on the valid tokens alone."""
     use_rows(monkeypatch)
-    j = joined(build(JOINABLE["qwen_gate_m2"], seed=91))
-    x = inputs(16, (2, 3, HIDDEN))
-    valid = jnp.asarray([[True, False, True], [False, True, False]])
-    junk = jnp.where(jnp.arange(6).reshape(2, 3, 1) % 2 == 0, jnp.nan, 1e6)
-    got = np.asarray(jitted(block, j, jnp.where(valid[..., None], x, junk), valid))
+    m = build(CONFIGS[name], seed=71) if name in CONFIGS else joined(build(JOINABLE[name], seed=91))
+    x = inputs(15, (2, 5, HIDDEN))
+    valid = jnp.asarray(np.random.default_rng(1).random((2, 5)) < 0.6).at[0, 0].set(True).at[1, 0].set(False)
+    junk = jnp.where(jnp.arange(10).reshape(2, 5, 1) % 2 == 0, jnp.nan, 1e6)
+    got = np.asarray(jitted(block, m, jnp.where(valid[..., None], x, junk), valid))
     keep = np.asarray(valid)
-    np.testing.assert_allclose(got[keep], np.asarray(jitted(block, j, x[valid])), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[keep], np.asarray(jitted(block, m, x[valid])), rtol=1e-6, atol=1e-6)
     assert np.all(got[~keep] == 0)
 
 
