@@ -100,12 +100,12 @@ step() {
     shared_b1)  # the MoE decode changes of session 21 (shared expert joined to the expert GEMV, the activation
       # in the down GEMV's prologue, padding masked by the router): the kernels' GPU tests, then Qwen3.5-MoE and
       # Nemotron at B = 1, session 20's tree (.base: `git archive 2bf3b83`, carried) against this one, alternating,
-      # each its own process, twice; this tree's first run checked against the dense forward, its last traced
+      # each its own process, ROUNDS times (2); this tree's first run checked against the dense forward, its last traced
       python3 -m pytest -q tests/kernels/test_route_topk.py tests/kernels/test_expert_gemv.py -m gpu -k "gpu or matches"
       python3 -m pytest -q tests/kernels/test_route_topk.py
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
-      for i in 1 2; do for v in base new; do echo "== $i $v"
-        tr=0; [ "$v" = new ] && [ "$i" = 2 ] && tr=3
+      for i in $(seq "${ROUNDS:-2}"); do for v in base new; do echo "== $i $v"
+        tr=0; [ "$v" = new ] && [ "$i" = "${ROUNDS:-2}" ] && tr=3
         ck=--no-check; [ "$v" = new ] && [ "$i" = 1 ] && ck=
         (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano \
             --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck) \
