@@ -110,6 +110,12 @@ step() {
         (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano \
             --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck) \
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
+    prologue_b1)  # the expert activation in the down GEMV's prologue or an XLA op before it, against session 20's tree
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for v in base 0 1; do echo "== $v"
+        (if [ "$v" = base ]; then cd .base; fi; UMEM_JAX_EXPERT_PROLOGUE=$v python3 -m benchmarks.bench_models \
+            --families qwen35moe,nemo3nano --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 100 \
+            --no-check --trace $([ "$v" = 0 ] && echo 3 || echo 0)) | grep -v "skipped" | grep -v "^    0.0"; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..pallas_kernels.expert_gemv import expert_gemv
+from ..pallas_kernels.expert_gemv import PROLOGUE_ENV, expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
 from .layers import MLP, Linear, UngatedMLP, fp32_precision, normal_init
@@ -63,9 +63,12 @@ ROWS_MAX = 16
 # experts (24 TFLOP/s at gpt-oss-20b prefill shapes, 3 at Qwen3.5-35B-A3B-like, out of memory at
 # 16384 tokens) where the Pallas kernel ran 390-555 and 157-445 TFLOP/s.
 GROUPED_PATH = None
-# The rows path's down GEMV applies the experts' activation as it loads the gate_up output
-# (expert_gemv's prologue) instead of a launch between the two; False: an XLA op between them.
-FUSED_ACTIVATION = True
+# The rows path's down GEMV may apply the experts' activation as it loads the gate_up output
+# (expert_gemv's prologue) instead of a launch between the two: True / False, or None:
+# $UMEM_JAX_EXPERT_PROLOGUE ("1" on; unset or "0" off; read at trace time).  Off: on an H100
+# (2026-12-06) it made Qwen3.5-MoE's down GEMV 2x slower (0.78 vs 0.38 ms a B = 1 step: +12%
+# on the step) and Nemotron's no faster, against the one launch it saves a layer.
+FUSED_ACTIVATION = None
 # $UMEM_JAX_SHARED_EXPERT: "apart" keeps a fused model's shared expert apart from the routed ones
 # (its own MLP and gate, as before MoE.fuse_projections joined them); unset or "join": joined.
 # Read when a model is fused; for measuring one against the other.
@@ -218,7 +221,8 @@ class Experts(nnx.Module):
         first, down = (None, None) if shared is None else shared
         gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
         h = gemv(x, ids, self.first, self.first_bias(), repeat=k, shared=first)  # [R, F] fp32: row r is token r // k
-        if FUSED_ACTIVATION:  # the down GEMV activates h as it loads it: no launch between the two
+        fused = FUSED_ACTIVATION if FUSED_ACTIVATION is not None else os.environ.get(PROLOGUE_ENV, "0") == "1"
+        if fused:  # the down GEMV activates h as it loads it: no launch between the two
             y = gemv(h, ids, self.down_proj[...], shared=down, prologue=activation_of(self.cfg),
                      gated=self.cfg.expert_kind != "ungated")
         else:
@@ -230,10 +234,12 @@ class Experts(nnx.Module):
         """The shared expert from its pseudo-experts, every token through all m: x [N, d],
         weights [N, m] (its gate) -> [N, d] fp32, this device's partial sum (before _finish)."""
         first, down = shared
-        h = jnp.einsum("nd,mdf->nmf", x, first, precision=fp32_precision(x, first), preferred_element_type=jnp.float32)
-        a = expert_activation(h, self.cfg).astype(down.dtype)
-        y = jnp.einsum("nmi,mid->nmd", a, down, precision=fp32_precision(a, down), preferred_element_type=jnp.float32)
-        return jnp.einsum("nm,nmd->nd", weights, y, precision=fp32_precision(weights, y))
+        # batch-major [m, N, F], then the gate applied before the (linear) down projection, so the
+        # sum over m is part of one contraction over (m, I): no [N, m, d] partials, no transposes
+        # of them (the per-m form cost Nemotron 0.27 ms a B = 64 step on an H100)
+        h = jnp.einsum("nd,mdf->mnf", x, first, precision=fp32_precision(x, first), preferred_element_type=jnp.float32)
+        a = (expert_activation(h, self.cfg) * weights.T[:, :, None]).astype(down.dtype)
+        return jnp.einsum("mni,mid->nd", a, down, precision=fp32_precision(a, down), preferred_element_type=jnp.float32)
 
     def _local_choice(self, weights, experts):
         """Expert parallelism: the global choice [N, k] -> this device's (weights, ids), ids local

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .launch import ANY, pow2_ceil
 
-__all__ = ["MAX_ROWS", "default_config", "expert_gemv", "expert_gemv_partials", "expert_gemv_reference"]
+__all__ = ["MAX_ROWS", "PROLOGUE_ENV", "default_config", "expert_gemv", "expert_gemv_partials", "expert_gemv_reference"]
 
 MAX_ROWS = 64  # every live program holds all rows' tile ([bm, bk] and a [bm, bn] fp32 accumulator)
 # Programs to aim for when choosing k_splits (about one per SM).  Measured inside a step-like chain
@@ -57,6 +57,9 @@ MAX_ROWS = 64  # every live program holds all rows' tile ([bm, bk] and a [bm, bn
 # (-7 to -11% for Qwen's down and both of Nemotron's) than at the 512 programs aimed for before.
 TARGET_PROGRAMS = 128
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# $UMEM_JAX_EXPERT_PROLOGUE=1: models/moe.py runs the experts' activation as the down GEMV's
+# prologue (off by default: see moe.FUSED_ACTIVATION).  Read at trace time (runner.TRACE_ENV).
+PROLOGUE_ENV = "UMEM_JAX_EXPERT_PROLOGUE"
 
 
 def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
