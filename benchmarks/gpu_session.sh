@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420)
+                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -116,6 +116,13 @@ step() {
         (if [ "$v" = base ]; then cd .base; fi; UMEM_JAX_EXPERT_PROLOGUE=$v python3 -m benchmarks.bench_models \
             --families qwen35moe,nemo3nano --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 100 \
             --no-check --trace $([ "$v" = 0 ] && echo 3 || echo 0)) | grep -v "skipped" | grep -v "^    0.0"; done ;;
+    b64_shared)  # Nemotron at B = 64 with its shared expert apart and joined (the one-contraction dense form), alternating,
+      # each its own process, twice
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for i in 1 2; do for s in apart join; do echo "== $i $s"
+        UMEM_JAX_SHARED_EXPERT=$s python3 -m benchmarks.bench_models --families nemo3nano --ctx 2048 \
+            --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 60 | grep -A4 "^== bench_models"
+      done; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
