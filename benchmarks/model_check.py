@@ -21,8 +21,7 @@ import numpy as np
 from flax import nnx
 
 from umem_jax.arena import apply_moves
-from umem_jax.models.moe import route, route_weights
-from umem_jax.pallas_kernels.route_topk import padding_masked
+from umem_jax.models.moe import route
 
 from .families import FAMILIES
 from .model_steps import Pager, RouterRecorder, Stepper, rel_err, routers_replaced
@@ -117,7 +116,7 @@ def _dense_forced(model, toks: np.ndarray, forced: list[np.ndarray]):
         f = jnp.asarray(forced[next(blocks)].reshape(mine.shape))
         jax.debug.callback(lambda e: own.append(np.asarray(e)), mine, ordered=True)
         experts = jnp.where(f >= 0, f, mine)
-        return padding_masked(*router.with_shared(route_weights(logits, experts, router.cfg), experts, full), valid)
+        return router.choice(full, experts, valid)
 
     graphdef = model.graphdef
     with routers_replaced(call):

@@ -169,7 +169,7 @@ class Experts(nnx.Module):
         else:
             raise ValueError(f"MoE dispatch path {path!r}; known: ragged, pallas, gather, rows")
         if m and not joined:
-            out = out + self._shared_dense(x, weights[:, k:], shared)
+            out = out + self.shared_dense(x, weights[:, k:], shared)
         return self._finish(out, routed_w, routed, valid)
 
     def _sorted(self, x, weights, experts, valid, impl):
@@ -230,7 +230,7 @@ class Experts(nnx.Module):
         # [R, d] fp32; the down bias is added once, in _finish
         return (y * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
 
-    def _shared_dense(self, x, weights, shared):
+    def shared_dense(self, x, weights, shared):
         """The shared expert from its pseudo-experts, every token through all m: x [N, d],
         weights [N, m] (its gate) -> [N, d] fp32, this device's partial sum (before _finish)."""
         first, down = shared
@@ -321,7 +321,7 @@ class MoE(nnx.Module):
         """The shared expert's output [N, d] fp32 (times its gate), or None; once it is joined,
         from the router's shared slots' weights [N, m] (then this device's partial sum)."""
         if self.shared_first is not None:
-            return self.experts._shared_dense(x, weights, (self.shared_first[...], self.shared_down[...]))
+            return self.experts.shared_dense(x, weights, (self.shared_first[...], self.shared_down[...]))
         if self.shared_expert is None:
             return None
         s = self.shared_expert(x).astype(jnp.float32)

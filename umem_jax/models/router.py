@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..pallas_kernels.route_topk import MAX_EXPERTS as ROUTE_MAX_EXPERTS
-from ..pallas_kernels.route_topk import (padding_masked, route_backend, route_topk, route_topk_reference, scores_of,
-                                         topk_weights, with_shared)
+from ..pallas_kernels.route_topk import choice_of, route_backend, route_topk, route_topk_reference, scores_of, topk_weights
 from .layers import Linear, fp32_precision, normal_init
 from .moe_config import MoEConfig
 
@@ -38,21 +37,20 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
     """Router logits [..., E] (fp32, router bias included; with shared_gate [..., E + 1], the last
     column the shared expert's gate) -> (weights [..., k + shared] fp32, experts [..., k + shared]
     int32): the k picks, then `shared` slots naming the shared expert's pseudo-experts E.. (weight
-    1, or the gate's sigmoid; route_topk.with_shared).  correction_bias [E] shifts the selection
+    1, or the gate's sigmoid; route_topk.choice_of).  correction_bias [E] shifts the selection
     only (never the weights).  valid [...] bool: padding tokens name no expert (ids -1, weights 0).
     Without expert groups (and up to route_topk.MAX_EXPERTS experts) this is one Pallas kernel on
     a GPU (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
     E = cfg.num_experts
-    kw = dict(k=cfg.top_k, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
+    kw = dict(scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the others, pick in XLA
         choice = scores_of(logits[..., :E], cfg.scoring)
         choice = choice if correction_bias is None else choice + correction_bias.astype(jnp.float32)
         choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
         experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
-        return padding_masked(*with_shared(route_weights(logits[..., :E], experts, cfg), experts, logits,
-                                           num_experts=E, shared=shared, shared_gate=shared_gate), valid)
-    kw.update(correction_bias=correction_bias, shared=shared, shared_gate=shared_gate, valid=valid)
+        return choice_of(logits, experts, shared=shared, shared_gate=shared_gate, valid=valid, **kw)
+    kw.update(k=cfg.top_k, correction_bias=correction_bias, shared=shared, shared_gate=shared_gate, valid=valid)
     if route_backend() == "pallas" and E <= ROUTE_MAX_EXPERTS:
         return route_topk(logits, interpret=jax.default_backend() != "gpu", **kw)
     return route_topk_reference(logits, **kw)
@@ -94,11 +92,13 @@ class Router(nnx.Module):
                 self.bias = nnx.Param(jnp.concatenate([self.bias[...], jnp.zeros((1,), self.bias.dtype)]))
         self.shared_slots, self.shared_gated = int(slots), gate is not None
 
-    def with_shared(self, weights: jax.Array, experts: jax.Array, logits: jax.Array):
-        """A routed choice [..., k] (e.g. one a check forces) with this router's shared slots
-        appended, as __call__ gives them, from logits [..., E (+ 1)] -> [..., k + slots]."""
-        return with_shared(weights, experts, logits, num_experts=self.cfg.num_experts, shared=self.shared_slots,
-                           shared_gate=self.shared_gated)
+    def choice(self, logits: jax.Array, experts: jax.Array, valid: jax.Array | None = None):
+        """The choice __call__ would give if it had picked experts [..., k] (e.g. ones a check
+        forces) from its logits [..., E (+ 1)] -> (weights, experts) [..., k + shared_slots]."""
+        cfg = self.cfg
+        return choice_of(logits, experts, scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob,
+                         scale=cfg.routed_scaling_factor, shared=self.shared_slots, shared_gate=self.shared_gated,
+                         valid=valid)
 
     def logits(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]

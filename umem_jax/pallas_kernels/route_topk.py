@@ -38,7 +38,7 @@ from ._compat import pltr, triton_params
 from .launch import ANY, kernel_or_xla, pow2_ceil
 
 __all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
-           "padding_masked", "topk_weights", "with_shared"]
+           "choice_of", "topk_weights", "with_shared"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 BLOCK_ROWS = 16  # rows a program takes: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
@@ -115,14 +115,18 @@ def route_topk_reference(logits: jax.Array, *, k: int, scoring: str, correction_
     if correction_bias is not None and scoring != "topk_softmax":
         choice = choice + correction_bias.astype(jnp.float32)
     experts = jax.lax.top_k(choice, k)[1].astype(jnp.int32)
-    weights = topk_weights(logits, experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale)
-    weights, experts = with_shared(weights, experts, full, num_experts=E, shared=shared, shared_gate=shared_gate)
-    return padding_masked(weights, experts, valid)
+    return choice_of(full, experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale, shared=shared,
+                     shared_gate=shared_gate, valid=valid)
 
 
-def padding_masked(weights: jax.Array, experts: jax.Array, valid: jax.Array | None):
-    """A choice [..., s] with the tokens that are not `valid` [...] naming no expert (id -1,
-    weight 0); unchanged for valid None."""
+def choice_of(logits: jax.Array, experts: jax.Array, *, scoring: str, norm_topk_prob: bool, scale: float,
+              shared: int = 0, shared_gate: bool = False, valid: jax.Array | None = None):
+    """The choice as route_topk gives it, for experts [..., k] picked from logits [..., E] (with
+    shared_gate [..., E + 1]) by any rule: their weights (topk_weights), the shared slots
+    (with_shared), then the padding tokens (not `valid` [...]) naming no expert (id -1, weight 0)."""
+    E = _split_gate(logits, shared, shared_gate)
+    weights = topk_weights(logits[..., :E], experts, scoring=scoring, norm_topk_prob=norm_topk_prob, scale=scale)
+    weights, experts = with_shared(weights, experts, logits, num_experts=E, shared=shared, shared_gate=shared_gate)
     if valid is None:
         return weights, experts
     return jnp.where(valid[..., None], weights, 0.0), jnp.where(valid[..., None], experts, -1)
