@@ -112,30 +112,35 @@ def test_repeat_reads_each_tokens_row(dtype):
     np.testing.assert_array_equal(want, expert_gemv_reference(jnp.repeat(x, k, axis=0), ids_, w, b))
 
 
+@pytest.mark.parametrize("shared_axis", [0, 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_shared_pseudo_experts_follow_the_routed(dtype):
-    """shared=[m, K, N]: ids E .. E+m-1 read the shared matrices (no bias, even where the routed
-    experts have one), tokens naming the same shared slot share one read; ids past E+m and
-    negative ones are padding (exact zeros, their NaN x never read)."""
+def test_shared_pseudo_experts_follow_the_routed(dtype, shared_axis):
+    """shared=[m, K, N] (or [K, m, N], shared_axis=1): ids E .. E+m-1 read the shared matrices (no
+    bias, even where the routed experts have one), tokens naming the same shared slot share one
+    read; ids past E+m and negative ones are padding (exact zeros, their NaN x never read)."""
     k, m, E, K, N = 3, 2, 5, 40, 24
     ids = [4, 0, 2, 5, 6,   1, 1, 3, 5, 6,   -1, -1, -1, -1, -1,   0, 4, 2, 7, 6]  # 4 tokens x (k + m)
     rng = np.random.default_rng(5)
     x, ids_, w, b = case(13, 4 * (k + m), K, N, E, ids, dtype, bias=True)
     x = jnp.asarray(rng.standard_normal((4, K), np.float32)).astype(dtype).at[2].set(jnp.nan)  # token 2 padded
-    shared = jnp.asarray(rng.standard_normal((m, K, N), np.float32) / np.sqrt(K)).astype(dtype)
+    stack = jnp.asarray(rng.standard_normal((m, K, N), np.float32) / np.sqrt(K)).astype(dtype)
+    shared = jnp.moveaxis(stack, 0, shared_axis)
     with no_triton_deprecation():
-        parts = np.asarray(expert_gemv_partials(x, ids_, w, b, repeat=k + m, shared=shared, interpret=True,
-                                                block_n=16, block_k=16, k_splits=2))
+        parts = np.asarray(expert_gemv_partials(x, ids_, w, b, repeat=k + m, shared=shared, shared_axis=shared_axis,
+                                                interpret=True, block_n=16, block_k=16, k_splits=2))
     got = parts.sum(0)
-    want = expert_gemv_reference(x, ids_, w, b, repeat=k + m, shared=shared)
+    want = expert_gemv_reference(x, ids_, w, b, repeat=k + m, shared=shared, shared_axis=shared_axis)
     assert np.all(np.isfinite(parts))  # every element written
     assert np.all(got[10:15] == 0) and np.all(got[18] == 0)  # the padded token; id 7 = E + m: padding
     assert rel(got, want) < 1e-5
-    xf, sf = np.asarray(x, np.float32), np.asarray(shared, np.float32)
+    xf, sf = np.asarray(x, np.float32), np.asarray(stack, np.float32)
     for r, t in ((3, 0), (4, 0), (8, 1), (9, 1), (19, 3)):  # shared rows: x @ shared[id - E], no bias
         assert rel(got[r], xf[t] @ sf[ids[r] - E]) < (1e-5 if dtype == jnp.float32 else 1e-2)
     with pytest.raises(ValueError, match="shared must be"):
-        expert_gemv(x, ids_, w, b, repeat=k + m, shared=shared[:, :-1], interpret=True)
+        expert_gemv(x, ids_, w, b, repeat=k + m, shared=shared[..., :-1], shared_axis=shared_axis, interpret=True)
+    with pytest.raises(ValueError, match="shared must be"):  # the other layout's shape
+        expert_gemv(x, ids_, w, b, repeat=k + m, shared=stack if shared_axis else stack.swapaxes(0, 1),
+                    shared_axis=shared_axis, interpret=True)
 
 
 PROLOGUES = [("swiglu", "silu"), ("ungated", "relu2"), ("gpt_oss", "silu")]
@@ -244,10 +249,12 @@ def test_triton_kernel_on_gpu(R, K, N, E, bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("R,K,N,E,m", [(9, 2048, 1024, 16, 1), (8, 2688, 1856, 12, 2), (18, 2048, 512, 8, 1)])
-def test_triton_kernel_with_shared_on_gpu(R, K, N, E, m):
+@pytest.mark.parametrize("R,K,N,E,m,axis", [(9, 2048, 1024, 16, 1, 1), (8, 2688, 1856, 12, 2, 1),
+                                             (8, 2688, 1856, 12, 2, 0), (18, 2048, 512, 8, 1, 1)])
+def test_triton_kernel_with_shared_on_gpu(R, K, N, E, m, axis):
     """The compiled kernel with the shared pseudo-experts (Qwen3.5-MoE's gate_up at one and two
-    tokens, Nemotron's up): a token's routed rows then its m shared rows, a padding row last."""
+    tokens, Nemotron's up; [K, m, N] as the models store a first projection, and [m, K, N]): a
+    token's routed rows then its m shared rows, a padding row last."""
     k = R // 2 if R == 18 else R - m
     per = k + m if R != 18 else R // 2
     rng = np.random.default_rng(R + m)
@@ -256,11 +263,12 @@ def test_triton_kernel_with_shared_on_gpu(R, K, N, E, m):
     ids[-1] = E + m  # a padding row
     x, ids_, w, _ = case(R + 7, R // per, K, N, E, ids[::per])
     shared = jnp.asarray(rng.standard_normal((m, K, N), np.float32) / np.sqrt(K)).astype(jnp.bfloat16)
+    shared = jnp.moveaxis(shared, 0, axis)
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     ids_ = jnp.asarray(ids)
-    parts = np.asarray(expert_gemv_partials(x, ids_, w, repeat=per, shared=shared))
-    got = expert_gemv(x, ids_, w, repeat=per, shared=shared)
-    want = expert_gemv_reference(x, ids_, w, repeat=per, shared=shared)
+    parts = np.asarray(expert_gemv_partials(x, ids_, w, repeat=per, shared=shared, shared_axis=axis))
+    got = expert_gemv(x, ids_, w, repeat=per, shared=shared, shared_axis=axis)
+    want = expert_gemv_reference(x, ids_, w, repeat=per, shared=shared, shared_axis=axis)
     assert np.all(np.isfinite(parts)) and np.all(parts[:, -1] == 0)
     assert rel(got[:-1], want[:-1]) < 1e-3
 

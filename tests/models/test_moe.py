@@ -427,7 +427,8 @@ def test_joined_shared_expert_matches_the_separate_one(name, path, tokens, monke
         use_path(monkeypatch, path)
     j = joined(m)
     m_count = cfg.shared_intermediate_size // cfg.intermediate_size
-    assert j.shared_expert is None and j.shared_expert_gate is None and j.shared_first.shape[0] == m_count
+    assert j.shared_expert is None and j.shared_expert_gate is None
+    assert j.shared_first.shape[1] == m_count == j.shared_down.shape[0]  # [d, m, F], [m, I, d]
     size = lambda mod: sum(a.size for a in jax.tree.leaves(nnx.state(mod)))
     assert size(j) == size(m)
     w, ids = jitted(lambda mod, x: mod.gate(x), j, x)

@@ -16,13 +16,12 @@ reads each chosen expert's matrices once, in place.
 The shared expert (Qwen3.5-MoE, Qwen3-Next, Nemotron-H) joins the routed ones once the model is
 fused (MoE.fuse_projections): cut into pseudo-experts of their width, named by the router's extra
 slots (weight: its gate's sigmoid, whose row joins the router's matmul), it runs in the same
-expert GEMV launches at decode and as one dense product elsewhere.
+expert GEMV launches at decode and as two dense matmuls elsewhere.
 
 `moe_reference` is the dense per-token definition the dispatch is tested against.  Under tensor
 parallelism (sharding.py) each device holds a slice of every expert's intermediate dimension
 (gate_up column-parallel, [gate_r | up_r] per device; down row-parallel); `Experts.reduce_axis`
-psums the partial sums, then the down bias is added once.
-"""
+psums the partial sums, then the down bias is added once."""
 from __future__ import annotations
 
 import functools
@@ -137,7 +136,7 @@ class Experts(nnx.Module):
         last), valid [N] bool or None -> [N, d] fp32: the weighted sum of each token's k experts
         and the shared expert's m pseudo-experts; zeros for invalid rows.
 
-        shared: (first [m, d, F], down [m, I, d]) (MoE.fuse_projections): on the "rows" path its
+        shared: (first [d, m, F], down [m, I, d]) (MoE.fuse_projections): on the "rows" path its
         rows join the routed ones in the expert GEMV (ids E..E+m-1); elsewhere it runs dense.
         path: "ragged" / "pallas" (sort, then ragged_dot / the Pallas grouped matmul), "gather"
         (each row's expert weights gathered), "rows" (the Pallas expert GEMV: each chosen expert
@@ -220,7 +219,7 @@ class Experts(nnx.Module):
             ids = jnp.where(jnp.repeat(valid, k), ids, -1)
         first, down = (None, None) if shared is None else shared
         gemv = functools.partial(expert_gemv, interpret=jax.default_backend() != "gpu")
-        h = gemv(x, ids, self.first, self.first_bias(), repeat=k, shared=first)  # [R, F] fp32: row r is token r // k
+        h = gemv(x, ids, self.first, self.first_bias(), repeat=k, shared=first, shared_axis=1)  # [R, F]: token r // k
         fused = FUSED_ACTIVATION if FUSED_ACTIVATION is not None else os.environ.get(PROLOGUE_ENV, "0") == "1"
         if fused:  # the down GEMV activates h as it loads it: no launch between the two
             y = gemv(h, ids, self.down_proj[...], shared=down, prologue=activation_of(self.cfg),
@@ -234,12 +233,14 @@ class Experts(nnx.Module):
         """The shared expert from its pseudo-experts, every token through all m: x [N, d],
         weights [N, m] (its gate) -> [N, d] fp32, this device's partial sum (before _finish)."""
         first, down = shared
-        # batch-major [m, N, F], then the gate applied before the (linear) down projection, so the
-        # sum over m is part of one contraction over (m, I): no [N, m, d] partials, no transposes
-        # of them (the per-m form cost Nemotron 0.27 ms a B = 64 step on an H100)
-        h = jnp.einsum("nd,mdf->mnf", x, first, precision=fp32_precision(x, first), preferred_element_type=jnp.float32)
-        a = (expert_activation(h, self.cfg) * weights.T[:, :, None]).astype(down.dtype)
-        return jnp.einsum("mni,mid->nd", a, down, precision=fp32_precision(a, down), preferred_element_type=jnp.float32)
+        # [d, m F] and [m I, d] are dense matrices (an [m, d, F] stack cost a weight transpose a
+        # layer); the gate goes before the (linear) down projection: the sum over m is its contraction
+        (d, m, f), n = first.shape, x.shape[0]
+        w1 = first.reshape(d, m * f)
+        h = jnp.dot(x, w1, precision=fp32_precision(x, w1), preferred_element_type=jnp.float32).reshape(n, m, f)
+        a = (expert_activation(h, self.cfg) * weights[:, :, None]).astype(down.dtype).reshape(n, -1)
+        w2 = down.reshape(-1, down.shape[-1])
+        return jnp.dot(a, w2, precision=fp32_precision(a, w2), preferred_element_type=jnp.float32)
 
     def _local_choice(self, weights, experts):
         """Expert parallelism: the global choice [N, k] -> this device's (weights, ids), ids local
@@ -275,7 +276,7 @@ class MoE(nnx.Module):
     shared_expert_gate (Linear d -> 1, sigmoid).
 
     fuse_projections() (after loading) cuts the shared expert into m = I_shared / I pseudo-experts
-    of the routed experts' shape, `shared_first` [m, d, F] and `shared_down` [m, I, d], and gives
+    of the routed experts' shape, `shared_first` [d, m, F] and `shared_down` [m, I, d], and gives
     its gate to the router's matmul: at decode the shared expert then rides in the routed experts'
     GEMV launches (Qwen3.5-MoE: 4 launches a layer fewer), and runs dense otherwise."""
 
@@ -307,7 +308,7 @@ class MoE(nnx.Module):
         if stacks is None or (gate is not None and gate.bias is not None):
             return False
         self.shared_first, self.shared_down = nnx.Param(stacks[0]), nnx.Param(stacks[1])
-        self.gate.join_shared(stacks[0].shape[-3], gate)
+        self.gate.join_shared(stacks[1].shape[-3], gate)
         if donate:
             self.shared_first[...].block_until_ready()
             self.gate.weight[...].block_until_ready()
@@ -345,7 +346,7 @@ class MoE(nnx.Module):
 
 def _shared_stacks(mlp, cfg: MoEConfig, experts: Experts):
     """The shared expert (MLP or UngatedMLP, fused or not; leaves may lead with [tp]) as m
-    pseudo-experts of the routed width I -> (first [..., m, d, F], down [..., m, I, d]), or None
+    pseudo-experts of the routed width I -> (first [..., d, m, F], down [..., m, I, d]), or None
     if it cannot join.  Chunk j holds intermediate columns [jI, (j+1)I): the activation is per
     column, so the chunks' down products sum to the shared expert's output."""
     gated = isinstance(mlp, MLP)
@@ -364,7 +365,7 @@ def _shared_stacks(mlp, cfg: MoEConfig, experts: Experts):
         rows = [rows[0][..., :width, :], rows[0][..., width:, :]]
     cols = lambda w, j: jnp.swapaxes(w[..., j * I:(j + 1) * I, :], -1, -2)  # noqa: E731  [..., d, I]
     m = width // I
-    first = jnp.stack([jnp.concatenate([cols(w, j) for w in rows], axis=-1) for j in range(m)], axis=-3)
+    first = jnp.stack([jnp.concatenate([cols(w, j) for w in rows], axis=-1) for j in range(m)], axis=-2)
     down = jnp.stack([jnp.swapaxes(down[..., :, j * I:(j + 1) * I], -1, -2) for j in range(m)], axis=-3)
     return first, down
 

@@ -4,7 +4,8 @@ every chosen expert's matrix read once.
     y = expert_gemv(x, ids, w, bias)          x [R, K], ids [R] int32, w [E, K, N], bias [E, N] | None
     y[r] = x[r] @ w[ids[r]] (+ bias[ids[r]])  for 0 <= ids[r] < E
     y[r] = x[r] @ shared[ids[r] - E]          for E <= ids[r] < E + m  (shared=[m, K, N]: an MoE's
-                                              shared expert as m pseudo-experts, no bias)
+                                              shared expert as m pseudo-experts, no bias; or
+                                              [K, m, N] with shared_axis=1, read in place)
                                               (repeat=k: x [R/k, K], row r reads x[r // k], as an
                                               MoE's k rows of one token do: no repeated copy of x)
     y[r] = 0                                  otherwise (padding rows: no expert is read for them)
@@ -63,10 +64,11 @@ PROLOGUE_ENV = "UMEM_JAX_EXPERT_PROLOGUE"
 
 
 def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                          repeat: int = 1, shared: jax.Array | None = None, prologue=None, gated: bool = False,
-                          out_dtype=jnp.float32) -> jax.Array:
+                          repeat: int = 1, shared: jax.Array | None = None, shared_axis: int = 0,
+                          prologue=None, gated: bool = False, out_dtype=jnp.float32) -> jax.Array:
     """The definition, row by row in fp32: x[r // repeat] @ w[ids[r]] (+ bias[ids[r]]), with
-    shared [m, K, N] ids E.. name shared[ids[r] - E] (no bias); zeros where ids[r] is outside
+    shared [m, K, N] (shared_axis 0) or [K, m, N] (1) ids E.. name shared's matrix ids[r] - E (no
+    bias); zeros where ids[r] is outside
     [0, E + m).  With a prologue x is first prologue(gate, up) (gated: x = [gate | up]) rounded
     to w's dtype.  Gathers a [R, K, N] copy of the weights: small shapes only."""
     if prologue is not None:
@@ -74,6 +76,7 @@ def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.
         x = prologue(x[:, :K].astype(jnp.float32), x[:, K:].astype(jnp.float32) if gated else None).astype(w.dtype)
     x = jnp.repeat(x, repeat, axis=0)
     if shared is not None:
+        shared = jnp.moveaxis(shared, shared_axis, 0)
         if bias is not None:
             bias = jnp.concatenate([bias, jnp.zeros((shared.shape[0], bias.shape[1]), bias.dtype)])
         w = jnp.concatenate([w, shared.astype(w.dtype)])
@@ -101,8 +104,8 @@ def _load(ref, mask, **kw):
     return pltr.load(ref, **({} if mask is None else {"mask": mask, "other": 0}), **kw)
 
 
-def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, repeat, has_bias, mask_k, mask_n,
-            prologue, gated):
+def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, shared_axis, bm, bn, bk, chunks, repeat, has_bias, mask_k,
+            mask_n, prologue, gated):
     refs = list(refs)
     s_ref = refs.pop(0) if M else None
     b_ref = refs.pop(0) if has_bias else None
@@ -122,8 +125,9 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, rep
 
     precision = lax.Precision.HIGHEST if w_ref.dtype == jnp.float32 else None  # fp32: IEEE, not TF32
 
-    def product(ref, idx, bias_ref):
-        """The group's rows times matrix ref[idx] (+ bias_ref[idx] by split 0), stored."""
+    def product(ref, idx, bias_ref, axis=0):
+        """The group's rows times matrix idx of ref (on its axis 0, or 1: [K, m, N]) (+ bias_ref[idx]
+        by split 0), stored."""
         def body(i, acc):
             ks = (s * chunks + i) * bk + jnp.arange(bk, dtype=jnp.int32)
             k_ok = ks < K if mask_k else None
@@ -133,7 +137,8 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, rep
                 up = _load(x_ref.at[x_rows[:, None], K + ks[None, :]], a_mask) if gated else None
                 a = prologue(a, up).astype(ref.dtype)
             # The weights are streamed once: evict them first so x and the ids stay in L2.
-            b = _load(ref.at[idx, ks[:, None], cols[None, :]],
+            at = ref.at[ks[:, None], idx, cols[None, :]] if axis else ref.at[idx, ks[:, None], cols[None, :]]
+            b = _load(at,
                       _and(None if k_ok is None else k_ok[:, None], None if col_ok is None else col_ok[None, :]),
                       eviction_policy="evict_first")
             return acc + jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
@@ -153,7 +158,7 @@ def _kernel(ids_ref, x_ref, w_ref, *refs, R, K, N, E, M, bm, bn, bk, chunks, rep
     if M:
         @pl.when(valid & ~routed & (earlier == 0))
         def _shared():
-            product(s_ref, jnp.clip(e - E, 0, M - 1), None)
+            product(s_ref, jnp.clip(e - E, 0, M - 1), None, shared_axis)
 
     @pl.when(~valid)
     def _padding():
@@ -175,7 +180,7 @@ def default_config(rows: int, K: int, N: int, dtype) -> dict:
     return {"block_n": bn, "block_k": bk, "k_splits": s, "num_warps": 4, "num_stages": 4}
 
 
-def _check(x, ids, w, bias, repeat, shared=None, gated=False):
+def _check(x, ids, w, bias, repeat, shared=None, gated=False, shared_axis=0):
     R, K = x.shape[0] * repeat, x.shape[1] // (2 if gated else 1)
     E, K2, N = w.shape
     if K2 != K or (gated and x.shape[1] != 2 * K):
@@ -192,22 +197,26 @@ def _check(x, ids, w, bias, repeat, shared=None, gated=False):
         raise ValueError(f"expert_gemv: weights of {w.dtype}; supported: bf16, f16, f32")
     if bias is not None and bias.shape != (E, N):
         raise ValueError(f"expert_gemv: bias must be [{E}, {N}], got {list(bias.shape)}")
-    if shared is not None and (shared.ndim != 3 or shared.shape[1:] != (K, N) or shared.dtype != w.dtype):
-        raise ValueError(f"expert_gemv: shared must be [m, {K}, {N}] {w.dtype}, "
-                         f"got {shared.dtype}{list(shared.shape)}")
+    if shared is not None:
+        want = ("m", K, N) if shared_axis == 0 else (K, "m", N)
+        got = tuple("m" if i == shared_axis else n for i, n in enumerate(shared.shape))
+        if shared_axis not in (0, 1) or shared.ndim != 3 or got != want or shared.dtype != w.dtype:
+            raise ValueError(f"expert_gemv: shared must be [{', '.join(map(str, want))}] {w.dtype} (shared_axis "
+                             f"{shared_axis}), got {shared.dtype}{list(shared.shape)}")
 
 
-@functools.partial(jax.jit, static_argnames=("repeat", "prologue", "gated", "block_n", "block_k", "k_splits",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("repeat", "shared_axis", "prologue", "gated", "block_n", "block_k",
+                                             "k_splits", "num_warps", "num_stages", "interpret"))
 def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *,
-                         repeat: int = 1, shared: jax.Array | None = None, prologue=None, gated: bool = False,
+                         repeat: int = 1, shared: jax.Array | None = None, shared_axis: int = 0, prologue=None,
+                         gated: bool = False,
                          block_n: int | None = None, block_k: int | None = None, k_splits: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None,
                          interpret: bool = False) -> jax.Array:
     """The kernel's raw output: fp32 partial sums [k_splits, R, N] (their sum over axis 0 is
     expert_gemv's result).  x is cast to w's dtype (the dot takes one input type), or with a
     prologue kept as it is (see expert_gemv)."""
-    _check(x, ids, w, bias, repeat, shared, gated and prologue is not None)
+    _check(x, ids, w, bias, repeat, shared, gated and prologue is not None, shared_axis)
     R, K = ids.shape[0], w.shape[1]
     E, _, N = w.shape
     cfg = default_config(R, K, N, w.dtype)
@@ -219,7 +228,8 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
         raise ValueError(f"expert_gemv: block_n={bn}, block_k={bk} must be powers of two >= 16, k_splits >= 1")
     chunks = pl.cdiv(pl.cdiv(K, bk), S)  # K chunks per split; a split past K loads nothing
     kernel = functools.partial(
-        _kernel, R=R, K=K, N=N, E=E, M=0 if shared is None else shared.shape[0], bm=max(16, pow2_ceil(R)), bn=bn,
+        _kernel, R=R, K=K, N=N, E=E, M=0 if shared is None else shared.shape[shared_axis], shared_axis=shared_axis,
+        bm=max(16, pow2_ceil(R)), bn=bn,
         bk=bk, chunks=chunks, repeat=repeat, has_bias=bias is not None, mask_k=chunks * S * bk != K,
         mask_n=N % bn != 0, prologue=prologue, gated=bool(gated and prologue is not None))
     x = x if prologue is not None else x.astype(w.dtype)
@@ -237,10 +247,11 @@ def expert_gemv_partials(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.A
 
 
 def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, repeat: int = 1,
-                shared: jax.Array | None = None, prologue=None, gated: bool = False, out_dtype=jnp.float32,
-                interpret: bool = False, **tuning) -> jax.Array:
-    """x [R / repeat, K] (row r reads x[r // repeat]), ids [R] int (E.. name shared [m, K, N]'s
-    matrices; outside [0, E + m): a padding row, zeros out), w [E, K, N], bias [E, N] or None
+                shared: jax.Array | None = None, shared_axis: int = 0, prologue=None, gated: bool = False,
+                out_dtype=jnp.float32, interpret: bool = False, **tuning) -> jax.Array:
+    """x [R / repeat, K] (row r reads x[r // repeat]), ids [R] int (E.. name shared's matrices,
+    shared [m, K, N], or [K, m, N] with shared_axis=1: a layout whose [K, m * N] view is one dense
+    matrix; outside [0, E + m): a padding row, zeros out), w [E, K, N], bias [E, N] or None
     -> [R, N] in out_dtype (default fp32), fp32 accumulation.
 
     prologue: the activation between an MLP's two projections, done as x is loaded, so the first
@@ -249,7 +260,7 @@ def expert_gemv(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.Array | No
     function object that stays the same between traces (it keys the kernel's compile).
     `tuning`: block_n, block_k, k_splits, num_warps, num_stages (defaults: default_config).  Not
     jitted itself, so the sum over the K splits fuses into the caller's next op under the caller's jit."""
-    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, shared=shared, prologue=prologue, gated=gated,
-                                 interpret=interpret, **tuning)
+    parts = expert_gemv_partials(x, ids, w, bias, repeat=repeat, shared=shared, shared_axis=shared_axis,
+                                 prologue=prologue, gated=gated, interpret=interpret, **tuning)
     y = parts[0] if parts.shape[0] == 1 else parts.sum(0)
     return y.astype(out_dtype)
