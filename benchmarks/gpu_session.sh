@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260)
+                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -123,6 +123,14 @@ step() {
         UMEM_JAX_SHARED_EXPERT=$s python3 -m benchmarks.bench_models --families nemo3nano --ctx 2048 \
             --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 60 | grep -A4 "^== bench_models"
       done; done ;;
+    issue_b1)  # the host's time to issue a B = 1 step (bench_issue's calling patterns), then XLA's command-buffer
+      # updates counted from its log, and the SKIP_TEMP update mode (temporaries at a stable address)
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      python3 -m benchmarks.bench_issue --families gptoss,nemo3nano,qwen35moe --arena-gib 2
+      TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 python3 -m benchmarks.bench_issue --families gptoss \
+            --iters 4 --trials 2 2>&1 | grep -E "Update command buffer|issue " | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c
+      XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python3 -m benchmarks.bench_issue --families gptoss \
+            2>&1 | tail -6 ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
