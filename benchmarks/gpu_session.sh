@@ -124,13 +124,12 @@ step() {
             --decode-batches 64 --kinds decode --arena-gib 6 --no-check --budget 60 | grep -A4 "^== bench_models"
       done; done ;;
     issue_b1)  # the host's time to issue a B = 1 step (bench_issue's calling patterns), then XLA's command-buffer
-      # updates counted from its log, and the SKIP_TEMP update mode (temporaries at a stable address)
+      # updates counted from its log for the engine's two patterns
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
-      python3 -m benchmarks.bench_issue --families gptoss,nemo3nano,qwen35moe --arena-gib 2
+      python3 -m benchmarks.bench_issue --families gptoss,qwen35moe --arena-gib 2
       TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 python3 -m benchmarks.bench_issue --families gptoss \
-            --iters 4 --trials 2 2>&1 | grep -E "Update command buffer|issue " | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c
-      XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python3 -m benchmarks.bench_issue --families gptoss \
-            2>&1 | tail -6 ;;
+            --modes fresh,io --iters 4 --trials 2 2>&1 | grep -E "Update command buffer|issue " \
+            | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
