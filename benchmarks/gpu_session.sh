@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400)
+                    [route_b1]=420 [gemv_chain]=480 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -131,15 +131,16 @@ step() {
             --modes fresh,io --iters 4 --trials 2 2>&1 | grep -E "Update command buffer|issue " \
             | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c ;;
     engine_b1)  # the engine's B = 1 ITL, the tree before the runner donated prev (.base, carried) against this one,
-      # alternating, each its own process; the second run of this tree counts XLA's command-buffer updates
+      # alternating, each its own process, ROUNDS times (2); the last run of this tree counts XLA's command-buffer updates
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
-      for i in 1 2; do for v in base new; do echo "== $i $v"
-        log=""; [ "$v" = new ] && [ "$i" = 2 ] && log="TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0"
+      for i in $(seq "${ROUNDS:-2}"); do for v in base new; do echo "== $i $v"
+        log=""; [ "$v" = new ] && [ "$i" = "${ROUNDS:-2}" ] && log="TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0"
         (if [ "$v" = base ]; then cd .base; fi; env $log python3 -m benchmarks.bench_engine \
             --models ${ENGINE_MODELS:-gpt-oss-20b-like} --batch 1 --modes unified --prompt 256 --gen 32 --arena-gib 4 \
             --replay 30 2>&1) | grep -E "^(model|gpt|qwen|nemo)|Update command buffer" \
             | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c
       done; done ;;
+    gemv_gpu) python3 -m pytest -q tests/kernels/test_expert_gemv.py -m gpu ;;  # the compiled expert GEMV
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
