@@ -151,12 +151,12 @@ def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, cou
         decode = T == 1
         iters = a.iters or (1 if a.small else (10 if decode else 3))
         trials = a.trials or (1 if a.small else 5)
-        t = time_calls(lambda: run(batch), iters=iters, trials=trials, warmup=0 if a.small else 2)
+        t = time_calls(lambda: run.advance(batch), iters=iters, trials=trials, warmup=0 if a.small else 2)
         med = t.median
-        finite = bool(np.isfinite(np.asarray(t.first)).all())
+        finite = bool(np.isfinite(np.asarray(run(batch))).all())
         trace = None
         if a.trace and decode and not a.small:
-            trace = trace_calls(lambda: run(batch), a.trace, tag=f"{fam}_B{B}_ctx{ctx}")
+            trace = trace_calls(lambda: run.advance(batch), a.trace, tag=f"{fam}_B{B}_ctx{ctx}")
             print_trace(f"{name} decode B={B} ctx={ctx}", trace)
         # MoE: the weights the roofline counts are the experts this batch's router really picked
         # (random weights route unevenly: the uniform-routing expectation overstates them)
