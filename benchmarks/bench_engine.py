@@ -61,8 +61,8 @@ class StepClock:
             return out
 
         def capturing_step(params, arena, meta, prev, counts, *, layout):  # keep the steady decode inputs
-            if layout.T == 1 and layout.B >= batch:  # (a copy of prev: the step takes the original)
-                self.captured["args"] = (params, meta, prev + 0, counts, layout)
+            if layout.T == 1 and layout.B >= batch:
+                self.captured["args"] = (params, meta, prev, counts, layout)
             return self.step_fn(params, arena, meta, prev, counts, layout=layout)
 
         eng._process, eng.runner._step = timed_process, capturing_step
@@ -164,22 +164,20 @@ def run_one(model, mode, args, batch: int | None = None, prompt: int | None = No
 def device_step(runner, step_fn, captured, reps: int) -> float:
     """Seconds per decode step with the host out of the way: the captured step relaunched
     `reps` times back to back (dispatch is asynchronous, so the device never waits), median of
-    three such runs.  The replay rewrites the same K/V rows and state slots each time; each
-    step takes the last one's tokens as its prev (donated), as the engine's steps do."""
+    three such runs.  The replay rewrites the same K/V rows and state slots each time."""
     if captured is None:
         return float("nan")
     import jax
 
-    params, meta, tokens, counts, lay = captured
-    tokens = tokens + 0  # the captured one stays for the trace
+    params, meta, prev, counts, lay = captured
     times = []
     for _ in range(3):
         arena = runner.arena
-        tokens, arena = step_fn(params, arena, meta, tokens, counts, layout=lay)
+        tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
         jax.block_until_ready(tokens)
         t0 = time.perf_counter()
         for _ in range(reps):
-            tokens, arena = step_fn(params, arena, meta, tokens, counts, layout=lay)
+            tokens, arena = step_fn(params, arena, meta, prev, counts, layout=lay)
         jax.block_until_ready(tokens)
         times.append((time.perf_counter() - t0) / reps)
         runner.arena = arena

@@ -24,11 +24,10 @@ def trace_steps(runner, step_fn, captured, reps: int) -> dict | None:
     if captured is None:
         return None
     params, meta, prev, counts, lay = captured
-    last = [prev + 0]  # each step takes the last one's tokens (donated), as the engine's do
 
     def step():
-        last[0], runner.arena = step_fn(params, runner.arena, meta, last[0], counts, layout=lay)
-        return last[0]
+        tokens, runner.arena = step_fn(params, runner.arena, meta, prev, counts, layout=lay)
+        return tokens
 
     return trace_calls(step, reps)
 

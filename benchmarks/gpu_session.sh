@@ -130,7 +130,7 @@ step() {
       TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 python3 -m benchmarks.bench_issue --families gptoss \
             --modes fresh,io --iters 4 --trials 2 2>&1 | grep -E "Update command buffer|issue " \
             | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c ;;
-    engine_b1)  # the engine's B = 1 ITL, the tree before the runner donated prev (.base, carried) against this one,
+    engine_b1)  # the engine's B = 1 ITL, an earlier tree (.base, carried) against this one,
       # alternating, each its own process, ROUNDS times (2); the last run of this tree counts XLA's command-buffer updates
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
       for i in $(seq "${ROUNDS:-2}"); do for v in base new; do echo "== $i $v"

@@ -15,14 +15,6 @@ The step, one jitted function per padded shape:
 step's output, still on the device: a decode row whose input token that step sampled takes it
 from there (`src` column), so the host launches step N+1 before reading step N's tokens and the
 device never waits for the host between steps.  The arena is donated: XLA updates it in place.
-
-`prev` is donated too, and the new tokens are written over it, so the step's outputs keep their
-addresses from step to step.  XLA runs a step as one CUDA graph (a command buffer) and re-records
-and re-uploads it whenever a buffer its kernels use has moved: with a fresh output each step that
-cost ~4 us of host time per kernel, 2-3 ms for an MoE decode step of 400-600 kernels, more than
-the device's own time at batch 1 (benchmarks/bench_issue.py).  The host reads a small copy of the
-tokens (`_for_host`, its own one-kernel call), since the step's own output is handed to the next
-step.
 Neither the step nor the sampler holds a conditional (see sampler.py), so nothing in it makes the
 host wait.
 """
@@ -123,10 +115,7 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
     return out, arena
 
 
-jit_step = jax.jit(step, donate_argnums=(1, 3), static_argnames=("layout", "model"))
-# A copy in its own call: the host reads it while the original is donated to the next step.
-# (`x + 0`, not an identity, which jit would hand back as the same array.)
-_for_host = jax.jit(lambda x: x + 0)
+jit_step = jax.jit(step, donate_argnums=(1,), static_argnames=("layout", "model"))
 
 
 @dataclasses.dataclass
@@ -157,7 +146,6 @@ class Runner:
         self._prev = jnp.zeros((self.max_batch,), jnp.int32)
         if getattr(model, "mesh", None) is not None:  # as the step returns it, so the first step's shape is reused
             self._prev = jax.device_put(self._prev, jax.sharding.NamedSharding(model.mesh, jax.sharding.PartitionSpec()))
-        self._prev_own = True  # nothing outside holds _prev: the next step may take (donate) it
         self._rows = RowCache(buckets.pages[-1], 2 * self.max_batch)
         self._layouts: dict[tuple, Layout] = {}
         self.shapes: set[Layout] = set()  # every step shape launched: each one compilation
@@ -244,13 +232,12 @@ class Runner:
     @property
     def prev_tokens(self) -> jax.Array:
         """The last launched step's sampled tokens, on the device: where decode rows whose input
-        token is pending read it (`src`).  Once given out, the next plain step takes a copy."""
-        self._prev_own = False
+        token is pending read it (`src`)."""
         return self._prev
 
     @prev_tokens.setter
     def prev_tokens(self, tokens: jax.Array) -> None:  # a step launched by the speculator
-        self._prev, self._prev_own = tokens, False
+        self._prev = tokens
 
     def params_leaves(self) -> tuple[list, StepModel]:
         """(the target's params as a flat list of leaves, its StepModel), re-made if model.params
@@ -261,8 +248,7 @@ class Runner:
         """Pack `batch` (after the scheduler allocated its memory and the moves were applied),
         launch the step without waiting, and mark the sampled tokens as pending.  prev: the
         tokens pending inputs are read from (default: `prev_tokens`; the engine passes the same
-        ones to every part of a batch it relaunches in parts after a failure).  The step takes
-        (donates) its prev: one handed in, or one the runner gave out, goes in as a copy.
+        ones to every part of a batch it relaunches in parts after a failure).
 
         Per row, Python only reads the request's counters; everything [B]- or [B, P]-shaped is
         built by numpy from the row cache, into one int32 buffer: the step's only host->device
@@ -273,15 +259,12 @@ class Runner:
         lay, meta, counts = self.prepare(batch)
         if self.model.params is not self._params_src:
             self._leaves()
-        if prev is None and self._prev_own:
-            prev = self._prev
-        else:
-            prev = _for_host(self._prev if prev is None else prev)
         with quiet_xla_alarms(self._compiles):  # a shape warm-up left out compiles here, on demand
-            tokens, self.arena, *lp = self._step(self._params, self.arena, meta, prev, counts, layout=lay)
-        self._prev, self._prev_own = tokens, True
+            tokens, self.arena, *lp = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
+                                                 counts, layout=lay)
+        self._prev = tokens
         local = lambda x: x if x.is_fully_addressable else x.addressable_data(0)  # multi-host: this host's replica
-        tokens = local(_for_host(tokens))
+        tokens = local(tokens)
         for i, row in enumerate(rows):
             if row.sample:
                 row.req.mark_pending(i)
