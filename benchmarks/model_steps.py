@@ -121,8 +121,8 @@ class Stepper:
         """A step whose logits are dropped at once -> the arena's data (to wait on).  Timed loops
         use this: a loop that keeps the last logits alive while the next step allocates moves the
         step's buffers every call, and XLA then re-records the step's CUDA graph before each
-        launch (~4 us of host time a kernel; bench_issue.py).  The engine's steps write into
-        donated buffers and never pay that."""
+        launch (~4 us of host time a kernel; bench_issue.py), more than the engine pays: its B = 1
+        ITL equals its device step (RESULTS.md, session 22)."""
         logits, self.arena = self.step(self.params, self.arena, batch)
         del logits
         return self.arena.data
