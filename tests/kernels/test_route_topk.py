@@ -22,7 +22,7 @@ ON_GPU = jax.default_backend() == "gpu"
 # (N, E, k, scoring, bias, norm, scale): the families' routers and shapes that stress the padding
 CASES = [
     (1, 256, 8, "softmax", False, True, 1.0),       # Qwen3.5-MoE decode, one token
-    (37, 256, 8, "softmax", False, True, 1.0),      # a partial last block of rows
+    (37, 256, 8, "softmax", False, True, 1.0),      # a partial last block of rows (block_rows 8)
     (5, 512, 10, "softmax", False, True, 1.0),      # Qwen3-Next: E = 512, k = 10
     (3, 32, 4, "topk_softmax", False, False, 1.0),  # gpt-oss-20b
     (19, 128, 4, "topk_softmax", False, False, 1.0),  # gpt-oss-120b
@@ -43,12 +43,13 @@ def test_matches_reference(N, E, k, scoring, bias, norm, scale):
     logits = logits_of(N + E * 7 + k, (N, E))
     cb = jnp.asarray(rng.standard_normal(E, np.float32) * 0.1) if bias else None
     kw = dict(k=k, scoring=scoring, correction_bias=cb, norm_topk_prob=norm, scale=scale)
-    with no_triton_deprecation():
-        w, ids = route_topk(logits, interpret=not ON_GPU, **kw)
     w_ref, ids_ref = route_topk_reference(logits, **kw)
-    assert w.shape == (N, k) and w.dtype == jnp.float32 and ids.shape == (N, k) and ids.dtype == jnp.int32
-    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
-    np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=2e-6, atol=1e-7)
+    for rows in (None, 8) if N > 8 else (None,):  # the default (a row a program here), then blocks with a partial last
+        with no_triton_deprecation():
+            w, ids = route_topk(logits, interpret=not ON_GPU, block_rows=rows, **kw)
+        assert w.shape == (N, k) and w.dtype == jnp.float32 and ids.shape == (N, k) and ids.dtype == jnp.int32
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(w), np.asarray(w_ref), rtol=2e-6, atol=1e-7)
     if norm or scoring == "topk_softmax":
         np.testing.assert_allclose(np.asarray(w).sum(-1), scale, rtol=1e-5)
 
@@ -62,6 +63,17 @@ SHARED_CASES = [
 ]
 
 
+def test_rows_per_program_spreads_a_decode_batch():
+    """One row a program until the rows give TARGET_PROGRAMS programs (a decode batch of 64 is 64
+    programs, not 4), then blocks of up to BLOCK_ROWS; block_rows must be a power of two."""
+    from umem_jax.pallas_kernels.route_topk import BLOCK_ROWS, TARGET_PROGRAMS, rows_per_program
+
+    assert [rows_per_program(n) for n in (1, 7, 64, TARGET_PROGRAMS)] == [1, 1, 1, 1]
+    assert rows_per_program(2 * TARGET_PROGRAMS) == 2 and rows_per_program(64 * TARGET_PROGRAMS) == BLOCK_ROWS
+    with pytest.raises(ValueError, match="block_rows"):
+        route_topk(logits_of(0, (4, 32)), k=2, scoring="softmax", block_rows=3, interpret=True)
+
+
 @pytest.mark.parametrize("N,E,k,scoring,bias,norm,scale,shared,gate", SHARED_CASES)
 def test_shared_slots_follow_the_picks(N, E, k, scoring, bias, norm, scale, shared, gate):
     """The gate's column (when present) never takes part in the pick; the slots after the k picks
@@ -72,8 +84,9 @@ def test_shared_slots_follow_the_picks(N, E, k, scoring, bias, norm, scale, shar
         logits = logits.at[:, E].set(50.0 * rng.random(N, np.float32) + 10.0)
     cb = jnp.asarray(rng.standard_normal(E, np.float32) * 0.1) if bias else None
     kw = dict(k=k, scoring=scoring, correction_bias=cb, norm_topk_prob=norm, scale=scale)
-    with no_triton_deprecation():
-        w, ids = route_topk(logits, interpret=not ON_GPU, shared=shared, shared_gate=gate, **kw)
+    with no_triton_deprecation():  # N = 21 in blocks of 8: a partial last block
+        w, ids = route_topk(logits, interpret=not ON_GPU, shared=shared, shared_gate=gate,
+                            block_rows=8 if N > 8 else None, **kw)
     w_ref, ids_ref = route_topk_reference(logits, shared=shared, shared_gate=gate, **kw)
     plain_w, plain_ids = route_topk_reference(logits[:, :E], **kw)
     assert w.shape == ids.shape == (N, k + shared)

@@ -21,8 +21,9 @@ n_group / topk_group) is not here: models/moe.py masks the groups first and call
 Why a kernel: at one decode token XLA spends five launches on this (the softmax, a sort of E
 values by one 64-thread block, a copy and two selects, ~8.5 us a layer on the H200 inside a
 CUDA graph; benchmarks/RESULTS.md, session 18 traces), 0.26 ms of a 40-layer MoE model's
-3.1 ms step.  Here one program holds a block of rows with all E scores in registers and takes the
-maximum k times, so the whole router after its matmul is one launch (1.6-2.8 us a layer on an H100
+3.1 ms step.  Here one program holds a row (a decode batch: one program a token) or a block of
+rows (a prefill) with all E scores in registers and takes the maximum k times, so the whole
+router after its matmul is one launch (1.6-2.8 us a layer on an H100
 for gpt-oss's 32 experts to Qwen3.5-MoE's 256).
 """
 
@@ -35,13 +36,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._compat import pltr, triton_params
-from .launch import ANY, kernel_or_xla, pow2_ceil
+from .launch import ANY, kernel_or_xla, pow2_ceil, pow2_floor
 
-__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference", "scores_of",
-           "choice_of", "topk_weights", "with_shared"]
+__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference",
+           "rows_per_program", "scores_of", "choice_of", "topk_weights", "with_shared"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
-BLOCK_ROWS = 16  # rows a program takes: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
+BLOCK_ROWS = 16  # rows a program takes at most: [16, E] fp32 scores stay in registers up to E = 512 (8 warps)
+# Programs to aim for before rows share one (about one per SM).  A row is an independent k-pass
+# over its E scores, so a decode batch spreads one row a program: 16 rows a program left a B = 64
+# step 4 programs, 22 us a Qwen3.5-MoE layer on the H200 (session 22 trace), where one row takes
+# ~2-3 us.  Prefill batches still take 16 rows a program.
+TARGET_PROGRAMS = 128
 MAX_EXPERTS = 1024  # a row's scores live in registers; past this the router stays in XLA (moe.route)
 
 # $UMEM_JAX_ROUTE: "pallas" (this kernel), "xla" (route_topk_reference), unset or "auto": the kernel
@@ -200,14 +206,19 @@ def _warps(elements: int) -> int:
     return 1 if elements <= 1024 else 4 if elements <= 4096 else 8
 
 
+def rows_per_program(n: int) -> int:
+    """Rows a program takes for n rows: one while n rows give at most TARGET_PROGRAMS programs,
+    then more (powers of two) up to BLOCK_ROWS."""
+    return min(BLOCK_ROWS, pow2_floor(max(n // TARGET_PROGRAMS, 1)))
+
+
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scale", "shared", "shared_gate",
-                                             "interpret"))
+                                             "bn", "interpret"))
 def _route_topk_2d(logits, correction_bias, valid, *, k, scoring, norm_topk_prob, scale, shared, shared_gate,
-                   interpret):
+                   bn, interpret):
     N, W = logits.shape
     E = W - int(shared_gate)
     ep = max(16, pow2_ceil(E))
-    bn = min(BLOCK_ROWS, pow2_ceil(N))
     kernel = functools.partial(_kernel, N=N, E=E, k=k, bn=bn, ep=ep, kp=max(2, pow2_ceil(k + shared)),
                                scoring=scoring, norm=norm_topk_prob, scale=float(scale),
                                has_bias=correction_bias is not None, shared=shared, gate=shared_gate,
@@ -232,10 +243,12 @@ def _route_topk_2d(logits, correction_bias, valid, *, k, scoring, norm_topk_prob
 
 def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
                norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0, shared_gate: bool = False,
-               valid: jax.Array | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+               valid: jax.Array | None = None, block_rows: int | None = None,
+               interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The Pallas kernel: logits [..., E] (with shared_gate [..., E + 1]; any leading dims, fp32 or
     castable) -> (weights [..., k + shared] fp32, experts [..., k + shared] int32), as
-    route_topk_reference gives them."""
+    route_topk_reference gives them.  block_rows: rows a program takes, a power of two <=
+    BLOCK_ROWS (default: `rows_per_program(rows)`)."""
     _check_scoring(scoring)
     *lead, W = logits.shape
     E = _split_gate(logits, shared, shared_gate)
@@ -254,10 +267,13 @@ def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.
     out = k + shared
     if n == 0:
         return jnp.zeros((*lead, out), jnp.float32), jnp.zeros((*lead, out), jnp.int32)
+    bn = rows_per_program(n) if block_rows is None else int(block_rows)
+    if bn < 1 or bn & (bn - 1) or bn > BLOCK_ROWS:
+        raise ValueError(f"route_topk: block_rows={bn} must be a power of two in [1, {BLOCK_ROWS}]")
     if valid is not None and valid.shape != tuple(lead):
         raise ValueError(f"route_topk: valid must be {list(lead)} (the logits' leading dims), got {list(valid.shape)}")
     w, ids = _route_topk_2d(logits.reshape(n, W), correction_bias, None if valid is None else valid.reshape(n),
                             k=k, scoring=scoring,
                             norm_topk_prob=bool(norm_topk_prob), scale=float(scale), shared=int(shared),
-                            shared_gate=bool(shared_gate), interpret=interpret)
+                            shared_gate=bool(shared_gate), bn=bn, interpret=interpret)
     return w.reshape(*lead, out), ids.reshape(*lead, out)
