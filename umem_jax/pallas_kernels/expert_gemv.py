@@ -68,9 +68,8 @@ def expert_gemv_reference(x: jax.Array, ids: jax.Array, w: jax.Array, bias: jax.
                           prologue=None, gated: bool = False, out_dtype=jnp.float32) -> jax.Array:
     """The definition, row by row in fp32: x[r // repeat] @ w[ids[r]] (+ bias[ids[r]]), with
     shared [m, K, N] (shared_axis 0) or [K, m, N] (1) ids E.. name shared's matrix ids[r] - E (no
-    bias); zeros where ids[r] is outside
-    [0, E + m).  With a prologue x is first prologue(gate, up) (gated: x = [gate | up]) rounded
-    to w's dtype.  Gathers a [R, K, N] copy of the weights: small shapes only."""
+    bias); zeros where ids[r] is outside [0, E + m).  With a prologue x is first prologue(gate,
+    up) (gated: x = [gate | up]) rounded to w's dtype.  Gathers a [R, K, N] copy of the weights: small shapes only."""
     if prologue is not None:
         K = w.shape[1]
         x = prologue(x[:, :K].astype(jnp.float32), x[:, K:].astype(jnp.float32) if gated else None).astype(w.dtype)

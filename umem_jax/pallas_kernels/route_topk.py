@@ -23,8 +23,8 @@ values by one 64-thread block, a copy and two selects, ~8.5 us a layer on the H2
 CUDA graph; benchmarks/RESULTS.md, session 18 traces), 0.26 ms of a 40-layer MoE model's
 3.1 ms step.  Here one program holds a row (a decode batch: one program a token) or a block of
 rows (a prefill) with all E scores in registers and takes the maximum k times, so the whole
-router after its matmul is one launch (1.6-2.8 us a layer on an H100
-for gpt-oss's 32 experts to Qwen3.5-MoE's 256).
+router after its matmul is one launch (1.6-2.8 us a layer on an H100 for gpt-oss's 32 experts
+to Qwen3.5-MoE's 256).
 """
 
 from __future__ import annotations
