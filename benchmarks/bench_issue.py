@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import warnings
 from types import SimpleNamespace
 
@@ -42,23 +41,9 @@ from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from .bench_models import setup
 from .families import FAMILIES
 from .model_steps import Pager
+from .timing import time_calls
 
 MODES = ("hold", "drop", "donate", "fresh", "io")
-
-
-def _timed(call, iters: int, trials: int) -> tuple[float, float]:
-    """(median issue s, median step s) per call of `call` (it returns something to wait on)."""
-    jax.block_until_ready(call())
-    issue, step = [], []
-    for _ in range(trials):
-        t = time.perf_counter()
-        out = None
-        for _ in range(iters):
-            out = call()
-        issue.append((time.perf_counter() - t) / iters)
-        jax.block_until_ready(out)
-        step.append((time.perf_counter() - t) / iters)
-    return statistics.median(issue), statistics.median(step)
 
 
 def run_family(fam: str, a) -> list[dict]:
@@ -127,7 +112,9 @@ def run_family(fam: str, a) -> list[dict]:
 
     out = []
     for mode in a.modes:
-        issue, step = _timed(dict(hold=hold, drop=drop, donate=donate, fresh=fresh, io=io)[mode], a.iters, a.trials)
+        t = time_calls(dict(hold=hold, drop=drop, donate=donate, fresh=fresh, io=io)[mode], iters=a.iters,
+                       trials=a.trials)
+        issue, step = statistics.median(t.issue), t.median
         row = dict(family=FAMILIES[fam]["name"], mode=mode, issue_ms=issue * 1e3, step_ms=step * 1e3)
         print(f"  {row['family']:<30} {mode:<7} issue {row['issue_ms']:7.3f} ms  step {row['step_ms']:7.3f} ms",
               flush=True)
