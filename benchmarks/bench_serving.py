@@ -93,6 +93,8 @@ def parse(argv=None):
     ap.add_argument("--buckets", default=None, help="B,B,..:T,T,..:P,P,.. step-shape buckets instead of the coarse "
                     "set (fewer shapes compile faster: a 4B model's step takes ~10 s to compile on the H200)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="K/V storage of every configuration (auto, fp8, ...): "
+                    "run once with auto and once with fp8 in the same --arena-gib to compare tokens held and tok/s")
     ap.add_argument("--no-early", action="store_true",
                     help="a prompt waits in the queue until its whole need fits (early_admission=False)")
     ap.add_argument("--out", default=None, help="default: $OUT/bench_serving, else ./bench_serving_out")
@@ -113,7 +115,7 @@ def engine_settings(args, wls, arena_gib: float, small: bool) -> dict:
     mml = -(-(max(w.max_len for w in wls) + ps) // ps) * ps
     engine_kwargs = dict(arena_bytes=int(arena_gib * 2**30), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
-                         seed=args.seed, early_admission=not args.no_early,
+                         seed=args.seed, early_admission=not args.no_early, kv_cache_dtype=args.kv_cache_dtype,
                          **({"kernel_impl": "reference"} if small else {}),
                          **bucket_kwargs("single" if small else "coarse", args.max_num_seqs,
                                          args.max_num_batched_tokens, mml, ps))

@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -141,6 +141,10 @@ step() {
             | sed -E 's/.*(Update command buffer).*(updated_allocs=[0-9]+).*/\1 \2/' | uniq -c
       done; done ;;
     gemv_gpu) python3 -m pytest -q tests/kernels/test_expert_gemv.py -m gpu ;;  # the compiled expert GEMV
+    serve_fp8)  # issue 17 item 2: the shifting trace and the KV-heavy mix with bf16 and fp8 K/V in the same arena bytes
+      for kv in auto fp8; do python3 -m benchmarks.bench_serving --models ${SERVE_MODELS:-gemma3-4b-like} \
+            --workloads shifting,kv-heavy --static-ratios 0.8:0.9 --kv-cache-dtype $kv --budget-after-build \
+            --no-progress --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_kv_$kv"; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac

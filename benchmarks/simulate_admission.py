@@ -41,8 +41,10 @@ times and tok/s are a cost model's (only ratios within one table mean anything),
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 
 from umem_jax.bench.driver import MemoryConfig
@@ -53,6 +55,7 @@ from umem_jax.core.sampling_params import SamplingParams
 from umem_jax.core.scheduled_batch import Buckets
 from umem_jax.memory import ChainAllocator, size_arena, static_regions
 from umem_jax.memory import plan as make_plan
+from umem_jax.memory.declarations import is_fp8, kv_cache_dtype
 from umem_jax.memory.demand import DemandModel
 from umem_jax.memory.sizing import budget_bytes
 from umem_jax.models.registry import build_random
@@ -97,7 +100,9 @@ def _head_fits(sch, dm, alloc, chunk: int, batch) -> tuple[bool, int]:
 
 
 def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
-             max_model_len: int, rule: str = "now", **sched_kw) -> dict:
+             max_model_len: int, rule: str = "now", kv_scale: float = 1.0, **sched_kw) -> dict:
+    """One memory configuration through `trace` -> its row.  kv_scale: the K/V bytes per token
+    against bf16 (fp8 K/V: 0.5), which scales the decode step's K/V read in the cost model."""
     regions = None
     if mem.mode == "static":
         regions = static_regions(plan, num_rows, swa_full_tokens_ratio=mem.swa_full_tokens_ratio,
@@ -112,6 +117,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     t, i, out_tokens, steps, peak, util, refused, clipped, bound, reserved = 0.0, 0, 0, 0, 0, [], 0, 0, [], []
+    held = []  # tokens the running requests hold in the arena (computed and cached), per step
     while i < len(pending) or sch.has_work():
         while i < len(pending) and pending[i].arrival_s <= t:
             r = pending[i]
@@ -132,10 +138,11 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
             raise RuntimeError("the scheduler stalled with work queued")
         steps += 1
         peak = max(peak, len(sch.running))
+        held.append(sum(r.num_computed for r in sch.running))
         if b.kind == "prefill":
             t += PREFILL_BASE_S + PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
         else:
-            t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + KV_S_PER_TOKEN * sum(r.end for r in b.rows)
+            t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + kv_scale * KV_S_PER_TOKEN * sum(r.end for r in b.rows)
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
             util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
@@ -152,7 +159,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         alloc.take_moves()
     assert not alloc.leaks()
     return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
-                retractions=sch.num_retractions, util=float(np.mean(util, axis=0)[0]) if util else None,
+                retractions=sch.num_retractions, tokens_held_peak=max(held, default=0),
+                tokens_held_mean=float(np.mean(held)) if held else 0.0, util=float(np.mean(util, axis=0)[0]) if util else None,
                 split=dict(zip(("live", "holes", "free", "sink"), np.mean(util, axis=0).tolist())) if util else None,
                 refused=refused, clipped=clipped,
                 util_bound=float(np.median([b[0] for b in bound])) if bound else None,
@@ -187,6 +195,9 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--rule", default="now,before", help="comma list: now (reserve a chunked prompt's rest), before")
     ap.add_argument("--no-exact", action="store_true",
                     help="the ratio rule for fixed-length requests too (exact_fixed_length_reservation=False)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="comma list of K/V storage dtypes to run in the same arena bytes (auto, fp8, ...): the "
+                         "plan's K/V rows and the cost model's K/V read follow it")
     ap.add_argument("--no-early", action="store_true",
                     help="a prompt waits in the queue until its whole need fits (early_admission=False)")
     a = ap.parse_args(argv)
@@ -201,10 +212,7 @@ def run(argv=None) -> list[dict]:
     page_size, max_num_seqs, budget_tokens = 16, a.max_num_seqs, a.max_num_batched_tokens
     mml = -(-(trace.max_len + page_size) // page_size) * page_size
     model = build_random(a.model, abstract=True)
-    plan = make_plan(model.decls(), page_size=page_size)
     arena = a.arena_gib if a.arena_gib is not None else spec["arena_gib"]
-    num_rows = size_arena(plan, budget_bytes(fixed_bytes=int(arena * 2**30), plan=plan)).num_rows
-    configs = [MemoryConfig()] + static_configs(plan, a.static_ratios)
     print(f"{a.model}, {trace.describe()}, arena {arena:g} GiB; "
           f"cost model: prefill {PREFILL_S_PER_TOKEN * 2048 * 1e3:.0f} ms per 2048 tokens, decode "
           f"{DECODE_BASE_S * 1e3:.1f} ms + {DECODE_S_PER_ROW * 1e3:.2f} ms per row + K/V", flush=True)
@@ -215,13 +223,20 @@ def run(argv=None) -> list[dict]:
     if a.no_early:
         sched_kw["early_admission"] = False
     rows = []
-    for rule in [r.strip() for r in a.rule.split(",") if r.strip()]:
-        for mem in configs:
+    for kv_name in a.kv_cache_dtype.split(","):
+        kv = kv_cache_dtype(kv_name.strip(), model.config.dtype)
+        plan = make_plan(model.decls(kv), page_size=page_size)
+        num_rows = size_arena(plan, budget_bytes(fixed_bytes=int(arena * 2**30), plan=plan)).num_rows
+        kv_scale = 0.5 if is_fp8(kv) else jnp.dtype(kv).itemsize / 2
+        for rule, mem in itertools.product([r.strip() for r in a.rule.split(",") if r.strip()],
+                                           [MemoryConfig()] + static_configs(plan, a.static_ratios)):
             rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
-                                 page_size=page_size, max_model_len=mml, rule=rule, **sched_kw))
+                                 page_size=page_size, max_model_len=mml, rule=rule, kv_scale=kv_scale, **sched_kw))
             r = rows[-1]
-            print(f"  {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
-                  f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  "
+            r["kv_cache_dtype"] = kv
+            print(f"  {kv:<9} {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
+                  f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  tokens held "
+                  f"{r['tokens_held_peak']:>7} peak / {r['tokens_held_mean']:9.0f} mean  "
                   f"{r['retractions']:>3} retractions  utilization under load "
                   f"{'-' if r['util'] is None else format(r['util'], '.2f')}"
                   + ("" if r["split"] is None else " (holes {holes:.3f}, free gap {free:.3f}, sink {sink:.3f})"
