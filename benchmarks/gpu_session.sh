@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -145,6 +145,13 @@ step() {
       for kv in auto fp8; do python3 -m benchmarks.bench_serving --models ${SERVE_MODELS:-gemma3-4b-like} \
             --workloads shifting,kv-heavy --static-ratios 0.8:0.9 --kv-cache-dtype $kv --budget-after-build \
             --no-progress --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_kv_$kv"; done ;;
+    hlo_qwen64)  # which model op Qwen3.5-MoE's B = 64 concatenate fusion (2M elements a MoE layer) comes from:
+      # the step's optimized HLO dumped (not kept: it is large), its concatenates counted by shape and JAX op
+      rm -rf /tmp/hlo64; XLA_FLAGS="--xla_dump_to=/tmp/hlo64 --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*" \
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families qwen35moe --ctx 2048 \
+            --decode-batches 64 --kinds decode --arena-gib 24 --no-check --budget 100 | tail -3
+      grep -h " concatenate(" /tmp/hlo64/*jit_step*after_optimizations.txt \
+        | sed -E 's/.*= ([a-z0-9]+\[[0-9,]+\]).* concatenate\(.*op_name="([^"]*)".*/\1 \2/' | sort | uniq -c | sort -rn | head -20 ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac
