@@ -37,3 +37,13 @@ def test_copy_limit_is_the_fastest_exact_variant():
     assert {"xla_xor", "xla_copy", "device_put"} <= set(lim.variants)
     assert lim.fastest in rates and lim.tbps == max(rates.values()) and lim.fastest not in UNTRUSTED
     assert lim.nbytes == 2 * (1 << 20) and abs(lim.seconds * lim.bytes_per_s - lim.nbytes) < 1e-6 * lim.nbytes
+
+
+def test_bench_issue_runs_every_calling_pattern(capsys):
+    """bench_issue --small: each calling pattern runs the same step on the tiny family (the
+    donated and io patterns thread their buffers through the calls) and gets a row."""
+    from benchmarks import bench_issue
+
+    assert bench_issue.main(["--small", "--families", "gptoss", "--iters", "2", "--trials", "1"]) == 0
+    table = capsys.readouterr().out.split("family                         mode")[-1]
+    assert [line.split()[1] for line in table.strip().splitlines()[1:]] == list(bench_issue.MODES)
