@@ -44,7 +44,6 @@ import argparse
 import itertools
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 
 from umem_jax.bench.driver import MemoryConfig
@@ -55,7 +54,7 @@ from umem_jax.core.sampling_params import SamplingParams
 from umem_jax.core.scheduled_batch import Buckets
 from umem_jax.memory import ChainAllocator, size_arena, static_regions
 from umem_jax.memory import plan as make_plan
-from umem_jax.memory.declarations import is_fp8, kv_cache_dtype
+from umem_jax.memory.declarations import dtype_words, kv_cache_dtype
 from umem_jax.memory.demand import DemandModel
 from umem_jax.memory.sizing import budget_bytes
 from umem_jax.models.registry import build_random
@@ -142,7 +141,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         if b.kind == "prefill":
             t += PREFILL_BASE_S + PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
         else:
-            t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + kv_scale * KV_S_PER_TOKEN * sum(r.end for r in b.rows)
+            kv_read = kv_scale * KV_S_PER_TOKEN * sum(r.end for r in b.rows)
+            t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + kv_read
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
             util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
@@ -160,7 +160,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     assert not alloc.leaks()
     return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
                 retractions=sch.num_retractions, tokens_held_peak=max(held, default=0),
-                tokens_held_mean=float(np.mean(held)) if held else 0.0, util=float(np.mean(util, axis=0)[0]) if util else None,
+                tokens_held_mean=float(np.mean(held)) if held else 0.0,
+                util=float(np.mean(util, axis=0)[0]) if util else None,
                 split=dict(zip(("live", "holes", "free", "sink"), np.mean(util, axis=0).tolist())) if util else None,
                 refused=refused, clipped=clipped,
                 util_bound=float(np.median([b[0] for b in bound])) if bound else None,
@@ -227,7 +228,7 @@ def run(argv=None) -> list[dict]:
         kv = kv_cache_dtype(kv_name.strip(), model.config.dtype)
         plan = make_plan(model.decls(kv), page_size=page_size)
         num_rows = size_arena(plan, budget_bytes(fixed_bytes=int(arena * 2**30), plan=plan)).num_rows
-        kv_scale = 0.5 if is_fp8(kv) else jnp.dtype(kv).itemsize / 2
+        kv_scale = dtype_words(kv, 2) / 2  # 16-bit words a K/V value takes, against bf16's one
         for rule, mem in itertools.product([r.strip() for r in a.rule.split(",") if r.strip()],
                                            [MemoryConfig()] + static_configs(plan, a.static_ratios)):
             rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
