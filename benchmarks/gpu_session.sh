@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -152,6 +152,17 @@ step() {
             --decode-batches 64 --kinds decode --arena-gib 24 --no-check --budget 100 | tail -3
       grep -h " concatenate(" /tmp/hlo64/*jit_step*after_optimizations.txt \
         | sed -E 's/.*= ([a-z0-9]+\[[0-9,]+\]).* concatenate\(.*op_name="([^"]*)".*/\1 \2/' | sort | uniq -c | sort -rn | head -20 ;;
+    plan_b64)  # the MoE dispatch plan (one launch ordering a decode batch's rows) against the argsort path:
+      # its GPU tests, then B = 64 with each, alternating, each its own process (the plan's first run checked
+      # against the dense forward, its second traced)
+      python3 -m pytest -q -m gpu tests/kernels/test_dispatch_plan.py
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
+      for i in 1 2; do for p in xla pallas; do echo "== $i UMEM_JAX_MOE_PLAN=$p"
+        tr=0; [ "$p" = pallas ] && [ "$i" = 2 ] && tr=3
+        ck=--no-check; [ "$p" = pallas ] && [ "$i" = 1 ] && ck=  # the arena-vs-dense check: its prefill takes the plan too
+        UMEM_JAX_MOE_PLAN=$p python3 -m benchmarks.bench_models --families ${PLAN_FAMILIES:-gptoss,nemo3nano} \
+            --ctx 2048 --decode-batches 64 --kinds decode --arena-gib ${PLAN_ARENA_GIB:-6} $ck --budget 100 \
+            --trace $tr | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -19,6 +19,7 @@ from flax import nnx
 
 from umem_jax.models import moe as moe_lib
 from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
+from umem_jax.pallas_kernels.dispatch_plan import PLAN_ENV
 
 HIDDEN = 32
 
@@ -50,9 +51,11 @@ def block(m, x, valid=None):
 
 
 def use_path(monkeypatch, path: str) -> None:
-    """Make the block's default dispatch take `path` ("ragged", "pallas" interpreted, "gather")."""
+    """Make the block's default dispatch take `path` ("ragged", "pallas" interpreted: the argsort
+    and tile metadata, "planned": the Pallas path with dispatch_plan ordering the rows, "gather")."""
     monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
-    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None if path == "gather" else path)
+    monkeypatch.setattr(moe_lib, "GROUPED_PATH", {"gather": None, "planned": "pallas"}.get(path, path))
+    monkeypatch.setenv(PLAN_ENV, "pallas" if path == "planned" else "xla")
 
 
 def rel(got, want) -> float:
@@ -184,7 +187,7 @@ PALLAS_CASES = ["gpt_oss", "many_empty_experts"]  # the Triton kernel, interpret
 
 
 @pytest.mark.parametrize("name,path", [(n, "ragged") for n in sorted(CONFIGS)] + [(n, "gather") for n in GATHER_CASES]
-                         + [(n, "pallas") for n in PALLAS_CASES])
+                         + [(n, p) for n in PALLAS_CASES for p in ("pallas", "planned")])
 def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
     cfg = CONFIGS[name]
     m = build(cfg, seed=sum(map(ord, name)))
@@ -227,7 +230,7 @@ def test_every_token_on_one_expert(k):
     assert rel(jitted(block, m, x), jitted(moe_reference, m, x)) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["ragged", "gather", "pallas"])
+@pytest.mark.parametrize("path", ["ragged", "gather", "pallas", "planned"])
 def test_padding_rows_do_not_touch_valid_rows(path, monkeypatch):
     """Padding rows filled with NaN and huge values: valid rows are exactly what they are without
     the padding; padding rows come back finite or not, but are never read."""
@@ -283,13 +286,14 @@ def test_jitted_block_has_no_host_round_trip(name, monkeypatch):
     graphdef, state = nnx.split(m)
     x, valid = inputs(13, (2, 8, HIDDEN)), jnp.ones((2, 8), bool).at[1, 5:].set(False)
     want = jitted(moe_reference, m, x)
-    for path in ("ragged", "gather", "pallas"):
+    for path in ("ragged", "gather", "pallas", "planned"):
         use_path(monkeypatch, path)
         fn = lambda state, x, valid: nnx.merge(graphdef, state)(x, valid)
         prims = _primitives(jax.make_jaxpr(fn)(state, x, valid).jaxpr)
         assert not {p for p in prims if "callback" in p or p in ("outfeed", "infeed", "while")}, (path, prims)
-        assert ("pallas_call" in prims) == (path == "pallas")
-        if path == "pallas":
+        assert ("pallas_call" in prims) == (path in ("pallas", "planned"))
+        assert ("sort" in prims) == (path in ("ragged", "pallas"))  # the plan orders the rows by counting
+        if path in ("pallas", "planned"):
             continue  # interpreted on CPU: checked against the reference above
         got = jax.jit(fn)(state, x, valid)
         np.testing.assert_allclose(np.asarray(got)[np.asarray(valid)], np.asarray(want)[np.asarray(valid)],

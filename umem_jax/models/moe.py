@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ..pallas_kernels import dispatch_plan as plan
 from ..pallas_kernels.expert_gemv import PROLOGUE_ENV, expert_gemv
 from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
@@ -175,6 +176,8 @@ class Experts(nnx.Module):
         """The grouped path: the rows sorted by expert, two grouped matmuls -> [N, d] fp32 before _finish."""
         n, k = experts.shape
         e = self.cfg.local_experts
+        if impl == "pallas" and n * k <= plan.MAX_ROWS and plan.plan_backend() == "pallas":
+            return self._planned(x, weights, experts, valid)
         key = experts.reshape(-1)
         if valid is not None:
             key = jnp.where(jnp.repeat(valid, k), key, e)  # padding sorts past the last group
@@ -193,6 +196,22 @@ class Experts(nnx.Module):
         y = jnp.where((sorted_experts < e)[:, None], y * jnp.take(weights.reshape(-1), order)[:, None], 0.0)
         inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         return jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
+
+    def _planned(self, x, weights, experts, valid):
+        """The grouped path at a decode batch, in four launches and an XLA fusion: dispatch_plan
+        orders the rows (no sort, scatter or tile metadata), the first grouped matmul gathers
+        each sorted row's token as it loads it and adds the bias, the second gives the padding
+        tail zeros, and one gather by `pos` un-sorts, weights and sums over k -> [N, d] fp32."""
+        n, k = experts.shape
+        interpret = jax.default_backend() != "gpu"
+        pos, token, first, end = plan.dispatch_plan(experts.reshape(-1).astype(jnp.int32), self.cfg.local_experts,
+                                                    valid, repeat=k, interpret=interpret)
+        matmul = functools.partial(grouped_matmul, plan=(first, end), out_dtype=jnp.float32, interpret=interpret)
+        h = matmul(x, self.first, token=token, bias=self.first_bias())
+        y = matmul(expert_activation(h, self.cfg).astype(self.down_proj.dtype), self.down_proj[...])  # [R, d]
+        # a row past the groups (padding, another device's expert) is a zero of the padding tail;
+        # an invalid token's weights may be anything, and _finish zeroes its sum
+        return (jnp.take(y, pos, axis=0) * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
 
     def _gathered(self, x, weights, experts):
         """The few-rows path: every (token, expert) row reads its expert's weights by a gather."""

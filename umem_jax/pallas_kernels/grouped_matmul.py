@@ -69,31 +69,52 @@ def tile_metadata(group_sizes: jax.Array, rows: int, block_m: int):
     return group, first, end
 
 
-def _kernel(group_ref, first_ref, end_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K, N, G):
+def _kernel(*refs, block_m, block_n, block_k, K, N, G, per_group, gather, has_bias):
+    it = iter(refs)
+    group_ref = None if per_group else next(it)
+    first_ref, end_ref = next(it), next(it)
+    token_ref = next(it) if gather else None
+    x_ref, w_ref = next(it), next(it)
+    bias_ref = next(it) if has_bias else None
+    o_ref = next(it)
     t, nb = pl.program_id(0), pl.program_id(1)
-    g, first, end = group_ref[t], first_ref[t], end_ref[t]
-    rows = first + jnp.arange(block_m, dtype=jnp.int32)
+    g = t if per_group else group_ref[t]
+    first, end = first_ref[t], end_ref[t]
     cols = nb * block_n + jnp.arange(block_n, dtype=jnp.int32)
-    row_ok = rows < end
     col_ok = cols < N
-    out_mask = row_ok[:, None] & col_ok[None, :]
 
-    @pl.when((first < end) & (g < G))
-    def _matmul():
-        def body(kb, acc):
-            ks = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
-            k_ok = ks < K
-            a = pltr.load(x_ref.at[rows[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-            b = pltr.load(w_ref.at[g, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
-            return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+    def block(r0):  # output rows r0 .. r0 + block_m (those below `end`) of group g
+        rows = r0 + jnp.arange(block_m, dtype=jnp.int32)
+        row_ok = rows < end
+        out_mask = row_ok[:, None] & col_ok[None, :]
 
-        acc = lax.fori_loop(0, pl.cdiv(K, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
-        pltr.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
+        @pl.when(g < G)
+        def _matmul():
+            src = pltr.load(token_ref.at[rows], mask=row_ok, other=0) if gather else rows
 
-    @pl.when((first < end) & (g == G))
-    def _padding():
-        pltr.store(o_ref.at[rows[:, None], cols[None, :]], jnp.zeros((block_m, block_n), o_ref.dtype),
-                   mask=out_mask)
+            def body(kb, acc):
+                ks = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
+                k_ok = ks < K
+                a = pltr.load(x_ref.at[src[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
+                b = pltr.load(w_ref.at[g, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+                return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+            acc = lax.fori_loop(0, pl.cdiv(K, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
+            if has_bias:
+                acc = acc + pltr.load(bias_ref.at[g, cols], mask=col_ok, other=0).astype(jnp.float32)[None, :]
+            pltr.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
+
+        @pl.when(g == G)
+        def _padding():
+            pltr.store(o_ref.at[rows[:, None], cols[None, :]], jnp.zeros((block_m, block_n), o_ref.dtype),
+                       mask=out_mask)
+
+    @pl.when(first < end)
+    def _live():
+        if per_group:  # all of the group's rows, block by block (a decode batch: mostly one block)
+            lax.fori_loop(0, (end - first + block_m - 1) // block_m, lambda i, c: (block(first + i * block_m), c)[1], 0)
+        else:  # one tile: block_m rows from `first`
+            block(first)
 
 
 def default_blocks(rows: int, K: int, N: int, groups: int = 1) -> dict:
@@ -116,28 +137,45 @@ def default_blocks(rows: int, K: int, N: int, groups: int = 1) -> dict:
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, out_dtype=None, block_m: int | None = None,
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
+                   plan: tuple[jax.Array, jax.Array] | None = None, token: jax.Array | None = None,
+                   bias: jax.Array | None = None, out_dtype=None, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """x [R, K] (rows sorted by group), w [G, K, N], group_sizes [G] int32 (sum <= R) -> [R, N]
-    in out_dtype (default x.dtype), fp32 accumulation.  Block sizes default by default_blocks."""
-    R, K = x.shape
+    in out_dtype (default x.dtype), fp32 accumulation.  Block sizes default by default_blocks.
+
+    plan (first, end) [G + 1] int32 instead of group_sizes: group g's rows are [first[g], end[g])
+    (g = G: the padding tail, zeros), one program a group and column block taking all its rows
+    (dispatch_plan.py's ranges at a decode batch: no tile metadata to compute).
+    token [R] int32: row r multiplies x[token[r]] (x [T, K]: the sorted rows gathered as loaded).
+    bias [G, N]: added to each group's rows in fp32 before the output's rounding."""
+    T, K = x.shape
     G, K2, N = w.shape
+    R = T if token is None else token.shape[0]
     if K2 != K:
         raise ValueError(f"grouped_matmul: x has K={K} columns, w has K={K2} rows")
+    if (group_sizes is None) == (plan is None):
+        raise ValueError("grouped_matmul: give group_sizes or plan, not both")
+    if plan is not None and any(a.shape != (G + 1,) for a in plan):
+        raise ValueError(f"grouped_matmul: plan ranges {[a.shape for a in plan]}, expected ({G + 1},) each")
+    if bias is not None and bias.shape != (G, N):
+        raise ValueError(f"grouped_matmul: bias {bias.shape}, expected {(G, N)}")
     cfg = default_blocks(R, K, N, G)
     given = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
     cfg.update({k: v for k, v in given.items() if v is not None})
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-    group, first, end = tile_metadata(group_sizes, R, bm)
-    kernel = functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K, N=N, G=G)
+    tiles = list(plan) if plan is not None else list(tile_metadata(group_sizes, R, bm))
+    operands = tiles + ([] if token is None else [token]) + [x, w] + ([] if bias is None else [bias])
+    kernel = functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K, N=N, G=G, per_group=plan is not None,
+                               gather=token is not None, has_bias=bias is not None)
     return pl.pallas_call(
         kernel,
-        grid=(group.shape[0], pl.cdiv(N, bn)),
-        in_specs=[ANY, ANY, ANY, ANY, ANY],
+        grid=(tiles[0].shape[0], pl.cdiv(N, bn)),
+        in_specs=[ANY] * len(operands),
         out_specs=ANY,
         out_shape=jax.ShapeDtypeStruct((R, N), jnp.dtype(out_dtype or x.dtype)),
         compiler_params=triton_params(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         interpret=interpret,
         name="umem_grouped_matmul",
-    )(group, first, end, x, w)
+    )(*operands)

@@ -35,6 +35,7 @@ from ..arena import Arena, apply_moves
 from ..core.batch import Batch
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
+from ..pallas_kernels.dispatch_plan import PLAN_ENV
 from ..pallas_kernels.expert_gemv import PROLOGUE_ENV
 from ..pallas_kernels.paged_decode import DECODE_ENV
 from ..pallas_kernels.paged_prefill import PREFILL_ENV
@@ -64,7 +65,7 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV)
+TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV)
 
 
 def step_key(*parts) -> tuple:
