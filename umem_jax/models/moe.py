@@ -11,7 +11,9 @@ on a GPU, jax.lax.ragged_dot elsewhere), weights each row, un-sorts by the inver
 gather: deterministic) and sums over k.  Padding rows get the sort key E: they fall outside every
 group and come back as zeros.  For a handful of rows (decode at batch 1) the gather path reads
 each row's expert matrices directly, or the Pallas expert GEMV (pallas_kernels/expert_gemv.py)
-reads each chosen expert's matrices once, in place.
+reads each chosen expert's matrices once, in place.  Between the two (a decode batch on a GPU: up
+to dispatch_plan.MAX_ROWS rows) one launch of pallas_kernels/dispatch_plan.py replaces the sort
+and its metadata (`Experts._planned`).
 
 The shared expert (Qwen3.5-MoE, Qwen3-Next, Nemotron-H) joins the routed ones once the model is
 fused (MoE.fuse_projections): cut into pseudo-experts of their width, named by the router's extra
