@@ -11,15 +11,21 @@ gives the shared expert's gate, and the choice names its pseudo-experts after th
 
 from __future__ import annotations
 
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ..pallas_kernels.route_topk import MAX_EXPERTS as ROUTE_MAX_EXPERTS
-from ..pallas_kernels.route_topk import (choice_of, route_backend, route_topk, route_topk_reference, scores_of,
+from ..pallas_kernels.route_topk import (ROUTER_DOT_ENV, choice_of, route_backend, route_topk, route_topk_reference, scores_of,
                                          topk_weights)
 from .layers import Linear, fp32_precision, normal_init
 from .moe_config import MoEConfig
+
+
+REDUCE_ROWS = 256  # rows up to which $UMEM_JAX_ROUTER_DOT=reduce applies (route_topk.ROUTER_DOT_ENV)
 
 
 def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array:
@@ -103,7 +109,13 @@ class Router(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
-        out = jnp.einsum("...d,ed->...e", x, w, precision=fp32_precision(x, w), preferred_element_type=jnp.float32)
+        rows = math.prod(x.shape[:-1])
+        if 1 < rows <= REDUCE_ROWS and os.environ.get(ROUTER_DOT_ENV, "").strip().lower() == "reduce":
+            # a decode batch's [N, d] x [d, E]: XLA's GEMM splits K and pads both operands for it
+            # (four launches around the product); one reduction fusion instead, in fp32
+            out = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1)
+        else:
+            out = jnp.einsum("...d,ed->...e", x, w, precision=fp32_precision(x, w), preferred_element_type=jnp.float32)
         return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None):

@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .launch import ANY, kernel_or_xla, pow2_ceil, pow2_floor
 
-__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference",
+__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "ROUTER_DOT_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference",
            "rows_per_program", "scores_of", "choice_of", "topk_weights", "with_shared"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")
@@ -54,6 +54,10 @@ MAX_EXPERTS = 1024  # a row's scores live in registers; past this the router sta
 # on a GPU, XLA elsewhere (where the kernel would only be interpreted).  Read at trace time; the
 # runner keys its steps on it (runner.TRACE_ENV).
 ROUTE_ENV = "UMEM_JAX_ROUTE"
+# $UMEM_JAX_ROUTER_DOT=reduce: models/router.py computes a decode batch's router logits as one XLA
+# reduction instead of a GEMM (XLA's GEMM split K and padded both operands for it: four launches
+# around the product); unset or "dot": the GEMM.  Being measured.  Read at trace time.
+ROUTER_DOT_ENV = "UMEM_JAX_ROUTER_DOT"
 
 
 def route_backend() -> str:

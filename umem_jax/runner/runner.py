@@ -40,7 +40,7 @@ from ..pallas_kernels.expert_gemv import PROLOGUE_ENV
 from ..pallas_kernels.paged_decode import DECODE_ENV
 from ..pallas_kernels.paged_prefill import PREFILL_ENV
 from ..pallas_kernels.rms_norm import NORM_ENV
-from ..pallas_kernels.route_topk import ROUTE_ENV
+from ..pallas_kernels.route_topk import ROUTE_ENV, ROUTER_DOT_ENV
 from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
 from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
@@ -65,7 +65,7 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV)
+TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV)
 
 
 def step_key(*parts) -> tuple:
