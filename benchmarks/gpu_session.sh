@@ -166,7 +166,7 @@ step() {
     router_b64|cublas_b64)  # B = 64 with the router's logits as a GEMM or one reduction (router_b64), or XLA's
       # Triton GEMMs on and off (cublas_b64): alternating, each its own process, twice
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
-      for i in 1 2; do for v in a b; do
+      for i in $(seq ${AB_ROUNDS:-2}); do for v in a b; do
         if [ "$1" = router_b64 ]; then envs="UMEM_JAX_ROUTER_DOT=$([ $v = a ] && echo dot || echo reduce)"
         else envs="XLA_FLAGS=--xla_gpu_enable_triton_gemm=$([ $v = a ] && echo true || echo false)"; fi
         echo "== $i $envs"
