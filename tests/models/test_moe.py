@@ -19,6 +19,7 @@ from flax import nnx
 
 from umem_jax.models import moe as moe_lib
 from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
+from umem_jax.pallas_kernels import dispatch_plan as plan_lib
 from umem_jax.pallas_kernels.dispatch_plan import PLAN_ENV
 
 HIDDEN = 32
@@ -298,6 +299,19 @@ def test_jitted_block_has_no_host_round_trip(name, monkeypatch):
         got = jax.jit(fn)(state, x, valid)
         np.testing.assert_allclose(np.asarray(got)[np.asarray(valid)], np.asarray(want)[np.asarray(valid)],
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_plan_takes_only_batches_up_to_its_rows(monkeypatch):
+    """The planned path orders up to dispatch_plan.MAX_ROWS rows; a larger batch (a prefill) sorts,
+    whose tiles spread one expert's many rows over programs."""
+    m = build(CONFIGS["gpt_oss"], seed=43)
+    graphdef, state = nnx.split(m)
+    use_path(monkeypatch, "planned")
+    fn = lambda state, x: nnx.merge(graphdef, state)(x)
+    x = inputs(14, (12, HIDDEN))  # 12 tokens x top-3 = 36 rows
+    for limit, sorts in ((36, False), (35, True)):
+        monkeypatch.setattr(plan_lib, "MAX_ROWS", limit)
+        assert ("sort" in _primitives(jax.make_jaxpr(fn)(state, x).jaxpr)) == sorts, limit
 
 
 def test_auto_path_picks_gather_for_few_rows(monkeypatch):

@@ -41,9 +41,11 @@ from .launch import ANY, kernel_or_xla, pow2_ceil
 
 __all__ = ["MAX_ROWS", "PLAN_ENV", "dispatch_plan", "dispatch_plan_reference", "plan_backend"]
 
-# Rows (tokens x k) up to which a decode batch takes this plan (models/moe.py): each program
-# compares its block with all R keys, R / chunk passes of a [row_block, chunk] compare.
-MAX_ROWS = 2048
+# Rows (tokens x k) up to which a batch takes this plan (models/moe.py): each program compares its
+# block with all R keys, R / chunk passes of a [row_block, chunk] compare; and the grouped matmul
+# then gives each expert one program for all its rows, which a prefill's skewed routing (hundreds
+# of rows on one expert) would serialise.  1024: a decode batch of 128 tokens at top-8.
+MAX_ROWS = 1024
 CHUNK = 256
 BLOCK = 32  # rows (or experts) a program
 # $UMEM_JAX_MOE_PLAN: "pallas" (this kernel orders a decode batch's rows), "xla" (the argsort path),
