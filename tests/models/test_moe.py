@@ -307,10 +307,10 @@ def test_plan_takes_only_batches_up_to_its_rows(monkeypatch):
     m = build(CONFIGS["gpt_oss"], seed=43)
     graphdef, state = nnx.split(m)
     use_path(monkeypatch, "planned")
-    fn = lambda state, x: nnx.merge(graphdef, state)(x)
     x = inputs(14, (12, HIDDEN))  # 12 tokens x top-3 = 36 rows
     for limit, sorts in ((36, False), (35, True)):
         monkeypatch.setattr(plan_lib, "MAX_ROWS", limit)
+        fn = lambda state, x: nnx.merge(graphdef, state)(x)  # a new function: JAX caches a trace by its function
         assert ("sort" in _primitives(jax.make_jaxpr(fn)(state, x).jaxpr)) == sorts, limit
 
 
