@@ -3,7 +3,7 @@
   python3 -m benchmarks.bench_moe            # GPU: gpt-oss-20b and Qwen3.5-35B-A3B-like shapes
   python3 -m benchmarks.bench_moe --small    # CPU: tiny shapes, in seconds
 
-prefill  the two grouped matmuls of models/moe.py (jax.lax.ragged_dot over tokens sorted by
+prefill  the two grouped matmuls of models/experts.py (jax.lax.ragged_dot over tokens sorted by
          expert, random top-k routing) in TFLOP/s, against a dense bf16 matmul of the same rows
          and FLOPs ([R, d] @ [d, F]) in the same run (goal: ragged >= 0.6x dense), and the whole
          routed block (sort, gather, both matmuls, un-sort) for the total time

@@ -221,6 +221,7 @@ def _moe_sharded(full, tp: int, ep: bool = False, join: bool = False):
 def moe() -> dict:
     """A tiny MoE layer (routed experts with biases, shared expert with its gate) split over
     TP=2 and 4 by sharding.py's rules == the unsplit layer, both dispatch paths."""
+    from umem_jax.models import experts as experts_lib
     from umem_jax.models import moe as moe_lib
 
     configs = {
@@ -236,18 +237,18 @@ def moe() -> dict:
     x = jnp.asarray(rng.standard_normal((2, 9, 32), np.float32))
     valid = jnp.asarray(rng.random((2, 9)) < 0.7)
     keep = np.asarray(valid)
-    out, default_rows = {}, moe_lib.GATHER_ROWS
+    out, default_rows = {}, experts_lib.GATHER_ROWS
     for name, cfg in configs.items():
         full = _moe_layer(cfg, 32)
         for tp in (2, 4):
             for rows in (0, 10**9):  # ragged, then gather (read when the layer is traced)
-                moe_lib.GATHER_ROWS = rows
+                experts_lib.GATHER_ROWS = rows
                 want = np.asarray(full(x, valid))
                 got = np.asarray(_moe_sharded(full, tp)(x, valid))
                 err = float(np.abs(got - want)[keep].max() / np.abs(want).max())
                 assert err < 1e-5, f"MoE {name} TP={tp} gather_rows={rows}: rel {err}"
                 out[f"{name}_tp{tp}_{'gather' if rows else 'ragged'}"] = err
-    moe_lib.GATHER_ROWS = default_rows
+    experts_lib.GATHER_ROWS = default_rows
     # Expert parallelism: 8 experts (whole per device at TP=2 and 4), every dispatch path; the
     # expert GEMV on 3 tokens (its rows path serves up to ROWS_MAX (token, expert) rows).
     paths = {"ragged": (x, valid), "gather": (x, valid), "rows": (x[:, :3], valid[:, :3])}
@@ -255,7 +256,7 @@ def moe() -> dict:
         full = _moe_layer(dataclasses.replace(cfg, num_experts=8), 32, seed=1)
         for tp in (2, 4):
             for path, (xs, ok) in paths.items():
-                moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = (10**9 if path == "gather" else 0), (
+                experts_lib.GATHER_ROWS, experts_lib.FEW_ROWS_PATH = (10**9 if path == "gather" else 0), (
                     "rows" if path == "rows" else None)
                 want = np.asarray(full(xs, ok))
                 got = np.asarray(_moe_sharded(full, tp, ep=True)(xs, ok))
@@ -270,14 +271,14 @@ def moe() -> dict:
         full = _moe_layer(dataclasses.replace(configs[name], num_experts=8), 32, seed=2)
         for (tp, ep), path in itertools.product(((2, False), (2, True)), ("rows", "ragged")):
             xs, ok = paths[path]
-            moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = 0, ("rows" if path == "rows" else None)
+            experts_lib.GATHER_ROWS, experts_lib.FEW_ROWS_PATH = 0, ("rows" if path == "rows" else None)
             want = np.asarray(full(xs, ok))
             got = np.asarray(_moe_sharded(full, tp, ep=ep, join=True)(xs, ok))
             mask = np.asarray(ok)
             err = float(np.abs(got - want)[mask].max() / np.abs(want).max())
             assert err < 1e-5, f"MoE {name} joined {'EP' if ep else 'TP'}={tp} {path}: rel {err}"
             out[f"{name}_joined_{'ep' if ep else 'tp'}{tp}_{path}"] = err
-    moe_lib.GATHER_ROWS, moe_lib.FEW_ROWS_PATH = default_rows, None
+    experts_lib.GATHER_ROWS, experts_lib.FEW_ROWS_PATH = default_rows, None
     return out
 
 

@@ -68,11 +68,11 @@ def test_fp32_models_multiply_at_full_precision(dtype):
 
 @pytest.mark.parametrize("path", ["gather", "ragged"])
 def test_fp32_moe_block_multiplies_at_full_precision(path, monkeypatch):
-    from umem_jax.models import moe as moe_lib
+    from umem_jax.models import experts as experts_lib
     from umem_jax.models.moe import MoE, MoEConfig, moe_reference
 
-    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
-    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None if path == "gather" else path)
+    monkeypatch.setattr(experts_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    monkeypatch.setattr(experts_lib, "GROUPED_PATH", None if path == "gather" else path)
     cfg = MoEConfig(num_experts=4, top_k=2, intermediate_size=16, shared_intermediate_size=8, expert_bias=True,
                     router_bias=True)
     block = MoE(16, cfg, dtype=jnp.float32, rngs=nnx.Rngs(np.random.randint(1 << 30)))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from umem_jax.models import moe as moe_lib
+from umem_jax.models import experts as experts_lib
 from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
 from umem_jax.pallas_kernels import dispatch_plan as plan_lib
 from umem_jax.pallas_kernels.dispatch_plan import PLAN_ENV
@@ -54,8 +54,8 @@ def block(m, x, valid=None):
 def use_path(monkeypatch, path: str) -> None:
     """Make the block's default dispatch take `path` ("ragged", "pallas" interpreted: the argsort
     and tile metadata, "planned": the Pallas path with dispatch_plan ordering the rows, "gather")."""
-    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
-    monkeypatch.setattr(moe_lib, "GROUPED_PATH", {"gather": None, "planned": "pallas"}.get(path, path))
+    monkeypatch.setattr(experts_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
+    monkeypatch.setattr(experts_lib, "GROUPED_PATH", {"gather": None, "planned": "pallas"}.get(path, path))
     monkeypatch.setenv(PLAN_ENV, "pallas" if path == "planned" else "xla")
 
 
@@ -319,8 +319,8 @@ def test_auto_path_picks_gather_for_few_rows(monkeypatch):
     m = build(CONFIGS["qwen_softmax"], seed=51)
     graphdef, state = nnx.split(m)
     fn = lambda state, x: nnx.merge(graphdef, state)(x)
-    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 4)
-    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None)
+    monkeypatch.setattr(experts_lib, "GATHER_ROWS", 4)
+    monkeypatch.setattr(experts_lib, "GROUPED_PATH", None)
     few = _primitives(jax.make_jaxpr(fn)(state, inputs(1, (2, HIDDEN))).jaxpr)
     more = _primitives(jax.make_jaxpr(fn)(state, inputs(1, (3, HIDDEN))).jaxpr)
     assert "ragged_dot_general" not in few and "sort" not in few
@@ -332,8 +332,8 @@ def test_auto_path_picks_gather_for_few_rows(monkeypatch):
 
 def use_rows(monkeypatch, rows_max: int = 64) -> None:
     """Make the block's default dispatch take the Pallas expert GEMV (interpreted) up to rows_max."""
-    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "rows")
-    monkeypatch.setattr(moe_lib, "ROWS_MAX", rows_max)
+    monkeypatch.setattr(experts_lib, "FEW_ROWS_PATH", "rows")
+    monkeypatch.setattr(experts_lib, "ROWS_MAX", rows_max)
 
 
 ROWS_CASES = ["gpt_oss", "nemotron_sigmoid_grouped", "qwen_next_shared_gate", "softmax_grouped_bias", "k1_odd_E"]
@@ -346,7 +346,7 @@ def test_rows_path_matches_reference_fp32(name, tokens, monkeypatch):
     once after): one decode token and a few, whose experts repeat across tokens; with one token
     the activation runs as the down GEMV's prologue (FUSED_ACTIVATION), else as an XLA op."""
     use_rows(monkeypatch)
-    monkeypatch.setattr(moe_lib, "FUSED_ACTIVATION", tokens == 1)
+    monkeypatch.setattr(experts_lib, "FUSED_ACTIVATION", tokens == 1)
     m = build(CONFIGS[name], seed=sum(map(ord, name)) + tokens)
     x = inputs(tokens, (tokens, HIDDEN))
     got, want = jitted(block, m, x), jitted(moe_reference, m, x)
@@ -366,8 +366,8 @@ def test_few_rows_dispatch_default_and_rows(monkeypatch):
     """The default is the backend's choice (None: the rows kernel on a GPU, where it beat the
     gather at every measured row count up to ROWS_MAX, gather elsewhere); with FEW_ROWS_PATH =
     "rows" up to ROWS_MAX rows run the kernel, then gather, then the sort."""
-    assert moe_lib.FEW_ROWS_PATH is None and moe_lib.ROWS_MAX == 16
-    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "gather")
+    assert experts_lib.FEW_ROWS_PATH is None and experts_lib.ROWS_MAX == 16
+    monkeypatch.setattr(experts_lib, "FEW_ROWS_PATH", "gather")
     m = build(CONFIGS["qwen_softmax"], seed=81)  # top_k 2
     graphdef, state = nnx.split(m)
 
@@ -375,21 +375,21 @@ def test_few_rows_dispatch_default_and_rows(monkeypatch):
         return _primitives(jax.make_jaxpr(lambda state, x: nnx.merge(graphdef, state)(x))(
             state, inputs(1, (n, HIDDEN))).jaxpr)
 
-    monkeypatch.setattr(moe_lib, "GATHER_ROWS", 8)
-    monkeypatch.setattr(moe_lib, "GROUPED_PATH", None)
+    monkeypatch.setattr(experts_lib, "GATHER_ROWS", 8)
+    monkeypatch.setattr(experts_lib, "GROUPED_PATH", None)
     assert "pallas_call" not in prims(2) and "sort" not in prims(2)  # gather
     use_rows(monkeypatch, rows_max=4)
-    assert moe_lib.few_rows_path(4) == "rows" and moe_lib.few_rows_path(6) == "gather"
-    assert moe_lib.few_rows_path(9) is None
-    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", None)  # the backend's choice: gather off the GPU
-    assert moe_lib.few_rows_path(4) == ("rows" if jax.default_backend() == "gpu" else "gather")
-    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "rows")
+    assert experts_lib.few_rows_path(4) == "rows" and experts_lib.few_rows_path(6) == "gather"
+    assert experts_lib.few_rows_path(9) is None
+    monkeypatch.setattr(experts_lib, "FEW_ROWS_PATH", None)  # the backend's choice: gather off the GPU
+    assert experts_lib.few_rows_path(4) == ("rows" if jax.default_backend() == "gpu" else "gather")
+    monkeypatch.setattr(experts_lib, "FEW_ROWS_PATH", "rows")
     assert "pallas_call" in prims(2) and "sort" not in prims(2)
     assert "pallas_call" not in prims(3) and "sort" not in prims(3)
     assert "sort" in prims(5)
-    monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "scatter")
+    monkeypatch.setattr(experts_lib, "FEW_ROWS_PATH", "scatter")
     with pytest.raises(ValueError, match="FEW_ROWS_PATH"):
-        moe_lib.few_rows_path(2)
+        experts_lib.few_rows_path(2)
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -441,7 +441,7 @@ def test_joined_shared_expert_matches_the_separate_one(name, path, tokens, monke
     if path == "rows":
         use_rows(monkeypatch)
     else:
-        monkeypatch.setattr(moe_lib, "FEW_ROWS_PATH", "gather")
+        monkeypatch.setattr(experts_lib, "FEW_ROWS_PATH", "gather")
         use_path(monkeypatch, path)
     j = joined(m)
     m_count = cfg.shared_intermediate_size // cfg.intermediate_size

@@ -10,7 +10,7 @@ rows are ordered by expert, and each expert's row range.
                                                                               -> all int32
 
 This is what `jnp.argsort` of the keys plus XLA's group sizes, inverse permutation and tile
-metadata compute (models/moe.py's prefill path).  At a decode batch those are eleven launches of
+metadata compute (models/experts.py's prefill path).  At a decode batch those are eleven launches of
 1-4 us each a layer (a sort, two scatters, cumsums, pads and selects: benchmarks/RESULTS.md,
 session 23 traces), more than the kernel work they describe.  Here every answer is a count over
 all R keys, so no program waits on another:
@@ -23,7 +23,7 @@ all R keys, so no program waits on another:
 
 Each compares its keys against all R in chunks of `chunk` ([row_block, chunk] int32 in
 registers), so the work is R^2 / 2 + R E compares: cheap up to MAX_ROWS, past which the sort in
-XLA wins (a prefill's rows; models/moe.py keeps that path).  Rows past R carry key E + 1, after
+XLA wins (a prefill's rows; models/experts.py keeps that path).  Rows past R carry key E + 1, after
 every real row, and are never counted.
 """
 
@@ -41,7 +41,7 @@ from .launch import ANY, kernel_or_xla, pow2_ceil
 
 __all__ = ["MAX_ROWS", "PLAN_ENV", "dispatch_plan", "dispatch_plan_reference", "plan_backend"]
 
-# Rows (tokens x k) up to which a batch takes this plan (models/moe.py): each program compares its
+# Rows (tokens x k) up to which a batch takes this plan (models/experts.py): each program compares its
 # block with all R keys, R / chunk passes of a [row_block, chunk] compare; and the grouped matmul
 # then gives each expert one program for all its rows, which a prefill's skewed routing (hundreds
 # of rows on one expert) would serialise.  1024: a decode batch of 128 tokens at top-8.
@@ -54,7 +54,7 @@ PLAN_ENV = "UMEM_JAX_MOE_PLAN"
 
 
 def plan_backend() -> str:
-    """"pallas" or "xla": how models/moe.py orders a decode batch's rows now ($UMEM_JAX_MOE_PLAN)."""
+    """"pallas" or "xla": how models/experts.py orders a decode batch's rows now ($UMEM_JAX_MOE_PLAN)."""
     return kernel_or_xla(PLAN_ENV)
 
 

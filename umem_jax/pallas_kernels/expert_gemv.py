@@ -13,7 +13,7 @@ every chosen expert's matrix read once.
                                                                             -> [R, N] fp32 accumulation
 
 At one decode token an MoE layer must read exactly top_k experts' weights, and that read is the
-whole cost.  The gather path (models/moe.py `_gathered`) copies the chosen matrices first (read,
+whole cost.  The gather path (models/experts.py `_gathered`) copies the chosen matrices first (read,
 write, read again) and the grouped GEMM (grouped_matmul.py) gives each expert one program per
 column block, too few to keep HBM busy; both ran 4-8x the bytes on the H200.  This kernel puts
 the matrix read itself on a wide grid, (row slot u, column block, K split):
@@ -58,8 +58,8 @@ MAX_ROWS = 64  # every live program holds all rows' tile ([bm, bk] and a [bm, bn
 # (-7 to -11% for Qwen's down and both of Nemotron's) than at the 512 programs aimed for before.
 TARGET_PROGRAMS = 128
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-# $UMEM_JAX_EXPERT_PROLOGUE=1: models/moe.py runs the experts' activation as the down GEMV's
-# prologue (off by default: see moe.FUSED_ACTIVATION).  Read at trace time (runner.TRACE_ENV).
+# $UMEM_JAX_EXPERT_PROLOGUE=1: models/experts.py runs the experts' activation as the down GEMV's
+# prologue (off by default: see experts.FUSED_ACTIVATION).  Read at trace time (runner.TRACE_ENV).
 PROLOGUE_ENV = "UMEM_JAX_EXPERT_PROLOGUE"
 
 

@@ -15,7 +15,7 @@ matrix once per row tile.  The padding tail is one more "group" whose tiles stor
 Tile metadata (which group, first row, end row of every tile) is computed on the device from
 group_sizes with a few cumsums: no host round trip, static shapes under jit.
 
-Plan mode (a decode batch, models/moe.py): `plan=(first, end)` from dispatch_plan.py gives each
+Plan mode (a decode batch, models/experts.py): `plan=(first, end)` from dispatch_plan.py gives each
 group's row range directly; the grid is one program a group (G + 1 with the padding tail) and
 column block, and a program takes all its group's rows, block_m at a time, so nothing is computed
 before the launch.  `token` gathers the sorted rows' inputs as they are loaded (x holds one row a
