@@ -199,10 +199,13 @@ def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
     assert rel(got, want) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["qwen_next_shared_gate", "gpt_oss", "nemotron_sigmoid_grouped", "k1_odd_E"])
-def test_dispatch_matches_reference_bf16(name):
+@pytest.mark.parametrize("name,path", [(n, "ragged") for n in ("qwen_next_shared_gate", "gpt_oss",
+                                                                  "nemotron_sigmoid_grouped", "k1_odd_E")]
+                         + [("gpt_oss", "planned"), ("nemotron_sigmoid_grouped", "planned")])
+def test_dispatch_matches_reference_bf16(name, path, monkeypatch):
     """bf16 weights and activations: both sides accumulate in fp32 and round the expert hidden
     to bf16 once, so they differ by a few bf16 ulps of the output."""
+    use_path(monkeypatch, path)
     cfg = CONFIGS[name]
     m = build(cfg, seed=11, dtype=jnp.bfloat16)
     x = inputs(6, (4, 16, HIDDEN), jnp.bfloat16)

@@ -185,17 +185,20 @@ class Experts(nnx.Module):
         return jnp.take(y, inverse, axis=0).reshape(n, k, -1).sum(1)
 
     def _planned(self, x, weights, experts, valid):
-        """The grouped path at a decode batch, in four launches and an XLA fusion: dispatch_plan
+        """The grouped path at a decode batch, in three launches and an XLA fusion: dispatch_plan
         orders the rows (no sort, scatter or tile metadata), the first grouped matmul gathers
-        each sorted row's token as it loads it and adds the bias, the second gives the padding
-        tail zeros, and one gather by `pos` un-sorts, weights and sums over k -> [N, d] fp32."""
+        each sorted row's token as it loads it, adds the bias and applies the activation, the
+        second gives the padding tail zeros, and one gather by `pos` un-sorts, weights and sums
+        over k -> [N, d] fp32."""
         n, k = experts.shape
         interpret = jax.default_backend() != "gpu"
         pos, token, first, end = plan.dispatch_plan(experts.reshape(-1).astype(jnp.int32), self.cfg.local_experts,
                                                     valid, repeat=k, interpret=interpret)
-        matmul = functools.partial(grouped_matmul, plan=(first, end), out_dtype=jnp.float32, interpret=interpret)
-        h = matmul(x, self.first, token=token, bias=self.first_bias())
-        y = matmul(expert_activation(h, self.cfg).astype(self.down_proj.dtype), self.down_proj[...])  # [R, d]
+        matmul = functools.partial(grouped_matmul, plan=(first, end), interpret=interpret)
+        # the activation in the first matmul's epilogue: [R, I] in the down projection's dtype
+        a = matmul(x, self.first, token=token, bias=self.first_bias(), epilogue=activation_of(self.cfg),
+                   gated=self.cfg.expert_kind != "ungated", out_dtype=self.down_proj.dtype)
+        y = matmul(a, self.down_proj[...], out_dtype=jnp.float32)  # [R, d]
         # a row past the groups (padding, another device's expert) is a zero of the padding tail;
         # an invalid token's weights may be anything, and _finish zeroes its sum
         return (jnp.take(y, pos, axis=0) * weights.reshape(-1)[:, None]).reshape(n, k, -1).sum(1)
