@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [epilogue_b64]=300)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -163,12 +163,17 @@ step() {
         UMEM_JAX_MOE_PLAN=$p python3 -m benchmarks.bench_models --families ${PLAN_FAMILIES:-gptoss,nemo3nano} \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib ${PLAN_ARENA_GIB:-6} $ck --budget 100 \
             --trace $tr | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
-    router_b64|cublas_b64)  # B = 64 with the router's logits as a GEMM or one reduction (router_b64), or XLA's
-      # Triton GEMMs on and off (cublas_b64): alternating, each its own process, twice
+    router_b64|cublas_b64|epilogue_b64)  # B = 64 with the router's logits as a GEMM or one reduction (router_b64),
+      # XLA's Triton GEMMs on and off (cublas_b64), or the experts' activation in the grouped matmul's epilogue
+      # (epilogue_b64; its GPU tests first): alternating, each its own process, twice
+      [ "$1" = epilogue_b64 ] && python3 -m pytest -q -m gpu tests/kernels/test_dispatch_plan.py
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
       for i in $(seq ${AB_ROUNDS:-2}); do for v in a b; do
-        if [ "$1" = router_b64 ]; then envs="UMEM_JAX_ROUTER_DOT=$([ $v = a ] && echo dot || echo reduce)"
-        else envs="XLA_FLAGS=--xla_gpu_enable_triton_gemm=$([ $v = a ] && echo true || echo false)"; fi
+        case "$1" in
+          router_b64) envs="UMEM_JAX_ROUTER_DOT=$([ $v = a ] && echo dot || echo reduce)" ;;
+          cublas_b64) envs="XLA_FLAGS=--xla_gpu_enable_triton_gemm=$([ $v = a ] && echo true || echo false)" ;;
+          *) envs="UMEM_JAX_MOE_EPILOGUE=$([ $v = a ] && echo 0 || echo 1)" ;;
+        esac
         echo "== $i $envs"
         env $envs python3 -m benchmarks.bench_models --families ${AB_FAMILIES:-gptoss,nemo3nano} --ctx 2048 \
             --decode-batches ${AB_BATCHES:-64} --kinds decode --arena-gib ${AB_ARENA_GIB:-6} --no-check --budget 100 \

@@ -21,6 +21,7 @@ from umem_jax.models import experts as experts_lib
 from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
 from umem_jax.pallas_kernels import dispatch_plan as plan_lib
 from umem_jax.pallas_kernels.dispatch_plan import PLAN_ENV
+from umem_jax.pallas_kernels.grouped_matmul import EPILOGUE_ENV
 
 HIDDEN = 32
 
@@ -53,10 +54,13 @@ def block(m, x, valid=None):
 
 def use_path(monkeypatch, path: str) -> None:
     """Make the block's default dispatch take `path` ("ragged", "pallas" interpreted: the argsort
-    and tile metadata, "planned": the Pallas path with dispatch_plan ordering the rows, "gather")."""
+    and tile metadata, "planned": the Pallas path with dispatch_plan ordering the rows,
+    "epilogue": planned with the activation in the first matmul's epilogue, "gather")."""
     monkeypatch.setattr(experts_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
-    monkeypatch.setattr(experts_lib, "GROUPED_PATH", {"gather": None, "planned": "pallas"}.get(path, path))
-    monkeypatch.setenv(PLAN_ENV, "pallas" if path == "planned" else "xla")
+    grouped = {"gather": None, "planned": "pallas", "epilogue": "pallas"}.get(path, path)
+    monkeypatch.setattr(experts_lib, "GROUPED_PATH", grouped)
+    monkeypatch.setenv(PLAN_ENV, "pallas" if path in ("planned", "epilogue") else "xla")
+    monkeypatch.setenv(EPILOGUE_ENV, "1" if path == "epilogue" else "0")  # the activation in the first matmul
 
 
 def rel(got, want) -> float:
@@ -188,7 +192,7 @@ PALLAS_CASES = ["gpt_oss", "many_empty_experts"]  # the Triton kernel, interpret
 
 
 @pytest.mark.parametrize("name,path", [(n, "ragged") for n in sorted(CONFIGS)] + [(n, "gather") for n in GATHER_CASES]
-                         + [(n, p) for n in PALLAS_CASES for p in ("pallas", "planned")])
+                         + [(n, p) for n in PALLAS_CASES for p in ("pallas", "planned", "epilogue")])
 def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
     cfg = CONFIGS[name]
     m = build(cfg, seed=sum(map(ord, name)))
@@ -201,7 +205,7 @@ def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
 
 @pytest.mark.parametrize("name,path", [(n, "ragged") for n in ("qwen_next_shared_gate", "gpt_oss",
                                                                   "nemotron_sigmoid_grouped", "k1_odd_E")]
-                         + [("gpt_oss", "planned"), ("nemotron_sigmoid_grouped", "planned")])
+                         + [(n, p) for n in ("gpt_oss", "nemotron_sigmoid_grouped") for p in ("planned", "epilogue")])
 def test_dispatch_matches_reference_bf16(name, path, monkeypatch):
     """bf16 weights and activations: both sides accumulate in fp32 and round the expert hidden
     to bf16 once, so they differ by a few bf16 ulps of the output."""
@@ -234,7 +238,7 @@ def test_every_token_on_one_expert(k):
     assert rel(jitted(block, m, x), jitted(moe_reference, m, x)) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["ragged", "gather", "pallas", "planned"])
+@pytest.mark.parametrize("path", ["ragged", "gather", "pallas", "planned", "epilogue"])
 def test_padding_rows_do_not_touch_valid_rows(path, monkeypatch):
     """Padding rows filled with NaN and huge values: valid rows are exactly what they are without
     the padding; padding rows come back finite or not, but are never read."""

@@ -35,7 +35,12 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .launch import ANY
 
-__all__ = ["grouped_matmul", "grouped_matmul_reference", "tile_metadata"]
+__all__ = ["EPILOGUE_ENV", "grouped_matmul", "grouped_matmul_reference", "tile_metadata"]
+
+# $UMEM_JAX_MOE_EPILOGUE=1: models/experts.py's planned path applies the experts' activation in the
+# first grouped matmul's epilogue; unset or "0": an XLA fusion between the two matmuls (the default
+# until the epilogue has compiled and been timed on a GPU).  Read at trace time (runner.TRACE_ENV).
+EPILOGUE_ENV = "UMEM_JAX_MOE_EPILOGUE"
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
