@@ -18,10 +18,12 @@ import pytest
 from flax import nnx
 
 from umem_jax.models import experts as experts_lib
+from umem_jax.models import router as router_lib
 from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
 from umem_jax.pallas_kernels import dispatch_plan as plan_lib
 from umem_jax.pallas_kernels.dispatch_plan import PLAN_ENV
 from umem_jax.pallas_kernels.grouped_matmul import EPILOGUE_ENV
+from umem_jax.pallas_kernels.route_topk import ROUTER_DOT_ENV
 
 HIDDEN = 32
 
@@ -125,6 +127,28 @@ def np_route(logits: np.ndarray, cfg: MoEConfig, bias: np.ndarray | None):
     if cfg.norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
     return w * cfg.routed_scaling_factor, ids
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_router_logits_as_a_reduction(dtype, monkeypatch):
+    """$UMEM_JAX_ROUTER_DOT=reduce: a decode batch's logits (2..REDUCE_ROWS rows) as one reduction
+    in fp32, the same numbers as the GEMM (bias included); one row and larger batches keep the GEMM."""
+    m = build(CONFIGS["gpt_oss"], seed=45, dtype=dtype)
+    graphdef, state = nnx.split(m.gate)
+
+    def logits(x, how):
+        monkeypatch.setenv(ROUTER_DOT_ENV, how)
+        fn = lambda state, x: nnx.merge(graphdef, state).logits(x)  # a new function: a new trace
+        return fn, jax.jit(fn)(state, x)
+
+    for n, reduces in ((1, False), (12, True), (router_lib.REDUCE_ROWS, True), (router_lib.REDUCE_ROWS + 1, False)):
+        x = inputs(n, (n, HIDDEN), dtype)
+        fn, got = logits(x, "reduce")
+        prims = _primitives(jax.make_jaxpr(fn)(state, x).jaxpr)
+        assert ("dot_general" not in prims) == reduces, n
+        _, want = logits(x, "dot")
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
