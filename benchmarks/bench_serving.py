@@ -97,6 +97,8 @@ def parse(argv=None):
                     "run once with auto and once with fp8 in the same --arena-gib to compare tokens held and tok/s")
     ap.add_argument("--no-early", action="store_true",
                     help="a prompt waits in the queue until its whole need fits (early_admission=False)")
+    ap.add_argument("--no-joint", action="store_true",
+                    help="a request's own decode peak is added to the decoders' (joint_admission=False)")
     ap.add_argument("--out", default=None, help="default: $OUT/bench_serving, else ./bench_serving_out")
     ap.add_argument("--compile-cache", default=str(Path(__file__).resolve().parents[1] / "out" / "jax_cache"),
                     help="JAX persistent compilation cache ('' for none; default out/jax_cache, git-ignored): a later "
@@ -115,7 +117,8 @@ def engine_settings(args, wls, arena_gib: float, small: bool) -> dict:
     mml = -(-(max(w.max_len for w in wls) + ps) // ps) * ps
     engine_kwargs = dict(arena_bytes=int(arena_gib * 2**30), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
-                         seed=args.seed, early_admission=not args.no_early, kv_cache_dtype=args.kv_cache_dtype,
+                         seed=args.seed, early_admission=not args.no_early, joint_admission=not args.no_joint,
+                         kv_cache_dtype=args.kv_cache_dtype,
                          **({"kernel_impl": "reference"} if small else {}),
                          **bucket_kwargs("single" if small else "coarse", args.max_num_seqs,
                                          args.max_num_batched_tokens, mml, ps))

@@ -201,6 +201,8 @@ def run(argv=None) -> list[dict]:
                          "plan's K/V rows and the cost model's K/V read follow it")
     ap.add_argument("--no-early", action="store_true",
                     help="a prompt waits in the queue until its whole need fits (early_admission=False)")
+    ap.add_argument("--no-joint", action="store_true",
+                    help="a request's own decode peak is added to the decoders' (joint_admission=False)")
     a = ap.parse_args(argv)
     spec = dict(bs.MODELS[a.model])
     if a.long:
@@ -223,6 +225,8 @@ def run(argv=None) -> list[dict]:
         sched_kw["exact_fixed_length_reservation"] = False
     if a.no_early:
         sched_kw["early_admission"] = False
+    if a.no_joint:
+        sched_kw["joint_admission"] = False
     rows = []
     for kv_name in a.kv_cache_dtype.split(","):
         kv = kv_cache_dtype(kv_name.strip(), model.config.dtype)

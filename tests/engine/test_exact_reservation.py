@@ -239,3 +239,23 @@ def test_shared_window_pages_come_back_when_the_last_holder_passes_them():
     alone = dm.decode_peak([a], left[:1], lag=1, shared_window=shared[:1]).window_pages[name]
     assert alone == 4 and joint.window_pages[name] == 4 + 4 - 4
     assert dm.decode_peak([a, b], left, lag=1).window_pages[name] == 0  # the rule before
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_a_short_request_joins_the_decoders_peak(lag):
+    """Two fixed-length requests with 120 outputs to come, then one with 8: admitted against the
+    decoders' joint peak it starts in the second step (it finishes long before their growth
+    peaks, and what it gives back pays for that growth), where its own peak added to theirs made
+    it wait for them to finish; no retraction either way, and at a tighter arena the whole run
+    takes fewer steps."""
+    def steps_of(budget, joint):
+        sch = scheduler(budget << 10, joint_admission=joint)
+        reqs = [request(sch, 0, 30, 120, **FIXED), request(sch, 1, 30, 120, **FIXED), request(sch, 2, 30, 8, **FIXED)]
+        steps = run(sch, reqs, lag)
+        assert sch.num_retractions == 0
+        return [i for i, (_, rows) in enumerate(steps) if any(row[0] == "2" for row in rows)][0], len(steps)
+
+    (start, _), (start_before, _) = steps_of(170, True), steps_of(170, False)
+    assert start <= 2 < 100 < start_before
+    (_, total), (_, total_before) = steps_of(130, True), steps_of(130, False)
+    assert total < total_before

@@ -142,7 +142,7 @@ def scheduler_config(cfg: EngineConfig, plan, buckets: Buckets) -> SchedulerConf
     return SchedulerConfig(min(cfg.max_num_seqs, buckets.batch[-1]), cfg.max_num_batched_tokens, buckets,
                            new_token_ratio=cfg.new_token_ratio, max_prefill_streak=cfg.max_prefill_streak,
                            exact_fixed_length_reservation=cfg.exact_fixed_length_reservation,
-                           early_admission=cfg.early_admission,
+                           early_admission=cfg.early_admission, joint_admission=cfg.joint_admission,
                            enable_prefix_caching=cfg.enable_prefix_caching,
                            max_checkpoints_per_path=cfg.max_checkpoints_per_path,
                            checkpoint_interval=int(interval),

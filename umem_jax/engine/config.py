@@ -43,6 +43,9 @@ class EngineConfig:
     # a long prompt whose whole need does not fit yet may start its prefill in the bytes no running
     # request is owed, and wait there for the rest (scheduler.py); off: it waits in the queue
     early_admission: bool = True
+    # a fixed-length request whose one pass completes its prompt is admitted against the joint peak
+    # of the fixed-length decoders and itself (scheduler/admission.py); off: its own peak added to theirs
+    joint_admission: bool = True
     max_prefill_streak: int = 4
     extra_state_slots: int = 0  # state slots per request beyond its working slot (priced at admission)
     enable_prefix_caching: bool = True  # share cached prefixes (vLLM's default)

@@ -17,6 +17,7 @@ decode_peak orders the finishes by tokens left (`exact_applies`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -156,12 +157,45 @@ def own(req: Request, end: int, holders: list[Request], demand: DemandModel, tok
     return demand.reservation(req, tokens, after=end, shared_window=shared)
 
 
+@dataclasses.dataclass
+class AfterPass:
+    """A request being admitted, as DemandModel.decode_peak sees it once the pass that completes
+    its prompt has run: `end` tokens computed, their pages and its state slots held, the window
+    pages before the window released."""
+    num_computed: int
+    pages: list
+    window_start: dict
+    slots: list
+
+    @classmethod
+    def of(cls, end: int, demand: DemandModel) -> AfterPass:
+        n = -(-end // demand.page_size)
+        starts = {name: max(0, end - w + 1) // demand.page_size for name, w in demand.windows}
+        return cls(end, [0] * n, starts, [0] * demand.slots_per_request)
+
+    def holds(self) -> Demand:
+        """What it gives back when it finishes (no page shared: a request without a prefix hit)."""
+        return Demand(len(self.pages), {n: len(self.pages) - s for n, s in self.window_start.items()}, len(self.slots))
+
+
+def joins(req: Request, end: int, exact: bool) -> bool:
+    """Whether admitting `req` with a pass to `end` may be priced jointly with the fixed-length
+    decoders (`reservations(joining=...)`): under the exact rule, fixed-length, no prefix hit
+    (its pages would be shared), and the pass completes its prompt (it decodes right after)."""
+    return exact and fixed_length(req) and end == req.num_tokens and not req.pages and not req.slots
+
+
 def reservations(running: list[Request], holders: list[Request], demand: DemandModel,
-                 tokens: Callable[[Request], int], exact: bool) -> Demand:
+                 tokens: Callable[[Request], int], exact: bool, joining: tuple[Request, int] | None = None) -> Demand:
     """Reservations of every running request (decoding, or admitted with part of its prompt
     still to compute): `tokens(r)` (reserve_tokens) priced by the demand model, but for the
     fixed-length decoders under the exact rule, which reserve their decode_peak together.
-    holders: every request holding memory (the running ones and held transfers)."""
+    holders: every request holding memory (the running ones and held transfers).
+
+    joining (req, end): a request being admitted (`joins`) counted as one more of those decoders
+    after its pass, its own reservation included: what it gives back when it finishes then pays
+    for the others' later growth, where adding its own reservation to theirs would count the two
+    peaks as if they fell on the same step (a short request admitted beside long ones)."""
     total, fixed, counts = Demand(), [], None
     for r in running:
         if exact and r.decode_ready and r.wants_step and fixed_length(r):
@@ -171,7 +205,7 @@ def reservations(running: list[Request], holders: list[Request], demand: DemandM
                 counts = window_holders(holders, demand)
             shared = shared_window(r, counts, demand) if shares_windows(counts) else None
             total = total + demand.reservation(r, tokens(r), shared_window=shared)
-    if fixed:
+    if fixed or joining:
         # lag 1: under async scheduling the engine finishes a request (gives its memory back)
         # only after scheduling the step that follows its last token
         left = [r.max_tokens - r.num_output for r in fixed]
@@ -181,10 +215,16 @@ def reservations(running: list[Request], holders: list[Request], demand: DemandM
             shared = [shared_window(r, counts, demand) for r in fixed]
             sharers = [h for h in holders if any((c[h.pages[h.window_start[n]:]] > 1).any() for n, c in counts.items())]
             frees = shared_window_frees(fixed, left, sharers, demand, lag=1)
-        total = total + demand.decode_peak(fixed, left, gives_back(fixed, holders, demand, counts), lag=1,
-                                           shared_window=shared, shared_frees=frees)
+        back = gives_back(fixed, holders, demand, counts)
+        if joining is not None:  # its pass samples one output; it decodes the rest with the others
+            req, end = joining
+            after = AfterPass.of(end, demand)
+            fixed, back = fixed + [after], back + [after.holds()]
+            left = left + [req.max_tokens - req.num_output - 1]
+            shared = None if shared is None else shared + [{}]
+        total = total + demand.decode_peak(fixed, left, back, lag=1, shared_window=shared, shared_frees=frees)
     return total
 
 
-__all__ = ["exact_applies", "fixed_length", "gives_back", "own", "reservations", "reserve_tokens", "shared_window",
+__all__ = ["AfterPass", "exact_applies", "fixed_length", "gives_back", "joins", "own", "reservations", "reserve_tokens", "shared_window",
            "shared_window_frees", "shares_windows", "window_holders"]

@@ -8,8 +8,8 @@ flood of long prompts cannot stall generation.
 Memory, all priced by the one DemandModel (memory/demand.py), held through RequestMemory:
   * admission: a waiting request is admitted if its pass plus the decode reservations of every
     running request and its own (`new_token_ratio` x tokens left; exact for fixed-length
-    requests: reservations.py) fits the arena now; passes of a batch are allocated as they are
-    admitted, so two admissions never spend the same bytes.
+    requests: reservations.py) fits the arena now (admission.py); passes of a batch are allocated
+    as they are admitted, so two admissions never spend the same bytes.
   * decode: the summed one-token demand must fit; if not (after the allocator's own
     flush/compaction), the least preferred running request is retracted, and so on.
   * priority: a waiting request that does not fit retracts running requests of lower priority,
@@ -42,7 +42,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
-from . import held, reservations, speculation
+from . import admission, held, reservations, speculation
 from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
 from .early_start import EarlyStart
 from .prefill import PrefillBatch, prefill_candidates
@@ -50,7 +50,7 @@ from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
 from .radix_node import Hit
 from .request_memory import RequestMemory
-from .retraction import least_preferred, make_room, preempt_for
+from .retraction import least_preferred, make_room
 
 
 @dataclasses.dataclass
@@ -72,10 +72,10 @@ class SchedulerConfig:
     exact_fixed_length_reservation: bool = True
     cache_lookahead: int = 0  # tokens past a cached page its bytes depend on (1: an MTP head; radix_node.py)
     early_admission: bool = True  # a prompt may start in the unreserved gap before its whole need fits
-
-
-# Returned by `_price_pass` for a cache hit that fits only as a miss.
-RETRY_AS_MISS = -1
+    # a fixed-length request whose one pass completes its prompt is admitted against the joint
+    # peak of the fixed-length decoders and itself (reservations.joins), not its own peak added
+    # to theirs; off: the sum (the rule before)
+    joint_admission: bool = True
 
 
 class Scheduler:
@@ -223,11 +223,11 @@ class Scheduler:
         hit = None
         try:
             hit = self.prefix.take_hit(req) if not admitted and self.prefix is not None else None
-            end, reservation = self._price_pass(req, batch, admitted, hit)
-            if end == RETRY_AS_MISS:  # the clip vouches for the request as a miss, not for the hit's pin
+            end, reservation = admission.price_pass(self, req, batch, admitted, hit)
+            if end == admission.RETRY_AS_MISS:  # the clip vouches for the request as a miss, not for the hit's pin
                 self.prefix.drop_hit(req, hit)
                 hit = None
-                end, reservation = self._price_pass(req, batch, admitted, hit)
+                end, reservation = admission.price_pass(self, req, batch, admitted, hit)
             if not end or not self.memory.alloc(req, end):
                 if self.prefix is not None:
                     self.prefix.drop_hit(req, hit)
@@ -252,40 +252,6 @@ class Scheduler:
         batch.add(Row(req, start, end, end == req.num_tokens, checkpoints))
         req.compute_to(end)
         return True
-
-    def _price_pass(self, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit | None) -> tuple[int, Demand]:
-        """Whether `req`'s next pass in `batch` fits, making room as the rules allow -> (end of
-        the pass, its decode reservation once admitted), end 0 if it does not fit, or
-        RETRY_AS_MISS when `req` is alone and only the hit's pinned checkpoint slot (which the
-        memory clip does not price) is in the way."""
-        reservation = Demand()
-        chunk = batch.chunk_for(req, self.demand.chunk)
-        if not chunk:
-            return 0, reservation
-        end = req.num_computed + chunk
-        step = self.demand.step(req, end)
-        if admitted:  # an early start waits for free bytes (early_start.py); others make room
-            got = self.early.next_pass(req, step, end) if req is self.early.req else None
-            if got is None:
-                got = end if self._fits(lambda: step) or self._make_room(lambda: step, req, batch) else 0
-            if not got and self.running == [req]:
-                self._restart_alone(req)
-            return got, reservation
-        if self.early.blocks(req):
-            return 0, reservation
-        reservation = reservations.own(req, end, self.holders, self.demand, self._reserve_tokens(req, end))
-        need = lambda: step + reservation + self._reservations() + batch.admitted_reservations
-        fits = self._fits(need)
-        if not fits and not self.running:
-            fits = self._fits(lambda: step)  # alone in the arena: the clip vouches for it
-            if not fits and hit is not None and hit.resume:
-                return RETRY_AS_MISS, reservation
-        if not fits:
-            fits = preempt_for(need, req, self.running, batch.request_ids, self._fits, self.retract, self.demand,
-                               self.allocator)
-        if not fits:
-            return self.early.start(req, end), reservation
-        return end, reservation
 
     # ------------------------------------------------------------------ decode
     def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
