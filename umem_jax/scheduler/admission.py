@@ -48,7 +48,7 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
     if sch.early.blocks(req):
         return 0, reservation
     reservation = reservations.own(req, end, sch.holders, sch.demand, sch._reserve_tokens(req, end))
-    if sch.cfg.joint_admission and reservations.joins(req, end, sch.exact):
+    if sch.cfg.joint_admission and hit is None and reservations.joins(req, end, sch.exact):
         # its own reservation inside the fixed-length decoders' joint peak; not memoised (this candidate's)
         need = lambda: step + reservations.reservations(sch.running, sch.holders, sch.demand, sch._reserve_tokens,
                                                         sch.exact, joining=(req, end)) + batch.admitted_reservations

@@ -180,8 +180,10 @@ class AfterPass:
 
 def joins(req: Request, end: int, exact: bool) -> bool:
     """Whether admitting `req` with a pass to `end` may be priced jointly with the fixed-length
-    decoders (`reservations(joining=...)`): under the exact rule, fixed-length, no prefix hit
-    (its pages would be shared), and the pass completes its prompt (it decodes right after)."""
+    decoders (`reservations(joining=...)`): under the exact rule, fixed-length, holding nothing
+    yet, and the pass completes its prompt (it decodes right after).  The caller also excludes a
+    prefix hit: its pages, shared with the cache or a running request, would be credited as
+    given back when it finishes (a prototype of session 12 retracted so)."""
     return exact and fixed_length(req) and end == req.num_tokens and not req.pages and not req.slots
 
 
