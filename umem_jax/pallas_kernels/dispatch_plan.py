@@ -12,17 +12,17 @@ rows are ordered by expert, and each expert's row range.
 This is what `jnp.argsort` of the keys plus XLA's group sizes, inverse permutation and tile
 metadata compute (models/experts.py's prefill path).  At a decode batch those are eleven launches of
 1-4 us each a layer (a sort, two scatters, cumsums, pads and selects: benchmarks/RESULTS.md,
-session 23 traces), more than the kernel work they describe.  Here every answer is a count over
+session 22 traces), more than the kernel work they describe.  Here every answer is a count over
 all R keys, so no program waits on another:
 
-* a row program (row_block rows) counts, for each of its rows, the rows before it in the order:
+* a row program (`block` rows) counts, for each of its rows, the rows before it in the order:
   pos[r] = #{r' : key[r'] < key[r]} + #{r' < r : key[r'] == key[r]} (stable), then scatters
   token[pos[r]] = r // k;
-* an expert program (expert_block experts) counts first[g] = #{r : key[r] < g} and
+* an expert program (`block` experts) counts first[g] = #{r : key[r] < g} and
   end[g] = #{r : key[r] <= g}.
 
-Each compares its keys against all R in chunks of `chunk` ([row_block, chunk] int32 in
-registers), so the work is R^2 / 2 + R E compares: cheap up to MAX_ROWS, past which the sort in
+Each compares its keys against all R in chunks of `chunk` ([block, chunk] int32 in registers),
+so the work is R^2 + 2 R E compares: cheap up to MAX_ROWS, past which the sort in
 XLA wins (a prefill's rows; models/experts.py keeps that path).  Rows past R carry key E + 1, after
 every real row, and are never counted.
 """
