@@ -40,7 +40,10 @@ last; rows go to $OUT/bench_models.json (or --json) after every row.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import itertools
+import os
 import statistics
 import sys
 import time
@@ -68,6 +71,35 @@ GIB = 2**30
 
 DENSE_GOAL = 1.25  # decode ms / roofline ms at the goal batch: the dense families'
 MOE_GOAL = 1.3  # the MoE families' (issue 15)
+
+
+def parse_variants(spec: str) -> list[tuple[str, dict]]:
+    """'A=1,B=2;A=3' -> [(label, {ENV: value})]; '' -> one variant, the environment as it is."""
+    out = []
+    for part in (spec.split(";") if spec.strip() else [""]):
+        env = {}
+        for kv in filter(None, (x.strip() for x in part.split(","))):
+            key, sep, value = kv.partition("=")
+            if not sep or not key.strip():
+                raise ValueError(f"--variants: {kv!r} is not ENV=value")
+            env[key.strip()] = value.strip()
+        out.append((",".join(f"{k}={v}" for k, v in env.items()), env))
+    return out
+
+
+@contextlib.contextmanager
+def environment(env: dict):
+    """os.environ with `env` set, restored after."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def record(log: RowLog, **row) -> dict:
@@ -133,8 +165,8 @@ def measurements(a) -> list[dict]:
     return [m for m in out if m["kind"] in a.kinds]
 
 
-def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts) -> None:
-    cfg, name = model.config, FAMILIES[fam]["name"]
+def run_bucket(log, fam, m, run: Stepper, model, plan, num_rows, a, copy_bw, counts, variant: str = "") -> None:
+    cfg, name = model.config, FAMILIES[fam]["name"] + (f" [{variant}]" if variant else "")
     B, T = m["B"], m["T"]
     rng = np.random.default_rng(B * 7919 + T)
     for ctx in m["ctxs"]:
@@ -230,19 +262,25 @@ def run_family(log, fam: str, a, copy_bw: float, fam_deadline: float, deadline: 
             record(log, **check_family(fam, model, run, plan, num_rows, a, a.width))
         except Exception as e:  # noqa: BLE001
             fail(log, name, "check", e)
+    steps = {}  # variant -> its step, traced under its environment (the kernels read theirs at trace time)
     for i, m in enumerate(todo):
         # The first (most important) bucket starts while the whole budget lasts; the others only
         # within this family's share, so a slow family cannot starve the next.
         if time.time() > (deadline if i == 0 else fam_deadline):
             _skip_all(log, name, [m])
             continue
-        try:
-            run_bucket(log, fam, m, run, model, plan, num_rows, a, copy_bw, counts)
-        except Exception as e:  # noqa: BLE001
-            fail(log, name, m["kind"], e, B=m["B"], T=m["T"])
-            if getattr(run.arena.data, "is_deleted", lambda: False)():  # donated into a failed call
-                run.arena = Arena.create(plan, num_rows)
-    del run, model
+        for _, (label, env) in itertools.product(range(a.rounds), a.variants):
+            try:
+                with environment(env):
+                    if label not in steps:
+                        steps[label] = run.step if not env else model.jit_forward(impl=a.impl)
+                    run.step = steps[label]
+                    run_bucket(log, fam, m, run, model, plan, num_rows, a, copy_bw, counts, variant=label)
+            except Exception as e:  # noqa: BLE001
+                fail(log, name, m["kind"], e, B=m["B"], T=m["T"])
+                if getattr(run.arena.data, "is_deleted", lambda: False)():  # donated into a failed call
+                    run.arena = Arena.create(plan, num_rows)
+    del run, model, steps
     gc.collect()
     jax.clear_caches()
     live = sum(x.nbytes for x in jax.live_arrays())
@@ -309,6 +347,11 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"decode ms / roofline ms goal at the goal batch (default {DENSE_GOAL} dense, {MOE_GOAL} MoE)")
     ap.add_argument("--goal-batch", type=int, default=64)
     ap.add_argument("--trace", type=int, default=0, help="also profile this many decode steps (kernel table, engine_trace)")
+    ap.add_argument("--variants", default="",
+                    help="A/B in one process: variants separated by ';', each a ','-list of ENV=value read when a step "
+                         "is traced (e.g. 'UMEM_JAX_MOE_PLAN=xla;UMEM_JAX_MOE_PLAN=pallas'): every bucket times each, "
+                         "on the same weights, arena and routing; an empty variant is the environment as it is")
+    ap.add_argument("--rounds", type=int, default=1, help="with --variants: times through them, alternating")
     ap.add_argument("--json", default=None, help="rows here (default $OUT/bench_models.json if $OUT is set)")
     return ap
 
@@ -343,6 +386,10 @@ def parse(argv):
             ap.error(f"unknown family {f.strip()!r}; known: {', '.join(FAMILIES)}")
         fams.append(key)
     a.families = fams
+    try:
+        a.variants = parse_variants(a.variants)
+    except ValueError as e:
+        ap.error(str(e))
     return a
 
 

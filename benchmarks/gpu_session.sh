@@ -163,21 +163,23 @@ step() {
         UMEM_JAX_MOE_PLAN=$p python3 -m benchmarks.bench_models --families ${PLAN_FAMILIES:-gptoss,nemo3nano} \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib ${PLAN_ARENA_GIB:-6} $ck --budget 100 \
             --trace $tr | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
-    router_b64|cublas_b64|epilogue_b64)  # B = 64 with the router's logits as a GEMM or one reduction (router_b64),
-      # XLA's Triton GEMMs on and off (cublas_b64), or the experts' activation in the grouped matmul's epilogue
-      # (epilogue_b64; its GPU tests first): alternating, each its own process, twice
+    router_b64|epilogue_b64)  # B = 64 with the router's logits as a GEMM or one reduction (router_b64), or the
+      # experts' activation in the grouped matmul's epilogue (epilogue_b64; its GPU tests first): both variants in
+      # one process per family (the same weights, arena and routing; bench_models --variants), alternating, twice
       [ "$1" = epilogue_b64 ] && python3 -m pytest -q -m gpu tests/kernels/test_dispatch_plan.py
+      case "$1" in
+        router_b64) v="UMEM_JAX_ROUTER_DOT=dot;UMEM_JAX_ROUTER_DOT=reduce" ;;
+        *) v="UMEM_JAX_MOE_EPILOGUE=0;UMEM_JAX_MOE_EPILOGUE=1" ;;
+      esac
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families ${AB_FAMILIES:-gptoss,nemo3nano} \
+          --ctx 2048 --decode-batches ${AB_BATCHES:-64} --kinds decode --arena-gib ${AB_ARENA_GIB:-6} --no-check \
+          --budget 240 --variants "$v" --rounds ${AB_ROUNDS:-2} | grep -E "decode +B=|copy" ;;
+    cublas_b64)  # XLA's Triton GEMMs on and off (a flag read when XLA starts: one process each), alternating, twice
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
-      for i in $(seq ${AB_ROUNDS:-2}); do for v in a b; do
-        case "$1" in
-          router_b64) envs="UMEM_JAX_ROUTER_DOT=$([ $v = a ] && echo dot || echo reduce)" ;;
-          cublas_b64) envs="XLA_FLAGS=--xla_gpu_enable_triton_gemm=$([ $v = a ] && echo true || echo false)" ;;
-          *) envs="UMEM_JAX_MOE_EPILOGUE=$([ $v = a ] && echo 0 || echo 1)" ;;
-        esac
-        echo "== $i $envs"
-        env $envs python3 -m benchmarks.bench_models --families ${AB_FAMILIES:-gptoss,nemo3nano} --ctx 2048 \
-            --decode-batches ${AB_BATCHES:-64} --kinds decode --arena-gib ${AB_ARENA_GIB:-6} --no-check --budget 100 \
-            | grep -E "decode +B=|copy"; done; done ;;
+      for i in $(seq ${AB_ROUNDS:-2}); do for t in true false; do echo "== $i --xla_gpu_enable_triton_gemm=$t"
+        XLA_FLAGS=--xla_gpu_enable_triton_gemm=$t python3 -m benchmarks.bench_models \
+            --families ${AB_FAMILIES:-gptoss,nemo3nano} --ctx 2048 --decode-batches ${AB_BATCHES:-64} --kinds decode \
+            --arena-gib ${AB_ARENA_GIB:-6} --no-check --budget 100 | grep -E "decode +B=|copy"; done; done ;;
     gemv_chain) python3 -m benchmarks.bench_moe --only chain ;;  # expert GEMV tunings as a step runs them
     *) echo "unknown step $1"; return 2 ;;
   esac

@@ -254,3 +254,19 @@ def _count_routers(model) -> int:
     from umem_jax.models.moe import Router
 
     return sum(isinstance(m, Router) for _, m in nnx.iter_graph(nnx.merge(model.graphdef, model.params)))
+
+
+def test_variants_parse_and_set_the_environment_for_their_trace(monkeypatch):
+    """--variants: ';' between variants, ',' between ENV=value pairs; an empty spec is one variant,
+    the environment as it is; `environment` sets a variant's values and restores the old ones."""
+    from benchmarks.bench_models import environment, parse_variants
+
+    assert parse_variants("") == [("", {})]
+    assert parse_variants("A=1, B=2;A=3") == [("A=1,B=2", {"A": "1", "B": "2"}), ("A=3", {"A": "3"})]
+    with pytest.raises(ValueError, match="ENV=value"):
+        parse_variants("A")
+    monkeypatch.setenv("UMEM_TEST_A", "old")
+    monkeypatch.delenv("UMEM_TEST_B", raising=False)
+    with environment({"UMEM_TEST_A": "1", "UMEM_TEST_B": "2"}):
+        assert (os.environ["UMEM_TEST_A"], os.environ["UMEM_TEST_B"]) == ("1", "2")
+    assert os.environ["UMEM_TEST_A"] == "old" and "UMEM_TEST_B" not in os.environ
