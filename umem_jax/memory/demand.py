@@ -147,13 +147,17 @@ class DemandModel:
             held_window = {n: max(0, k - shared.get(n, 0)) for n, k in self.held_window(req).items()}
             return self.span(start, start + tokens, held_pages=len(req.pages), held_window=held_window,
                              held_slots=len(req.slots), pass_len=self.decode_pass)
-        # after a pass that ends at `after`, the request holds ceil(after / page_size) pages, the
-        # window pages touching [after - w + 1, after) and its slots
-        page_size = self.page_size
-        held = -(-start // page_size)
-        held_window = {n: max(0, held - max(0, start - w + 1) // page_size - shared.get(n, 0)) for n, w in self.windows}
-        return self.span(start, start + tokens, held_pages=held, held_window=held_window,
-                         held_slots=self.slots_per_request, pass_len=self.decode_pass)
+        held = self.held_after(start)
+        held_window = {n: max(0, k - shared.get(n, 0)) for n, k in held.window_pages.items()}
+        return self.span(start, start + tokens, held_pages=held.token_pages, held_window=held_window,
+                         held_slots=held.state_slots, pass_len=self.decode_pass)
+
+    def held_after(self, end: int) -> Demand:
+        """What a request holds after a pass that ends at `end` (none of it shared): ceil(end /
+        page_size) pages, in each window the pages touching [end - w + 1, end), and its slots."""
+        pages = -(-end // self.page_size)
+        return Demand(pages, {n: pages - max(0, end - w + 1) // self.page_size for n, w in self.windows},
+                      self.slots_per_request)
 
     def decode_peak(self, reqs, tokens_left, gives_back=None, lag: int = 0, shared_window=None,
                     shared_frees=None) -> Demand:

@@ -126,15 +126,17 @@ class Experts(nnx.Module):
 
         shared: (first [d, m, F], down [m, I, d]) (MoE.fuse_projections): on the "rows" path its
         rows join the routed ones in the expert GEMV (ids E..E+m-1); elsewhere it runs dense.
-        path: "ragged" / "pallas" (sort, then ragged_dot / the Pallas grouped matmul), "gather"
-        (each row's expert weights gathered), "rows" (the Pallas expert GEMV: each chosen expert
+        path: "ragged" / "pallas" (sort, then ragged_dot / the Pallas grouped matmul; "pallas" up
+        to dispatch_plan.MAX_ROWS rows orders them by dispatch_plan instead, unless
+        $UMEM_JAX_MOE_PLAN=xla), "gather" (each row's expert weights gathered), "rows" (the Pallas expert GEMV: each chosen expert
         read once); None: few_rows_path(N*k), else GROUPED_PATH (Pallas interpreted off a GPU).
         masked: the router gave invalid tokens ids -1 (Router's valid): the rows path takes them so."""
         n = x.shape[0]
         k, e = self.cfg.top_k, self.cfg.local_experts
         m = experts.shape[1] - k
         if (m > 0) != (shared is not None):
-            raise ValueError(f"MoE experts: {experts.shape[1]} slots for top_k={k}, shared experts: {shared is not None}")
+            raise ValueError(f"MoE experts: {experts.shape[1]} slots for top_k={k}, "
+                             f"shared experts: {shared is not None}")
         routed_w, routed = (weights[:, :k], experts[:, :k]) if m else (weights, experts)
         if self.expert_axis is not None:
             routed_w, routed = self._local_choice(routed_w, routed)
@@ -151,6 +153,8 @@ class Experts(nnx.Module):
             out = self._gathered(x, routed_w, routed)
         elif path == "rows":
             out = self._rows(x, routed_w, routed, None if masked else valid)
+        elif path == "pallas" and n * k <= plan.MAX_ROWS and plan.plan_backend() == "pallas":
+            out = self._planned(x, routed_w, routed, valid)  # a decode batch: ordered by dispatch_plan
         elif path in ("ragged", "pallas"):
             out = self._sorted(x, routed_w, routed, valid, path)
         else:
@@ -163,8 +167,6 @@ class Experts(nnx.Module):
         """The grouped path: the rows sorted by expert, two grouped matmuls -> [N, d] fp32 before _finish."""
         n, k = experts.shape
         e = self.cfg.local_experts
-        if impl == "pallas" and n * k <= plan.MAX_ROWS and plan.plan_backend() == "pallas":
-            return self._planned(x, weights, experts, valid)
         key = experts.reshape(-1)
         if valid is not None:
             key = jnp.where(jnp.repeat(valid, k), key, e)  # padding sorts past the last group

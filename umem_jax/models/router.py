@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..pallas_kernels.route_topk import MAX_EXPERTS as ROUTE_MAX_EXPERTS
-from ..pallas_kernels.route_topk import (ROUTER_DOT_ENV, choice_of, route_backend, route_topk, route_topk_reference, scores_of,
-                                         topk_weights)
+from ..pallas_kernels.route_topk import (ROUTER_DOT_ENV, choice_of, route_backend, route_topk, route_topk_reference,
+                                         scores_of, topk_weights)
 from .layers import Linear, fp32_precision, normal_init
 from .moe_config import MoEConfig
 

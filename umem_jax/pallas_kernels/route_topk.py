@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .launch import ANY, kernel_or_xla, pow2_ceil, pow2_floor
 
-__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "ROUTER_DOT_ENV", "SCORINGS", "route_backend", "route_topk", "route_topk_reference",
+__all__ = ["MAX_EXPERTS", "ROUTE_ENV", "ROUTER_DOT_ENV", "SCORINGS", "route_backend", "route_topk",
+           "route_topk_reference",
            "rows_per_program", "scores_of", "choice_of", "topk_weights", "with_shared"]
 
 SCORINGS = ("softmax", "sigmoid", "topk_softmax")

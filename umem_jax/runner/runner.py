@@ -66,7 +66,8 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV, EPILOGUE_ENV)
+TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV,
+             EPILOGUE_ENV)
 
 
 def step_key(*parts) -> tuple:

@@ -159,23 +159,20 @@ def own(req: Request, end: int, holders: list[Request], demand: DemandModel, tok
 
 @dataclasses.dataclass
 class AfterPass:
-    """A request being admitted, as DemandModel.decode_peak sees it once the pass that completes
-    its prompt has run: `end` tokens computed, their pages and its state slots held, the window
-    pages before the window released."""
+    """A request being admitted, as DemandModel.decode_peak reads a decoder (num_computed, pages,
+    window_start, slots) once the pass that completes its prompt has run; `holds` is what it then
+    holds and gives back when it finishes (DemandModel.held_after: none of it shared)."""
     num_computed: int
     pages: list
     window_start: dict
     slots: list
+    holds: Demand
 
     @classmethod
     def of(cls, end: int, demand: DemandModel) -> AfterPass:
-        n = -(-end // demand.page_size)
-        starts = {name: max(0, end - w + 1) // demand.page_size for name, w in demand.windows}
-        return cls(end, [0] * n, starts, [0] * demand.slots_per_request)
-
-    def holds(self) -> Demand:
-        """What it gives back when it finishes (no page shared: a request without a prefix hit)."""
-        return Demand(len(self.pages), {n: len(self.pages) - s for n, s in self.window_start.items()}, len(self.slots))
+        held = demand.held_after(end)
+        starts = {n: held.token_pages - k for n, k in held.window_pages.items()}
+        return cls(end, [0] * held.token_pages, starts, [0] * held.state_slots, held)
 
 
 def joins(req: Request, end: int, exact: bool) -> bool:
@@ -221,12 +218,12 @@ def reservations(running: list[Request], holders: list[Request], demand: DemandM
         if joining is not None:  # its pass samples one output; it decodes the rest with the others
             req, end = joining
             after = AfterPass.of(end, demand)
-            fixed, back = fixed + [after], back + [after.holds()]
+            fixed, back = fixed + [after], back + [after.holds]
             left = left + [req.max_tokens - req.num_output - 1]
             shared = None if shared is None else shared + [{}]
         total = total + demand.decode_peak(fixed, left, back, lag=1, shared_window=shared, shared_frees=frees)
     return total
 
 
-__all__ = ["AfterPass", "exact_applies", "fixed_length", "gives_back", "joins", "own", "reservations", "reserve_tokens", "shared_window",
-           "shared_window_frees", "shares_windows", "window_holders"]
+__all__ = ["AfterPass", "exact_applies", "fixed_length", "gives_back", "joins", "own", "reservations", "reserve_tokens",
+           "shared_window", "shared_window_frees", "shares_windows", "window_holders"]
