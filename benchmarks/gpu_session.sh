@@ -5,10 +5,10 @@
 set -u
 OUT=${OUT:-./gpu_out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_profile_before]=240 [short_extend]=120 [qwen_b1]=300 [breakdown_b1]=260
-                    [prefill1]=250 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
+                    [prefill1]=500 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [epilogue_b64]=300)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -42,7 +42,7 @@ step() {
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
             --decode-batches 64,1 --arena-gib 24 --budget 300 ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
-            --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --budget 140; done ;;
+            --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --arena-gib 8 --budget 140; done ;;
     state) python3 -m benchmarks.bench_state ;;
     mgpu_fp8) python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8 --budget 200 ;;
@@ -144,7 +144,8 @@ step() {
     serve_fp8)  # issue 17 item 2: the shifting trace and the KV-heavy mix with bf16 and fp8 K/V in the same arena bytes
       for kv in auto fp8; do python3 -m benchmarks.bench_serving --models ${SERVE_MODELS:-gemma3-4b-like} \
             --workloads shifting,kv-heavy --static-ratios 0.8:0.9 --kv-cache-dtype $kv --budget-after-build \
-            --no-progress --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_kv_$kv"; done ;;
+            --buckets ${SERVE_BUCKETS:-1,4,64:512,2048:2048} --no-progress --time-budget-s 250 --max-run-s 40 \
+            --out "$OUT/serving_kv_$kv"; done ;;  # six step shapes: the coarse set's 36 took 250 s to compile
     hlo_qwen64)  # which model op Qwen3.5-MoE's B = 64 concatenate fusion (2M elements a MoE layer) comes from:
       # the step's optimized HLO dumped (not kept: it is large), its concatenates counted by shape and JAX op
       rm -rf /tmp/hlo64; XLA_FLAGS="--xla_dump_to=/tmp/hlo64 --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*" \
@@ -163,14 +164,10 @@ step() {
         UMEM_JAX_MOE_PLAN=$p python3 -m benchmarks.bench_models --families ${PLAN_FAMILIES:-gptoss,nemo3nano} \
             --ctx 2048 --decode-batches 64 --kinds decode --arena-gib ${PLAN_ARENA_GIB:-6} $ck --budget 100 \
             --trace $tr | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
-    router_b64|epilogue_b64)  # B = 64 with the router's logits as a GEMM or one reduction (router_b64), or the
-      # experts' activation in the grouped matmul's epilogue (epilogue_b64; its GPU tests first): both variants in
-      # one process per family (the same weights, arena and routing; bench_models --variants), alternating, twice
-      [ "$1" = epilogue_b64 ] && python3 -m pytest -q -m gpu tests/kernels/test_dispatch_plan.py
-      case "$1" in
-        router_b64) v="UMEM_JAX_ROUTER_DOT=dot;UMEM_JAX_ROUTER_DOT=reduce" ;;
-        *) v="UMEM_JAX_MOE_EPILOGUE=0;UMEM_JAX_MOE_EPILOGUE=1" ;;
-      esac
+    router_b64)  # B = 64 with the router's logits as a GEMM or one reduction: both variants in one process per
+      # family (the same weights, arena and routing; bench_models --variants), alternating, twice.  (epilogue_b64,
+      # the experts' activation in the grouped matmul's epilogue, ran in session 24 and the option was removed.)
+      v="UMEM_JAX_ROUTER_DOT=dot;UMEM_JAX_ROUTER_DOT=reduce"
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.93 python3 -m benchmarks.bench_models --families ${AB_FAMILIES:-gptoss,nemo3nano} \
           --ctx 2048 --decode-batches ${AB_BATCHES:-64} --kinds decode --arena-gib ${AB_ARENA_GIB:-6} --no-check \
           --budget 240 --variants "$v" --rounds ${AB_ROUNDS:-2} | grep -E "decode +B=|copy" ;;

@@ -22,7 +22,6 @@ from umem_jax.models import router as router_lib
 from umem_jax.models.moe import MoE, MoEConfig, expert_activation, moe_reference, route, route_weights
 from umem_jax.pallas_kernels import dispatch_plan as plan_lib
 from umem_jax.pallas_kernels.dispatch_plan import PLAN_ENV
-from umem_jax.pallas_kernels.grouped_matmul import EPILOGUE_ENV
 from umem_jax.pallas_kernels.route_topk import ROUTER_DOT_ENV
 
 HIDDEN = 32
@@ -56,13 +55,11 @@ def block(m, x, valid=None):
 
 def use_path(monkeypatch, path: str) -> None:
     """Make the block's default dispatch take `path` ("ragged", "pallas" interpreted: the argsort
-    and tile metadata, "planned": the Pallas path with dispatch_plan ordering the rows,
-    "epilogue": planned with the activation in the first matmul's epilogue, "gather")."""
+    and tile metadata, "planned": the Pallas path with dispatch_plan ordering the rows, "gather")."""
     monkeypatch.setattr(experts_lib, "GATHER_ROWS", 10**9 if path == "gather" else 0)
-    grouped = {"gather": None, "planned": "pallas", "epilogue": "pallas"}.get(path, path)
+    grouped = {"gather": None, "planned": "pallas"}.get(path, path)
     monkeypatch.setattr(experts_lib, "GROUPED_PATH", grouped)
-    monkeypatch.setenv(PLAN_ENV, "pallas" if path in ("planned", "epilogue") else "xla")
-    monkeypatch.setenv(EPILOGUE_ENV, "1" if path == "epilogue" else "0")  # the activation in the first matmul
+    monkeypatch.setenv(PLAN_ENV, "pallas" if path == "planned" else "xla")
 
 
 def rel(got, want) -> float:
@@ -216,7 +213,7 @@ PALLAS_CASES = ["gpt_oss", "many_empty_experts"]  # the Triton kernel, interpret
 
 
 @pytest.mark.parametrize("name,path", [(n, "ragged") for n in sorted(CONFIGS)] + [(n, "gather") for n in GATHER_CASES]
-                         + [(n, p) for n in PALLAS_CASES for p in ("pallas", "planned", "epilogue")])
+                         + [(n, p) for n in PALLAS_CASES for p in ("pallas", "planned")])
 def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
     cfg = CONFIGS[name]
     m = build(cfg, seed=sum(map(ord, name)))
@@ -229,7 +226,7 @@ def test_dispatch_matches_reference_fp32(name, path, monkeypatch):
 
 @pytest.mark.parametrize("name,path", [(n, "ragged") for n in ("qwen_next_shared_gate", "gpt_oss",
                                                                   "nemotron_sigmoid_grouped", "k1_odd_E")]
-                         + [(n, p) for n in ("gpt_oss", "nemotron_sigmoid_grouped") for p in ("planned", "epilogue")])
+                         + [(n, p) for n in ("gpt_oss", "nemotron_sigmoid_grouped") for p in ("planned",)])
 def test_dispatch_matches_reference_bf16(name, path, monkeypatch):
     """bf16 weights and activations: both sides accumulate in fp32 and round the expert hidden
     to bf16 once, so they differ by a few bf16 ulps of the output."""
@@ -262,7 +259,7 @@ def test_every_token_on_one_expert(k):
     assert rel(jitted(block, m, x), jitted(moe_reference, m, x)) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["ragged", "gather", "pallas", "planned", "epilogue"])
+@pytest.mark.parametrize("path", ["ragged", "gather", "pallas", "planned"])
 def test_padding_rows_do_not_touch_valid_rows(path, monkeypatch):
     """Padding rows filled with NaN and huge values: valid rows are exactly what they are without
     the padding; padding rows come back finite or not, but are never read."""

@@ -29,7 +29,7 @@ from flax import nnx
 
 from ..pallas_kernels import dispatch_plan as plan
 from ..pallas_kernels.expert_gemv import PROLOGUE_ENV, expert_gemv
-from ..pallas_kernels.grouped_matmul import EPILOGUE_ENV, grouped_matmul
+from ..pallas_kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import reduce_sum
 from .layers import fp32_precision, normal_init
 from .moe_config import MoEConfig, activation_of, expert_activation
@@ -189,20 +189,16 @@ class Experts(nnx.Module):
     def _planned(self, x, weights, experts, valid):
         """The grouped path at a decode batch: dispatch_plan orders the rows (no sort, scatter or
         tile metadata), the first grouped matmul gathers each sorted row's token as it loads it
-        and adds the bias (and with $UMEM_JAX_MOE_EPILOGUE=1 applies the activation: else an XLA
-        fusion does), the second gives the padding tail zeros, and one gather by `pos` un-sorts,
+        and adds the bias, an XLA fusion applies the activation (in the matmul's epilogue it cost
+        more than it saved, RESULTS.md session 24), the second gives the padding tail zeros, and one gather by `pos` un-sorts,
         weights and sums over k -> [N, d] fp32."""
         n, k = experts.shape
         interpret = jax.default_backend() != "gpu"
         pos, token, first, end = plan.dispatch_plan(experts.reshape(-1).astype(jnp.int32), self.cfg.local_experts,
                                                     valid, repeat=k, interpret=interpret)
         matmul = functools.partial(grouped_matmul, plan=(first, end), interpret=interpret)
-        if os.environ.get(EPILOGUE_ENV, "0") == "1":  # the activation in the first matmul's epilogue
-            a = matmul(x, self.first, token=token, bias=self.first_bias(), epilogue=activation_of(self.cfg),
-                       gated=self.cfg.expert_kind != "ungated", out_dtype=self.down_proj.dtype)
-        else:
-            h = matmul(x, self.first, token=token, bias=self.first_bias(), out_dtype=jnp.float32)
-            a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
+        h = matmul(x, self.first, token=token, bias=self.first_bias(), out_dtype=jnp.float32)
+        a = expert_activation(h, self.cfg).astype(self.down_proj.dtype)
         y = matmul(a, self.down_proj[...], out_dtype=jnp.float32)  # [R, d]
         # a row past the groups (padding, another device's expert) is a zero of the padding tail;
         # an invalid token's weights may be anything, and _finish zeroes its sum

@@ -35,12 +35,8 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .launch import ANY
 
-__all__ = ["EPILOGUE_ENV", "grouped_matmul", "grouped_matmul_reference", "tile_metadata"]
+__all__ = ["grouped_matmul", "grouped_matmul_reference", "tile_metadata"]
 
-# $UMEM_JAX_MOE_EPILOGUE=1: models/experts.py's planned path applies the experts' activation in the
-# first grouped matmul's epilogue; unset or "0": an XLA fusion between the two matmuls (the default
-# until the epilogue has compiled and been timed on a GPU).  Read at trace time (runner.TRACE_ENV).
-EPILOGUE_ENV = "UMEM_JAX_MOE_EPILOGUE"
 
 
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
@@ -81,7 +77,7 @@ def tile_metadata(group_sizes: jax.Array, rows: int, block_m: int):
     return group, first, end
 
 
-def _kernel(*refs, block_m, block_n, block_k, K, N, G, per_group, gather, has_bias, epilogue, gated):
+def _kernel(*refs, block_m, block_n, block_k, K, N, G, per_group, gather, has_bias):
     it = iter(refs)
     group_ref = None if per_group else next(it)
     first_ref, end_ref = next(it), next(it)
@@ -103,24 +99,17 @@ def _kernel(*refs, block_m, block_n, block_k, K, N, G, per_group, gather, has_bi
         @pl.when(g < G)
         def _matmul():
             src = pltr.load(token_ref.at[rows], mask=row_ok, other=0) if gather else rows
-            # gated: the output's column c is epilogue(x w[:, c], x w[:, N + c]), both halves a step
-            halves = (cols, cols + N) if gated else (cols,)
 
-            def body(kb, accs):
+            def body(kb, acc):
                 ks = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)
                 k_ok = ks < K
                 a = pltr.load(x_ref.at[src[:, None], ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-                return tuple(acc + jnp.dot(a, pltr.load(w_ref.at[g, ks[:, None], c[None, :]],
-                                                        mask=k_ok[:, None] & col_ok[None, :], other=0),
-                                           preferred_element_type=jnp.float32)
-                             for acc, c in zip(accs, halves))
+                b = pltr.load(w_ref.at[g, ks[:, None], cols[None, :]], mask=k_ok[:, None] & col_ok[None, :], other=0)
+                return acc + jnp.dot(a, b, preferred_element_type=jnp.float32)
 
-            zero = jnp.zeros((block_m, block_n), jnp.float32)
-            accs = lax.fori_loop(0, pl.cdiv(K, block_k), body, tuple(zero for _ in halves))
+            acc = lax.fori_loop(0, pl.cdiv(K, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
             if has_bias:
-                accs = tuple(acc + pltr.load(bias_ref.at[g, c], mask=col_ok, other=0).astype(jnp.float32)[None, :]
-                             for acc, c in zip(accs, halves))
-            acc = accs[0] if epilogue is None else epilogue(accs[0], accs[1] if gated else None)
+                acc = acc + pltr.load(bias_ref.at[g, cols], mask=col_ok, other=0).astype(jnp.float32)[None, :]
             pltr.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=out_mask)
 
         @pl.when(g == G)
@@ -154,12 +143,11 @@ def default_blocks(rows: int, K: int, N: int, groups: int = 1) -> dict:
     return {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3}
 
 
-@functools.partial(jax.jit, static_argnames=("epilogue", "gated", "out_dtype", "block_m", "block_n", "block_k",
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k",
                                              "num_warps", "num_stages", "interpret"))
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = None, *,
                    plan: tuple[jax.Array, jax.Array] | None = None, token: jax.Array | None = None,
-                   bias: jax.Array | None = None, epilogue=None, gated: bool = False, out_dtype=None,
-                   block_m: int | None = None,
+                   bias: jax.Array | None = None, out_dtype=None, block_m: int | None = None,
                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
                    num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """x [R, K] (rows sorted by group), w [G, K, N], group_sizes [G] int32 (sum <= R) -> [R, N]
@@ -169,16 +157,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
     (g = G: the padding tail, zeros), one program a group and column block taking all its rows
     (dispatch_plan.py's ranges at a decode batch: no tile metadata to compute).
     token [R] int32: row r multiplies x[token[r]] (x [T, K]: the sorted rows gathered as loaded).
-    bias [G, N]: added to each group's rows in fp32 before the output's rounding.
-    epilogue f(a, b) -> [.., n] (fp32 in, a hashable callable: the MoE's expert activation): the
-    output is f(y, None), or with gated f(y[:, :N/2], y[:, N/2:]) -> [R, N/2] (the [gate | up]
-    halves of an expert's first projection), applied before the rounding: the activation is no
-    launch of its own and its input never reaches memory."""
+    bias [G, N]: added to each group's rows in fp32 before the output's rounding.  (The experts'
+    activation in this epilogue was measured and dropped: +1.4% at gpt-oss-20b-like B = 64 on an
+    H100, benchmarks/RESULTS.md session 24.)"""
     T, K = x.shape
     G, K2, N = w.shape
     R = T if token is None else token.shape[0]
-    if gated and (epilogue is None or N % 2):
-        raise ValueError(f"grouped_matmul: gated takes an epilogue and an even N, got N={N}")
     if K2 != K:
         raise ValueError(f"grouped_matmul: x has K={K} columns, w has K={K2} rows")
     if (group_sizes is None) == (plan is None):
@@ -187,22 +171,20 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array | None = N
         raise ValueError(f"grouped_matmul: plan ranges {[a.shape for a in plan]}, expected ({G + 1},) each")
     if bias is not None and bias.shape != (G, N):
         raise ValueError(f"grouped_matmul: bias {bias.shape}, expected {(G, N)}")
-    n_out = N // 2 if gated else N
-    cfg = default_blocks(R, K, n_out, G)
+    cfg = default_blocks(R, K, N, G)
     given = {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": num_warps, "num_stages": num_stages}
     cfg.update({k: v for k, v in given.items() if v is not None})
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     tiles = list(plan) if plan is not None else list(tile_metadata(group_sizes, R, bm))
     operands = tiles + ([] if token is None else [token]) + [x, w] + ([] if bias is None else [bias])
-    kernel = functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K, N=n_out, G=G,
-                               per_group=plan is not None, gather=token is not None, has_bias=bias is not None,
-                               epilogue=epilogue, gated=bool(gated))
+    kernel = functools.partial(_kernel, block_m=bm, block_n=bn, block_k=bk, K=K, N=N, G=G,
+                               per_group=plan is not None, gather=token is not None, has_bias=bias is not None)
     return pl.pallas_call(
         kernel,
-        grid=(tiles[0].shape[0], pl.cdiv(n_out, bn)),
+        grid=(tiles[0].shape[0], pl.cdiv(N, bn)),
         in_specs=[ANY] * len(operands),
         out_specs=ANY,
-        out_shape=jax.ShapeDtypeStruct((R, n_out), jnp.dtype(out_dtype or x.dtype)),
+        out_shape=jax.ShapeDtypeStruct((R, N), jnp.dtype(out_dtype or x.dtype)),
         compiler_params=triton_params(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
         interpret=interpret,
         name="umem_grouped_matmul",

@@ -345,7 +345,9 @@ DECODE_ENV = "UMEM_JAX_DECODE"
 # With $UMEM_JAX_DECODE unset, impl="pallas" runs the Triton kernel above: it covers every case of
 # the contract (fp8 and fp32 K/V, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The
 # Mosaic GPU kernel (paged_decode_mgpu.py) covers bf16/fp16 and fp8 K/V on Hopper: "auto" takes it where
-# it covers the case (fp8 not yet: unmeasured), "mgpu" insists on it.
+# it covers the case (fp8 not yet: unmeasured), "mgpu" insists on it.  Inside whole models (H100,
+# 2026-12-06, RESULTS.md "Whole models" session 24) "auto" was 0.3-0.5% slower than Triton at B = 64
+# and its first step compiled 3-13x longer (Gemma 3: 121 s against 9 s), so Triton stays the default.
 DEFAULT_DECODE_BACKEND = "triton"
 _TRITON_TUNING = ("block_tokens", "num_warps", "num_stages", "fp8_dot")
 

@@ -37,7 +37,6 @@ from ..core.scheduled_batch import CHECKPOINTS_PER_ROW, Buckets, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..pallas_kernels.dispatch_plan import PLAN_ENV
 from ..pallas_kernels.expert_gemv import PROLOGUE_ENV
-from ..pallas_kernels.grouped_matmul import EPILOGUE_ENV
 from ..pallas_kernels.paged_decode import DECODE_ENV
 from ..pallas_kernels.paged_prefill import PREFILL_ENV
 from ..pallas_kernels.rms_norm import NORM_ENV
@@ -66,8 +65,7 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV,
-             EPILOGUE_ENV)
+TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV)
 
 
 def step_key(*parts) -> tuple:
