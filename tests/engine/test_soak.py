@@ -2,7 +2,7 @@
 checked against the promise that an admitted request finishes with its whole output (see
 _soak.py for what a workload holds and what is checked).
 
-CI runs 60 workloads on shapes the other engine tests compile anyway (the tiny hybrid at the
+CI runs 32 workloads on shapes the other engine tests compile anyway (the tiny hybrid at the
 shared settings, tiny-attention and the Gemma 3 fixture at the prefix-cache tests' arenas;
 test_soak_speculative.py runs 16 with speculative decoding);
 `--long` runs 2,000 and more families, page sizes and arenas.  A failure names its seed:
