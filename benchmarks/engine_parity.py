@@ -12,6 +12,18 @@ reference sequence (prompt + reference tokens) in full fp32 precision.  A margin
 level (well under 1e-3 of the logit spread) with the Pallas token as the runner-up is a near-tie
 that a different accumulation order may flip; a clear margin points at a kernel bug.
 JSON rows go to $OUT/engine_parity.json (or --json).
+
+    python3 -m benchmarks.bench_engine --parity --prefill auto --models qwen3.5-4b-like   # GPU
+    python3 -m benchmarks.bench_engine --parity --prefill mgpu --small                     # CPU: the harness
+
+With --prefill B: the two prefill kernels on a served trace (issue 17 item 4: the Mosaic GPU
+prefill becomes the default on Hopper once it serves the shifting trace at 4B scale with Triton's
+tokens).  For each random-weight model (bf16, bench_serving's trace sizes for it), the trace's
+requests are generated greedily with their exact output lengths twice in one process, under
+UMEM_JAX_PREFILL=triton and then =B (the runner keys its traced steps on the variable).  The
+arrivals are ignored (offline generate), so both runs schedule the same batches and differ only
+in the prefill kernel.  Each differing sequence is reported with its first differing step, and
+for prompts up to --margin-max-len tokens the dense top-2 margin there, as above.
 """
 
 from __future__ import annotations
@@ -86,13 +98,102 @@ def compare(m: str, mode: str, interpret: bool, log: RowLog) -> bool:
     return same == len(ref)
 
 
+def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[list, list[int], dict]:
+    """`workload`'s prompts and exact output lengths at bench_serving's sizes for model `name`
+    (--small: its CPU trace), and the engine settings bench_serving gives them."""
+    from umem_jax.bench.command import bucket_kwargs
+    from umem_jax.bench.workload import Shape
+
+    from .bench_serving import MODELS, workloads
+
+    if small:
+        spec, short, n_short, page, tokens = dict(arena_gib=1 / 64, long=(200, 8), n_long=3, n_long_phase=1), \
+            Shape(24, 8), 16, 4, 64
+    else:
+        spec, short, n_short, page, tokens = MODELS[name], Shape(512, 128), 128, 16, 2048
+    wl = workloads([workload], spec, short=short, n_short=n_short, phase_s=2.0, jitter=0.2, seed=0)[0]
+    mml = -(-(wl.max_len + page) // page) * page
+    seqs = 8 if small else 64
+    settings = dict(arena_bytes=int(spec["arena_gib"] * 2**30), max_num_seqs=seqs, max_num_batched_tokens=tokens,
+                    page_size=page, max_model_len=mml, kernel_impl="pallas")
+    if small:  # the harness alone (the references: interpreted kernels take minutes), one step shape
+        settings.update(bucket_kwargs("single", seqs, tokens, mml, page), kernel_impl="reference")
+    return wl.prompts(vocab), [r.output_len for r in wl.requests], settings
+
+
+def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, small: bool, margin_max_len: int,
+                   log: RowLog) -> bool:
+    """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?"""
+    from umem_jax import LLM, SamplingParams
+    from umem_jax.bench.sweep import load_bench_model
+    from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
+
+    model = load_bench_model("tiny" if small else name, "float32" if small else "bfloat16")
+    prompts, outs, settings = trace_requests(name, workload, model.config.vocab_size, small)
+    if buckets:
+        b, t, p = ([int(x) for x in part.split(",")] for part in buckets.split(":"))
+        settings.update(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
+    got, saved = {}, os.environ.get(PREFILL_ENV)
+    try:
+        for b in ("triton", backend):
+            os.environ[PREFILL_ENV] = b
+            llm = LLM(model=model, **settings)
+            t0 = time.perf_counter()
+            res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            dt = time.perf_counter() - t0
+            assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
+            got[b] = [list(r.outputs[0].token_ids) for r in res]
+            print(f"{name:<22} {workload} UMEM_JAX_PREFILL={b:<7} {len(prompts)} requests, "
+                  f"{sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s", flush=True)
+            llm.llm_engine.check_idle()
+            del llm
+    finally:
+        if saved is None:
+            os.environ.pop(PREFILL_ENV, None)
+        else:
+            os.environ[PREFILL_ENV] = saved
+    ref, new = got["triton"], got[backend]
+    same = sum(a == b for a, b in zip(ref, new))
+    print(f"{name:<22} {workload} {backend} == triton greedy: {same}/{len(ref)}", flush=True)
+    for i, (p, r, g) in enumerate(zip(prompts, ref, new)):
+        row = dict(model=name, workload=workload, backend=backend, prompt=i, prompt_len=len(p), same=r == g)
+        if r != g:
+            step = next(j for j, (x, y) in enumerate(zip(r, g)) if x != y)
+            row.update(step=step, triton_token=r[step], other_token=g[step])
+            d = divergence(model, p, r, g) if len(p) + len(r) <= margin_max_len else None
+            if d is not None:
+                row.update(margin=d["margin"], logit_spread=d["logit_spread"])
+            print(f"    request {i} ({len(p)} tokens) differs at step {step}: triton {r[step]}, {backend} {g[step]}"
+                  + (f"; dense top-2 margin {d['margin']:.3e} (spread {d['logit_spread']:.3f})" if d else ""),
+                  flush=True)
+        log.add(row)
+    return same == len(ref)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m benchmarks.bench_engine --parity",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=None, help="comma list: tiny and/or fixture directories (default: all)")
+    ap.add_argument("--models", default=None, help="comma list: tiny and/or fixture directories (default: all); "
+                    "with --prefill, random-weight shapes (default qwen3.5-4b-like)")
     ap.add_argument("--interpret", action="store_true", help="Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--json", default=None, help="rows here (default $OUT/engine_parity.json if $OUT is set)")
+    ap.add_argument("--prefill", default=None, metavar="BACKEND",
+                    help="compare UMEM_JAX_PREFILL=BACKEND (auto, mgpu) with triton on a served trace")
+    ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
+    ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
+    ap.add_argument("--margin-max-len", type=int, default=4096,
+                    help="with --prefill: dense margins only for prompt + output up to this many tokens")
+    ap.add_argument("--small", action="store_true", help="with --prefill: the tiny model on the CPU trace with "
+                    "the reference kernels (a smoke test of the harness: no Mosaic GPU kernel on a CPU)")
     a = ap.parse_args(argv)
+    if a.prefill:
+        log = RowLog(json_path(a.json, "prefill_parity"))
+        bad = sum(not prefill_parity(m, a.prefill, a.workload, None if a.small else a.buckets, a.small,
+                                     a.margin_max_len, log)
+                  for m in (["tiny"] if a.small else (a.models or "qwen3.5-4b-like").split(",")))
+        print("prefill parity:", "OK" if not bad else f"{bad} model(s) MISMATCHED")
+        return 1 if bad else 0
     if a.models:
         models = [m if m == "tiny" or os.path.isdir(m) else str(FIXTURES / m) for m in a.models.split(",")]
     else:

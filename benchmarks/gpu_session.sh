@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=500 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -41,6 +41,10 @@ step() {
     moe_models)  # needs an H200 (run's needs_h200): 64.6 GiB of Qwen3.5-MoE weights + a 24 GiB arena
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
             --decode-batches 64,1 --arena-gib 24 --budget 300 ;;
+    prefill_default)  # issue 17 item 4: the Mosaic GPU prefill (auto) against Triton on the shifting trace at 4B
+      # scale, the same greedy tokens? (bench_engine --parity --prefill; one process a model, both kernels in it)
+      for m in ${PARITY_MODELS:-qwen3.5-4b-like gemma3-4b-like}; do
+        python3 -m benchmarks.bench_engine --parity --prefill auto --models $m --json "$OUT/prefill_parity_$m.json"; done ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --arena-gib 8 --budget 140; done ;;
     state) python3 -m benchmarks.bench_state ;;
@@ -50,7 +54,8 @@ step() {
             python3 -m benchmarks.bench_prefill --fp8 ;;
     serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
             --workloads kv-heavy,mixed,shifting --static-ratios 0.5:0.5 --budget-after-build --no-progress \
-            --time-budget-s 250 --max-run-s 40 --out "$OUT/serving_early$e" $e; done ;;
+            --buckets ${SERVE_BUCKETS:-1,4,64:512,2048:2048} --time-budget-s 250 --max-run-s 40 \
+            --out "$OUT/serving_early$e" $e; done ;;  # six step shapes, as serve_fp8
     graphs_b1)  # B = 1 is launch-bound: do CUDA graphs (XLA command buffers) cover the step, and would
                 # while loops and conditionals in them (off by default in XLA) help?
       for x in "" "--xla_gpu_enable_command_buffer=" \

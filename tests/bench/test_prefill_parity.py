@@ -1,0 +1,48 @@
+"""The prefill parity harness (benchmarks/engine_parity.py --prefill): the served trace's requests
+generated under two prefill kernels in one process, each differing sequence reported with its
+first differing step and the dense margin there.  On the CPU the engine runs the references, so
+both runs agree; a second run whose tokens are altered stands in for a kernel that differs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from benchmarks import engine_parity
+
+from umem_jax import LLM
+from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
+
+
+def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
+    monkeypatch.setenv(PREFILL_ENV, "triton")
+    out = tmp_path / "rows.json"
+    assert engine_parity.main(["--prefill", "mgpu", "--small", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    prompts, outs, _ = engine_parity.trace_requests("tiny", "shifting", 256, small=True)
+    assert len(rows) == len(prompts) == len(outs) >= 8 and all(r["same"] for r in rows)
+    assert [r["prompt_len"] for r in rows] == [len(p) for p in prompts]
+    assert {r["backend"] for r in rows} == {"mgpu"}
+    assert max(map(len, prompts)) > 4 * min(map(len, prompts))  # short and long requests both
+    assert os.environ[PREFILL_ENV] == "triton"  # restored after the two runs
+
+
+def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkeypatch):
+    """The second run's request 1 gets another token at step 2 (and the rest as generated):
+    the harness fails, names step 2 and both tokens, and gives the dense margin there."""
+    real = LLM.generate
+
+    def altered(self, prompts, params=None, **kw):
+        res = real(self, prompts, params, **kw)
+        if os.environ.get(PREFILL_ENV) == "mgpu":
+            ids = res[1].outputs[0].token_ids
+            ids[2] = (ids[2] + 1) % self.llm_engine.model.config.vocab_size
+        return res
+
+    monkeypatch.setattr(LLM, "generate", altered)
+    log = engine_parity.RowLog(str(tmp_path / "rows.json"))
+    assert not engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log)
+    bad = [r for r in log.rows if not r["same"]]
+    assert len(bad) == 1 and bad[0]["prompt"] == 1 and bad[0]["step"] == 2
+    assert bad[0]["other_token"] != bad[0]["triton_token"]
+    assert bad[0]["margin"] >= 0.0 and bad[0]["logit_spread"] > 0.0
