@@ -190,8 +190,8 @@ class Experts(nnx.Module):
         """The grouped path at a decode batch: dispatch_plan orders the rows (no sort, scatter or
         tile metadata), the first grouped matmul gathers each sorted row's token as it loads it
         and adds the bias, an XLA fusion applies the activation (in the matmul's epilogue it cost
-        more than it saved, RESULTS.md session 24), the second gives the padding tail zeros, and one gather by `pos` un-sorts,
-        weights and sums over k -> [N, d] fp32."""
+        more than it saved, RESULTS.md session 24), the second gives the padding tail zeros, and
+        one gather by `pos` un-sorts, weights and sums over k -> [N, d] fp32."""
         n, k = experts.shape
         interpret = jax.default_backend() != "gpu"
         pos, token, first, end = plan.dispatch_plan(experts.reshape(-1).astype(jnp.int32), self.cfg.local_experts,

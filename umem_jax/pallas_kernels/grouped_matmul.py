@@ -38,7 +38,6 @@ from .launch import ANY
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "tile_metadata"]
 
 
-
 def grouped_matmul_reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                              out_dtype=None) -> jax.Array:
     """The definition, row by row: each row times its group's matrix in fp32 (zeros past the
