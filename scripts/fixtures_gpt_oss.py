@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from make_fixtures import FIXTURES, NEW_TOKENS, PROMPTS
+from fixture_kit import FIXTURES, NEW_TOKENS, PROMPTS
 
 from umem_jax.models.mxfp4 import quantize_mxfp4
 

@@ -14,7 +14,7 @@ e_score_correction_bias buffer (transformers initialises it to zeros, which woul
 transformers' save_pretrained writes the hub names: `backbone.layers.{i}.mixer.experts.{j}.up_proj.weight`
 [I, d] / `...down_proj.weight` [d, I] per expert, `mixer.gate.weight` [E, d],
 `mixer.gate.e_score_correction_bias` [E] and `mixer.shared_experts.{up,down}_proj.weight`.
-expected.npz is make_fixtures.expected_hybrid's (prompt, greedy, cache-free and step logits, the
+expected.npz is fixture_kit.expected_hybrid's (prompt, greedy, cache-free and step logits, the
 state after prefill); the script refuses a seed whose routing has a near tie (an expert choice a
 rounding difference could flip).
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_fixtures import FIXTURES, NEW_TOKENS, PROMPTS, build_tiny, expected_hybrid
+from fixture_kit import FIXTURES, NEW_TOKENS, PROMPTS, build_tiny, expected_hybrid
 
 NAME = "nemotron_h_moe_tiny"
 TINY_NEMOTRON_H_MOE = {

@@ -5,14 +5,14 @@ tests/fixtures/qwen3_next_tiny.
 
 Both: 4 layers (gated DeltaNet x2, gated attention, gated DeltaNet), GDN 2 key heads serving 4 value
 heads of 8, attention 2 q heads / 1 kv head of 16 (partial RoPE: 4 dims), untied LM head, fp32, every
-parameter re-randomised (make_fixtures._rerandomise).  The MoE blocks: 8 experts, top-2, a shared
+parameter re-randomised (fixture_kit.rerandomise).  The MoE blocks: 8 experts, top-2, a shared
 expert with its sigmoid gate.
   * qwen3_5_moe_text: every layer MoE, top-k weights renormalised (Qwen3.5-MoE always does).
   * qwen3_next: layer 1 a dense SwiGLU MLP (mlp_only_layers=[1]), norm_topk_prob=False (the 80B
     has True; the Qwen3.5-MoE fixture covers that), and the GDN's fused in_proj_qkvz / in_proj_ba.
 transformers 5.23's save_pretrained writes one tensor per expert (`mlp.experts.{j}.gate_proj.weight`),
 the hub layout, so the committed checkpoints are in it; the tests build the fused layout from them.
-Each fixture's expected.npz is make_fixtures.expected_hybrid's (prompts, greedy ids, cache-free and
+Each fixture's expected.npz is fixture_kit.expected_hybrid's (prompts, greedy ids, cache-free and
 cached logits, GDN states after prefill).  Each takes the first seed whose smallest routing margin
 (the gap between a token's k-th and (k+1)-th router probability) is >= 1e-4 and smallest greedy
 margin (top-2 logits) >= 1e-3, so fp32 rounding (~1e-6) cannot flip an expert choice or a token.
@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from make_fixtures import FIXTURES, PROMPTS, build_tiny, expected_hybrid
+from fixture_kit import FIXTURES, PROMPTS, build_tiny, expected_hybrid
 
 _COMMON = dict(
     vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
