@@ -29,6 +29,7 @@ for prompts up to --margin-max-len tokens the dense top-2 margin there, as above
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?"""
     from umem_jax import LLM, SamplingParams
     from umem_jax.bench.sweep import load_bench_model
+    from umem_jax.pallas_kernels import paged_prefill
     from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
 
     model = load_bench_model("tiny" if small else name, "float32" if small else "bfloat16")
@@ -134,10 +136,19 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
         b, t, p = ([int(x) for x in part.split(",")] for part in buckets.split(":"))
         settings.update(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
-    got, saved = {}, os.environ.get(PREFILL_ENV)
+    got, saved, real_choice = {}, os.environ.get(PREFILL_ENV), paged_prefill.prefill_backend
+    chosen: dict[str, collections.Counter] = {}
+
+    def spy(*args, **kw):  # the kernel each traced prefill call took, and why not Mosaic where not
+        choice = real_choice(*args, **kw)
+        chosen[os.environ[PREFILL_ENV]][choice] += 1
+        return choice
+
+    paged_prefill.prefill_backend = spy
     try:
         for b in ("triton", backend):
             os.environ[PREFILL_ENV] = b
+            chosen[b] = collections.Counter()
             llm = LLM(model=model, **settings)
             t0 = time.perf_counter()
             res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -148,7 +159,10 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
                   f"{sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s", flush=True)
             llm.llm_engine.check_idle()
             del llm
+            for (kernel, why), n in sorted(chosen[b].items()):
+                print(f"    {n} traced prefill call(s) ran {kernel}" + (f" ({why})" if why else ""), flush=True)
     finally:
+        paged_prefill.prefill_backend = real_choice
         if saved is None:
             os.environ.pop(PREFILL_ENV, None)
         else:
@@ -156,6 +170,10 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     ref, new = got["triton"], got[backend]
     same = sum(a == b for a, b in zip(ref, new))
     print(f"{name:<22} {workload} {backend} == triton greedy: {same}/{len(ref)}", flush=True)
+    ran_mgpu = any(kernel == "mgpu" for kernel, _ in chosen[backend])
+    if backend != "triton" and not small and not ran_mgpu:  # the same kernel twice proves nothing
+        print(f"    the Mosaic GPU prefill never ran under {backend}: no parity shown", flush=True)
+        same = -1
     for i, (p, r, g) in enumerate(zip(prompts, ref, new)):
         row = dict(model=name, workload=workload, backend=backend, prompt=i, prompt_len=len(p), same=r == g)
         if r != g:

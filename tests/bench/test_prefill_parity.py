@@ -24,7 +24,10 @@ def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
     assert [r["prompt_len"] for r in rows] == [len(p) for p in prompts]
     assert {r["backend"] for r in rows} == {"mgpu"}
     assert max(map(len, prompts)) > 4 * min(map(len, prompts))  # short and long requests both
-    assert os.environ[PREFILL_ENV] == "triton"  # restored after the two runs
+    assert os.environ[PREFILL_ENV] == "triton"  # restored after the two runs, as is the kernel choice it watched
+    from umem_jax.pallas_kernels import paged_prefill
+
+    assert paged_prefill.prefill_backend.__name__ == "prefill_backend"
 
 
 def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkeypatch):
