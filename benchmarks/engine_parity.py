@@ -161,6 +161,8 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
             del llm
             for (kernel, why), n in sorted(chosen[b].items()):
                 print(f"    {n} traced prefill call(s) ran {kernel}" + (f" ({why})" if why else ""), flush=True)
+            log.add(dict(model=name, workload=workload, env=b, seconds=dt,
+                         kernels=[dict(kernel=k, why=w, traced_calls=n) for (k, w), n in sorted(chosen[b].items())]))
     finally:
         paged_prefill.prefill_backend = real_choice
         if saved is None:
@@ -177,7 +179,7 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     for i, (p, r, g) in enumerate(zip(prompts, ref, new)):
         row = dict(model=name, workload=workload, backend=backend, prompt=i, prompt_len=len(p), same=r == g)
         if r != g:
-            step = next(j for j, (x, y) in enumerate(zip(r, g)) if x != y)
+            step = next((j for j, (x, y) in enumerate(zip(r, g)) if x != y), min(len(r), len(g)))
             row.update(step=step, triton_token=r[step], other_token=g[step])
             d = divergence(model, p, r, g) if len(p) + len(r) <= margin_max_len else None
             if d is not None:

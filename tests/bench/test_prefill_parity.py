@@ -19,6 +19,9 @@ def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
     out = tmp_path / "rows.json"
     assert engine_parity.main(["--prefill", "mgpu", "--small", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
+    runs = [r for r in rows if "env" in r]  # a row a run: which kernels its traced prefills took
+    assert [r["env"] for r in runs] == ["triton", "mgpu"] and all(r["seconds"] > 0 for r in runs)
+    rows = [r for r in rows if "env" not in r]
     prompts, outs, _ = engine_parity.trace_requests("tiny", "shifting", 256, small=True)
     assert len(rows) == len(prompts) == len(outs) >= 8 and all(r["same"] for r in rows)
     assert [r["prompt_len"] for r in rows] == [len(p) for p in prompts]
@@ -45,7 +48,7 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
     monkeypatch.setattr(LLM, "generate", altered)
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert not engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log)
-    bad = [r for r in log.rows if not r["same"]]
+    bad = [r for r in log.rows if "env" not in r and not r["same"]]
     assert len(bad) == 1 and bad[0]["prompt"] == 1 and bad[0]["step"] == 2
     assert bad[0]["other_token"] != bad[0]["triton_token"]
     assert bad[0]["margin"] >= 0.0 and bad[0]["logit_spread"] > 0.0
