@@ -18,6 +18,7 @@ steady step must move over the copy rate measured in the same run (model_steps.s
     python3 -m benchmarks.bench_engine --small             # CPU smoke test on the tiny model
     python3 -m benchmarks.bench_engine --host [--help]     # host cost of a step, device excluded (engine_host)
     python3 -m benchmarks.bench_engine --parity [--help]   # Pallas vs reference greedy tokens (engine_parity)
+    python3 -m benchmarks.bench_engine --parity --prefill auto   # Mosaic vs Triton prefill on a served trace
 """
 
 from __future__ import annotations
