@@ -40,10 +40,8 @@ last; rows go to $OUT/bench_models.json (or --json) after every row.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import itertools
-import os
 import statistics
 import sys
 import time
@@ -62,7 +60,7 @@ from .families import ALIASES, FAMILIES, build_model, family_key
 from .engine_trace import print_trace, trace_calls
 from .model_check import CHECK_T, check_family, check_width
 from .model_steps import ArenaFull, Pager, Stepper, param_counts, routed_experts, step_costs
-from .modes import hand_over
+from .modes import environment, hand_over
 from .report import RowLog, fmt, json_path
 from .copy_limit import copy_limit
 from .timing import time_calls
@@ -85,21 +83,6 @@ def parse_variants(spec: str) -> list[tuple[str, dict]]:
             env[key.strip()] = value.strip()
         out.append((",".join(f"{k}={v}" for k, v in env.items()), env))
     return out
-
-
-@contextlib.contextmanager
-def environment(env: dict):
-    """os.environ with `env` set, restored after."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def record(log: RowLog, **row) -> dict:

@@ -108,13 +108,24 @@ def parse(argv=None):
     return ap.parse_args(argv)
 
 
+def parse_buckets(text: str) -> dict:
+    """'B,B,..:T,T,..:P,P,..' -> the engine's batch, token and page buckets."""
+    b, t, p = ([int(x) for x in part.split(",")] for part in text.split(":"))
+    return dict(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
+
+
+def max_model_len(wls, page_size: int) -> int:
+    """The longest request of the traces `wls` and one page more, rounded up to a page."""
+    return -(-(max(w.max_len for w in wls) + page_size) // page_size) * page_size
+
+
 def engine_settings(args, wls, arena_gib: float, small: bool) -> dict:
     """The engine flags every configuration of one model shares: arena bytes, batch limits, the
     longest request rounded up to a page as max_model_len, and the step-shape buckets."""
     from umem_jax.bench.command import bucket_kwargs
 
     ps = args.page_size
-    mml = -(-(max(w.max_len for w in wls) + ps) // ps) * ps
+    mml = max_model_len(wls, ps)
     engine_kwargs = dict(arena_bytes=int(arena_gib * 2**30), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
                          seed=args.seed, early_admission=not args.no_early, joint_admission=not args.no_joint,
@@ -123,8 +134,7 @@ def engine_settings(args, wls, arena_gib: float, small: bool) -> dict:
                          **bucket_kwargs("single" if small else "coarse", args.max_num_seqs,
                                          args.max_num_batched_tokens, mml, ps))
     if args.buckets:
-        b, t, p = ([int(x) for x in part.split(",")] for part in args.buckets.split(":"))
-        engine_kwargs.update(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
+        engine_kwargs.update(parse_buckets(args.buckets))
     return engine_kwargs
 
 

@@ -105,7 +105,7 @@ def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[l
     from umem_jax.bench.command import bucket_kwargs
     from umem_jax.bench.workload import Shape
 
-    from .bench_serving import MODELS, workloads
+    from .bench_serving import MODELS, max_model_len, workloads
 
     if small:
         spec, short, n_short, page, tokens = dict(arena_gib=1 / 64, long=(200, 8), n_long=3, n_long_phase=1), \
@@ -113,7 +113,7 @@ def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[l
     else:
         spec, short, n_short, page, tokens = MODELS[name], Shape(512, 128), 128, 16, 2048
     wl = workloads([workload], spec, short=short, n_short=n_short, phase_s=2.0, jitter=0.2, seed=0)[0]
-    mml = -(-(wl.max_len + page) // page) * page
+    mml = max_model_len([wl], page)
     seqs = 8 if small else 64
     settings = dict(arena_bytes=int(spec["arena_gib"] * 2**30), max_num_seqs=seqs, max_num_batched_tokens=tokens,
                     page_size=page, max_model_len=mml, kernel_impl="pallas")
@@ -130,13 +130,15 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     from umem_jax.pallas_kernels import paged_prefill
     from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
 
+    from .bench_serving import parse_buckets
+    from .modes import environment
+
     model = load_bench_model("tiny" if small else name, "float32" if small else "bfloat16")
     prompts, outs, settings = trace_requests(name, workload, model.config.vocab_size, small)
     if buckets:
-        b, t, p = ([int(x) for x in part.split(",")] for part in buckets.split(":"))
-        settings.update(batch_buckets=tuple(b), token_buckets=tuple(t), page_buckets=tuple(p))
+        settings.update(parse_buckets(buckets))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
-    got, saved, real_choice = {}, os.environ.get(PREFILL_ENV), paged_prefill.prefill_backend
+    got, real_choice = {}, paged_prefill.prefill_backend
     chosen: dict[str, collections.Counter] = {}
 
     def spy(*args, **kw):  # the kernel each traced prefill call took, and why not Mosaic where not
@@ -147,12 +149,12 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     paged_prefill.prefill_backend = spy
     try:
         for b in ("triton", backend):
-            os.environ[PREFILL_ENV] = b
             chosen[b] = collections.Counter()
-            llm = LLM(model=model, **settings)
-            t0 = time.perf_counter()
-            res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            dt = time.perf_counter() - t0
+            with environment({PREFILL_ENV: b}):
+                llm = LLM(model=model, **settings)
+                t0 = time.perf_counter()
+                res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                dt = time.perf_counter() - t0
             assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
             got[b] = [list(r.outputs[0].token_ids) for r in res]
             print(f"{name:<22} {workload} UMEM_JAX_PREFILL={b:<7} {len(prompts)} requests, "
@@ -165,10 +167,6 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
                          kernels=[dict(kernel=k, why=w, traced_calls=n) for (k, w), n in sorted(chosen[b].items())]))
     finally:
         paged_prefill.prefill_backend = real_choice
-        if saved is None:
-            os.environ.pop(PREFILL_ENV, None)
-        else:
-            os.environ[PREFILL_ENV] = saved
     ref, new = got["triton"], got[backend]
     same = sum(a == b for a, b in zip(ref, new))
     print(f"{name:<22} {workload} {backend} == triton greedy: {same}/{len(ref)}", flush=True)

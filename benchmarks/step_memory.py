@@ -39,6 +39,7 @@ from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
 
 from .families import FAMILIES, family_config
+from .modes import environment
 from .report import RowLog, json_path
 
 GIB = 2**30
@@ -172,18 +173,12 @@ def compiles(kind: str, sizes: list[float], a) -> list[tuple[float, str, str | N
 
 
 def probe_with_backend(fam, kind, B, T, gib, a, dtype, backend, dump, log: RowLog) -> None:
-    saved = os.environ.get(PREFILL_ENV)
+    label = backend or os.environ.get(PREFILL_ENV) or "auto"
     try:
-        if backend:
-            os.environ[PREFILL_ENV] = backend
-        log.add(probe(fam, kind, B, T, gib, a, dtype, backend or saved or "auto", dump))
+        with environment({PREFILL_ENV: backend} if backend else {}):
+            log.add(probe(fam, kind, B, T, gib, a, dtype, label, dump))
     except Exception as e:  # noqa: BLE001 - report and go on: one GPU call
         print(f"    FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
-    finally:
-        if saved is None:
-            os.environ.pop(PREFILL_ENV, None)
-        else:
-            os.environ[PREFILL_ENV] = saved
 
 
 def print_growth(families: list[str], rows: list[dict]) -> None:

@@ -259,7 +259,8 @@ def _count_routers(model) -> int:
 def test_variants_parse_and_set_the_environment_for_their_trace(monkeypatch):
     """--variants: ';' between variants, ',' between ENV=value pairs; an empty spec is one variant,
     the environment as it is; `environment` sets a variant's values and restores the old ones."""
-    from benchmarks.bench_models import environment, parse_variants
+    from benchmarks.bench_models import parse_variants
+    from benchmarks.modes import environment
 
     assert parse_variants("") == [("", {})]
     assert parse_variants("A=1, B=2;A=3") == [("A=1,B=2", {"A": "1", "B": "2"}), ("A=3", {"A": "3"})]
