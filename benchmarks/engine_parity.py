@@ -56,6 +56,11 @@ def generate(model, impl: str, mode: str, interpret: bool = False):
     return llm, [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens a and b share (the first differing step where they differ)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def divergence(model, prompt: list[int], ref: list[int], got: list[int]) -> dict | None:
     """The first step where the two greedy sequences differ, with the reference's top-2 margin there."""
     import jax
@@ -124,7 +129,12 @@ def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[l
 
 def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, small: bool, margin_max_len: int,
                    log: RowLog) -> bool:
-    """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?"""
+    """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?
+
+    backend "triton" is the null comparison: the second run keeps the Triton kernel and halves the
+    prefill chunk (max_num_batched_tokens), so only the rounding differs (chunk boundaries, GEMM
+    shapes).  Its agreement is what two equally exact bf16 runs of a random-weight model reach,
+    the yardstick for another kernel's."""
     from umem_jax import LLM, SamplingParams
     from umem_jax.bench.sweep import load_bench_model
     from umem_jax.pallas_kernels import paged_prefill
@@ -148,41 +158,53 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
 
     paged_prefill.prefill_backend = spy
     try:
-        for b in ("triton", backend):
-            chosen[b] = collections.Counter()
+        null = backend == "triton"
+        for arm, b in (("triton", "triton"), ("triton/2" if null else backend, backend)):
+            chosen[arm] = collections.Counter()
+            arm_settings = dict(settings)
+            if arm == "triton/2":
+                arm_settings["max_num_batched_tokens"] = settings["max_num_batched_tokens"] // 2
             with environment({PREFILL_ENV: b}):
-                llm = LLM(model=model, **settings)
+                llm = LLM(model=model, **arm_settings)
                 t0 = time.perf_counter()
                 res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
                 dt = time.perf_counter() - t0
             assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
-            got[b] = [list(r.outputs[0].token_ids) for r in res]
-            print(f"{name:<22} {workload} UMEM_JAX_PREFILL={b:<7} {len(prompts)} requests, "
-                  f"{sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s", flush=True)
+            got[arm] = [list(r.outputs[0].token_ids) for r in res]
+            print(f"{name:<22} {workload} UMEM_JAX_PREFILL={b:<7} chunk {arm_settings['max_num_batched_tokens']}: "
+                  f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s",
+                  flush=True)
             llm.llm_engine.check_idle()
             del llm
-            for (kernel, why), n in sorted(chosen[b].items()):
+            for (kernel, why), n in sorted(chosen[arm].items()):
                 print(f"    {n} traced prefill call(s) ran {kernel}" + (f" ({why})" if why else ""), flush=True)
-            log.add(dict(model=name, workload=workload, env=b, seconds=dt,
-                         kernels=[dict(kernel=k, why=w, traced_calls=n) for (k, w), n in sorted(chosen[b].items())]))
+            log.add(dict(model=name, workload=workload, env=b, arm=arm, chunk=arm_settings["max_num_batched_tokens"],
+                         seconds=dt, kernels=[dict(kernel=k, why=w, traced_calls=n)
+                                              for (k, w), n in sorted(chosen[arm].items())]))
     finally:
         paged_prefill.prefill_backend = real_choice
-    ref, new = got["triton"], got[backend]
+    other = "triton/2" if null else backend
+    ref, new = got["triton"], got[other]
     same = sum(a == b for a, b in zip(ref, new))
-    print(f"{name:<22} {workload} {backend} == triton greedy: {same}/{len(ref)}", flush=True)
-    ran_mgpu = any(kernel == "mgpu" for kernel, _ in chosen[backend])
-    if backend != "triton" and not small and not ran_mgpu:  # the same kernel twice proves nothing
+    agree = [common_prefix(a, b) / max(1, len(a)) for a, b in zip(ref, new)]
+    print(f"{name:<22} {workload} {other} == triton greedy: {same}/{len(ref)}; tokens before the first "
+          f"difference, mean share of the output: {sum(agree) / len(agree):.3f}", flush=True)
+    log.add(dict(model=name, workload=workload, backend=other, same=same, requests=len(ref),
+                 mean_agreeing_share=sum(agree) / len(agree)))
+    ran_mgpu = any(kernel == "mgpu" for kernel, _ in chosen[other])
+    if not null and not small and not ran_mgpu:  # the same kernel twice proves nothing
         print(f"    the Mosaic GPU prefill never ran under {backend}: no parity shown", flush=True)
         same = -1
     for i, (p, r, g) in enumerate(zip(prompts, ref, new)):
-        row = dict(model=name, workload=workload, backend=backend, prompt=i, prompt_len=len(p), same=r == g)
+        row = dict(model=name, workload=workload, backend=other, prompt=i, prompt_len=len(p), same=r == g)
         if r != g:
-            step = next((j for j, (x, y) in enumerate(zip(r, g)) if x != y), min(len(r), len(g)))
-            row.update(step=step, triton_token=r[step], other_token=g[step])
+            step = common_prefix(r, g)
+            x, y = (r[step] if step < len(r) else None), (g[step] if step < len(g) else None)  # None: ended
+            row.update(step=step, triton_token=x, other_token=y)
             d = divergence(model, p, r, g) if len(p) + len(r) <= margin_max_len else None
             if d is not None:
                 row.update(margin=d["margin"], logit_spread=d["logit_spread"])
-            print(f"    request {i} ({len(p)} tokens) differs at step {step}: triton {r[step]}, {backend} {g[step]}"
+            print(f"    request {i} ({len(p)} tokens) differs at step {step}: triton {x}, {other} {y}"
                   + (f"; dense top-2 margin {d['margin']:.3e} (spread {d['logit_spread']:.3f})" if d else ""),
                   flush=True)
         log.add(row)
@@ -197,7 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--interpret", action="store_true", help="Pallas kernels in interpret mode (CPU)")
     ap.add_argument("--json", default=None, help="rows here (default $OUT/engine_parity.json if $OUT is set)")
     ap.add_argument("--prefill", default=None, metavar="BACKEND",
-                    help="compare UMEM_JAX_PREFILL=BACKEND (auto, mgpu) with triton on a served trace")
+                    help="compare UMEM_JAX_PREFILL=BACKEND (auto, mgpu) with triton on a served trace; "
+                    "'triton': the null, Triton against itself at half the prefill chunk")
     ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
     ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
     ap.add_argument("--margin-max-len", type=int, default=4096,

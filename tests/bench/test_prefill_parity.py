@@ -21,8 +21,11 @@ def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
     rows = json.loads(out.read_text())["rows"]
     runs = [r for r in rows if "env" in r]  # a row a run: which kernels its traced prefills took
     assert [r["env"] for r in runs] == ["triton", "mgpu"] and all(r["seconds"] > 0 for r in runs)
-    rows = [r for r in rows if "env" not in r]
+    summary = [r for r in rows if "requests" in r]
+    rows = [r for r in rows if "env" not in r and "requests" not in r]
     prompts, outs, _ = engine_parity.trace_requests("tiny", "shifting", 256, small=True)
+    assert summary == [dict(model="tiny", workload="shifting", backend="mgpu", same=len(prompts),
+                            requests=len(prompts), mean_agreeing_share=1.0)]
     assert len(rows) == len(prompts) == len(outs) >= 8 and all(r["same"] for r in rows)
     assert [r["prompt_len"] for r in rows] == [len(p) for p in prompts]
     assert {r["backend"] for r in rows} == {"mgpu"}
@@ -48,7 +51,18 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
     monkeypatch.setattr(LLM, "generate", altered)
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert not engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log)
-    bad = [r for r in log.rows if "env" not in r and not r["same"]]
+    bad = [r for r in log.rows if "env" not in r and "requests" not in r and not r["same"]]
     assert len(bad) == 1 and bad[0]["prompt"] == 1 and bad[0]["step"] == 2
     assert bad[0]["other_token"] != bad[0]["triton_token"]
     assert bad[0]["margin"] >= 0.0 and bad[0]["logit_spread"] > 0.0
+
+
+def test_the_null_runs_triton_twice_at_two_chunks(tmp_path, monkeypatch):
+    """--prefill triton: the same kernel at the trace's chunk and half of it (only the rounding may
+    differ: on the CPU's fp32 references, nothing does)."""
+    log = engine_parity.RowLog(str(tmp_path / "rows.json"))
+    assert engine_parity.prefill_parity("tiny", "triton", "shifting", None, True, 4096, log)
+    runs = [r for r in log.rows if "env" in r]
+    assert [(r["env"], r["arm"]) for r in runs] == [("triton", "triton"), ("triton", "triton/2")]
+    assert runs[1]["chunk"] * 2 == runs[0]["chunk"]
+    assert {r["backend"] for r in log.rows if "backend" in r} == {"triton/2"}
