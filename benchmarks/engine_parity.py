@@ -128,7 +128,7 @@ def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[l
 
 
 def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, small: bool, margin_max_len: int,
-                   log: RowLog) -> bool:
+                   log: RowLog, requests: int | None = None) -> bool:
     """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?
 
     backend "triton" is the null comparison: the second run keeps the Triton kernel and halves the
@@ -145,6 +145,7 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
 
     model = load_bench_model("tiny" if small else name, "float32" if small else "bfloat16")
     prompts, outs, settings = trace_requests(name, workload, model.config.vocab_size, small)
+    prompts, outs = prompts[:requests], outs[:requests]  # requests: the trace's first ones only (None: all)
     if buckets:
         settings.update(parse_buckets(buckets))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
@@ -223,6 +224,7 @@ def main(argv=None) -> int:
                     "'triton': the null, Triton against itself at half the prefill chunk")
     ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
     ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
+    ap.add_argument("--requests", type=int, default=None, help="with --prefill: the trace's first N requests only")
     ap.add_argument("--margin-max-len", type=int, default=4096,
                     help="with --prefill: dense margins only for prompt + output up to this many tokens")
     ap.add_argument("--small", action="store_true", help="with --prefill: the tiny model on the CPU trace with "
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
     if a.prefill:
         log = RowLog(json_path(a.json, "prefill_parity"))
         bad = sum(not prefill_parity(m, a.prefill, a.workload, None if a.small else a.buckets, a.small,
-                                     a.margin_max_len, log)
+                                     a.margin_max_len, log, a.requests)
                   for m in (["tiny"] if a.small else (a.models or "qwen3.5-4b-like").split(",")))
         print("prefill parity:", "OK" if not bad else f"{bad} model(s) MISMATCHED")
         return 1 if bad else 0

@@ -49,7 +49,7 @@ step() {
     prefill_null)  # the yardstick for prefill_default: Triton against itself at half the prefill chunk (only
       # the rounding differs), no dense margins (they cost minutes at 4B)
       for m in ${PARITY_MODELS:-qwen3.5-4b-like}; do python3 -m benchmarks.bench_engine --parity --prefill triton \
-            --models $m --margin-max-len 0 --json "$OUT/prefill_null_$m.json"; done ;;
+            --models $m --margin-max-len 0 ${PARITY_REQUESTS:+--requests $PARITY_REQUESTS} --json "$OUT/prefill_null_$m.json"; done ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --arena-gib 8 --budget 140; done ;;
     state) python3 -m benchmarks.bench_state ;;
