@@ -24,12 +24,20 @@ UMEM_JAX_PREFILL=triton and then =B (the runner keys its traced steps on the var
 arrivals are ignored (offline generate), so both runs schedule the same batches and differ only
 in the prefill kernel.  Each differing sequence is reported with its first differing step, and
 for prompts up to --margin-max-len tokens the dense top-2 margin there, as above.
+
+Exact agreement is not to be had from random bf16 weights: their logits are nearly flat (top-2
+margins of 0.01-0.1 in a spread of 9 at 4B), and any change of rounding flips a near-tie within a
+few tokens, after which the sequences part.  --null adds the yardstick: Triton again at half the
+prefill chunk, where only the rounding differs.  Each run also records its first token's logprob
+(the first token comes from the prefill alone, so its logprob differs by the kernels' own error)
+and times the trace's prefill a second time, warm, for the two kernels' cost in the engine.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -127,14 +135,35 @@ def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[l
     return wl.prompts(vocab), [r.output_len for r in wl.requests], settings
 
 
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One run of the trace: its name in the report, $UMEM_JAX_PREFILL, and its prefill chunk."""
+    name: str
+    env: str
+    chunk: int
+
+
+def arms(backend: str, null: bool, chunk: int) -> list[Arm]:
+    """Triton first (every other run is compared with it); the null (Triton at half the chunk:
+    only the rounding differs) when asked for or when backend is triton itself; then backend."""
+    out = [Arm("triton", "triton", chunk)]
+    if null or backend == "triton":
+        out.append(Arm("triton/2", "triton", chunk // 2))
+    if backend != "triton":
+        out.append(Arm(backend, backend, chunk))
+    return out
+
+
 def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, small: bool, margin_max_len: int,
-                   log: RowLog, requests: int | None = None) -> bool:
+                   log: RowLog, requests: int | None = None, null: bool = False) -> bool:
     """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?
 
-    backend "triton" is the null comparison: the second run keeps the Triton kernel and halves the
+    null (always with backend "triton"): one more run keeps the Triton kernel and halves the
     prefill chunk (max_num_batched_tokens), so only the rounding differs (chunk boundaries, GEMM
-    shapes).  Its agreement is what two equally exact bf16 runs of a random-weight model reach,
-    the yardstick for another kernel's."""
+    shapes).  Its agreement with the first is what two equally exact bf16 runs of a random-weight
+    model reach: the yardstick for another kernel's.  Every run also records its first token's
+    logprob (that token comes from the prefill alone) and times the trace's prefill once more,
+    warm (max_tokens=1, no prefix cache)."""
     from umem_jax import LLM, SamplingParams
     from umem_jax.bench.sweep import load_bench_model
     from umem_jax.pallas_kernels import paged_prefill
@@ -148,55 +177,79 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     prompts, outs = prompts[:requests], outs[:requests]  # requests: the trace's first ones only (None: all)
     if buckets:
         settings.update(parse_buckets(buckets))
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outs]
-    got, real_choice = {}, paged_prefill.prefill_backend
+    settings["enable_prefix_caching"] = False  # the warm prefill pass computes every prompt again
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in outs]
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    runs, real_choice = {}, paged_prefill.prefill_backend
     chosen: dict[str, collections.Counter] = {}
+    current = []
 
     def spy(*args, **kw):  # the kernel each traced prefill call took, and why not Mosaic where not
         choice = real_choice(*args, **kw)
-        chosen[os.environ[PREFILL_ENV]][choice] += 1
+        chosen[current[-1]][choice] += 1
         return choice
 
     paged_prefill.prefill_backend = spy
     try:
-        null = backend == "triton"
-        for arm, b in (("triton", "triton"), ("triton/2" if null else backend, backend)):
-            chosen[arm] = collections.Counter()
-            arm_settings = dict(settings)
-            if arm == "triton/2":
-                arm_settings["max_num_batched_tokens"] = settings["max_num_batched_tokens"] // 2
-            with environment({PREFILL_ENV: b}):
-                llm = LLM(model=model, **arm_settings)
+        for arm in arms(backend, null, settings["max_num_batched_tokens"]):
+            current.append(arm.name)
+            chosen[arm.name] = collections.Counter()
+            with environment({PREFILL_ENV: arm.env}):
+                llm = LLM(model=model, **dict(settings, max_num_batched_tokens=arm.chunk))
                 t0 = time.perf_counter()
-                res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+                res = llm.generate(inputs, params)
                 dt = time.perf_counter() - t0
-            assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
-            got[arm] = [list(r.outputs[0].token_ids) for r in res]
-            print(f"{name:<22} {workload} UMEM_JAX_PREFILL={b:<7} chunk {arm_settings['max_num_batched_tokens']}: "
-                  f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s",
-                  flush=True)
+                t0 = time.perf_counter()
+                again = llm.generate(inputs, first)
+                prefill_s = time.perf_counter() - t0
+            assert all(r.error is None for r in res + again), [r.error for r in res + again if r.error][:3]
+            runs[arm.name] = dict(tokens=[list(r.outputs[0].token_ids) for r in res],
+                                  first_logprob=[r.outputs[0].logprobs[0][r.outputs[0].token_ids[0]].logprob
+                                                 for r in res])
+            print(f"{name:<22} {workload} {arm.name:<8} (UMEM_JAX_PREFILL={arm.env}, chunk {arm.chunk}): "
+                  f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s; "
+                  f"the prefill again, warm: {prefill_s:.2f} s", flush=True)
             llm.llm_engine.check_idle()
             del llm
-            for (kernel, why), n in sorted(chosen[arm].items()):
+            for (kernel, why), n in sorted(chosen[arm.name].items()):
                 print(f"    {n} traced prefill call(s) ran {kernel}" + (f" ({why})" if why else ""), flush=True)
-            log.add(dict(model=name, workload=workload, env=b, arm=arm, chunk=arm_settings["max_num_batched_tokens"],
-                         seconds=dt, kernels=[dict(kernel=k, why=w, traced_calls=n)
-                                              for (k, w), n in sorted(chosen[arm].items())]))
+            log.add(dict(model=name, workload=workload, env=arm.env, arm=arm.name, chunk=arm.chunk, seconds=dt,
+                         prefill_seconds=prefill_s, kernels=[dict(kernel=k, why=w, traced_calls=n)
+                                                             for (k, w), n in sorted(chosen[arm.name].items())]))
     finally:
         paged_prefill.prefill_backend = real_choice
-    other = "triton/2" if null else backend
-    ref, new = got["triton"], got[other]
-    same = sum(a == b for a, b in zip(ref, new))
-    agree = [common_prefix(a, b) / max(1, len(a)) for a, b in zip(ref, new)]
-    print(f"{name:<22} {workload} {other} == triton greedy: {same}/{len(ref)}; tokens before the first "
-          f"difference, mean share of the output: {sum(agree) / len(agree):.3f}", flush=True)
-    log.add(dict(model=name, workload=workload, backend=other, same=same, requests=len(ref),
-                 mean_agreeing_share=sum(agree) / len(agree)))
-    ran_mgpu = any(kernel == "mgpu" for kernel, _ in chosen[other])
-    if not null and not small and not ran_mgpu:  # the same kernel twice proves nothing
-        print(f"    the Mosaic GPU prefill never ran under {backend}: no parity shown", flush=True)
-        same = -1
-    for i, (p, r, g) in enumerate(zip(prompts, ref, new)):
+    ok = True
+    for other in list(runs)[1:]:
+        same = compare_runs(name, workload, prompts, runs["triton"], runs[other], other, model, margin_max_len, log)
+        if other == backend and backend != "triton" and not small \
+                and not any(kernel == "mgpu" for kernel, _ in chosen[other]):  # the same kernel twice proves nothing
+            print(f"    the Mosaic GPU prefill never ran under {backend}: no parity shown", flush=True)
+            same = False
+        if other == (backend if backend != "triton" else "triton/2"):
+            ok = same
+    return ok
+
+
+def compare_runs(name, workload, prompts, ref: dict, new: dict, other: str, model, margin_max_len: int,
+                 log: RowLog) -> bool:
+    """Run `other` against the Triton run: sequences identical, the share of each output before
+    its first difference, first tokens equal and their logprobs' difference, and each differing
+    sequence's step (with the dense top-2 margin there for short sequences) -> all identical?"""
+    a, b = ref["tokens"], new["tokens"]
+    same = sum(x == y for x, y in zip(a, b))
+    agree = [common_prefix(x, y) / max(1, len(x)) for x, y in zip(a, b)]
+    first_same = [i for i, (x, y) in enumerate(zip(a, b)) if x[:1] == y[:1]]
+    dlp = np.abs([ref["first_logprob"][i] - new["first_logprob"][i] for i in first_same]) if first_same else np.zeros(1)
+    summary = dict(model=name, workload=workload, backend=other, same=same, requests=len(a),
+                   mean_agreeing_share=float(np.mean(agree)), first_token_same=len(first_same),
+                   first_logprob_diff_median=float(np.median(dlp)), first_logprob_diff_max=float(dlp.max()))
+    print(f"{name:<22} {workload} {other} == triton greedy: {same}/{len(a)}; mean share of an output before its "
+          f"first difference {summary['mean_agreeing_share']:.3f}; first tokens equal {len(first_same)}/{len(a)}, "
+          f"their logprobs differ by {summary['first_logprob_diff_median']:.2e} (median), "
+          f"{summary['first_logprob_diff_max']:.2e} (max)", flush=True)
+    log.add(summary)
+    for i, (p, r, g) in enumerate(zip(prompts, a, b)):
         row = dict(model=name, workload=workload, backend=other, prompt=i, prompt_len=len(p), same=r == g)
         if r != g:
             step = common_prefix(r, g)
@@ -209,7 +262,7 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
                   + (f"; dense top-2 margin {d['margin']:.3e} (spread {d['logit_spread']:.3f})" if d else ""),
                   flush=True)
         log.add(row)
-    return same == len(ref)
+    return same == len(a)
 
 
 def main(argv=None) -> int:
@@ -225,6 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
     ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
     ap.add_argument("--requests", type=int, default=None, help="with --prefill: the trace's first N requests only")
+    ap.add_argument("--null", action="store_true", help="with --prefill: also Triton at half the prefill chunk "
+                    "(only the rounding differs), the yardstick for the other kernel's agreement")
     ap.add_argument("--margin-max-len", type=int, default=4096,
                     help="with --prefill: dense margins only for prompt + output up to this many tokens")
     ap.add_argument("--small", action="store_true", help="with --prefill: the tiny model on the CPU trace with "
@@ -233,7 +288,7 @@ def main(argv=None) -> int:
     if a.prefill:
         log = RowLog(json_path(a.json, "prefill_parity"))
         bad = sum(not prefill_parity(m, a.prefill, a.workload, None if a.small else a.buckets, a.small,
-                                     a.margin_max_len, log, a.requests)
+                                     a.margin_max_len, log, a.requests, a.null)
                   for m in (["tiny"] if a.small else (a.models or "qwen3.5-4b-like").split(",")))
         print("prefill parity:", "OK" if not bad else f"{bad} model(s) MISMATCHED")
         return 1 if bad else 0

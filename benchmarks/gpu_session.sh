@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=500 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [prefill_null]=330)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -42,14 +42,11 @@ step() {
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
             --decode-batches 64,1 --arena-gib 24 --budget 300 ;;
     prefill_default)  # issue 17 item 4: the Mosaic GPU prefill (auto) against Triton on the shifting trace at 4B
-      # scale, the same greedy tokens? (bench_engine --parity --prefill; one process a model, both kernels in it)
+      # scale, the same greedy tokens?  Beside the null (Triton at half the chunk: only the rounding differs), in one
+      # process a model; first-token logprobs and a warm prefill pass per run (bench_engine --parity --prefill)
       for m in ${PARITY_MODELS:-qwen3.5-4b-like gemma3-4b-like}; do
-        python3 -m benchmarks.bench_engine --parity --prefill auto --models $m --margin-max-len ${PARITY_MARGIN:-1024} \
-            --json "$OUT/prefill_parity_$m.json"; done ;;
-    prefill_null)  # the yardstick for prefill_default: Triton against itself at half the prefill chunk (only
-      # the rounding differs), no dense margins (they cost minutes at 4B)
-      for m in ${PARITY_MODELS:-qwen3.5-4b-like}; do python3 -m benchmarks.bench_engine --parity --prefill triton \
-            --models $m --margin-max-len 0 ${PARITY_REQUESTS:+--requests $PARITY_REQUESTS} --json "$OUT/prefill_null_$m.json"; done ;;
+        python3 -m benchmarks.bench_engine --parity --prefill auto --null --models $m --margin-max-len ${PARITY_MARGIN:-0} \
+            ${PARITY_REQUESTS:+--requests $PARITY_REQUESTS} --json "$OUT/prefill_parity_$m.json"; done ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --arena-gib 8 --budget 140; done ;;
     state) python3 -m benchmarks.bench_state ;;

@@ -24,8 +24,9 @@ def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
     summary = [r for r in rows if "requests" in r]
     rows = [r for r in rows if "env" not in r and "requests" not in r]
     prompts, outs, _ = engine_parity.trace_requests("tiny", "shifting", 256, small=True)
-    assert summary == [dict(model="tiny", workload="shifting", backend="mgpu", same=len(prompts),
-                            requests=len(prompts), mean_agreeing_share=1.0)]
+    assert len(summary) == 1 and summary[0]["backend"] == "mgpu"
+    assert summary[0]["same"] == summary[0]["requests"] == summary[0]["first_token_same"] == len(prompts)
+    assert summary[0]["mean_agreeing_share"] == 1.0
     assert len(rows) == len(prompts) == len(outs) >= 8 and all(r["same"] for r in rows)
     assert [r["prompt_len"] for r in rows] == [len(p) for p in prompts]
     assert {r["backend"] for r in rows} == {"mgpu"}
@@ -43,8 +44,8 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
 
     def altered(self, prompts, params=None, **kw):
         res = real(self, prompts, params, **kw)
-        if os.environ.get(PREFILL_ENV) == "mgpu":
-            ids = res[1].outputs[0].token_ids
+        ids = res[1].outputs[0].token_ids
+        if os.environ.get(PREFILL_ENV) == "mgpu" and len(ids) > 2:  # not the warm prefill pass (one token)
             ids[2] = (ids[2] + 1) % self.llm_engine.model.config.vocab_size
         return res
 
@@ -59,10 +60,23 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
 
 def test_the_null_runs_triton_twice_at_two_chunks(tmp_path, monkeypatch):
     """--prefill triton: the same kernel at the trace's chunk and half of it (only the rounding may
-    differ: on the CPU's fp32 references, nothing does)."""
+    differ: on the CPU's fp32 references, nothing does); each run times its prefill again, warm."""
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
-    assert engine_parity.prefill_parity("tiny", "triton", "shifting", None, True, 4096, log)
+    assert engine_parity.prefill_parity("tiny", "triton", "shifting", None, True, 4096, log, requests=6)
     runs = [r for r in log.rows if "env" in r]
     assert [(r["env"], r["arm"]) for r in runs] == [("triton", "triton"), ("triton", "triton/2")]
-    assert runs[1]["chunk"] * 2 == runs[0]["chunk"]
+    assert runs[1]["chunk"] * 2 == runs[0]["chunk"] and all(r["prefill_seconds"] > 0 for r in runs)
+    summary, = [r for r in log.rows if "requests" in r]
+    assert summary["requests"] == summary["same"] == summary["first_token_same"] == 6
+    assert summary["first_logprob_diff_max"] < 1e-4
     assert {r["backend"] for r in log.rows if "backend" in r} == {"triton/2"}
+
+
+def test_null_and_backend_in_one_process(tmp_path):
+    """--prefill mgpu --null: three runs, both compared with Triton; the verdict is the backend's."""
+    assert [a.name for a in engine_parity.arms("auto", True, 2048)] == ["triton", "triton/2", "auto"]
+    assert [a.chunk for a in engine_parity.arms("auto", True, 2048)] == [2048, 1024, 2048]
+    assert [a.name for a in engine_parity.arms("auto", False, 2048)] == ["triton", "auto"]
+    log = engine_parity.RowLog(str(tmp_path / "rows.json"))
+    assert engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log, requests=4, null=True)
+    assert [r["backend"] for r in log.rows if "requests" in r] == ["triton/2", "mgpu"]
