@@ -58,7 +58,7 @@ from umem_jax.memory.declarations import dtype_words, kv_cache_dtype
 from umem_jax.memory.demand import DemandModel
 from umem_jax.memory.sizing import budget_bytes
 from umem_jax.models.registry import build_random
-from umem_jax.scheduler.reservations import reserve_tokens
+from umem_jax.scheduler.reservations import reservations, reserve_tokens
 from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from . import bench_serving as bs
@@ -74,9 +74,10 @@ def _first_chunk_only(self, req, after=None):  # --rule before: reserve outputs 
     return reserve_tokens(req, self.ratio, self.exact, after=req.num_tokens)
 
 
-def _head_fits(sch, dm, alloc, chunk: int, batch) -> tuple[bool, int]:
-    """Whether the first waiting request's first pass and reservations fit the arena now, and
-    the bytes the running requests' reservations hold back (what is free but spoken for), priced
+def _head_fits(sch, dm, alloc, chunk: int, batch) -> tuple[bool, int, int]:
+    """Whether the first waiting request's first pass and reservations fit the arena now, the
+    bytes the running requests' reservations hold back (what is free but spoken for), and the
+    part of those the decoding requests hold back (the rest: prompts still being computed), priced
     as the next schedule prices them: with the tokens `batch` sampled pending (as under async
     scheduling), so its rows are decode-ready, and those that took their last token reserve
     nothing.  (Read before the tokens are appended, a decode row looks like a prompt with one
@@ -91,7 +92,9 @@ def _head_fits(sch, dm, alloc, chunk: int, batch) -> tuple[bool, int]:
         sch._reserved = None
         need = dm.span(0, end) + dm.reservation(head, sch._reserve_tokens(head, after=end), after=end)
         reserved = sch._reservations()
-        return dm.fits(alloc, need + reserved), dm.bytes(reserved)
+        decoding = [r for r in sch.running if r.decode_ready]
+        by_decoders = reservations(decoding, sch.holders, dm, sch._reserve_tokens, sch.exact)
+        return dm.fits(alloc, need + reserved), dm.bytes(reserved), dm.bytes(by_decoders)
     finally:
         for r in sampled:
             r.num_pending -= 1
@@ -116,6 +119,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     t, i, out_tokens, steps, peak, util, refused, clipped, bound, reserved = 0.0, 0, 0, 0, 0, [], 0, 0, [], []
+    by_decoders = []
     held = []  # tokens the running requests hold in the arena (computed and cached), per step
     while i < len(pending) or sch.has_work():
         while i < len(pending) and pending[i].arrival_s <= t:
@@ -146,10 +150,11 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
             util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
-            fits, held_back = _head_fits(sch, dm, alloc, dm.chunk, b)
+            fits, held_back, decoders_back = _head_fits(sch, dm, alloc, dm.chunk, b)
             if not fits:
                 bound.append(util[-1])
                 reserved.append(held_back / u.total_bytes)
+                by_decoders.append(decoders_back / u.total_bytes)
         for row in b.rows:
             if row.sample:
                 row.req.output_token_ids.append(7)
@@ -166,7 +171,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 refused=refused, clipped=clipped,
                 util_bound=float(np.median([b[0] for b in bound])) if bound else None,
                 split_bound=dict(zip(("live", "holes", "free", "sink"), np.mean(bound, axis=0).tolist())) if bound else None,
-                reserved_bound=float(np.mean(reserved)) if bound else None)
+                reserved_bound=float(np.mean(reserved)) if bound else None,
+                reserved_decoders_bound=float(np.mean(by_decoders)) if bound else None)
 
 
 def main(argv=None) -> int:
@@ -246,8 +252,9 @@ def run(argv=None) -> list[dict]:
                   f"{'-' if r['util'] is None else format(r['util'], '.2f')}"
                   + ("" if r["split"] is None else " (holes {holes:.3f}, free gap {free:.3f}, sink {sink:.3f})"
                      .format(**r["split"]))
-                  + ("" if r["util_bound"] is None else "; memory-bound median {:.3f} (sink {:.3f}, reserved {:.3f})"
-                     .format(r["util_bound"], r["split_bound"]["sink"], r["reserved_bound"]))
+                  + ("" if r["util_bound"] is None else "; memory-bound median {:.3f} (sink {:.3f}, reserved {:.3f}, "
+                     "by decoders {:.3f})".format(r["util_bound"], r["split_bound"]["sink"], r["reserved_bound"],
+                                                  r["reserved_decoders_bound"]))
                   + (f"  refused {r['refused']} (too long for the split)" if r["refused"] else "")
                   + (f"  clipped {r['clipped']}" if r["clipped"] else ""), flush=True)
     return rows
