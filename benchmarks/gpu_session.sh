@@ -8,7 +8,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [prefill1]=500 [prefill2]=250 [serve_gptoss]=280 [serve_nemo]=280 [moe_models]=370
                     [decode_default]=560 [state]=200 [serve_early]=560 [mgpu_fp8]=420
                     [mgpu_prefill_fp8]=420 [graphs_b1]=400 [trace_b1]=300 [triton_gemm_b1]=560
-                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560)
+                    [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300 [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300 [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [q_load]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -116,6 +116,15 @@ step() {
         ck=--no-check; [ "$v" = new ] && [ "$i" = 1 ] && ck=
         (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano \
             --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck) \
+            | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
+    q_load)  # session 25: the Triton decode loads q's G rows itself (no XLA pad of q before each attention layer):
+      # its GPU tests (and fp8's), then gpt-oss and Gemma 3 at B = 1 and 64 against the tree before (.base: `git archive
+      # 586d941`, carried), alternating, each its own process, ROUNDS times (1); the first run checked against dense
+      python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -k "decode" -x
+      for i in $(seq "${ROUNDS:-1}"); do for v in base new; do echo "== $i $v"
+        ck=--no-check; [ "$v" = new ] && [ "$i" = 1 ] && ck=
+        (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families gptoss,gemma3 \
+            --ctx 2048 --decode-batches 64,1 --kinds decode --arena-gib 8 --budget 120 $ck) \
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
     prologue_b1)  # the expert activation in the down GEMV's prologue or an XLA op before it, against session 20's tree
       export XLA_PYTHON_CLIENT_MEM_FRACTION=0.93
