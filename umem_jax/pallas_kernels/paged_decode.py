@@ -24,8 +24,9 @@ page for kv head h is `page_size` rows (stride mk) x D contiguous columns.
 
 Kernel: grid (B, Hkv, num_splits).  Program (b, h, s) takes the q heads of kv head h (any G:
 padded to a power of two >= 16 rows, the smallest Triton dot; a head dim that is no power of
-two, e.g. 80 or 96, is a 128-wide tile whose columns past the head are masked off the loads, q
-zero-padded), walks its share of the blocks of `block_tokens` positions that hold visible
+two, e.g. 80 or 96, is a 128-wide tile whose columns past the head are masked off the loads; q's
+G rows are loaded the same way, the tile's other rows and columns masked to 0, so no XLA pad of
+q runs before the kernel), walks its share of the blocks of `block_tokens` positions that hold visible
 positions (the visible range is split dynamically, so a window of 512 tokens in a 32K page
 table costs what 512 tokens cost), gathers each block's K and V tiles with one vector load
 each (page ids from the page table, row ids computed per token; masked lanes: positions outside
