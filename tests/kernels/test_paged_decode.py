@@ -121,6 +121,20 @@ def test_pallas_matches_reference(name):
     np.testing.assert_array_equal(got[np.asarray(lengths) == 0], 0.0)
 
 
+@pytest.mark.parametrize("name", ["g3_d80_window_sinks", "g6_d128_sinks_bf16arena", "gqa4_d128_ps32_window_midpage_softcap"])
+def test_no_xla_op_pads_q_before_the_kernel(name):
+    """The kernel loads its G query rows (and a head dim that is no power of two) masked, so the
+    compiled step has no pad of q before it: one XLA launch fewer per attention layer on a GPU.
+    Traced only (the GPU lowering's jaxpr: interpret=False), so it runs on any backend."""
+    setup, call = ALL_CASES[name]
+    view, arena, pt, lengths, q, sk, _, _ = _setup(7, **setup)
+    opts = {k: v for k, v in call.items() if k in ("window", "softcap")}
+    jaxpr = str(jax.make_jaxpr(lambda q, a: paged_decode_attention(q, a, pt, lengths, view=view, sinks=sk,
+                                                                   impl="pallas", **opts))(q, arena))
+    before = jaxpr.split("pallas_call[")[0]
+    assert jaxpr.count("pallas_call[") == 1 and " pad[" not in before
+
+
 @pytest.mark.parametrize("name", ["gqa4_d128_ps32_window_midpage_softcap", "gqa8_d256_ps64_sinks_bf16arena",
                                   "rows_narrower_than_k_mk4", "g3_d80_window_sinks", "g5_d96_softcap_splitk"])
 def test_reference_matches_naive_loop(name):
