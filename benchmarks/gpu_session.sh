@@ -117,10 +117,12 @@ step() {
         (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families qwen35moe,nemo3nano \
             --ctx 2048 --decode-batches 1 --kinds decode --arena-gib 4 --budget 120 --trace $tr $ck) \
             | grep -v "skipped" | grep -v "^    0.0"; done; done ;;
-    q_load)  # session 25: the Triton decode loads q's G rows itself (no XLA pad of q before each attention layer):
-      # its GPU tests (and fp8's), then gpt-oss and Gemma 3 at B = 1 and 64 against the tree before (.base: `git archive
-      # 586d941`, carried), alternating, each its own process, ROUNDS times (1); the first run checked against dense
+    q_load)  # session 25: the Triton decode loads q's G rows itself (no XLA pad of q before each attention layer),
+      # and route_topk adds the router's bias (no XLA add after gpt-oss's router matmul): their GPU tests, then
+      # gpt-oss and Gemma 3 at B = 1 and 64 against the tree before (.base: `git archive 586d941`, carried),
+      # alternating, each its own process, ROUNDS times (1); the first run checked against dense
       python3 -m pytest -q -m gpu tests/gpu/test_kernels_gpu.py -k "decode" -x
+      python3 -m pytest -q tests/kernels/test_route_topk.py -x
       for i in $(seq "${ROUNDS:-1}"); do for v in base new; do echo "== $i $v"
         ck=--no-check; [ "$v" = new ] && [ "$i" = 1 ] && ck=
         (if [ "$v" = base ]; then cd .base; fi; python3 -m benchmarks.bench_models --families gptoss,gemma3 \

@@ -122,6 +122,31 @@ def test_padding_tokens_name_no_expert(shared, gate):
         route_topk(logits, valid=valid[0], **kw)
 
 
+@pytest.mark.parametrize("E,k,scoring,shared,gate,dtype", [
+    (32, 4, "topk_softmax", 0, False, jnp.bfloat16),  # gpt-oss: the router's bf16 bias
+    (60, 4, "softmax", 1, True, jnp.float32),          # a bias on the shared gate's column too
+    (10, 3, "sigmoid", 0, False, jnp.float32),         # E below the 16-column tile
+])
+def test_the_router_bias_is_added_in_the_kernel(E, k, scoring, shared, gate, dtype):
+    """logit_bias [E (+ 1)]: the choice of the logits plus the bias, as the reference gives it (and
+    as route_topk gives it for logits with the bias added before); a wrong width is refused."""
+    N = 11
+    logits = logits_of(E + k, (N, E + int(gate)))
+    lb = (jnp.asarray(np.random.default_rng(E).standard_normal(E + int(gate), np.float32)) * 1.5).astype(dtype)
+    kw = dict(k=k, scoring=scoring, norm_topk_prob=scoring == "softmax", shared=shared, shared_gate=gate)
+    with no_triton_deprecation():
+        w, ids = route_topk(logits, interpret=not ON_GPU, logit_bias=lb, block_rows=8, **kw)
+        w_added, ids_added = route_topk(logits + lb.astype(jnp.float32), interpret=not ON_GPU, block_rows=8, **kw)
+    w_ref, ids_ref = route_topk_reference(logits, logit_bias=lb, **kw)
+    plain_w, plain_ids = route_topk_reference(logits, **kw)
+    assert not np.array_equal(np.asarray(ids_ref), np.asarray(plain_ids))  # the bias moves the choice
+    for got_w, got_ids in ((w, ids), (w_added, ids_added)):
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids_ref))
+        np.testing.assert_allclose(np.asarray(got_w), np.asarray(w_ref), rtol=2e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="logit_bias must be"):
+        route_topk(logits, logit_bias=lb[:-1], **kw)
+
+
 def test_ties_go_to_the_lower_expert_and_leading_dims_are_kept():
     """Equal logits (quantised to a few values) pick the lowest ids first, as lax.top_k does."""
     rng = np.random.default_rng(0)

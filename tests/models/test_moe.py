@@ -148,6 +148,30 @@ def test_router_logits_as_a_reduction(dtype, monkeypatch):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("route_env", ["pallas", "xla"])
+def test_the_router_bias_reaches_the_choice(route_env, monkeypatch):
+    """gpt-oss's router has a bias: Router() passes it to route(), which the top-k kernel adds as it
+    loads the logits (no XLA add after the matmul: the step's jaxpr has none) and XLA adds itself;
+    either way the choice is that of the biased logits (Router.logits)."""
+    from umem_jax.pallas_kernels.route_topk import ROUTE_ENV
+
+    m = build(CONFIGS["gpt_oss"], seed=46, dtype=jnp.float32)
+    gate = m.gate
+    gate.bias = nnx.Param(inputs(9, gate.bias[...].shape, jnp.float32) * 3.0)  # large enough to move picks
+    x = inputs(3, (7, HIDDEN), jnp.float32)
+    monkeypatch.setenv(ROUTE_ENV, route_env)
+    w, ids = gate(x)
+    want_w, want_ids = route(gate.logits(x), gate.cfg)
+    plain_w, plain_ids = route(gate.logits(x, with_bias=False), gate.cfg)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=2e-6, atol=1e-7)
+    assert not np.array_equal(np.asarray(ids), np.asarray(plain_ids))
+    if route_env == "pallas":
+        graphdef, state = nnx.split(gate)
+        prims = _primitives(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x))(state, x).jaxpr)
+        assert "add" not in prims, prims
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_router_matches_numpy(name, seed):

@@ -40,8 +40,9 @@ def _grouped_mask(choice: jax.Array, n_group: int, topk_group: int) -> jax.Array
 
 
 def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None = None, *, shared: int = 0,
-          shared_gate: bool = False, valid: jax.Array | None = None):
-    """Router logits [..., E] (fp32, router bias included; with shared_gate [..., E + 1], the last
+          shared_gate: bool = False, valid: jax.Array | None = None, logit_bias: jax.Array | None = None):
+    """Router logits [..., E] (fp32; the router's bias included, or given as logit_bias [E (+ 1)]
+    for the kernel to add as it loads them; with shared_gate [..., E + 1], the last
     column the shared expert's gate) -> (weights [..., k + shared] fp32, experts [..., k + shared]
     int32): the k picks, then `shared` slots naming the shared expert's pseudo-experts E.. (weight
     1, or the gate's sigmoid; route_topk.choice_of).  correction_bias [E] shifts the selection
@@ -50,6 +51,10 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
     a GPU (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
     E = cfg.num_experts
+    kernel = route_backend() == "pallas" and E <= ROUTE_MAX_EXPERTS and not (cfg.n_group > 1
+                                                                            and cfg.scoring != "topk_softmax")
+    if logit_bias is not None and not kernel:
+        logits, logit_bias = logits + logit_bias.astype(jnp.float32), None
     kw = dict(scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the others, pick in XLA
         choice = scores_of(logits[..., :E], cfg.scoring)
@@ -58,8 +63,8 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
         experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
         return choice_of(logits, experts, shared=shared, shared_gate=shared_gate, valid=valid, **kw)
     kw.update(k=cfg.top_k, correction_bias=correction_bias, shared=shared, shared_gate=shared_gate, valid=valid)
-    if route_backend() == "pallas" and E <= ROUTE_MAX_EXPERTS:
-        return route_topk(logits, interpret=jax.default_backend() != "gpu", **kw)
+    if kernel:
+        return route_topk(logits, interpret=jax.default_backend() != "gpu", logit_bias=logit_bias, **kw)
     return route_topk_reference(logits, **kw)
 
 
@@ -107,7 +112,8 @@ class Router(nnx.Module):
                          scale=cfg.routed_scaling_factor, shared=self.shared_slots, shared_gate=self.shared_gated,
                          valid=valid)
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, with_bias: bool = True) -> jax.Array:
+        """x [..., d] -> x W^T [..., E (+ 1)] fp32, plus the router's bias unless with_bias is False."""
         w = self.weight[...]
         rows = math.prod(x.shape[:-1])
         if 1 < rows <= REDUCE_ROWS and os.environ.get(ROUTER_DOT_ENV, "").strip().lower() == "reduce":
@@ -116,14 +122,17 @@ class Router(nnx.Module):
             out = jnp.sum(x[..., None, :].astype(jnp.float32) * w.astype(jnp.float32), axis=-1)
         else:
             out = jnp.einsum("...d,ed->...e", x, w, precision=fp32_precision(x, w), preferred_element_type=jnp.float32)
-        return out if self.bias is None else out + self.bias[...].astype(jnp.float32)
+        return out if self.bias is None or not with_bias else out + self.bias[...].astype(jnp.float32)
 
     def __call__(self, x: jax.Array, valid: jax.Array | None = None):
         """x [..., d], valid [...] bool or None -> (weights [..., k + shared_slots] fp32, experts
         [..., k + shared_slots] int32; a token that is not valid names no expert: ids -1)."""
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias[...]
-        return route(self.logits(x), self.cfg, bias, shared=self.shared_slots, shared_gate=self.shared_gated,
-                     valid=valid)
+        # The router's own bias goes to route(), which has the kernel add it as it loads the logits
+        # (an XLA add after the matmul was a launch of its own in every MoE layer: gpt-oss).
+        logit_bias = None if self.bias is None else self.bias[...]
+        return route(self.logits(x, with_bias=False), self.cfg, bias, shared=self.shared_slots,
+                     shared_gate=self.shared_gated, valid=valid, logit_bias=logit_bias)
 
 
 __all__ = ["Router", "route", "route_weights"]

@@ -1,8 +1,10 @@
 """An MoE router's top-k in one kernel: scores, the k experts each token picks, and their weights.
 
     weights, experts = route_topk(logits, k=k, scoring=..., correction_bias=..., norm_topk_prob=..., scale=...)
-    logits [N, E] fp32 (the router's x W^T + bias), correction_bias [E] fp32 | None
+    logits [N, E] fp32 (the router's x W^T), correction_bias [E] fp32 | None
         -> weights [N, k] fp32, experts [N, k] int32, best first
+    logit_bias [E] (any float dtype): the router's own bias, added to the logits as they are
+        loaded (an XLA add before the kernel was one more launch an MoE layer: gpt-oss)
 
     scoring "softmax":      s = softmax(logits)   pick top-k of s (+ correction_bias),  w = s[picked]
     scoring "sigmoid":      s = sigmoid(logits)   pick top-k of s (+ correction_bias),  w = s[picked]
@@ -115,12 +117,16 @@ def _split_gate(logits: jax.Array, shared: int, shared_gate: bool) -> int:
 
 def route_topk_reference(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
                          norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0,
-                         shared_gate: bool = False, valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """The definition in XLA ops (jax.lax.top_k): logits [..., E] (with shared_gate [..., E + 1])
-    -> (weights [..., k + shared] fp32, experts [..., k + shared] int32)."""
+                         shared_gate: bool = False, valid: jax.Array | None = None,
+                         logit_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """The definition in XLA ops (jax.lax.top_k): logits [..., E] (with shared_gate [..., E + 1];
+    logit_bias [E (+ 1)] added first) -> (weights [..., k + shared] fp32, experts [..., k + shared]
+    int32)."""
     _check_scoring(scoring)
     E = _split_gate(logits, shared, shared_gate)
     full = logits.astype(jnp.float32)
+    if logit_bias is not None:
+        full = full + logit_bias.astype(jnp.float32)
     logits = full[..., :E]
     choice = scores_of(logits, scoring)
     if correction_bias is not None and scoring != "topk_softmax":
@@ -143,8 +149,10 @@ def choice_of(logits: jax.Array, experts: jax.Array, *, scoring: str, norm_topk_
     return jnp.where(valid[..., None], weights, 0.0), jnp.where(valid[..., None], experts, -1)
 
 
-def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias, shared, gate, has_valid):
+def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bias, has_logit_bias, shared, gate,
+            has_valid):
     refs = list(refs)
+    logit_bias_ref = refs.pop(0) if has_logit_bias else None
     bias_ref = refs.pop(0) if has_bias else None
     valid_ref = refs.pop(0) if has_valid else None
     w_ref, e_ref = refs
@@ -156,6 +164,8 @@ def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bi
     # Padding columns read -inf and padding rows 0: every row has a finite maximum, so no NaN is
     # formed (a row of -inf would make softmax 0/0); padding rows are never stored.
     x = pltr.load(logits_ref.at[rows[:, None], cols[None, :]], mask=mask, other=0.0)
+    if has_logit_bias:
+        x = x + pltr.load(logit_bias_ref.at[cols], mask=col_ok, other=0.0).astype(jnp.float32)[None, :]
     x = jnp.where(col_ok[None, :], x, neg)
     if scoring == "softmax":
         p = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
@@ -193,7 +203,10 @@ def _kernel(logits_ref, *refs, N, E, k, bn, ep, kp, scoring, norm, scale, has_bi
         slot = (kcols >= k)[None, :]
         g = jnp.ones((bn,), jnp.float32)
         if gate:  # the gate's logit is the column after the experts' (never part of the pick above)
-            g = 1.0 / (1.0 + jnp.exp(-pltr.load(logits_ref.at[rows, E], mask=row_ok, other=0.0)))
+            gl = pltr.load(logits_ref.at[rows, E], mask=row_ok, other=0.0)
+            if has_logit_bias:
+                gl = gl + logit_bias_ref[E].astype(jnp.float32)
+            g = 1.0 / (1.0 + jnp.exp(-gl))
         w = jnp.where(slot, g[:, None], w)
         ids = jnp.where(slot, E + kcols[None, :] - k, ids)
     if has_valid:  # a padding token names no expert (id -1, weight 0): its rows are never read
@@ -219,16 +232,18 @@ def rows_per_program(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("k", "scoring", "norm_topk_prob", "scale", "shared", "shared_gate",
                                              "bn", "interpret"))
-def _route_topk_2d(logits, correction_bias, valid, *, k, scoring, norm_topk_prob, scale, shared, shared_gate,
-                   bn, interpret):
+def _route_topk_2d(logits, logit_bias, correction_bias, valid, *, k, scoring, norm_topk_prob, scale, shared,
+                   shared_gate, bn, interpret):
     N, W = logits.shape
     E = W - int(shared_gate)
     ep = max(16, pow2_ceil(E))
     kernel = functools.partial(_kernel, N=N, E=E, k=k, bn=bn, ep=ep, kp=max(2, pow2_ceil(k + shared)),
                                scoring=scoring, norm=norm_topk_prob, scale=float(scale),
-                               has_bias=correction_bias is not None, shared=shared, gate=shared_gate,
-                               has_valid=valid is not None)
+                               has_bias=correction_bias is not None, has_logit_bias=logit_bias is not None,
+                               shared=shared, gate=shared_gate, has_valid=valid is not None)
     operands = [logits.astype(jnp.float32)]
+    if logit_bias is not None:  # in its own dtype: converted as the kernel loads it, not by an XLA op
+        operands.append(logit_bias)
     if correction_bias is not None:
         operands.append(correction_bias.astype(jnp.float32))
     if valid is not None:
@@ -248,12 +263,13 @@ def _route_topk_2d(logits, correction_bias, valid, *, k, scoring, norm_topk_prob
 
 def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.Array | None = None,
                norm_topk_prob: bool = False, scale: float = 1.0, shared: int = 0, shared_gate: bool = False,
-               valid: jax.Array | None = None, block_rows: int | None = None,
+               valid: jax.Array | None = None, logit_bias: jax.Array | None = None, block_rows: int | None = None,
                interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The Pallas kernel: logits [..., E] (with shared_gate [..., E + 1]; any leading dims, fp32 or
     castable) -> (weights [..., k + shared] fp32, experts [..., k + shared] int32), as
-    route_topk_reference gives them.  block_rows: rows a program takes, a power of two <=
-    BLOCK_ROWS (default: `rows_per_program(rows)`)."""
+    route_topk_reference gives them.  logit_bias [E (+ 1)]: added to the logits (the gate's column
+    too) before anything else.  block_rows: rows a program takes, a power of two <= BLOCK_ROWS
+    (default: `rows_per_program(rows)`)."""
     _check_scoring(scoring)
     *lead, W = logits.shape
     E = _split_gate(logits, shared, shared_gate)
@@ -262,6 +278,8 @@ def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.
     if E > MAX_EXPERTS:
         raise ValueError(f"route_topk: {E} experts; the kernel holds a row's scores in registers "
                          f"(E <= {MAX_EXPERTS}): use route_topk_reference")
+    if logit_bias is not None and logit_bias.shape != (W,):
+        raise ValueError(f"route_topk: logit_bias must be [{W}] (the logits' width), got {list(logit_bias.shape)}")
     if correction_bias is not None and correction_bias.shape != (E,):
         raise ValueError(f"route_topk: correction_bias must be [{E}], got {list(correction_bias.shape)}")
     if scoring == "topk_softmax":
@@ -277,7 +295,8 @@ def route_topk(logits: jax.Array, *, k: int, scoring: str, correction_bias: jax.
         raise ValueError(f"route_topk: block_rows={bn} must be a power of two in [1, {BLOCK_ROWS}]")
     if valid is not None and valid.shape != tuple(lead):
         raise ValueError(f"route_topk: valid must be {list(lead)} (the logits' leading dims), got {list(valid.shape)}")
-    w, ids = _route_topk_2d(logits.reshape(n, W), correction_bias, None if valid is None else valid.reshape(n),
+    w, ids = _route_topk_2d(logits.reshape(n, W), logit_bias, correction_bias,
+                            None if valid is None else valid.reshape(n),
                             k=k, scoring=scoring,
                             norm_topk_prob=bool(norm_topk_prob), scale=float(scale), shared=int(shared),
                             shared_gate=bool(shared_gate), bn=bn, interpret=interpret)
