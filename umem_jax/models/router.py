@@ -51,20 +51,19 @@ def route(logits: jax.Array, cfg: MoEConfig, correction_bias: jax.Array | None =
     a GPU (pallas_kernels/route_topk.py)."""
     logits = logits.astype(jnp.float32)
     E = cfg.num_experts
-    kernel = route_backend() == "pallas" and E <= ROUTE_MAX_EXPERTS and not (cfg.n_group > 1
-                                                                            and cfg.scoring != "topk_softmax")
-    if logit_bias is not None and not kernel:
-        logits, logit_bias = logits + logit_bias.astype(jnp.float32), None
     kw = dict(scoring=cfg.scoring, norm_topk_prob=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor)
     if cfg.n_group > 1 and cfg.scoring != "topk_softmax":  # DeepSeek-style groups: mask the others, pick in XLA
+        if logit_bias is not None:
+            logits = logits + logit_bias.astype(jnp.float32)
         choice = scores_of(logits[..., :E], cfg.scoring)
         choice = choice if correction_bias is None else choice + correction_bias.astype(jnp.float32)
         choice = jnp.where(_grouped_mask(choice, cfg.n_group, cfg.topk_group), choice, -jnp.inf)
         experts = jax.lax.top_k(choice, cfg.top_k)[1].astype(jnp.int32)
         return choice_of(logits, experts, shared=shared, shared_gate=shared_gate, valid=valid, **kw)
-    kw.update(k=cfg.top_k, correction_bias=correction_bias, shared=shared, shared_gate=shared_gate, valid=valid)
-    if kernel:
-        return route_topk(logits, interpret=jax.default_backend() != "gpu", logit_bias=logit_bias, **kw)
+    kw.update(k=cfg.top_k, correction_bias=correction_bias, shared=shared, shared_gate=shared_gate, valid=valid,
+              logit_bias=logit_bias)
+    if route_backend() == "pallas" and E <= ROUTE_MAX_EXPERTS:
+        return route_topk(logits, interpret=jax.default_backend() != "gpu", **kw)
     return route_topk_reference(logits, **kw)
 
 
