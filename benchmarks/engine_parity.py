@@ -27,10 +27,12 @@ for prompts up to --margin-max-len tokens the dense top-2 margin there, as above
 
 Exact agreement is not to be had from random bf16 weights: their logits are nearly flat (top-2
 margins of 0.01-0.1 in a spread of 9 at 4B), and any change of rounding flips a near-tie within a
-few tokens, after which the sequences part.  --null adds the yardstick: Triton again at half the
-prefill chunk, where only the rounding differs.  Each run also records its first token's logprob
-(the first token comes from the prefill alone, so its logprob differs by the kernels' own error)
-and times the trace's prefill a second time, warm, for the two kernels' cost in the engine.
+few tokens, after which the sequences part.  --null adds the yardstick: Triton again with a K/V
+block of 64 instead of 128, the same kernel summing every score in another order.  (Half the
+prefill chunk, session 26's first null, left most of these short prompts' prefills bit-identical:
+a yardstick too lenient.)  Each run also records its first token's logprob (the first token comes
+from the prefill alone, so its logprob differs by the kernels' own error) and times the trace's
+prefill twice more, the second pass warm, for the kernels' cost in the engine.
 """
 
 from __future__ import annotations
@@ -137,20 +139,30 @@ def trace_requests(name: str, workload: str, vocab: int, small: bool) -> tuple[l
 
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One run of the trace: its name in the report, $UMEM_JAX_PREFILL, and its prefill chunk."""
+    """One run of the trace: its name in the report, $UMEM_JAX_PREFILL, and the Triton kernel's
+    K/V block ($UMEM_JAX_PREFILL_BLOCK_K; None: its default)."""
     name: str
     env: str
-    chunk: int
+    block_k: int | None = None
+
+    def environment(self) -> dict:
+        from umem_jax.pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
+
+        return {PREFILL_ENV: self.env, BLOCK_K_ENV: str(self.block_k or "")}
 
 
-def arms(backend: str, null: bool, chunk: int) -> list[Arm]:
-    """Triton first (every other run is compared with it); the null (Triton at half the chunk:
-    only the rounding differs) when asked for or when backend is triton itself; then backend."""
-    out = [Arm("triton", "triton", chunk)]
+NULL_BLOCK_K = 64  # the default is 128 where the trace's models run (bf16, head dim <= 128)
+
+
+def arms(backend: str, null: bool) -> list[Arm]:
+    """Triton first (every other run is compared with it); the null (Triton with another K/V
+    block: the same kernel, every score summed in another order) when asked for or when backend
+    is triton itself; then backend."""
+    out = [Arm("triton", "triton")]
     if null or backend == "triton":
-        out.append(Arm("triton/2", "triton", chunk // 2))
+        out.append(Arm(f"triton/bk{NULL_BLOCK_K}", "triton", NULL_BLOCK_K))
     if backend != "triton":
-        out.append(Arm(backend, backend, chunk))
+        out.append(Arm(backend, backend))
     return out
 
 
@@ -158,16 +170,15 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
                    log: RowLog, requests: int | None = None, null: bool = False) -> bool:
     """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?
 
-    null (always with backend "triton"): one more run keeps the Triton kernel and halves the
-    prefill chunk (max_num_batched_tokens), so only the rounding differs (chunk boundaries, GEMM
-    shapes).  Its agreement with the first is what two equally exact bf16 runs of a random-weight
-    model reach: the yardstick for another kernel's.  Every run also records its first token's
-    logprob (that token comes from the prefill alone) and times the trace's prefill once more,
-    warm (max_tokens=1, no prefix cache)."""
+    null (always with backend "triton"): one more run keeps the Triton kernel with another K/V
+    block (NULL_BLOCK_K), so only the order of the attention's sums differs, in every prefill.
+    Its agreement with the first is what two equally exact bf16 runs of a random-weight model
+    reach: the yardstick for another kernel's.  Every run also records its first token's logprob
+    (that token comes from the prefill alone) and times the trace's prefill twice more
+    (max_tokens=1, no prefix cache), the second pass warm."""
     from umem_jax import LLM, SamplingParams
     from umem_jax.bench.sweep import load_bench_model
     from umem_jax.pallas_kernels import paged_prefill
-    from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
 
     from .bench_serving import parse_buckets
     from .modes import environment
@@ -192,30 +203,33 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
 
     paged_prefill.prefill_backend = spy
     try:
-        for arm in arms(backend, null, settings["max_num_batched_tokens"]):
+        for arm in arms(backend, null):
             current.append(arm.name)
             chosen[arm.name] = collections.Counter()
-            with environment({PREFILL_ENV: arm.env}):
-                llm = LLM(model=model, **dict(settings, max_num_batched_tokens=arm.chunk))
+            with environment(arm.environment()):
+                llm = LLM(model=model, **settings)
                 t0 = time.perf_counter()
                 res = llm.generate(inputs, params)
                 dt = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                again = llm.generate(inputs, first)
-                prefill_s = time.perf_counter() - t0
+                prefill_s = []
+                for _ in range(2):  # the first pass may still compile a step shape the trace did not use
+                    t0 = time.perf_counter()
+                    again = llm.generate(inputs, first)
+                    prefill_s.append(time.perf_counter() - t0)
             assert all(r.error is None for r in res + again), [r.error for r in res + again if r.error][:3]
             runs[arm.name] = dict(tokens=[list(r.outputs[0].token_ids) for r in res],
                                   first_logprob=[r.outputs[0].logprobs[0][r.outputs[0].token_ids[0]].logprob
                                                  for r in res])
-            print(f"{name:<22} {workload} {arm.name:<8} (UMEM_JAX_PREFILL={arm.env}, chunk {arm.chunk}): "
-                  f"{len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, {sum(outs)} out in {dt:.1f} s; "
-                  f"the prefill again, warm: {prefill_s:.2f} s", flush=True)
+            print(f"{name:<22} {workload} {arm.name:<10} (UMEM_JAX_PREFILL={arm.env}, block_k "
+                  f"{arm.block_k or 'default'}): {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
+                  f"{sum(outs)} out in {dt:.1f} s; the prefill again: {prefill_s[0]:.2f} s, warm {prefill_s[1]:.2f} s",
+                  flush=True)
             llm.llm_engine.check_idle()
             del llm
             for (kernel, why), n in sorted(chosen[arm.name].items()):
                 print(f"    {n} traced prefill call(s) ran {kernel}" + (f" ({why})" if why else ""), flush=True)
-            log.add(dict(model=name, workload=workload, env=arm.env, arm=arm.name, chunk=arm.chunk, seconds=dt,
-                         prefill_seconds=prefill_s, kernels=[dict(kernel=k, why=w, traced_calls=n)
+            log.add(dict(model=name, workload=workload, env=arm.env, arm=arm.name, block_k=arm.block_k, seconds=dt,
+                         prefill_seconds=prefill_s[1], prefill_first_pass_seconds=prefill_s[0], kernels=[dict(kernel=k, why=w, traced_calls=n)
                                                              for (k, w), n in sorted(chosen[arm.name].items())]))
     finally:
         paged_prefill.prefill_backend = real_choice
@@ -274,11 +288,11 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="rows here (default $OUT/engine_parity.json if $OUT is set)")
     ap.add_argument("--prefill", default=None, metavar="BACKEND",
                     help="compare UMEM_JAX_PREFILL=BACKEND (auto, mgpu) with triton on a served trace; "
-                    "'triton': the null, Triton against itself at half the prefill chunk")
+                    "'triton': the null, Triton against itself with another K/V block")
     ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
     ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
     ap.add_argument("--requests", type=int, default=None, help="with --prefill: the trace's first N requests only")
-    ap.add_argument("--null", action="store_true", help="with --prefill: also Triton at half the prefill chunk "
+    ap.add_argument("--null", action="store_true", help="with --prefill: also Triton with a K/V block of 64 "
                     "(only the rounding differs), the yardstick for the other kernel's agreement")
     ap.add_argument("--margin-max-len", type=int, default=4096,
                     help="with --prefill: dense margins only for prompt + output up to this many tokens")

@@ -11,7 +11,7 @@ import os
 from benchmarks import engine_parity
 
 from umem_jax import LLM
-from umem_jax.pallas_kernels.paged_prefill import PREFILL_ENV
+from umem_jax.pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
 
 
 def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
@@ -58,25 +58,37 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
     assert bad[0]["margin"] >= 0.0 and bad[0]["logit_spread"] > 0.0
 
 
-def test_the_null_runs_triton_twice_at_two_chunks(tmp_path, monkeypatch):
-    """--prefill triton: the same kernel at the trace's chunk and half of it (only the rounding may
-    differ: on the CPU's fp32 references, nothing does); each run times its prefill again, warm."""
+def test_the_null_runs_triton_twice_with_two_kv_blocks(tmp_path, monkeypatch):
+    """--prefill triton: the same kernel with its default K/V block and with NULL_BLOCK_K, each
+    run under its own $UMEM_JAX_PREFILL_BLOCK_K (on the CPU's fp32 references nothing differs);
+    each run times its prefill twice more, the second warm."""
+    seen = []
+    real = LLM.generate
+
+    def watched(self, prompts, params=None, **kw):
+        seen.append(os.environ.get(BLOCK_K_ENV))
+        return real(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", watched)
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert engine_parity.prefill_parity("tiny", "triton", "shifting", None, True, 4096, log, requests=6)
     runs = [r for r in log.rows if "env" in r]
-    assert [(r["env"], r["arm"]) for r in runs] == [("triton", "triton"), ("triton", "triton/2")]
-    assert runs[1]["chunk"] * 2 == runs[0]["chunk"] and all(r["prefill_seconds"] > 0 for r in runs)
+    assert [(r["env"], r["arm"], r["block_k"]) for r in runs] == [
+        ("triton", "triton", None), ("triton", f"triton/bk{engine_parity.NULL_BLOCK_K}", engine_parity.NULL_BLOCK_K)]
+    assert seen == ["", "", ""] + [str(engine_parity.NULL_BLOCK_K)] * 3  # the trace, then the prefill twice
+    assert all(r["prefill_seconds"] > 0 and r["prefill_first_pass_seconds"] > 0 for r in runs)
     summary, = [r for r in log.rows if "requests" in r]
     assert summary["requests"] == summary["same"] == summary["first_token_same"] == 6
     assert summary["first_logprob_diff_max"] < 1e-4
-    assert {r["backend"] for r in log.rows if "backend" in r} == {"triton/2"}
+    assert {r["backend"] for r in log.rows if "backend" in r} == {"triton/bk64"}
+    assert BLOCK_K_ENV not in os.environ or os.environ[BLOCK_K_ENV] == ""
 
 
 def test_null_and_backend_in_one_process(tmp_path):
     """--prefill mgpu --null: three runs, both compared with Triton; the verdict is the backend's."""
-    assert [a.name for a in engine_parity.arms("auto", True, 2048)] == ["triton", "triton/2", "auto"]
-    assert [a.chunk for a in engine_parity.arms("auto", True, 2048)] == [2048, 1024, 2048]
-    assert [a.name for a in engine_parity.arms("auto", False, 2048)] == ["triton", "auto"]
+    assert [a.name for a in engine_parity.arms("auto", True)] == ["triton", "triton/bk64", "auto"]
+    assert [a.block_k for a in engine_parity.arms("auto", True)] == [None, 64, None]
+    assert [a.name for a in engine_parity.arms("auto", False)] == ["triton", "auto"]
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log, requests=4, null=True)
-    assert [r["backend"] for r in log.rows if "requests" in r] == ["triton/2", "mgpu"]
+    assert [r["backend"] for r in log.rows if "requests" in r] == ["triton/bk64", "mgpu"]

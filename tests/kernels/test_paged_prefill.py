@@ -288,3 +288,26 @@ def test_arena_offsets_are_64bit_past_4gib(monkeypatch, capfd):
     assert "x!tt.ptr<bf16>" in ttir or "x!tt.ptr<i16>" in ttir
     # The arena's K/V gathers: [block_k, D] = [128, 128] tiles of 64-bit offsets.
     assert "tensor<128x128xi64>" in ttir
+
+
+def test_the_block_k_variable_sets_the_triton_kv_block(monkeypatch):
+    """$UMEM_JAX_PREFILL_BLOCK_K (the parity harness's null) reaches the Triton kernel's tiling
+    when the caller gives no block_k, and the result still matches the reference."""
+    from umem_jax.pallas_kernels import paged_prefill
+
+    seen = []
+    real = paged_prefill.prefill_config
+
+    def watched(*args, **kw):
+        seen.append(kw.get("block_k"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(paged_prefill, "prefill_config", watched)
+    monkeypatch.setenv(paged_prefill.BLOCK_K_ENV, "16")
+    q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case("block_k_env", 2, 4, 64, 16, 24, 5, [(0, 24), (41, 13)])
+    out = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", interpret=True)
+    assert seen == [16]
+    assert_close(out, ref, q_lens, fp32=False)
+    monkeypatch.setenv(paged_prefill.BLOCK_K_ENV, "")  # empty: the default tiling
+    paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", interpret=True)
+    assert seen == [16, None]

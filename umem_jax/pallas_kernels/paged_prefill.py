@@ -60,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,7 @@ from .paged_decode import SMEM_BUDGET
 from .prefill_reference import check_prefill_args, check_prefill_options, paged_prefill_attention_reference
 from .words import fp8_compute_dtype, from_u16, join_planes, kernel_view, kv_value_dtype, to_u16, unpack_fp8
 
-__all__ = ["PREFILL_ENV", "DeviceInfo", "PrefillConfig", "device_info", "paged_prefill_attention",
+__all__ = ["BLOCK_K_ENV", "PREFILL_ENV", "DeviceInfo", "PrefillConfig", "device_info", "paged_prefill_attention",
            "paged_prefill_attention_reference", "prefill_backend", "prefill_config"]
 
 _LOG2E = 1.4426950408889634
@@ -487,6 +488,11 @@ PREFILL_ENV = "UMEM_JAX_PREFILL"
 # kernel is faster on Hopper but covers a subset (bf16/fp16 and fp8 K/V) and needs jax >= 0.11, so
 # it is opt-in: "auto" takes it where it covers the case (fp8 not yet: unmeasured), "mgpu" insists.
 DEFAULT_BACKEND = "triton"
+# The Triton kernel's K/V block (tokens per inner step) when the caller gives none, read when a
+# step is traced.  Unset: prefill_config's default.  Only a rounding experiment needs it: the
+# block sets where the online softmax rescales, so another block sums the same scores in another
+# order (bench_engine --parity --null compares that with the Mosaic GPU kernel's difference).
+BLOCK_K_ENV = "UMEM_JAX_PREFILL_BLOCK_K"
 
 
 def _requested(backend: str | None) -> str:
@@ -568,6 +574,8 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
     """
     # The environment is read here, outside this function's own jit, so the choice is part of that
     # jit's cache key: a new trace after the variable changed does not reuse the other kernel.
+    if block_k is None and os.environ.get(BLOCK_K_ENV, "").strip():
+        block_k = int(os.environ[BLOCK_K_ENV])  # an explicit tiling: the Triton kernel (below)
     return _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, view=view, window=window,
                                     softcap=softcap, sinks=sinks, scale=scale, kv_dtype=kv_dtype, k_scale=k_scale,
                                     v_scale=v_scale, impl=impl, interpret=interpret, backend=_requested(backend),

@@ -38,7 +38,7 @@ from ..memory.chain import ChainAllocator
 from ..pallas_kernels.dispatch_plan import PLAN_ENV
 from ..pallas_kernels.expert_gemv import PROLOGUE_ENV
 from ..pallas_kernels.paged_decode import DECODE_ENV
-from ..pallas_kernels.paged_prefill import PREFILL_ENV
+from ..pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
 from ..pallas_kernels.rms_norm import NORM_ENV
 from ..pallas_kernels.route_topk import ROUTE_ENV, ROUTER_DOT_ENV
 from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
@@ -65,7 +65,7 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV)
+TRACE_ENV = (PREFILL_ENV, BLOCK_K_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV)
 
 
 def step_key(*parts) -> tuple:
