@@ -44,9 +44,9 @@ step() {
     prefill_default)  # issue 17 item 4: the Mosaic GPU prefill (auto) against Triton on the shifting trace at 4B
       # scale, the same greedy tokens?  Beside the null (Triton with a K/V block of 64: only the order of the sums
       # differs), in one process a model; first-token logprobs and a warm prefill pass per run (bench_engine
-      # --parity --prefill).  PARITY_BUCKETS=64:64,2048:2048 compiles two step shapes a run instead of six
+      # --parity --prefill; PARITY_BACKEND=triton: the null alone).  PARITY_BUCKETS: other step shapes (B:T:P)
       for m in ${PARITY_MODELS:-qwen3.5-4b-like gemma3-4b-like}; do
-        python3 -m benchmarks.bench_engine --parity --prefill auto --null --models $m --margin-max-len ${PARITY_MARGIN:-0} \
+        python3 -m benchmarks.bench_engine --parity --prefill ${PARITY_BACKEND:-auto} --null --models $m --margin-max-len ${PARITY_MARGIN:-0} \
             ${PARITY_REQUESTS:+--requests $PARITY_REQUESTS} ${PARITY_BUCKETS:+--buckets $PARITY_BUCKETS} --json "$OUT/prefill_parity_$m.json"; done ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --arena-gib 8 --budget 140; done ;;

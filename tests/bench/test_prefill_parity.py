@@ -22,8 +22,12 @@ def test_the_trace_agrees_with_itself(tmp_path, monkeypatch):
     runs = [r for r in rows if "env" in r]  # a row a run: which kernels its traced prefills took
     assert [r["env"] for r in runs] == ["triton", "mgpu"] and all(r["seconds"] > 0 for r in runs)
     summary = [r for r in rows if "requests" in r]
-    rows = [r for r in rows if "env" not in r and "requests" not in r]
+    outputs = [r for r in rows if "outputs" in r]  # a row a run: its tokens and first logprobs
+    rows = [r for r in rows if "env" not in r and "requests" not in r and "outputs" not in r]
     prompts, outs, _ = engine_parity.trace_requests("tiny", "shifting", 256, small=True)
+    assert [r["arm"] for r in outputs] == ["triton", "mgpu"]
+    assert [len(t) for t in outputs[0]["outputs"]["tokens"]] == outs
+    assert outputs[0]["outputs"] == outputs[1]["outputs"]
     assert len(summary) == 1 and summary[0]["backend"] == "mgpu"
     assert summary[0]["same"] == summary[0]["requests"] == summary[0]["first_token_same"] == len(prompts)
     assert summary[0]["mean_agreeing_share"] == 1.0
@@ -52,7 +56,7 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
     monkeypatch.setattr(LLM, "generate", altered)
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert not engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log)
-    bad = [r for r in log.rows if "env" not in r and "requests" not in r and not r["same"]]
+    bad = [r for r in log.rows if "env" not in r and "requests" not in r and "outputs" not in r and not r["same"]]
     assert len(bad) == 1 and bad[0]["prompt"] == 1 and bad[0]["step"] == 2
     assert bad[0]["other_token"] != bad[0]["triton_token"]
     assert bad[0]["margin"] >= 0.0 and bad[0]["logit_spread"] > 0.0
