@@ -167,7 +167,7 @@ def arms(backend: str, null: bool) -> list[Arm]:
 
 
 def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, small: bool, margin_max_len: int,
-                   log: RowLog, requests: int | None = None, null: bool = False) -> bool:
+                   log: RowLog, requests: int | None = None, null: bool = False, warm: bool = True) -> bool:
     """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?
 
     null (always with backend "triton"): one more run keeps the Triton kernel with another K/V
@@ -211,12 +211,13 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
                 t0 = time.perf_counter()
                 res = llm.generate(inputs, params)
                 dt = time.perf_counter() - t0
-                prefill_s = []
-                for _ in range(2):  # the first pass may still compile a step shape the trace did not use
+                prefill_s = [0.0, 0.0]  # warm=False: not timed
+                for _ in range(2 if warm else 0):  # the first pass may compile shapes the trace did not use
                     t0 = time.perf_counter()
                     again = llm.generate(inputs, first)
-                    prefill_s.append(time.perf_counter() - t0)
-            assert all(r.error is None for r in res + again), [r.error for r in res + again if r.error][:3]
+                    assert all(r.error is None for r in again), [r.error for r in again if r.error][:3]
+                    prefill_s = prefill_s[1:] + [time.perf_counter() - t0]
+            assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
             runs[arm.name] = dict(tokens=[list(r.outputs[0].token_ids) for r in res],
                                   first_logprob=[r.outputs[0].logprobs[0][r.outputs[0].token_ids[0]].logprob
                                                  for r in res])
@@ -293,6 +294,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
     ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
     ap.add_argument("--requests", type=int, default=None, help="with --prefill: the trace's first N requests only")
+    ap.add_argument("--no-warm", action="store_true", help="with --prefill: no second timing of the prefill")
     ap.add_argument("--null", action="store_true", help="with --prefill: also Triton with a K/V block of 64 "
                     "(only the rounding differs), the yardstick for the other kernel's agreement")
     ap.add_argument("--margin-max-len", type=int, default=4096,
@@ -303,7 +305,7 @@ def main(argv=None) -> int:
     if a.prefill:
         log = RowLog(json_path(a.json, "prefill_parity"))
         bad = sum(not prefill_parity(m, a.prefill, a.workload, None if a.small else a.buckets, a.small,
-                                     a.margin_max_len, log, a.requests, a.null)
+                                     a.margin_max_len, log, a.requests, a.null, not a.no_warm)
                   for m in (["tiny"] if a.small else (a.models or "qwen3.5-4b-like").split(",")))
         print("prefill parity:", "OK" if not bad else f"{bad} model(s) MISMATCHED")
         return 1 if bad else 0
