@@ -230,9 +230,9 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
             for (kernel, why), n in sorted(chosen[arm.name].items()):
                 print(f"    {n} traced prefill call(s) ran {kernel}" + (f" ({why})" if why else ""), flush=True)
             log.add(dict(model=name, workload=workload, arm=arm.name, outputs=runs[arm.name]))  # for other runs
+            kernels = [dict(kernel=k, why=w, traced_calls=n) for (k, w), n in sorted(chosen[arm.name].items())]
             log.add(dict(model=name, workload=workload, env=arm.env, arm=arm.name, block_k=arm.block_k, seconds=dt,
-                         prefill_seconds=prefill_s[1], prefill_first_pass_seconds=prefill_s[0], kernels=[dict(kernel=k, why=w, traced_calls=n)
-                                                             for (k, w), n in sorted(chosen[arm.name].items())]))
+                         prefill_seconds=prefill_s[1], prefill_first_pass_seconds=prefill_s[0], kernels=kernels))
     finally:
         paged_prefill.prefill_backend = real_choice
     verdict = list(runs)[-1]  # the last arm decides: the backend's, or the null's when backend is triton
