@@ -32,7 +32,10 @@ block of 64 instead of 128, the same kernel summing every score in another order
 prefill chunk, session 26's first null, left most of these short prompts' prefills bit-identical:
 a yardstick too lenient.)  Each run also records its first token's logprob (the first token comes
 from the prefill alone, so its logprob differs by the kernels' own error) and times the trace's
-prefill twice more, the second pass warm, for the kernels' cost in the engine.
+prefill twice more, the second pass warm, for the kernels' cost in the engine.  With the null and
+another kernel, `rounding_verdict` says whether that kernel's differences stay within the null's
+(LOGPROB_SLACK, SHARE_FLOOR); `--prefill triton --against JSON` judges an earlier run's kernel by
+this run's null.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import os
 import time
 from pathlib import Path
@@ -236,10 +240,12 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     finally:
         paged_prefill.prefill_backend = real_choice
     verdict = list(runs)[-1]  # the last arm decides: the backend's, or the null's when backend is triton
-    for other in list(runs)[1:]:
-        same = compare_runs(name, workload, prompts, runs["triton"], runs[other], other, model, margin_max_len, log)
-        if other == verdict:
-            ok = same
+    summaries = {other: compare_runs(name, workload, prompts, runs["triton"], runs[other], other, model,
+                                     margin_max_len, log) for other in list(runs)[1:]}
+    ok = summaries[verdict]["same"] == summaries[verdict]["requests"]
+    null_arm = next((a for a in summaries if a.startswith("triton/")), None)
+    if null_arm is not None and verdict != null_arm:
+        print_verdict(summaries[null_arm], summaries[verdict])
     # the same kernel twice proves nothing
     if backend != "triton" and not small and not any(kernel == "mgpu" for kernel, _ in chosen[verdict]):
         print(f"    the Mosaic GPU prefill never ran under {backend}: no parity shown", flush=True)
@@ -247,11 +253,45 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     return ok
 
 
+# Written before the first run of the K/V-block null (session 26): another kernel's differences
+# from Triton are rounding if they are no larger than the null's.  The first token comes from the
+# prefill alone, so its logprob's difference is the kernels' own error; the share of an output
+# before its first difference is how soon that error flips a near-tie.
+LOGPROB_SLACK = 1.5  # the kernel's first-token |logprob difference|, median and max, <= this x the null's
+SHARE_FLOOR = 0.8  # the kernel's mean share before its first difference >= this x the null's
+
+
+def rounding_verdict(null: dict, other: dict) -> tuple[bool, list[str]]:
+    """compare_runs' summaries of the null and of another kernel (each against its own process's
+    Triton run) -> (the other's differences are no larger than the null's, the reasons)."""
+    checks = [("first-token |logprob difference|, median", other["first_logprob_diff_median"],
+               null["first_logprob_diff_median"] * LOGPROB_SLACK, "<="),
+              ("first-token |logprob difference|, max", other["first_logprob_diff_max"],
+               null["first_logprob_diff_max"] * LOGPROB_SLACK, "<="),
+              ("mean share before the first difference", other["mean_agreeing_share"],
+               null["mean_agreeing_share"] * SHARE_FLOOR, ">=")]
+    reasons, ok = [], True
+    for what, got, bound, op in checks:
+        good = got <= bound if op == "<=" else got >= bound
+        ok &= good
+        reasons.append(f"{what}: {got:.3g} {op} {bound:.3g} ({'yes' if good else 'NO'})")
+    return ok, reasons
+
+
+def print_verdict(null: dict, other: dict) -> bool:
+    ok, reasons = rounding_verdict(null, other)
+    print(f"rounding verdict, {other['backend']} against the null {null['backend']}: "
+          + ("within the null's rounding" if ok else "LARGER than the null's rounding"), flush=True)
+    for r in reasons:
+        print(f"    {r}", flush=True)
+    return ok
+
+
 def compare_runs(name, workload, prompts, ref: dict, new: dict, other: str, model, margin_max_len: int,
-                 log: RowLog) -> bool:
+                 log: RowLog) -> dict:
     """Run `other` against the Triton run: sequences identical, the share of each output before
     its first difference, first tokens equal and their logprobs' difference, and each differing
-    sequence's step (with the dense top-2 margin there for short sequences) -> all identical?"""
+    sequence's step (with the dense top-2 margin there for short sequences) -> the summary row."""
     a, b = ref["tokens"], new["tokens"]
     same = sum(x == y for x, y in zip(a, b))
     agree = [common_prefix(x, y) / max(1, len(x)) for x, y in zip(a, b)]
@@ -278,7 +318,12 @@ def compare_runs(name, workload, prompts, ref: dict, new: dict, other: str, mode
                   + (f"; dense top-2 margin {d['margin']:.3e} (spread {d['logit_spread']:.3f})" if d else ""),
                   flush=True)
         log.add(row)
-    return same == len(a)
+    return summary
+
+
+def summaries_in(path: str) -> list[dict]:
+    """The compare_runs summaries of an earlier run's JSON (--json), in its order."""
+    return [r for r in json.loads(Path(path).read_text())["rows"] if "requests" in r and "backend" in r]
 
 
 def main(argv=None) -> int:
@@ -294,6 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default="shifting", help="with --prefill: the trace (bench_serving's sizes)")
     ap.add_argument("--buckets", default="1,4,64:512,2048:2048", help="with --prefill: B,..:T,..:P,.. step shapes")
     ap.add_argument("--requests", type=int, default=None, help="with --prefill: the trace's first N requests only")
+    ap.add_argument("--against", default=None, metavar="JSON", help="with --prefill triton: also judge the "
+                    "kernel of an earlier run's JSON (its last non-Triton summary) against this run's null")
     ap.add_argument("--no-warm", action="store_true", help="with --prefill: no second timing of the prefill")
     ap.add_argument("--null", action="store_true", help="with --prefill: also Triton with a K/V block of 64 "
                     "(only the rounding differs), the yardstick for the other kernel's agreement")
@@ -308,6 +355,16 @@ def main(argv=None) -> int:
                                      a.margin_max_len, log, a.requests, a.null, not a.no_warm)
                   for m in (["tiny"] if a.small else (a.models or "qwen3.5-4b-like").split(",")))
         print("prefill parity:", "OK" if not bad else f"{bad} model(s) MISMATCHED")
+        if a.against:  # this run's null against an earlier run's kernel (one model)
+            mine = [r for r in log.rows if "requests" in r and "backend" in r]
+            null = next(r for r in mine if r["backend"].startswith("triton/"))
+            theirs = summaries_in(a.against)
+            other = next(r for r in reversed(theirs) if not r["backend"].startswith("triton"))
+            if (other["model"], other["workload"]) != (null["model"], null["workload"]):
+                raise SystemExit(f"--against: {a.against} ran {other['model']} {other['workload']}, "
+                                 f"this run {null['model']} {null['workload']}")
+            print(f"(the other kernel's summary from {a.against})")
+            print_verdict(null, other)
         return 1 if bad else 0
     if a.models:
         models = [m if m == "tiny" or os.path.isdir(m) else str(FIXTURES / m) for m in a.models.split(",")]

@@ -47,7 +47,7 @@ step() {
       # --parity --prefill; PARITY_BACKEND=triton: the null alone).  PARITY_BUCKETS: other step shapes (B:T:P)
       for m in ${PARITY_MODELS:-qwen3.5-4b-like gemma3-4b-like}; do
         python3 -m benchmarks.bench_engine --parity --prefill ${PARITY_BACKEND:-auto} --null --models $m --margin-max-len ${PARITY_MARGIN:-0} \
-            ${PARITY_REQUESTS:+--requests $PARITY_REQUESTS} ${PARITY_BUCKETS:+--buckets $PARITY_BUCKETS} ${PARITY_NO_WARM:+--no-warm} --json "$OUT/prefill_parity_$m.json"; done ;;
+            ${PARITY_REQUESTS:+--requests $PARITY_REQUESTS} ${PARITY_BUCKETS:+--buckets $PARITY_BUCKETS} ${PARITY_NO_WARM:+--no-warm} ${PARITY_AGAINST:+--against $PARITY_AGAINST} --json "$OUT/prefill_parity_$m.json"; done ;;
     decode_default) for d in triton auto; do UMEM_JAX_DECODE=$d python3 -m benchmarks.bench_models \
             --families qwen35,gemma3,gptoss --ctx 2048 --decode-batches 64,1 --arena-gib 8 --budget 140; done ;;
     state) python3 -m benchmarks.bench_state ;;

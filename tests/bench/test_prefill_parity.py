@@ -96,3 +96,32 @@ def test_null_and_backend_in_one_process(tmp_path):
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log, requests=4, null=True)
     assert [r["backend"] for r in log.rows if "requests" in r] == ["triton/bk64", "mgpu"]
+
+
+def _summary(backend, median, worst, share):
+    return dict(backend=backend, first_logprob_diff_median=median, first_logprob_diff_max=worst,
+                mean_agreeing_share=share, same=0, requests=48)
+
+
+def test_the_rounding_verdict_holds_a_kernel_to_the_null():
+    """Within the null: logprob differences up to LOGPROB_SLACK x the null's and a share before the
+    first difference of at least SHARE_FLOOR x the null's; each bound alone fails it."""
+    null = _summary("triton/bk64", 0.02, 0.08, 0.12)
+    ok, reasons = engine_parity.rounding_verdict(null, _summary("auto", 0.019, 0.085, 0.099))
+    assert ok and len(reasons) == 3 and all(r.endswith("(yes)") for r in reasons)
+    for bad in (_summary("auto", 0.031, 0.085, 0.12), _summary("auto", 0.02, 0.13, 0.12),
+                _summary("auto", 0.02, 0.08, 0.09)):
+        ok, reasons = engine_parity.rounding_verdict(null, bad)
+        assert not ok and sum(r.endswith("(NO)") for r in reasons) == 1
+
+
+def test_against_an_earlier_run(tmp_path, capsys):
+    """--prefill triton --against JSON: this run's null judges the kernel of an earlier run's JSON."""
+    earlier = tmp_path / "earlier.json"
+    assert engine_parity.main(["--prefill", "mgpu", "--small", "--requests", "3", "--no-warm",
+                               "--json", str(earlier)]) == 0
+    capsys.readouterr()
+    assert engine_parity.main(["--prefill", "triton", "--small", "--requests", "3", "--no-warm",
+                               "--json", str(tmp_path / "null.json"), "--against", str(earlier)]) == 0
+    out = capsys.readouterr().out
+    assert "rounding verdict, mgpu against the null triton/bk64: within the null's rounding" in out
