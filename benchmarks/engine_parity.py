@@ -27,8 +27,8 @@ for prompts up to --margin-max-len tokens the dense top-2 margin there, as above
 
 Exact agreement is not to be had from random bf16 weights: their logits are nearly flat (top-2
 margins of 0.01-0.1 in a spread of 9 at 4B), and any change of rounding flips a near-tie within a
-few tokens, after which the sequences part.  --null adds the yardstick: Triton again with a K/V
-block of 64 instead of 128, the same kernel summing every score in another order.  (Half the
+few tokens, after which the sequences part.  --null adds the yardstick: Triton again with half its K/V
+block (16 instead of 32 at head dim 256, 64 instead of 128 at 128), the same kernel summing every score in another order.  (Half the
 prefill chunk, session 26's first null, left most of these short prompts' prefills bit-identical:
 a yardstick too lenient.)  Each run also records its first token's logprob (the first token comes
 from the prefill alone, so its logprob differs by the kernels' own error) and times the trace's
@@ -155,16 +155,22 @@ class Arm:
         return {PREFILL_ENV: self.env, BLOCK_K_ENV: str(self.block_k or "")}
 
 
-NULL_BLOCK_K = 64  # the default is 128 where the trace's models run (bf16, head dim <= 128)
+def null_block_k(config, chunk: int = 2048) -> int:
+    """The null's K/V block for a model: half the Triton kernel's default for its attention at a
+    full chunk (bf16: 128 -> 64 at head dims up to 128, 32 -> 16 at 256), at least 16."""
+    from umem_jax.pallas_kernels.paged_prefill import prefill_config
+
+    G = config.num_heads // config.num_kv_heads
+    return max(16, prefill_config(chunk, G, config.head_dim).block_k // 2)
 
 
-def arms(backend: str, null: bool) -> list[Arm]:
+def arms(backend: str, null: bool, null_block: int = 64) -> list[Arm]:
     """Triton first (every other run is compared with it); the null (Triton with another K/V
-    block: the same kernel, every score summed in another order) when asked for or when backend
-    is triton itself; then backend."""
+    block, null_block: the same kernel, every score summed in another order) when asked for or
+    when backend is triton itself; then backend."""
     out = [Arm("triton", "triton")]
     if null or backend == "triton":
-        out.append(Arm(f"triton/bk{NULL_BLOCK_K}", "triton", NULL_BLOCK_K))
+        out.append(Arm(f"triton/bk{null_block}", "triton", null_block))
     if backend != "triton":
         out.append(Arm(backend, backend))
     return out
@@ -175,7 +181,7 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
     """The trace generated under UMEM_JAX_PREFILL=triton and =`backend` -> every sequence identical?
 
     null (always with backend "triton"): one more run keeps the Triton kernel with another K/V
-    block (NULL_BLOCK_K), so only the order of the attention's sums differs, in every prefill.
+    block (null_block_k), so only the order of the attention's sums differs, in every prefill.
     Its agreement with the first is what two equally exact bf16 runs of a random-weight model
     reach: the yardstick for another kernel's.  Every run also records its first token's logprob
     (that token comes from the prefill alone) and times the trace's prefill twice more
@@ -207,7 +213,7 @@ def prefill_parity(name: str, backend: str, workload: str, buckets: str | None, 
 
     paged_prefill.prefill_backend = spy
     try:
-        for arm in arms(backend, null):
+        for arm in arms(backend, null, null_block_k(model.config)):
             current.append(arm.name)
             chosen[arm.name] = collections.Counter()
             with environment(arm.environment()):
@@ -342,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--against", default=None, metavar="JSON", help="with --prefill triton: also judge the "
                     "kernel of an earlier run's JSON (its last non-Triton summary) against this run's null")
     ap.add_argument("--no-warm", action="store_true", help="with --prefill: no second timing of the prefill")
-    ap.add_argument("--null", action="store_true", help="with --prefill: also Triton with a K/V block of 64 "
+    ap.add_argument("--null", action="store_true", help="with --prefill: also Triton with half its K/V block "
                     "(only the rounding differs), the yardstick for the other kernel's agreement")
     ap.add_argument("--margin-max-len", type=int, default=4096,
                     help="with --prefill: dense margins only for prompt + output up to this many tokens")

@@ -42,7 +42,7 @@ step() {
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python3 -m benchmarks.bench_models --families gptoss,qwen35moe,nemo3nano --ctx 2048 \
             --decode-batches 64,1 --arena-gib 24 --budget 300 ;;
     prefill_default)  # issue 17 item 4: the Mosaic GPU prefill (auto) against Triton on the shifting trace at 4B
-      # scale, the same greedy tokens?  Beside the null (Triton with a K/V block of 64: only the order of the sums
+      # scale, the same greedy tokens?  Beside the null (Triton with half its K/V block: only the order of the sums
       # differs), in one process a model; first-token logprobs and a warm prefill pass per run (bench_engine
       # --parity --prefill; PARITY_BACKEND=triton: the null alone).  PARITY_BUCKETS: other step shapes (B:T:P)
       for m in ${PARITY_MODELS:-qwen3.5-4b-like gemma3-4b-like}; do

@@ -11,6 +11,7 @@ import os
 from benchmarks import engine_parity
 
 from umem_jax import LLM
+from umem_jax.bench.sweep import load_bench_model
 from umem_jax.pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
 
 
@@ -63,7 +64,7 @@ def test_a_differing_token_is_reported_with_its_step_and_margin(tmp_path, monkey
 
 
 def test_the_null_runs_triton_twice_with_two_kv_blocks(tmp_path, monkeypatch):
-    """--prefill triton: the same kernel with its default K/V block and with NULL_BLOCK_K, each
+    """--prefill triton: the same kernel with its default K/V block and with half of it (null_block_k), each
     run under its own $UMEM_JAX_PREFILL_BLOCK_K (on the CPU's fp32 references nothing differs);
     each run times its prefill twice more, the second warm."""
     seen = []
@@ -77,14 +78,15 @@ def test_the_null_runs_triton_twice_with_two_kv_blocks(tmp_path, monkeypatch):
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert engine_parity.prefill_parity("tiny", "triton", "shifting", None, True, 4096, log, requests=6)
     runs = [r for r in log.rows if "env" in r]
+    bk = engine_parity.null_block_k(load_bench_model("tiny", "float32").config)
     assert [(r["env"], r["arm"], r["block_k"]) for r in runs] == [
-        ("triton", "triton", None), ("triton", f"triton/bk{engine_parity.NULL_BLOCK_K}", engine_parity.NULL_BLOCK_K)]
-    assert seen == ["", "", ""] + [str(engine_parity.NULL_BLOCK_K)] * 3  # the trace, then the prefill twice
+        ("triton", "triton", None), ("triton", f"triton/bk{bk}", bk)]
+    assert seen == ["", "", ""] + [str(bk)] * 3  # the trace, then the prefill twice
     assert all(r["prefill_seconds"] > 0 and r["prefill_first_pass_seconds"] > 0 for r in runs)
     summary, = [r for r in log.rows if "requests" in r]
     assert summary["requests"] == summary["same"] == summary["first_token_same"] == 6
     assert summary["first_logprob_diff_max"] < 1e-4
-    assert {r["backend"] for r in log.rows if "backend" in r} == {"triton/bk64"}
+    assert {r["backend"] for r in log.rows if "backend" in r} == {f"triton/bk{bk}"}
     assert BLOCK_K_ENV not in os.environ or os.environ[BLOCK_K_ENV] == ""
 
 
@@ -95,7 +97,7 @@ def test_null_and_backend_in_one_process(tmp_path):
     assert [a.name for a in engine_parity.arms("auto", False)] == ["triton", "auto"]
     log = engine_parity.RowLog(str(tmp_path / "rows.json"))
     assert engine_parity.prefill_parity("tiny", "mgpu", "shifting", None, True, 4096, log, requests=4, null=True)
-    assert [r["backend"] for r in log.rows if "requests" in r] == ["triton/bk64", "mgpu"]
+    assert [r["backend"] for r in log.rows if "requests" in r][1] == "mgpu"
 
 
 def _summary(backend, median, worst, share):
@@ -124,4 +126,13 @@ def test_against_an_earlier_run(tmp_path, capsys):
     assert engine_parity.main(["--prefill", "triton", "--small", "--requests", "3", "--no-warm",
                                "--json", str(tmp_path / "null.json"), "--against", str(earlier)]) == 0
     out = capsys.readouterr().out
-    assert "rounding verdict, mgpu against the null triton/bk64: within the null's rounding" in out
+    assert "rounding verdict, mgpu against the null triton/bk" in out and "within the null's rounding" in out
+
+
+def test_the_null_halves_the_default_kv_block():
+    """The null's block for a model: half the Triton kernel's default for its head dim and GQA."""
+    from types import SimpleNamespace as NS
+
+    assert engine_parity.null_block_k(NS(num_heads=32, num_kv_heads=8, head_dim=128)) == 64  # head dim 128 (Nemotron-3-Nano-like)
+    assert engine_parity.null_block_k(NS(num_heads=8, num_kv_heads=4, head_dim=256)) == 16  # head dim 256 (Gemma-3-4B-like, Qwen3.5-4B-like)
+    assert engine_parity.null_block_k(NS(num_heads=24, num_kv_heads=4, head_dim=80)) >= 16
