@@ -27,12 +27,13 @@ for prompts up to --margin-max-len tokens the dense top-2 margin there, as above
 
 Exact agreement is not to be had from random bf16 weights: their logits are nearly flat (top-2
 margins of 0.01-0.1 in a spread of 9 at 4B), and any change of rounding flips a near-tie within a
-few tokens, after which the sequences part.  --null adds the yardstick: Triton again with half its K/V
-block (16 instead of 32 at head dim 256, 64 instead of 128 at 128), the same kernel summing every score in another order.  (Half the
-prefill chunk, session 26's first null, left most of these short prompts' prefills bit-identical:
-a yardstick too lenient.)  Each run also records its first token's logprob (the first token comes
-from the prefill alone, so its logprob differs by the kernels' own error) and times the trace's
-prefill twice more, the second pass warm, for the kernels' cost in the engine.  With the null and
+few tokens, after which the sequences part.  --null adds the yardstick: Triton again with half
+its K/V block (16 instead of 32 at head dim 256, 64 instead of 128 at 128), the same kernel
+summing every score in another order.  (Half the prefill chunk, session 26's first null, left
+most of these short prompts' prefills bit-identical: a yardstick too lenient.)  Each run also
+records its first token's logprob (the first token comes from the prefill alone, so its logprob
+differs by the kernels' own error) and times the trace's prefill twice more, the second pass
+warm, for the kernels' cost in the engine.  With the null and
 another kernel, `rounding_verdict` says whether that kernel's differences stay within the null's
 (LOGPROB_SLACK, SHARE_FLOOR); `--prefill triton --against JSON` judges an earlier run's kernel by
 this run's null.

@@ -133,6 +133,7 @@ def test_the_null_halves_the_default_kv_block():
     """The null's block for a model: half the Triton kernel's default for its head dim and GQA."""
     from types import SimpleNamespace as NS
 
-    assert engine_parity.null_block_k(NS(num_heads=32, num_kv_heads=8, head_dim=128)) == 64  # head dim 128 (Nemotron-3-Nano-like)
-    assert engine_parity.null_block_k(NS(num_heads=8, num_kv_heads=4, head_dim=256)) == 16  # head dim 256 (Gemma-3-4B-like, Qwen3.5-4B-like)
+    # head dim 128 (Nemotron-3-Nano-like), then 256 (Gemma-3-4B-like, Qwen3.5-4B-like)
+    assert engine_parity.null_block_k(NS(num_heads=32, num_kv_heads=8, head_dim=128)) == 64
+    assert engine_parity.null_block_k(NS(num_heads=8, num_kv_heads=4, head_dim=256)) == 16
     assert engine_parity.null_block_k(NS(num_heads=24, num_kv_heads=4, head_dim=80)) >= 16

@@ -121,7 +121,8 @@ def test_pallas_matches_reference(name):
     np.testing.assert_array_equal(got[np.asarray(lengths) == 0], 0.0)
 
 
-@pytest.mark.parametrize("name", ["g3_d80_window_sinks", "g6_d128_sinks_bf16arena", "gqa4_d128_ps32_window_midpage_softcap"])
+@pytest.mark.parametrize("name", ["g3_d80_window_sinks", "g6_d128_sinks_bf16arena",
+                                  "gqa4_d128_ps32_window_midpage_softcap"])
 def test_no_xla_op_pads_q_before_the_kernel(name):
     """The kernel loads its G query rows (and a head dim that is no power of two) masked, so the
     compiled step has no pad of q before it: one XLA launch fewer per attention layer on a GPU.

@@ -128,8 +128,8 @@ def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softc
     q_cols = jnp.arange(_tile_dim(D), dtype=jnp.int32)
     q_mask = _mask_2d(q_rows < group if group_rows != group else None, q_cols < D if _tile_dim(D) != D else None,
                       (group_rows, _tile_dim(D)))
-    q_tile = [r.at[((b * Hkv + h) * group + jnp.minimum(q_rows, group - 1))[:, None], jnp.minimum(q_cols, D - 1)[None, :]]
-              for r in q_refs]
+    q_at = ((b * Hkv + h) * group + jnp.minimum(q_rows, group - 1))[:, None], jnp.minimum(q_cols, D - 1)[None, :]
+    q_tile = [r.at[q_at] for r in q_refs]
     qs = [(pltr.load(t) if q_mask is None else pltr.load(t, mask=q_mask, other=0)).astype(compute_dtype)
           for t in q_tile]  # [group_rows, Dp] each
     token_offsets = jnp.arange(block_tokens, dtype=jnp.int32)
@@ -156,9 +156,8 @@ def _decode_kernel(lengths_ref, pt_ref, *refs, view, block_tokens, window, softc
         # itself (int64 above 4 GiB) and sees contiguous columns per row (vector loads);
         # interpret mode also takes this form.
         tile = arena_ref.at[rows[:, None], cols[None, :]]
-        full = jnp.broadcast_to(mask[:, None], (block_tokens, width))
-        if width != dim:  # padded columns past the head's words: never read, 0
-            full = full & (lanes < dim)[None, :]
+        # padded columns past the head's words: never read, 0
+        full = _mask_2d(mask, lanes < dim if width != dim else None, (block_tokens, width))
         return pltr.load(tile, mask=full, other=0)
 
     def decode_tile(rows_base, slot, which, mask):

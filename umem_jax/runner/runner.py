@@ -65,7 +65,8 @@ _STEP_MODELS: dict = {}
 
 
 # The environment variables the kernels read when a step is traced.
-TRACE_ENV = (PREFILL_ENV, BLOCK_K_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV, ROUTER_DOT_ENV)
+TRACE_ENV = (PREFILL_ENV, BLOCK_K_ENV, DECODE_ENV, SHORT_EXTEND_ENV, ROUTE_ENV, NORM_ENV, PROLOGUE_ENV, PLAN_ENV,
+             ROUTER_DOT_ENV)
 
 
 def step_key(*parts) -> tuple:
