@@ -141,7 +141,10 @@ def test_env_override(monkeypatch):
     assert prefill_backend(q, view, device=H200)[0] == "mgpu"
     assert prefill_backend(q, view, device=CPU)[0] == "triton"
     monkeypatch.setenv(PREFILL_ENV, "")
-    assert prefill_backend(q, view, device=H200)[0] == DEFAULT_BACKEND == "triton"  # empty == unset
+    assert DEFAULT_BACKEND == "auto"  # empty == unset: Mosaic on Hopper, Triton elsewhere
+    assert prefill_backend(q, view, device=H200)[0] == "mgpu"
+    assert prefill_backend(q, view, device=CPU)[0] == "triton"
+    assert prefill_backend(q_of(fp32), fp32, device=H200)[0] == "triton"  # not covered: no error, Triton
     # The argument wins over the environment.
     monkeypatch.setenv(PREFILL_ENV, "mgpu")
     assert prefill_backend(q, view, backend="triton", device=H200)[0] == "triton"

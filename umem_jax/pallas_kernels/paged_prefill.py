@@ -483,11 +483,14 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, k_scale=
 # --------------------------------------------------------------------------- kernel choice
 
 PREFILL_ENV = "UMEM_JAX_PREFILL"
-# With $UMEM_JAX_PREFILL unset, impl="pallas" runs the Triton kernel: it covers every case of the
-# contract (fp32 planes, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The Mosaic GPU
-# kernel is faster on Hopper but covers a subset (bf16/fp16 and fp8 K/V) and needs jax >= 0.11, so
-# it is opt-in: "auto" takes it where it covers the case (fp8 not yet: unmeasured), "mgpu" insists.
-DEFAULT_BACKEND = "triton"
+# With $UMEM_JAX_PREFILL unset, impl="pallas" runs "auto": the Mosaic GPU kernel on Hopper (jax >= 0.11)
+# where it covers the case (bf16/fp16 K/V; fp8 not yet: its speed is unmeasured), else the Triton
+# kernel, which covers every case of the contract (fp32 planes, any GQA ratio and head dim, interpret
+# mode) on any CUDA GPU.  Mosaic became the default on Hopper on 2026-12-06: 1.4x Triton's TFLOP/s at
+# 4K-token chunks, and on the served shifting trace its tokens part from Triton's no more than
+# Triton's own at another K/V block (benchmarks/RESULTS.md, "Paged prefill attention").  "triton"
+# and "mgpu" force one.
+DEFAULT_BACKEND = "auto"
 # The Triton kernel's K/V block (tokens per inner step) when the caller gives none, read when a
 # step is traced.  Unset: prefill_config's default.  Only a rounding experiment needs it: the
 # block sets where the online softmax rescales, so another block sums the same scores in another
@@ -567,10 +570,9 @@ def paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, wind
     impl: "pallas" | "reference" (default: pallas on GPU or with interpret=True, else reference).
     backend: which Pallas kernel, "auto" | "triton" | "mgpu" (prefill_backend); None reads
     $UMEM_JAX_PREFILL when this is called, i.e. when a caller's jitted step is traced (unset:
-    DEFAULT_BACKEND, the Triton kernel; auto: Mosaic GPU on Hopper where it covers the case, else
-    Triton).  interpret=True and
-    explicit block_q/block_k/num_warps/num_stages (the Triton tiling, prefill_config) run the
-    Triton kernel.
+    DEFAULT_BACKEND, "auto": Mosaic GPU on Hopper where it covers the case, else Triton).
+    interpret=True and explicit block_q/block_k/num_warps/num_stages (the Triton tiling,
+    prefill_config) run the Triton kernel.
     """
     # The environment is read here, outside this function's own jit, so the choice is part of that
     # jit's cache key: a new trace after the variable changed does not reuse the other kernel.
