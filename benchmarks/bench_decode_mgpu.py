@@ -81,12 +81,15 @@ SHAPES = (
 
 
 def sweep_configs(D: int, fp8: bool = False):
-    """(block_kv, ring_slots, num_splits) besides the default (None, None, None)."""
-    if fp8:  # the default at D <= 128 is (128, 4); shallower rings and 64-token blocks
-        return [(128, 2, None), (128, 3, None), (64, 4, None)] if D <= 128 else [(64, 2, None)]
-    out = [(128, 2, None), (64, 3, None), (64, 4, None)]
+    """(block_kv, ring_slots, num_splits, consumers) besides the default (None, None, None, None).
+    Two consumer warpgroups (taking the blocks in turn) fit at D <= 128."""
+    if fp8:  # the default at D <= 128 is (128, 4); shallower rings, 64-token blocks, two consumers
+        if D > 128:
+            return [(64, 2, None, 1)]
+        return [(128, 2, None, 1), (64, 4, None, 1), (128, 2, None, 2), (64, 4, None, 2), (64, 2, None, 2)]
+    out = [(128, 2, None, 1), (64, 3, None, 1), (64, 4, None, 1)]
     if D <= 128:
-        out.append((128, 3, None))
+        out += [(128, 3, None, 1), (128, 2, None, 2), (64, 4, None, 2)]
     return out
 
 
@@ -156,21 +159,22 @@ def bench_shape(a, s: Shape):
     if a.sweep:
         from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-        for bkv, slots, splits in sweep_configs(s.D, s.fp8):
+        for bkv, slots, splits, cons in sweep_configs(s.D, s.fp8):
             if time.time() > a.deadline:
                 break
-            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits: paged_decode_attention_mgpu(
-                q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots, num_splits=splits))
+            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons:
+                        paged_decode_attention_mgpu(q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots,
+                                                    num_splits=splits, consumers=cons))
+            cfg = f"bkv={bkv} slots={slots}" + (f" consumers={cons}" if cons > 1 else "")
             try:
                 err = max_err(f(q, arena, pt, ln), ref)
                 t = time_calls(lambda: f(q, arena, pt, ln), iters=a.iters, trials=a.trials).median
-                print(f"  {s.name} mgpu bkv={bkv} slots={slots} splits={splits}: {t * 1e6:.1f} us "
+                print(f"  {s.name} mgpu {cfg} splits={splits}: {t * 1e6:.1f} us "
                       f"{nbytes / t / 1e12:.3f} TB/s err={err:.2e}", flush=True)
                 if err <= 2e-2:
-                    mg.append((t, err, f"bkv={bkv} slots={slots}"))
+                    mg.append((t, err, cfg))
             except Exception as e:  # noqa: BLE001
-                print(f"  {s.name} mgpu bkv={bkv} slots={slots}: FAILED {type(e).__name__}: {str(e)[:300]}",
-                      flush=True)
+                print(f"  {s.name} mgpu {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
     best = min(mg) if mg else None
     row.update(triton_us=tri and tri[0] * 1e6, triton_err=tri and tri[1],
                mgpu_default_us=mg_default and mg_default[0] * 1e6, mgpu_err=mg_default and mg_default[1],

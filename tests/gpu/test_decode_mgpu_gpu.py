@@ -49,6 +49,10 @@ CASES = [
     (4, 128, 16, 64, None, False, {"num_splits": 13}),      # more splits than blocks: empty splits
     (4, 128, 16, None, None, False, {"block_kv": 64, "ring_slots": 4}),
     (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 3}),
+    # Two consumers taking the blocks in turn: an odd block count, a window, empty splits.
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2}),
+    (6, 80, 32, 200, 30.0, True, {"block_kv": 64, "ring_slots": 4, "consumers": 2}),
+    (4, 128, 16, 64, None, False, {"num_splits": 13, "ring_slots": 2, "consumers": 2}),
 ]
 
 
@@ -151,6 +155,12 @@ FP8_CASES = [
     (3, 192, 128, None, None, False, {}),                    # page == 128-token block, 2 slots
     (2, 144, 16, 500, None, False, {}),                      # unswizzled rows wider than one chunk
     (64, 64, 256, 100, None, True, {}),                      # a whole wgmma tile of q heads, page > block
+    # Two consumers (each dequantising its own blocks): the benchmark's tiling, a window with sinks,
+    # empty splits, D = 80's plain byte rows.
+    (6, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2}),
+    (4, 128, 64, 300, 30.0, True, {"block_kv": 64, "ring_slots": 4, "consumers": 2}),
+    (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 2, "consumers": 2}),
+    (6, 80, 16, 200, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 2}),
 ]
 
 

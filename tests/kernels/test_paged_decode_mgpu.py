@@ -175,9 +175,10 @@ LOWER = [
 ]
 
 
-def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False) -> str:
+def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
-    lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's)."""
+    lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
+    the config's consumer warpgroups, None its default)."""
     plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
     if not hasattr(plgpu, "kernel"):
         pytest.skip(f"jax {jax.__version__} has no plgpu.kernel (the Mosaic GPU API the kernel is written in)")
@@ -187,7 +188,8 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     sds = jax.ShapeDtypeStruct
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
-    kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits)
+    kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
+              consumers=consumers)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -416,3 +418,48 @@ def test_fp8_lowers_for_cuda(case, monkeypatch):
     engine allocates it)."""
     view = fp8_view(case[0], case[2], case[3])
     assert "mosaic_gpu" in _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True)
+
+
+# --------------------------------------------------------------------------- two consumers
+
+TWO_CONSUMERS = [
+    # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits, fp8)
+    (8, 4, 128, 16, None, None, False, 128, 2, None, False),   # bf16: an O tile per consumer
+    (2, 6, 80, 32, 256, 5.0, True, 64, 4, None, False),        # D = 80, a window crossing blocks, sinks
+    (8, 4, 128, 16, None, None, False, 128, 2, None, True),    # fp8: 224 KiB, the K tiles carry O out
+    (2, 6, 128, 64, 200, None, True, 64, 4, 3, True),          # fp8, G = 6, a window, fixed splits
+    (1, 1, 64, 16, None, 30.0, False, 64, 2, None, True),      # fp8, G = 1, D = 64 (64-byte ring swizzle)
+]
+
+
+@pytest.mark.parametrize("case", TWO_CONSUMERS, ids=[f"{'fp8' if c[-1] else 'bf16'}_g{c[1]}_d{c[2]}_p{c[3]}"
+                                                     for c in TWO_CONSUMERS])
+def test_two_consumers_lower_for_cuda(case, monkeypatch):
+    """Two consumer warpgroups taking the split's blocks in turn (each its own softmax, written out as
+    a split of its own; the producer is the third warpgroup): Mosaic GPU's lowering accepts them,
+    bf16 and fp8, windows, sinks, soft-cap, fixed splits."""
+    *geometry, fp8 = case
+    view = fp8_view(case[0], case[2], case[3]) if fp8 else kv_view(case[0], case[2], case[3])
+    text = _lowered_for_cuda(tuple(geometry), view, jnp.bfloat16 if fp8 else jnp.uint16, monkeypatch, scales=fp8,
+                             consumers=2)
+    assert "mosaic_gpu" in text
+
+
+def test_two_consumers_config_checks():
+    """The ring's slots must split evenly between the consumers (each thread keeps one phase bit per
+    barrier, so a consumer waits on every fill of the slots it owns), at most two consumers, and the
+    shared-memory budget counts each consumer's tiles."""
+    view = kv_view(8, 128, 16)
+    q = q_of(view)
+    check_decode_mgpu_supported(q, view, DecodeMgpuConfig(128, 2, None, 2))
+    with pytest.raises(NotImplementedError, match="divide ring_slots"):
+        check_decode_mgpu_supported(q, view, DecodeMgpuConfig(128, 3, None, 2))
+    with pytest.raises(NotImplementedError, match="consumers"):
+        check_decode_mgpu_supported(q, view, DecodeMgpuConfig(64, 4, None, 4))
+    one, two = DecodeMgpuConfig(128, 2), DecodeMgpuConfig(128, 2, None, 2)
+    assert smem_bytes(128, two) - smem_bytes(128, one) == 2 * 64 * 128 * 2 + 64 * 32 * 4  # O tiles, a max/sum tile
+    assert smem_bytes(128, two, fp8=True) - smem_bytes(128, one, fp8=True) == 2 * 128 * 128 * 2 + 64 * 32 * 4
+    assert smem_bytes(128, two, fp8=True) <= _SMEM_LIMIT  # the fp8 benchmark's tiling fits
+    d256 = kv_view(2, 256, 16)
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        check_decode_mgpu_supported(q_of(d256), d256, DecodeMgpuConfig(64, 2, None, 2))

@@ -94,19 +94,26 @@ _ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as 
 @dataclasses.dataclass(frozen=True)
 class DecodeMgpuConfig:
     """block_kv: KV tokens per pipeline step (64 or 128); ring_slots: shared-memory K/V slots the
-    producer may fill ahead of the consumer; num_splits: split-K (None: from the grid size)."""
+    producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
+    consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
+    softmax (ring_slots a multiple of it)."""
 
     block_kv: int = 128
     ring_slots: int = 2
     num_splits: int | None = None
+    consumers: int = 1
 
 
 def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
-    """Q/O tile (2-byte) + K and V rings (2-byte; fp8: 1-byte, plus one 2-byte K and one V tile the
-    consumer dequantises a slot into) + the f32 max/sum tile + barriers."""
+    """Q tile (2-byte) + K and V rings (2-byte; fp8: 1-byte, plus a 2-byte K and V tile per consumer
+    that it dequantises a slot into) + each consumer's f32 max/sum tile + barriers; with two
+    consumers of bf16 K/V, an O tile each (one consumer writes O through the Q tile, fp8 ones
+    through their K tile)."""
+    C = cfg.consumers
     ring = cfg.ring_slots * cfg.block_kv * D * (1 if fp8 else 2)
-    converted = 2 * cfg.block_kv * D if fp8 else 0
-    return 2 * _ROWS * D + 2 * (ring + converted) + 4 * _ROWS * _ML_COLS + 1024
+    converted = C * 2 * cfg.block_kv * D if fp8 else 0
+    o_tiles = C * 2 * _ROWS * D if C > 1 and not fp8 else 0
+    return 2 * _ROWS * D + 2 * (ring + converted) + o_tiles + C * 4 * _ROWS * _ML_COLS + 1024
 
 
 def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> DecodeMgpuConfig:
@@ -143,6 +150,10 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
         no(f"block_kv must be 64 or 128, got {cfg.block_kv}")
     if cfg.ring_slots < 2:
         no(f"ring_slots must be >= 2, got {cfg.ring_slots}")
+    if cfg.consumers not in (1, 2) or cfg.ring_slots % cfg.consumers:
+        # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
+        # barrier): the ring's slots must fall to the consumers in a fixed pattern.
+        no(f"consumers must be 1 or 2 and divide ring_slots {cfg.ring_slots}, got {cfg.consumers}")
     ps = view.page_size
     if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
         no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
@@ -160,44 +171,49 @@ class _Static(RingStatics):
     num_splits: int = 1
     G8: int = 8  # q rows read and written: G rounded up to a multiple of 8 (whole tiles)
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
+    consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
 
 
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
-    D, bkv, slots = c.D, c.bkv, c.ring_slots
+    D, bkv, slots, C = c.D, c.bkv, c.ring_slots, c.consumers
     sw = head_swizzle(D)
     tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
     ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
-    if c.fp8:  # byte rings, and the 16-bit K and V tiles the wgmma reads
+    if c.fp8:  # byte rings, and each consumer's 16-bit K and V tiles the wgmma reads
         rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D),
-                 plgpu.SMEM((bkv, D), c.dtype, transforms=tiled), plgpu.SMEM((bkv, D), c.dtype, transforms=tiled))
+                 plgpu.SMEM((C, bkv, D), c.dtype, transforms=tiled), plgpu.SMEM((C, bkv, D), c.dtype, transforms=tiled))
     else:
         rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
                  plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled))
+    # Where each consumer's O leaves: one consumer through the Q tile (no MMA reads Q after its
+    # loop); two share Q, so bf16 ones get an O tile each and fp8 ones use their K tile.
+    o_tiles = plgpu.SMEM((C, _ROWS, D), c.dtype, transforms=tiled) if C > 1 and not c.fp8 else None
     pl.run_scoped(
         functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
         (plgpu.SMEM((_ROWS, D), c.dtype, transforms=tiled),
          rings,
-         plgpu.SMEM((_ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled)),
+         plgpu.SMEM((C, _ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled),
+         o_tiles),
         (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
          plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
          plgpu.Barrier()),  # Q tile
-        (plgpu.Barrier(num_barriers=slots),) * 2,  # K / V slot released by the consumer
+        (plgpu.Barrier(num_barriers=slots),) * 2,  # K / V slot released by its consumer
         collective_axes="wg",
     )
 
 
 def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
-    q_smem, rings, ml_smem = smem
+    q_smem, rings, ml_smem, o_tiles = smem
     if c.fp8:
-        (k_words, k_bytes), (v_words, v_bytes), k16, v16 = rings[0], rings[1], rings[2], rings[3]
+        (k_words, k_bytes), (v_words, v_bytes), k16s, v16s = rings[0], rings[1], rings[2], rings[3]
         ring_words = (k_words, v_words)  # what the producer's TMA copies write
     else:
         k_smem, v_smem = rings
         ring_words = rings
     k_filled, v_filled, q_filled = filled
     k_released, v_released = released
-    D, bkv, slots = c.D, c.bkv, c.ring_slots
+    D, bkv, slots, C = c.D, c.bkv, c.ring_slots, c.consumers
     i32 = jnp.int32
 
     split = lax.axis_index("split")
@@ -217,16 +233,21 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
     lo = first_block + split * per_split
     hi = jnp.maximum(jnp.minimum(lo + per_split, end_block), lo)
 
-    # ------------------------------------------------------------------ consumer
-    @pl.when(wg == 0)
-    def _consumer():
+    # ------------------------------------------------------------------ consumers
+    def consumer(ci: int):
+        """Consumer warpgroup ci: blocks lo + ci, lo + ci + C, ... of the split (ring slot
+        (kb - lo) % slots, which C divides: a slot's every fill is this consumer's), its own
+        online softmax, written out as split `split * C + ci`."""
         plgpu.set_max_registers(232, action="increase")
         layout = plgpu.Layout.WGMMA
-        if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
-            q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
-            plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
-        plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
+        if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
+            if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
+                q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
+                plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
+            plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
         plgpu.barrier_wait(q_filled)
+        if c.fp8:
+            k16, v16 = k16s.at[ci], v16s.at[ci]
 
         exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
         m_i = plgpu.layout_cast(jnp.full((_ROWS,), _NEG_BIG, jnp.float32), layout.reduce(1))
@@ -299,7 +320,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, k16.transpose((1, 0)))
                 # This block's V, dequantised while the tensor cores take Q K^T (v16's last reader,
-                # the previous block's P V, has completed).
+                # this consumer's previous P V, has completed).
                 plgpu.barrier_wait(v_filled.at[slot])
                 dequantise(v_bytes.at[slot], v16, k0, masked)
                 plgpu.barrier_arrive(v_released.at[slot])
@@ -310,42 +331,58 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, p16, v16)
-                # The next block's K, dequantised while the tensor cores take P V (k16's reader,
-                # this block's Q K^T, has completed).
-                pl.when(kb + 1 < hi)(lambda: next_k(kb + 1))
+                # This consumer's next block's K, dequantised while the tensor cores take P V (k16's
+                # reader, this block's Q K^T, has completed).
+                pl.when(kb + C < hi)(lambda: next_k(kb + C))
 
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
             return acc, m_new, l_i
 
         if c.fp8:
             step = step_fp8
-            pl.when(lo < hi)(lambda: next_k(lo))  # the first block's K; each step dequantises the next one's
+            pl.when(lo + ci < hi)(lambda: next_k(lo + ci))  # the first block's K; each step dequantises the next
+
+        def blocks(a, z, masked: bool, carry):
+            """This consumer's blocks in [a, z), in order: those with (kb - lo) % C == ci."""
+            if C == 1:
+                return lax.fori_loop(a, z, functools.partial(step, masked=masked), carry)
+            first = a + lax.rem(ci - lax.rem(a - lo, i32(C)) + C, i32(C))
+            n = cdiv(jnp.maximum(z - first, 0), C)
+            return lax.fori_loop(0, n, lambda j, cr: step(first + j * C, cr, masked), carry)
 
         # Blocks wholly inside [start, length) need no mask: [i_lo, i_hi); the first and last
         # blocks of the visible range may hold slots outside it.
         i_lo = jnp.clip(cdiv(start, bkv), lo, hi)
         i_hi = jnp.clip(lax.div(length, i32(bkv)), i_lo, hi)
         carry = (acc, m_i, l_i)
-        carry = lax.fori_loop(lo, i_lo, functools.partial(step, masked=True), carry)
-        carry = lax.fori_loop(i_lo, i_hi, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(i_hi, hi, functools.partial(step, masked=True), carry)
+        carry = blocks(lo, i_lo, True, carry)
+        carry = blocks(i_lo, i_hi, False, carry)
+        carry = blocks(i_hi, hi, True, carry)
         acc, m_i, l_i = carry
 
-        # O leaves normalised, in the 16-bit dtype, through the Q tile (no MMA reads Q any more);
-        # the max and sum go out in f32 beside it, for combine_splits.
+        # O leaves normalised, in the 16-bit dtype, through a tile no MMA reads any more (see
+        # _kernel); the max and sum go out in f32 beside it, for combine_splits.
+        if C == 1:
+            o_smem = q_smem
+        else:
+            o_smem = k16.at[pl.ds(0, _ROWS)] if c.fp8 else o_tiles.at[ci]
         l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
-        q_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(c.dtype)
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(c.dtype)
         cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, _ML_COLS), 1, layout=layout)
         ml = jnp.where(cols < _ML_COLS // 2, lax.broadcast_in_dim(m_i, (_ROWS, _ML_COLS), [0]),
                        lax.broadcast_in_dim(l_i, (_ROWS, _ML_COLS), [0]))
-        ml_smem[...] = ml
+        ml_smem.at[ci][...] = ml
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, c.G8)], o_ref.at[b, kv_head, split])
-        plgpu.copy_smem_to_gmem(ml_smem.at[pl.ds(0, c.G8)], ml_ref.at[b, kv_head, split])
+        out = split * C + ci
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, c.G8)], o_ref.at[b, kv_head, out])
+        plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, c.G8)], ml_ref.at[b, kv_head, out])
         plgpu.wait_smem_to_gmem(0)
 
+    for ci in range(C):
+        pl.when(wg == ci)(functools.partial(consumer, ci))
+
     # ------------------------------------------------------------------ producer
-    @pl.when(wg == 1)
+    @pl.when(wg == C)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, ring_words, (k_filled, v_filled),
@@ -394,14 +431,16 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
     c = _Static(bkv=cfg.block_kv, ring_slots=cfg.ring_slots, num_splits=int(num_splits), G8=G8, D=D, P=P,
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
-                scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8)
+                scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
+                consumers=cfg.consumers)
+    parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
-        out_type=(jax.ShapeDtypeStruct((B, Hkv, c.num_splits, G8, D), dtype),
-                  jax.ShapeDtypeStruct((B, Hkv, c.num_splits, G8, _ML_COLS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((B, Hkv, parts, G8, D), dtype),
+                  jax.ShapeDtypeStruct((B, Hkv, parts, G8, _ML_COLS), jnp.float32)),
         grid=(c.num_splits, Hkv, B),
         grid_names=("split", "heads", "batch"),
-        num_threads=2,
+        num_threads=c.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(lengths, page_table, qg, arena)
@@ -416,21 +455,22 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
-                                             "ring_slots", "num_splits"))
+                                             "ring_slots", "num_splits", "consumers"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None):
+                                num_splits=None, consumers=None):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
-    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits: DecodeMgpuConfig (None:
-    default_decode_mgpu_config's, num_splits from the grid size).  Unsupported cases raise
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers: DecodeMgpuConfig
+    (None: default_decode_mgpu_config's, num_splits from the grid size).  Unsupported cases raise
     NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
-    cfg = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits)
+    cfg = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits,
+                           consumers or cfg.consumers)
     check_decode_mgpu_supported(q, view, cfg, kv_dtype)
     return _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
                               softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
