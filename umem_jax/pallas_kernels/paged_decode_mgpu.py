@@ -27,7 +27,13 @@ head as the 64 rows of a wgmma tile (rows past G are zero and never written out)
 S = Q K^T (wgmma, both in shared memory), an fp32 online softmax in log2 units with the scale
 folded into the exp2 argument, P cast to the K/V dtype in registers, O += P V (wgmma).  Decode is
 bound by the bytes of K and V, so one consumer suffices: its two MMAs and the softmax of one block
-take less time than the producer needs to bring the next.
+take less time than the producer needs to bring the next.  Where it does not (fp8: the consumer
+dequantises every block), `consumers=2` adds a second consumer warpgroup: the two take the split's
+blocks in turn (block lo + j to consumer j % 2, ring slot j % ring_slots, so ring_slots must be
+even and each consumer waits on every fill of its own slots), each keeps its own online softmax
+and writes it out as a split of its own, which combine_splits merges like any other; the producer
+is then the third warpgroup.  The Q tile is shared (the first consumer loads it), so each consumer
+writes its O through a tile of its own (bf16: an O tile; fp8: its K tile, free after its last QK).
 
 Split-K.  The visible blocks of a request (those holding a position in [max(0, len - window),
 len)) are shared out between the splits, as the Triton kernel does, so a window of 512 tokens in a
