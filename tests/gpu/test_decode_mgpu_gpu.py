@@ -191,7 +191,7 @@ def test_mgpu_fp8_long_context_many_splits():
 
 
 def test_entry_point_runs_mgpu_fp8_when_asked(monkeypatch):
-    """fp8: backend "auto" keeps the Triton kernel (the Mosaic fp8 path is unmeasured), "mgpu"
+    """fp8: backend "auto" keeps the Triton kernel (the Mosaic fp8 path measured slower), "mgpu"
     (argument or $UMEM_JAX_DECODE) runs the Mosaic kernel, with the scales, within fp8 tolerance of
     the Triton kernel's answer."""
     view, arena, pt, ln, q, ks, vs = fp8_case(3, B=4, Hkv=4, G=6, D=128, ps=16, ctx_max=700, window=300)

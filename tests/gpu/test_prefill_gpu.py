@@ -266,17 +266,16 @@ def test_gpu_mgpu_fp8_kernel_matches_reference(case):
         assert_close(out, ref, q_lens, fp32=False, tol=1.5e-2)
 
 
-def test_gpu_entry_point_runs_mgpu_fp8_when_asked(monkeypatch):
-    """fp8: backend "auto" keeps the Triton kernel (the Mosaic fp8 path is unmeasured), "mgpu"
-    (argument or $UMEM_JAX_PREFILL) runs the Mosaic kernel, with the scales, within fp8 tolerance
-    of the Triton kernel's answer and of the reference."""
+def test_gpu_entry_point_runs_mgpu_fp8(monkeypatch):
+    """fp8: backend "auto" (the default) and "mgpu" (argument or $UMEM_JAX_PREFILL) run the Mosaic
+    kernel, with the scales, within fp8 tolerance of the Triton kernel's answer and of the
+    reference."""
     _fp8_hopper()
     silence_triton_deprecation()
     q, arena, pt, q_lens, kv_lens, kw, ref = prefill_case("fp8_entry", 4, 6, 128, 16, 512, 90,
                                                           [(700, 512), (0, 300), (30, 0)], fp8=True, window=300,
                                                           softcap=20.0, use_sinks=True, arena_dtype=jnp.bfloat16)
-    kernel, why = prefill_backend(q, kw["view"], backend="auto")
-    assert kernel == "triton" and "fp8" in why
+    assert prefill_backend(q, kw["view"], backend="auto") == ("mgpu", "")
     assert prefill_backend(q, kw["view"], backend="mgpu") == ("mgpu", "")
     tri = paged_prefill_attention(q, arena, pt, q_lens, kv_lens, **kw, impl="pallas", backend="triton")
     mg = jax.jit(lambda *a: paged_prefill_attention(*a, **kw, impl="pallas", backend="mgpu"))(q, arena, pt, q_lens,

@@ -239,17 +239,18 @@ def test_prefill_kernel_matches_reference(Hkv, G, D, ps, q_dtype, window, softca
     close(out, ref, tol=2e-5 if q_dtype == jnp.float32 else 1.5e-2)
 
 
-def test_prefill_backend_keeps_fp8_on_triton_under_auto():
-    """The Mosaic GPU prefill reads fp8 but has not been measured on the GPU: auto stays on Triton
-    saying why, mgpu runs it (on Hopper; elsewhere it refuses), an fp8 view read as bf16 is refused."""
+def test_prefill_backend_takes_mosaic_for_fp8_on_hopper():
+    """The Mosaic GPU prefill reads fp8, 1.2x the Triton kernel's fp8 speed on an H100: auto and mgpu
+    take it on Hopper (elsewhere auto takes Triton and mgpu refuses), an fp8 view read as bf16 is
+    refused."""
     q = jax.ShapeDtypeStruct((1, 128, 8, 128), jnp.bfloat16)
     hopper = DeviceInfo("gpu", "9.0", (0, 11))
     assert prefill_backend(q, fp8_view(2, 128, 16, dtype="bfloat16"), backend="auto", device=hopper) == ("mgpu", "")
     for Hkv, D in ((2, 128), (2, 64), (1, 256), (2, 80)):
         view = fp8_view(Hkv, D, 16)
         qv = jax.ShapeDtypeStruct((1, 128, 4 * Hkv, D), jnp.bfloat16)
-        choice, why = prefill_backend(qv, view, backend="auto", device=hopper)
-        assert choice == "triton" and "fp8" in why and "not been measured" in why, why
+        assert prefill_backend(qv, view, backend="auto", device=hopper) == ("mgpu", "")
+        assert prefill_backend(qv, view, backend="auto", device=DeviceInfo("cpu", None, (0, 11)))[0] == "triton"
         assert prefill_backend(qv, view, backend="mgpu", device=hopper) == ("mgpu", "")
         assert prefill_backend(qv, view, kv_dtype=jnp.float8_e4m3fn, backend="mgpu", device=hopper) == ("mgpu", "")
     with pytest.raises(NotImplementedError, match="not an NVIDIA GPU"):

@@ -213,15 +213,15 @@ def test_lowers_for_cuda(case, monkeypatch):
 FP8_DIMS = [64, 80, 96, 112, 128, 144, 160, 192, 224, 256]
 
 
-def test_fp8_auto_keeps_triton_until_measured_and_mgpu_runs_it(monkeypatch):
-    """fp8 views: "auto" stays on Triton (the Mosaic fp8 path is unmeasured) and says why; "mgpu"
+def test_fp8_auto_keeps_triton_and_mgpu_runs_it(monkeypatch):
+    """fp8 views: "auto" stays on Triton (the Mosaic fp8 path measured slower) and says why; "mgpu"
     (argument or $UMEM_JAX_DECODE) takes the Mosaic kernel; off Hopper "mgpu" still refuses."""
     monkeypatch.delenv(DECODE_ENV, raising=False)
     for Hkv, D, ps, G in ((8, 128, 16, 4), (2, 80, 16, 6), (1, 256, 64, 8)):
         view = fp8_view(Hkv, D, ps)
         assert decode_backend(q_of(view, G), view, device=H200)[0] == "triton"  # the default
         kernel, why = decode_backend(q_of(view, G), view, backend="auto", device=H200)
-        assert kernel == "triton" and "fp8" in why and "not been measured" in why, why
+        assert kernel == "triton" and "fp8" in why and "measured slower" in why, why
         assert decode_backend(q_of(view, G), view, backend="mgpu", device=H200) == ("mgpu", "")
     view = fp8_view(8, 128, 16)
     monkeypatch.setenv(DECODE_ENV, "mgpu")
@@ -262,26 +262,33 @@ def test_fp8_passes_the_shared_tma_layout_check():
 @pytest.mark.parametrize("D", FP8_DIMS)
 @pytest.mark.parametrize("ps", [8, 16, 32, 64, 128, 256])
 def test_fp8_default_config_fits_shared_memory_and_the_page(D, ps):
-    """The fp8 budget (a byte ring + the two 16-bit tiles the consumer dequantises into) fits 227 KiB
-    with the default tiling, a ring at least as deep in tokens as the bf16 kernel's."""
+    """The fp8 budget (a byte ring + the two 16-bit tiles each consumer dequantises into) fits 227 KiB
+    with the default tiling: two consumers up to D = 128, else one with a ring at least as deep in
+    tokens as the bf16 kernel's."""
     cfg = default_decode_mgpu_config(D, ps, fp8=True)
     assert smem_bytes(D, cfg, fp8=True) <= _SMEM_LIMIT and 2 <= cfg.ring_slots <= 4
     assert cfg.block_kv % ps == 0 or ps % cfg.block_kv == 0
     view = fp8_view(1, D, ps)
     check_decode_mgpu_supported(q_of(view), view, cfg)
+    assert cfg.consumers == (2 if D <= 128 else 1)
     bf16 = default_decode_mgpu_config(D, ps)
-    assert cfg.block_kv * cfg.ring_slots >= bf16.block_kv * bf16.ring_slots
-    # the byte ring is half the bf16 ring; the dequantised K and V tiles come on top
-    assert smem_bytes(D, cfg, fp8=True) - smem_bytes(D, cfg) == 2 * cfg.block_kv * D * (2 - cfg.ring_slots)
+    if cfg.consumers == 1:
+        assert cfg.block_kv * cfg.ring_slots >= bf16.block_kv * bf16.ring_slots
+    # the byte ring is half the bf16 ring; each consumer's dequantised K and V tiles come on top
+    # (a bf16 pair of consumers has O tiles instead)
+    o_tiles = 2 * 64 * D * 2 if cfg.consumers == 2 else 0
+    assert smem_bytes(D, cfg, fp8=True) - smem_bytes(D, cfg) == \
+        2 * cfg.block_kv * D * (2 * cfg.consumers - cfg.ring_slots) - o_tiles
 
 
 def test_fp8_budget_per_head_dim():
     """The fp8 tilings the docstrings quote (page 16)."""
     got = {D: default_decode_mgpu_config(D, 16, fp8=True) for D in (64, 128, 192, 256)}
-    assert got[64] == got[128] == DecodeMgpuConfig(128, 4)
+    assert got[64] == got[128] == DecodeMgpuConfig(128, 2, None, 2)  # two consumers
     assert got[192] == DecodeMgpuConfig(128, 2)
     assert got[256] == DecodeMgpuConfig(64, 3)
-    assert smem_bytes(128, got[128], fp8=True) == 16384 + 2 * (65536 + 32768) + 8192 + 1024
+    assert smem_bytes(128, got[128], fp8=True) == 16384 + 2 * (32768 + 2 * 32768) + 2 * 8192 + 1024
+    assert default_decode_mgpu_config(128, 192, fp8=True) == DecodeMgpuConfig(64, 4, None, 2)  # 64-token blocks
 
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])

@@ -187,12 +187,12 @@ def fp8_view(Hkv, D, ps):
 def test_fp8_budget_per_head_dim():
     """The fp8 tilings and shared-memory needs the docstrings quote (page 16, 64 queries per
     consumer): Q/O 2 x 64 x D x 2 B + the byte rings 2 x 2 slots x block_kv x D + each consumer's
-    16-bit tiles (K and V, or one from D = 224) + 4 KiB."""
+    16-bit tiles (K and V, or one: D = 128-176 with 128-token blocks, and from D = 224) + 4 KiB."""
     want = {  # D: (block_kv, tiles, bytes)
         64: (128, 2, 16384 + 32768 + 65536 + 4096),      # 118784
         80: (128, 2, 20480 + 40960 + 81920 + 4096),      # 147456
         96: (128, 2, 24576 + 49152 + 98304 + 4096),      # 176128
-        128: (64, 2, 32768 + 32768 + 65536 + 4096),      # 135168 (128-token blocks: 233472, over)
+        128: (128, 1, 32768 + 65536 + 65536 + 4096),     # 167936 (two tiles: 233472, over)
         256: (64, 1, 65536 + 65536 + 65536 + 4096),      # 200704 (two tiles: 266240, over)
     }
     for D, (bkv, tiles, need) in want.items():
@@ -209,14 +209,16 @@ def test_fp8_budget_per_head_dim():
 @pytest.mark.parametrize("D", [64, 80, 96, 112, 128, 144, 160, 192, 208, 224, 240, 256])
 @pytest.mark.parametrize("ps", [8, 16, 32, 64, 128, 256])
 def test_fp8_default_config_fits_shared_memory_and_the_page(D, ps):
-    """Every head dim the kernel takes gets an fp8 tiling that fits 227 KiB and the page size; two
-    16-bit tiles per consumer up to D = 208, one from D = 224."""
+    """Every head dim the kernel takes gets an fp8 tiling that fits 227 KiB and the page size: the
+    largest KV block that fits, then two 16-bit tiles per consumer where they fit beside it."""
     cfg = default_mgpu_config(D, ps, fp8=True)
     view = fp8_view(1, D, ps)
     check_mgpu_supported(jax.ShapeDtypeStruct((1, 64, 2, D), jnp.bfloat16), view, cfg)
     assert smem_bytes(D, cfg, fp8=True) <= _SMEM_LIMIT
     assert cfg.block_kv % ps == 0 or ps % cfg.block_kv == 0
-    assert fp8_tiles(D, cfg) == (2 if D <= 208 else 1)
+    # 128-token blocks up to D = 176 (one tile from D = 128), then 64-token ones (one tile from 224)
+    assert (cfg.block_kv, fp8_tiles(D, cfg)) == ((128, 2) if D <= 112 else (128, 1) if D <= 176 else
+                                                 (64, 2) if D <= 208 else (64, 1))
     # the byte ring is half the bf16 ring; the dequantised tiles come on top
     bf16_ring = 2 * cfg.max_concurrent_steps * cfg.block_kv * D * 2
     assert smem_bytes(D, cfg, fp8=True) - smem_bytes(D, cfg) == \

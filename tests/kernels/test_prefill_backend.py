@@ -298,10 +298,10 @@ def test_wrapper_lowers_mgpu_on_hopper(monkeypatch, D, window, softcap):
                     "this jax has an older one")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("D,G,window,softcap", [(128, 4, None, None), (256, 2, 1024, 50.0), (64, 6, 100, None)])
-def test_wrapper_fp8_auto_lowers_triton_and_mgpu_lowers_mosaic(monkeypatch, D, G, window, softcap):
+def test_wrapper_fp8_auto_lowers_mosaic_and_triton_when_asked(monkeypatch, D, G, window, softcap):
     """fp8 K/V with per-head scales through the public wrapper, with an H200's device info: "auto"
-    keeps the Triton kernel (the Mosaic fp8 path is not measured yet), UMEM_JAX_PREFILL=mgpu
-    cross-lowers the Mosaic GPU kernel (D = 256: one dequantised tile per consumer)."""
+    cross-lowers the Mosaic GPU kernel (D = 256: one dequantised tile per consumer; D = 128:
+    128-token blocks with one tile), UMEM_JAX_PREFILL=triton the Triton kernel."""
     from _prefill_utils import abstract_gpu
 
     monkeypatch.setattr(paged_prefill, "device_info", lambda: H200)
@@ -320,7 +320,7 @@ def test_wrapper_fp8_auto_lowers_triton_and_mgpu_lowers_mosaic(monkeypatch, D, G
             return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     text = lowered()  # the fixture's "auto"
-    assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text
-    monkeypatch.setenv(PREFILL_ENV, "mgpu")
-    text = lowered()
     assert "mosaic_gpu" in text and "triton" not in text
+    monkeypatch.setenv(PREFILL_ENV, "triton")
+    text = lowered()
+    assert "__gpu$xla.gpu.triton" in text and "mosaic_gpu" not in text

@@ -363,7 +363,7 @@ DECODE_ENV = "UMEM_JAX_DECODE"
 # With $UMEM_JAX_DECODE unset, impl="pallas" runs the Triton kernel above: it covers every case of
 # the contract (fp8 and fp32 K/V, any GQA ratio and head dim, interpret mode) on any CUDA GPU.  The
 # Mosaic GPU kernel (paged_decode_mgpu.py) covers bf16/fp16 and fp8 K/V on Hopper: "auto" takes it where
-# it covers the case (fp8 not yet: unmeasured), "mgpu" insists on it.  Inside whole models (H100,
+# it covers the case (fp8 not: 0.95x Triton's fp8 speed), "mgpu" insists on it.  Inside whole models (H100,
 # 2026-12-06, RESULTS.md "Whole models" session 24) "auto" was 0.3-0.5% slower than Triton at B = 64
 # and its first step compiled 3-13x longer (Gemma 3: 121 s against 9 s), so Triton stays the default.
 DEFAULT_DECODE_BACKEND = "triton"
@@ -392,10 +392,10 @@ def decode_backend(q, view, *, kv_dtype=None, backend: str | None = None,
         except NotImplementedError as e:
             return str(e)
         if choice == "auto" and view.fp8:
-            # Cross-lowered on the CPU only: until the GPU has run and timed it, "auto" keeps the
-            # Triton kernel's measured fp8 path (RESULTS.md, session 8).
-            return ("fp8 K/V: the Mosaic kernel's fp8 path has not been measured on the GPU yet (asked for with "
-                    "backend 'mgpu', it runs)")
+            # Correct on the GPU, but slower than the Triton kernel's fp8 path: 0.95x with two
+            # consumers at D = 128 on an H100 (RESULTS.md, 2026-12-06), 0.54x with one on an H200.
+            return ("fp8 K/V: the Mosaic kernel's fp8 path measured slower than Triton's (0.95x at D = 128; asked "
+                    "for with backend 'mgpu', it runs)")
         if choice == "auto" and (2 * q.shape[2]) % 128:
             # A head row that no 128-byte swizzle divides (D = 80, 96, ...) gets narrower shared-memory
             # swizzles; the H200 measured the Mosaic kernel at 0.91x Triton at D = 80 (RESULTS.md).

@@ -125,9 +125,16 @@ def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
 def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> DecodeMgpuConfig:
     """128-token blocks where the page size allows (it divides 128 or is a multiple of it), else
     64; then as deep a ring as fits in shared memory, at most 4 (3 at D = 128 with 128-token blocks,
-    2 at D = 256; 64-token blocks where 128-token ones would leave a ring of 1).  fp8 (smem_bytes'
-    fp8 budget): 4 slots of 128 tokens at D <= 128, 2 at D = 192, 3 slots of 64 tokens at D = 256."""
+    2 at D = 256; 64-token blocks where 128-token ones would leave a ring of 1).  fp8 at D <= 128:
+    two consumers (each dequantises its own blocks, which one consumer alone could not keep up
+    with: 1.25x faster at D = 128 on an H100, RESULTS.md), 128-token blocks in 2 slots (64-token
+    ones in 4 where the page asks for them); above, one consumer (smem_bytes' fp8 budget): 2 slots
+    of 128 tokens at D = 192, 3 slots of 64 tokens at D = 256."""
     bkv = 64 if (128 % page_size and page_size % 128) else 128
+    if fp8:
+        two = DecodeMgpuConfig(bkv, 2 if bkv == 128 else 4, None, 2)
+        if smem_bytes(D, two, fp8) <= _SMEM_LIMIT:
+            return two
     if smem_bytes(D, DecodeMgpuConfig(bkv, 2), fp8) > _SMEM_LIMIT:
         bkv = 64
     cfg = DecodeMgpuConfig(bkv, 2)
@@ -186,9 +193,12 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
     ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
-    if c.fp8:  # byte rings, and each consumer's 16-bit K and V tiles the wgmma reads
+    if c.fp8:  # byte rings, and each consumer's 16-bit K and V tiles the wgmma reads (refs of their
+        # own, not rows of one [C, bkv, D] ref: jax 0.11 cannot lower a static index of a ref that
+        # the P V's run_state closes over)
+        tile = lambda: plgpu.SMEM((bkv, D), c.dtype, transforms=tiled)  # noqa: E731
         rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D),
-                 plgpu.SMEM((C, bkv, D), c.dtype, transforms=tiled), plgpu.SMEM((C, bkv, D), c.dtype, transforms=tiled))
+                 tuple(tile() for _ in range(C)), tuple(tile() for _ in range(C)))
     else:
         rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
                  plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled))
@@ -253,7 +263,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
         plgpu.barrier_wait(q_filled)
         if c.fp8:
-            k16, v16 = k16s.at[ci], v16s.at[ci]
+            k16, v16 = k16s[ci], v16s[ci]
 
         exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
         m_i = plgpu.layout_cast(jnp.full((_ROWS,), _NEG_BIG, jnp.float32), layout.reduce(1))
@@ -470,13 +480,18 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
     -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers: DecodeMgpuConfig
-    (None: default_decode_mgpu_config's, num_splits from the grid size).  Unsupported cases raise
+    (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
+    default's where the given block and ring take them, else 1).  Unsupported cases raise
     NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
-    cfg = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits,
-                           consumers or cfg.consumers)
+    given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1)
+    if consumers is None and cfg.consumers > 1:  # the default's two consumers, where the given tiling takes them
+        two = dataclasses.replace(given, consumers=cfg.consumers)
+        if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8) <= _SMEM_LIMIT:
+            given = two
+    cfg = given
     check_decode_mgpu_supported(q, view, cfg, kv_dtype)
     return _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
                               softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,

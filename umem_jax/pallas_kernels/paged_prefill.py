@@ -44,8 +44,8 @@ kernel loads the [BK, D/2] word tile and unpacks it in registers into its even a
 (words.unpack_fp8), against q split the same way in the wrapper: the scores are
 q_even . k_even + q_odd . k_odd, the output two halves p . v_even, p . v_odd (f32, interleaved
 back in XLA).  k_scale multiplies q (scores are linear in K), v_scale the output; neither
-enters the kernel.  The Mosaic GPU kernel reads fp8 too (paged_prefill_mgpu.py, not yet measured
-on the GPU), so backend "auto" keeps fp8 on this one and "mgpu" runs that one.
+enters the kernel.  The Mosaic GPU kernel reads fp8 too (paged_prefill_mgpu.py), 1.2x faster
+than this one on an H100 (RESULTS.md, 2026-12-06), so on Hopper "auto" runs that one.
 
 Module layout: `prefill_config` (the Triton tiling), the kernel body, `_paged_prefill_pallas` (the
 pallas_call), `prefill_backend` (which kernel impl="pallas" runs: this Triton kernel, or the Mosaic
@@ -484,7 +484,7 @@ def _paged_prefill_pallas(q, arena, page_table, q_lens, kv_lens, sinks, k_scale=
 
 PREFILL_ENV = "UMEM_JAX_PREFILL"
 # With $UMEM_JAX_PREFILL unset, impl="pallas" runs "auto": the Mosaic GPU kernel on Hopper (jax >= 0.11)
-# where it covers the case (bf16/fp16 K/V; fp8 not yet: its speed is unmeasured), else the Triton
+# where it covers the case (bf16/fp16 or fp8 K/V: fp8 1.2x Triton's fp8 speed), else the Triton
 # kernel, which covers every case of the contract (fp32 planes, any GQA ratio and head dim, interpret
 # mode) on any CUDA GPU.  Mosaic became the default on Hopper on 2026-12-06: 1.4x Triton's TFLOP/s at
 # 4K-token chunks, and on the served shifting trace its tokens part from Triton's no more than
@@ -502,9 +502,9 @@ def _requested(backend: str | None) -> str:
     return requested_backend(backend, PREFILL_ENV, DEFAULT_BACKEND)
 
 
-def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo, choice: str) -> str | None:
-    """Why the Mosaic GPU kernel cannot (or, for choice "auto", should not yet) run this case
-    here, or None when it can."""
+def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo) -> str | None:
+    """Why the Mosaic GPU kernel cannot run this case here, or None when it can (auto takes every
+    case it runs)."""
     why = hopper_refusal(info)
     if why is not None:
         return why
@@ -515,11 +515,6 @@ def _mgpu_refusal(q, view, kv_dtype, info: DeviceInfo, choice: str) -> str | Non
         check_mgpu_supported(q, view, default_mgpu_config(q.shape[3], view.page_size, view.fp8), kv_dtype)
     except NotImplementedError as e:
         return str(e)
-    if choice == "auto" and view.fp8:
-        # Checked on the CPU only (GPU interpreter, cross-lowering): until the GPU has run and timed
-        # it, "auto" keeps the Triton kernel's measured fp8 path.
-        return ("fp8 K/V: the Mosaic kernel's fp8 path has not been measured on the GPU yet (asked for with "
-                "backend 'mgpu', it runs)")
     return None
 
 
@@ -532,14 +527,13 @@ def prefill_backend(q, view, *, kv_dtype=None, backend: str | None = None,
     backend: "auto" | "triton" | "mgpu"; None reads $UMEM_JAX_PREFILL (default DEFAULT_BACKEND).  auto
     takes the Mosaic GPU kernel (0.98x cuDNN on an H200 vs 0.69x for Triton) when the device is a
     CUDA GPU of compute capability 9.x, jax >= 0.11 and check_mgpu_supported accepts the case
-    (bf16/fp16 one-plane K/V, one row per token, D == Dv a multiple of 16 in [64, 256], ...), but
-    not yet for fp8 K/V (unmeasured); mgpu raises NotImplementedError naming the reason where it
-    cannot run (fp8 it runs).  device: the DeviceInfo to decide for (default: this process's,
-    device_info()).
+    (bf16/fp16 or fp8 e4m3 one-plane K/V, one row per token, D == Dv a multiple of 16 in [64, 256],
+    ...); mgpu raises NotImplementedError naming the reason where it cannot run.  device: the
+    DeviceInfo to decide for (default: this process's, device_info()).
     """
     choice = _requested(backend)
     return choose(choice, "prefill",
-                  lambda: _mgpu_refusal(q, view, kv_dtype, device_info() if device is None else device, choice))
+                  lambda: _mgpu_refusal(q, view, kv_dtype, device_info() if device is None else device))
 
 
 # --------------------------------------------------------------------------- public wrapper

@@ -138,12 +138,14 @@ def default_mgpu_config(D: int, page_size: int, fp8: bool = False) -> MgpuConfig
     """The tiling the H200 sweep measured best (block_kv 128, a 2-deep ring, ping-pong barrier:
     0.98x cuDNN at D=128), with 64-token KV blocks where 128 does not fit: the ring of 128-token
     blocks needs 324 KiB of shared memory at D=256, and a page size that neither divides 128 nor is
-    a multiple of it cannot be assembled into 128-token blocks.  fp8 (smem_bytes' fp8 budget, not
-    measured yet): 128-token blocks only where each consumer's K and V tile fit beside them (D <=
-    112), so 64-token blocks from D = 128 on (one tile per consumer from D = 224, fp8_tiles)."""
+    a multiple of it cannot be assembled into 128-token blocks.  fp8 (smem_bytes' fp8 budget):
+    128-token blocks wherever they fit, with a K and a V tile per consumer up to D = 112 and one
+    tile (V dequantised into K's once Q K^T has read it) up to D = 176; 64-token blocks above (one
+    tile per consumer from D = 224, fp8_tiles).  At D = 128 on an H100 the 128-token blocks with
+    one tile ran 1.08-1.13x faster than 64-token blocks with two (RESULTS.md, 2026-12-06)."""
     cfg = MgpuConfig()
     bkv = cfg.block_kv
-    too_big = smem_bytes(D, cfg, fp8) > _SMEM_LIMIT or (fp8 and fp8_tiles(D, cfg) < 2)
+    too_big = smem_bytes(D, cfg, fp8) > _SMEM_LIMIT
     if too_big or (bkv % page_size and page_size % bkv):
         cfg = dataclasses.replace(cfg, block_kv=64)
     return cfg
