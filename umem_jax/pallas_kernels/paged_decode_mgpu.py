@@ -286,7 +286,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             l_i = l_i * alpha + p.sum(axis=1)
             return p.astype(c.dtype), (acc, m_new, l_i)
 
-        def step(kb, carry, masked: bool):
+        def step_bf16(kb, carry, masked: bool):
             slot = lax.rem(kb - lo, i32(slots))
             plgpu.barrier_wait(k_filled.at[slot])
 
@@ -354,8 +354,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
             return acc, m_new, l_i
 
+        step = step_fp8 if c.fp8 else step_bf16
         if c.fp8:
-            step = step_fp8
             pl.when(lo + ci < hi)(lambda: next_k(lo + ci))  # the first block's K; each step dequantises the next
 
         def blocks(a, z, masked: bool, carry):
