@@ -14,8 +14,8 @@ $OUT/bench_decode_mgpu.json too.
 
 The "fp8" shape (B=64 ctx 4096, 32/8 heads, D=128, page 16, e4m3 K/V with per-kv-head scales) times
 four kernels in one call: the Triton and the Mosaic kernel on the fp8 arena (backend "triton" /
-"mgpu"; auto keeps fp8 on Triton while Mosaic is the slower here) and both on a bf16 arena of the
-same geometry; each checked against the reference on its own arena.  Its TB/s count the bytes read
+"mgpu"; auto keeps fp8 on Triton while the Mosaic kernel is slower on this row) and both on a bf16
+arena of the same geometry; each checked against the reference on its own arena.  Its TB/s count the bytes read
 (1 byte a value for fp8); the second table sets the fp8 kernels against each other and against bf16.
 
     python3 -m benchmarks.bench_decode_mgpu --only fp8          # that row alone (with its sweep)
