@@ -81,15 +81,17 @@ SHAPES = (
 
 
 def sweep_configs(D: int, fp8: bool = False):
-    """(block_kv, ring_slots, num_splits, consumers) besides the default (None, None, None, None).
-    Two consumer warpgroups (taking the blocks in turn) fit at D <= 128."""
-    if fp8:  # the default at D <= 128 is (128, 4); shallower rings, 64-token blocks, two consumers
+    """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None).
+    Two consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
+    whole-row register chunks (dequant_cols = D) is an experiment."""
+    if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, whole rows
         if D > 128:
-            return [(64, 2, None, 1)]
-        return [(128, 2, None, 1), (64, 4, None, 1), (128, 2, None, 2), (64, 4, None, 2), (64, 2, None, 2)]
-    out = [(128, 2, None, 1), (64, 3, None, 1), (64, 4, None, 1)]
+            return [(64, 2, None, 1, None)]
+        return [(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None), (128, 2, None, 2, D),
+                (64, 4, None, 2, D)]
+    out = [(128, 2, None, 1, None), (64, 3, None, 1, None), (64, 4, None, 1, None)]
     if D <= 128:
-        out += [(128, 3, None, 1), (128, 2, None, 2), (64, 4, None, 2)]
+        out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None)]
     return out
 
 
@@ -159,13 +161,14 @@ def bench_shape(a, s: Shape):
     if a.sweep:
         from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-        for bkv, slots, splits, cons in sweep_configs(s.D, s.fp8):
+        for bkv, slots, splits, cons, cols in sweep_configs(s.D, s.fp8):
             if time.time() > a.deadline:
                 break
-            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons:
+            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons, cols=cols:
                         paged_decode_attention_mgpu(q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots,
-                                                    num_splits=splits, consumers=cons))
-            cfg = f"bkv={bkv} slots={slots}" + (f" consumers={cons}" if cons > 1 else "")
+                                                    num_splits=splits, consumers=cons, dequant_cols=cols))
+            cfg = f"bkv={bkv} slots={slots}" + (f" consumers={cons}" if cons > 1 else "") + \
+                (f" dequant_cols={cols}" if cols else "")
             try:
                 err = max_err(f(q, arena, pt, ln), ref)
                 t = time_calls(lambda: f(q, arena, pt, ln), iters=a.iters, trials=a.trials).median

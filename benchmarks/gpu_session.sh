@@ -56,8 +56,8 @@ step() {
     state) python3 -m benchmarks.bench_state ;;
     mgpu_fp8) python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8 --budget 200 ;;
-    mgpu_consumers)  # the Mosaic decode with two consumer warpgroups: their GPU tests, then the fp8, D = 80 and
-      # main shapes with the sweep (one and two consumers in the same run)
+    mgpu_consumers)  # the Mosaic decode with two consumer warpgroups (and fp8's whole-row dequantisation chunks):
+      # their GPU tests, then the fp8, D = 80 and main shapes with the sweep (all variants in the same run)
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k consumers &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8,gqa6_d80,main --budget ${MGPU_BUDGET:-240} ;;
     mgpu_prefill_fp8) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py -k fp8 &&

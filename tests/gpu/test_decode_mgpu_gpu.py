@@ -161,6 +161,9 @@ FP8_CASES = [
     (4, 128, 64, 300, 30.0, True, {"block_kv": 64, "ring_slots": 4, "consumers": 2}),
     (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 2, "consumers": 2}),
     (6, 80, 16, 200, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 2}),
+    # Whole-row dequantisation chunks (the experiment beside the 64-column default).
+    (6, 128, 16, 200, None, True, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "dequant_cols": 128}),
+    (4, 128, 64, None, 30.0, False, {"consumers": 1, "dequant_cols": 128}),
 ]
 
 

@@ -175,7 +175,8 @@ LOWER = [
 ]
 
 
-def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None) -> str:
+def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None,
+                      dequant_cols=None) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
     lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
     the config's consumer warpgroups, None its default)."""
@@ -189,7 +190,7 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
-              consumers=consumers)
+              consumers=consumers, dequant_cols=dequant_cols)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -450,6 +451,30 @@ def test_two_consumers_lower_for_cuda(case, monkeypatch):
     text = _lowered_for_cuda(tuple(geometry), view, jnp.bfloat16 if fp8 else jnp.uint16, monkeypatch, scales=fp8,
                              consumers=2)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("D,consumers", [(128, 2), (64, 2), (128, 1)])
+def test_whole_row_dequantisation_lowers_for_cuda(D, consumers, monkeypatch):
+    """fp8 slots dequantised in whole-row register chunks (dequant_cols = D, the experiment beside
+    the 64-column default): Mosaic GPU's lowering accepts the [64, D] loads and stores."""
+    case = (2, 6, D, 16, 200, None, True, 128 if consumers == 2 else None, 2 if consumers == 2 else None, None)
+    view = fp8_view(2, D, 16)
+    text = _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
+                             dequant_cols=D)
+    assert "mosaic_gpu" in text
+
+
+def test_dequant_cols_checks():
+    view, bf16 = fp8_view(2, 128, 16), kv_view(2, 128, 16)
+    for cols in (64, 128):
+        check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(128, 2, None, 2, cols))
+    for cols in (32, 96, 256):
+        with pytest.raises(NotImplementedError, match="dequant_cols"):
+            check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(128, 2, None, 2, cols))
+    with pytest.raises(NotImplementedError, match="fp8 K/V only"):
+        check_decode_mgpu_supported(q_of(bf16), bf16, DecodeMgpuConfig(128, 2, None, 1, 128))
+    d80 = fp8_view(2, 80, 16)  # plain byte rows: whole rows are already the default
+    check_decode_mgpu_supported(q_of(d80), d80, DecodeMgpuConfig(64, 2, None, 1, 80))
 
 
 def test_two_consumers_config_checks():

@@ -102,12 +102,14 @@ class DecodeMgpuConfig:
     """block_kv: KV tokens per pipeline step (64 or 128); ring_slots: shared-memory K/V slots the
     producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
     consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
-    softmax (ring_slots a multiple of it)."""
+    softmax (ring_slots a multiple of it); dequant_cols (fp8 only): the width of the register
+    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment)."""
 
     block_kv: int = 128
     ring_slots: int = 2
     num_splits: int | None = None
     consumers: int = 1
+    dequant_cols: int | None = None
 
 
 def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
@@ -163,6 +165,9 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
         no(f"block_kv must be 64 or 128, got {cfg.block_kv}")
     if cfg.ring_slots < 2:
         no(f"ring_slots must be >= 2, got {cfg.ring_slots}")
+    dc = cfg.dequant_cols
+    if dc is not None and not (view.fp8 and (dc == D or (dc % 64 == 0 and D % dc == 0 and fp8_swizzle(D)))):
+        no(f"dequant_cols {dc}: fp8 K/V only, and D ({D}) or a multiple of 64 dividing D on swizzled rows")
     if cfg.consumers not in (1, 2) or cfg.ring_slots % cfg.consumers:
         # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
         # barrier): the ring's slots must fall to the consumers in a fixed pattern.
@@ -185,6 +190,7 @@ class _Static(RingStatics):
     G8: int = 8  # q rows read and written: G rounded up to a multiple of 8 (whole tiles)
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
+    dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
 
 
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
@@ -319,7 +325,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             """An fp8 slot (src [bkv, D] float8) into a 16-bit tile (dst [bkv, D]); masked: rows
             outside [start, length) (k0: position of row 0) become 0 (dequantise_fp8, shared with
             the prefill; it ends with commit_smem, so the slot may be released)."""
-            dequantise_fp8(plgpu, src, dst, (k0, start, length) if masked else None)
+            dequantise_fp8(plgpu, src, dst, (k0, start, length) if masked else None, cols=c.dequant_cols)
 
         def next_k(kb):
             """Dequantise block kb's K (its ring slot, then released) into k16."""
@@ -448,7 +454,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
-                consumers=cfg.consumers)
+                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols)
     parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
@@ -471,22 +477,23 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
-                                             "ring_slots", "num_splits", "consumers"))
+                                             "ring_slots", "num_splits", "consumers", "dequant_cols"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None, consumers=None):
+                                num_splits=None, consumers=None, dequant_cols=None):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
-    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers: DecodeMgpuConfig
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols: DecodeMgpuConfig
     (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
     default's where the given block and ring take them, else 1).  Unsupported cases raise
     NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
-    given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1)
+    given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
+                             dequant_cols)
     if consumers is None and cfg.consumers > 1:  # the default's two consumers, where the given tiling takes them
         two = dataclasses.replace(given, consumers=cfg.consumers)
         if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8) <= _SMEM_LIMIT:

@@ -258,17 +258,19 @@ def fp8_ring(plgpu, slots: int, bkv: int, D: int):
                           plgpu.SMEM((slots, bkv, D), FP8, transforms=t_bytes))
 
 
-def dequantise_fp8(plgpu, src, dst, rows=None):
+def dequantise_fp8(plgpu, src, dst, rows=None, cols=None):
     """One fp8 ring slot into a 16-bit tile: src [bkv, D] float8_e4m3fn (fp8_ring's value view),
     dst [bkv, D] in the wgmma dtype (f16), bkv a multiple of 64.  rows None, or (k0, lo, hi): row
     r holds position k0 + r, and rows outside [lo, hi) become 0 (V rows a masked block holds past
-    the written or visible keys: p == 0 would still meet 0 * NaN).  Ends with commit_smem, so the
-    tile is ready for the wgmma and the slot's reads are done (it may be released)."""
+    the written or visible keys: p == 0 would still meet 0 * NaN).  cols: the register chunk's
+    width (None: 64 on swizzled rows, D on plain ones; D: whole rows, fewer and larger chunks, more
+    live registers).  Ends with commit_smem, so the tile is ready for the wgmma and the slot's reads
+    are done (it may be released)."""
     bkv, D = src.shape
     layout = plgpu.Layout.WGMMA_8BIT  # 4 consecutive values a thread (32-bit loads)
     # Columns: 64 at a time (a multiple of both tilings' widths, which divide D and 64); plain
     # (unswizzled) fp8 rows in one piece (jax 0.11 cannot load a column slice of them).
-    cols = _CHUNK if fp8_swizzle(D) else D
+    cols = cols or (_CHUNK if fp8_swizzle(D) else D)
     for r0 in range(0, bkv, _CHUNK):
         for c0 in range(0, D, cols):
             w = min(cols, D - c0)
