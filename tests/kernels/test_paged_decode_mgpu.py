@@ -10,7 +10,6 @@ against the reference is tests/gpu/test_decode_mgpu_gpu.py.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -275,6 +274,8 @@ def test_fp8_default_config_fits_shared_memory_and_the_page(D, ps):
     bf16 = default_decode_mgpu_config(D, ps)
     if cfg.consumers == 1:
         assert cfg.block_kv * cfg.ring_slots >= bf16.block_kv * bf16.ring_slots
+    else:  # two consumers: the measured 128-token blocks in 2 slots, or 64-token ones in 4 (as many tokens)
+        assert (cfg.block_kv, cfg.ring_slots) == ((128, 2) if bf16.block_kv == 128 else (64, 4))
     # the byte ring is half the bf16 ring; each consumer's dequantised K and V tiles come on top
     # (a bf16 pair of consumers has O tiles instead)
     o_tiles = 2 * 64 * D * 2 if cfg.consumers == 2 else 0
