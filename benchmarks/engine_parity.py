@@ -285,13 +285,12 @@ def rounding_verdict(null: dict, other: dict) -> tuple[bool, list[str]]:
     return ok, reasons
 
 
-def print_verdict(null: dict, other: dict) -> bool:
+def print_verdict(null: dict, other: dict) -> None:
     ok, reasons = rounding_verdict(null, other)
     print(f"rounding verdict, {other['backend']} against the null {null['backend']}: "
           + ("within the null's rounding" if ok else "LARGER than the null's rounding"), flush=True)
     for r in reasons:
         print(f"    {r}", flush=True)
-    return ok
 
 
 def compare_runs(name, workload, prompts, ref: dict, new: dict, other: str, model, margin_max_len: int,
@@ -328,9 +327,14 @@ def compare_runs(name, workload, prompts, ref: dict, new: dict, other: str, mode
     return summary
 
 
+def summaries(rows: list[dict]) -> list[dict]:
+    """The compare_runs summary rows among a run's rows, in their order."""
+    return [r for r in rows if "requests" in r and "backend" in r]
+
+
 def summaries_in(path: str) -> list[dict]:
     """The compare_runs summaries of an earlier run's JSON (--json), in its order."""
-    return [r for r in json.loads(Path(path).read_text())["rows"] if "requests" in r and "backend" in r]
+    return summaries(json.loads(Path(path).read_text())["rows"])
 
 
 def main(argv=None) -> int:
@@ -363,8 +367,7 @@ def main(argv=None) -> int:
                   for m in (["tiny"] if a.small else (a.models or "qwen3.5-4b-like").split(",")))
         print("prefill parity:", "OK" if not bad else f"{bad} model(s) MISMATCHED")
         if a.against:  # this run's null against an earlier run's kernel (one model)
-            mine = [r for r in log.rows if "requests" in r and "backend" in r]
-            null = next(r for r in mine if r["backend"].startswith("triton/"))
+            null = next(r for r in summaries(log.rows) if r["backend"].startswith("triton/"))
             theirs = summaries_in(a.against)
             other = next(r for r in reversed(theirs) if not r["backend"].startswith("triton"))
             if (other["model"], other["workload"]) != (null["model"], null["workload"]):
