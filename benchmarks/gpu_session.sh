@@ -11,7 +11,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300
                     [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300
                     [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [q_load]=560
-                    [mgpu_consumers]=420 [fp8_defaults]=360)
+                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -63,6 +63,14 @@ step() {
       # their GPU tests, then the fp8, D = 80 and main shapes with the sweep (all variants in the same run)
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k consumers &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8,gqa6_d80,main --budget ${MGPU_BUDGET:-240} ;;
+    profile_decode)  # Nsight Compute on the decode kernels where the Mosaic one trails Triton (fp8, D = 80): stall
+      # reasons, shared-memory bank conflicts, throughput against the peaks (benchmarks/profile_decode.py)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$NCU" --clock-control none --profile-from-start off --import-source no \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+            --section Occupancy --section LaunchStats --section SourceCounters --metrics \
+            l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
+            python3 -m benchmarks.profile_decode --only ${PROFILE_SHAPES:-fp8,gqa6_d80} ;;
     mgpu_prefill_fp8) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_prefill --fp8 ;;
     serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \

@@ -10,7 +10,7 @@ import pytest
 
 SCRIPTS = ["bench_kernels", "bench_prefill", "bench_state", "bench_arena", "bench_models", "bench_engine",
            "bench_serving", "simulate_admission", "bench_allocator", "bench_tp", "bench_moe", "bench_fp8_kv",
-           "copy_limit", "bench_speculative", "bench_disagg", "bench_issue"]
+           "copy_limit", "bench_speculative", "bench_disagg", "bench_issue", "bench_decode_mgpu", "profile_decode"]
 MODES = [("bench_models", "--breakdown"), ("bench_models", "--memory-probe"), ("bench_engine", "--host"),
          ("bench_engine", "--parity")]
 
