@@ -81,8 +81,8 @@ SHAPES = (
 
 
 def sweep_configs(D: int, fp8: bool = False):
-    """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None).
-    Two consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
+    """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None;
+    num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
     whole-row register chunks (dequant_cols = D) is an experiment."""
     if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, whole rows
         if D > 128:
@@ -92,6 +92,8 @@ def sweep_configs(D: int, fp8: bool = False):
     out = [(128, 2, None, 1, None), (64, 3, None, 1, None), (64, 4, None, 1, None)]
     if D <= 128:
         out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None)]
+    # More splits than the grid needs: more, shorter programs, so the last wave's idle SMs cost less.
+    out += [(128, 2, 2, 1, None), (128, 2, 4, 1, None)]
     return out
 
 
