@@ -42,6 +42,9 @@ def variants(s):
     out = [("triton", dict(backend="triton")), ("mgpu default", dict(backend="mgpu"))]
     if s.fp8 and s.D <= 128:
         out.append(("mgpu dequant_cols=D", dict(backend="mgpu", mgpu_config=dict(dequant_cols=s.D))))
+        if s.D % 128 == 0:
+            out.append(("mgpu dequant_cols=D ring_swizzle=128",
+                        dict(backend="mgpu", mgpu_config=dict(dequant_cols=s.D, ring_swizzle=128))))
     return out
 
 

@@ -164,6 +164,10 @@ FP8_CASES = [
     # Whole-row dequantisation chunks (the experiment beside the 64-column default).
     (6, 128, 16, 200, None, True, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "dequant_cols": 128}),
     (4, 128, 64, None, 30.0, False, {"consumers": 1, "dequant_cols": 128}),
+    # 128-byte ring swizzle (one 128-byte segment a row per TMA copy) with whole-row chunks.
+    (6, 128, 16, 200, None, True, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "dequant_cols": 128,
+                                   "ring_swizzle": 128}),
+    (2, 256, 16, None, 30.0, False, {"block_kv": 64, "ring_slots": 2, "dequant_cols": 256, "ring_swizzle": 128}),
 ]
 
 

@@ -175,7 +175,7 @@ LOWER = [
 
 
 def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None,
-                      dequant_cols=None) -> str:
+                      dequant_cols=None, ring_swizzle=None) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
     lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
     the config's consumer warpgroups, None its default)."""
@@ -189,7 +189,7 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
-              consumers=consumers, dequant_cols=dequant_cols)
+              consumers=consumers, dequant_cols=dequant_cols, ring_swizzle=ring_swizzle)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -293,8 +293,9 @@ def test_fp8_budget_per_head_dim():
     assert default_decode_mgpu_config(128, 192, fp8=True) == DecodeMgpuConfig(64, 4, None, 2)  # 64-token blocks
 
 
-@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
-def test_fp8_ring_views_alias_the_same_bytes(D):
+@pytest.mark.parametrize("D,wide", [(64, False), (80, False), (96, False), (128, False), (256, False), (128, True),
+                                    (256, True)])
+def test_fp8_ring_views_alias_the_same_bytes(D, wide):
     """Each fp8 ring is a RefUnion of a uint16 view (the TMA writes words) and a float8 view (the
     consumer reads values).  The kernel relies on both starting at byte 0 of the union, with equal
     sizes and the same tiling in bytes (8 rows x sw bytes, swizzled by sw); jax documents no such
@@ -304,13 +305,13 @@ def test_fp8_ring_views_alias_the_same_bytes(D):
     # Not a skip: the kernel relies on this placement, so a jax that hides it must be checked by hand.
     assert hasattr(core, "flatten_ref_union"), (f"jax {jax.__version__} has no flatten_ref_union: check the fp8 "
                                                 "ring's byte placement (fp8_ring) by hand, then update this test")
-    union = paged_prefill_mgpu.fp8_ring(plgpu, 3, 128, D)  # the decode's and the prefill's rings
+    sw = 128 if wide else fp8_swizzle(D)  # wide: the decode's ring_swizzle = 128
+    union = paged_prefill_mgpu.fp8_ring(plgpu, 3, 128, D, sw)  # the decode's and the prefill's rings
     words, values = jax.tree.leaves(core.flatten_ref_union(union.get_ref_aval()),
                                     is_leaf=lambda x: hasattr(x, "transforms"))
     (w_alias, *w_layout), (v_alias, *v_layout) = words.transforms, values.transforms
     assert w_alias.offset == v_alias.offset == 0
     assert (w_alias.dtype, v_alias.dtype) == (jnp.dtype(jnp.uint16), jnp.dtype(jnp.float8_e4m3fn))
-    sw = fp8_swizzle(D)
     if sw is None:  # D % 32 == 16: plain rows in both views
         assert D % 32 == 16 and w_layout == v_layout == []
         assert (w_alias.shape, v_alias.shape) == ((3, 128, D // 2), (3, 128, D))
@@ -463,6 +464,30 @@ def test_whole_row_dequantisation_lowers_for_cuda(D, consumers, monkeypatch):
     text = _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
                              dequant_cols=D)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("D,consumers", [(128, 2), (256, 1)])
+def test_wide_fp8_ring_swizzle_lowers_for_cuda(D, consumers, monkeypatch):
+    """fp8 byte rings swizzled by 128 bytes (ring_swizzle = 128, whole-row chunks: each row of a page's
+    TMA box one 128-byte segment): Mosaic GPU's lowering accepts the [64, D] loads of the 128-byte tiles."""
+    case = (2, 6, D, 16, 200, None, True, 128 if consumers == 2 else 64, 2, None)
+    view = fp8_view(2, D, 16)
+    text = _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
+                             dequant_cols=D, ring_swizzle=128)
+    assert "mosaic_gpu" in text
+
+
+def test_ring_swizzle_checks():
+    view, bf16 = fp8_view(2, 128, 16), kv_view(2, 128, 16)
+    check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(128, 2, None, 2, 128, 128))
+    for cols, sw in ((None, 128), (64, 128), (128, 64)):  # 128-byte tiles need 128-value chunks; only 128
+        with pytest.raises(NotImplementedError, match="ring_swizzle"):
+            check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(128, 2, None, 2, cols, sw))
+    with pytest.raises(NotImplementedError, match="fp8 K/V only"):
+        check_decode_mgpu_supported(q_of(bf16), bf16, DecodeMgpuConfig(128, 2, None, 1, None, 128))
+    d64 = fp8_view(2, 64, 16)
+    with pytest.raises(NotImplementedError, match="multiples of 128"):
+        check_decode_mgpu_supported(q_of(d64), d64, DecodeMgpuConfig(64, 2, None, 1, 64, 128))
 
 
 def test_dequant_cols_checks():

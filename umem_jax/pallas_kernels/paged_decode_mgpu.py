@@ -103,13 +103,17 @@ class DecodeMgpuConfig:
     producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
     consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
     softmax (ring_slots a multiple of it); dequant_cols (fp8 only): the width of the register
-    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment)."""
+    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment);
+    ring_swizzle (fp8 only): the byte rings' swizzle (None: fp8_swizzle(D), 64 at D = 128; 128 where
+    dequant_cols is a multiple of 128: each row of a page's TMA box one 128-byte segment, not two
+    of 64, an experiment)."""
 
     block_kv: int = 128
     ring_slots: int = 2
     num_splits: int | None = None
     consumers: int = 1
     dequant_cols: int | None = None
+    ring_swizzle: int | None = None
 
 
 def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
@@ -168,6 +172,9 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     dc = cfg.dequant_cols
     if dc is not None and not (view.fp8 and (dc == D or (dc % 64 == 0 and D % dc == 0 and fp8_swizzle(D)))):
         no(f"dequant_cols {dc}: fp8 K/V only, and D ({D}) or a multiple of 64 dividing D on swizzled rows")
+    rs = cfg.ring_swizzle
+    if rs is not None and not (view.fp8 and rs == 128 and D % 128 == 0 and dc is not None and dc % 128 == 0):
+        no(f"ring_swizzle {rs}: fp8 K/V only, 128, with D ({D}) and dequant_cols ({dc}) multiples of 128")
     if cfg.consumers not in (1, 2) or cfg.ring_slots % cfg.consumers:
         # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
         # barrier): the ring's slots must fall to the consumers in a fixed pattern.
@@ -191,6 +198,7 @@ class _Static(RingStatics):
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
     dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
+    ring_swizzle: int | None = None  # fp8: the byte rings' swizzle (None: fp8_swizzle(D))
 
 
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
@@ -203,7 +211,7 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
         # own, not rows of one [C, bkv, D] ref: jax 0.11 cannot lower a static index of a ref that
         # the P V's run_state closes over)
         tile = lambda: plgpu.SMEM((bkv, D), c.dtype, transforms=tiled)  # noqa: E731
-        rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D),
+        rings = (fp8_ring(plgpu, slots, bkv, D, c.ring_swizzle), fp8_ring(plgpu, slots, bkv, D, c.ring_swizzle),
                  tuple(tile() for _ in range(C)), tuple(tile() for _ in range(C)))
     else:
         rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
@@ -454,7 +462,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
-                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols)
+                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, ring_swizzle=cfg.ring_swizzle)
     parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
@@ -477,23 +485,24 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
-                                             "ring_slots", "num_splits", "consumers", "dequant_cols"))
+                                             "ring_slots", "num_splits", "consumers", "dequant_cols",
+                                             "ring_swizzle"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None, consumers=None, dequant_cols=None):
+                                num_splits=None, consumers=None, dequant_cols=None, ring_swizzle=None):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
-    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols: DecodeMgpuConfig
-    (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
-    default's where the given block and ring take them, else 1).  Unsupported cases raise
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols /
+    ring_swizzle: DecodeMgpuConfig (None: default_decode_mgpu_config's, num_splits from the grid
+    size; consumers None: the default's where the given block and ring take them, else 1).  Unsupported cases raise
     NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
     given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
-                             dequant_cols)
+                             dequant_cols, ring_swizzle)
     if consumers is None and cfg.consumers > 1:  # the default's two consumers, where the given tiling takes them
         two = dataclasses.replace(given, consumers=cfg.consumers)
         if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8) <= _SMEM_LIMIT:

@@ -243,12 +243,13 @@ def fp8_swizzle(D: int) -> int | None:
     return next((sw for sw in (64, 32) if D % sw == 0), None)
 
 
-def fp8_ring(plgpu, slots: int, bkv: int, D: int):
+def fp8_ring(plgpu, slots: int, bkv: int, D: int, sw: int | None = None):
     """One fp8 ring (K or V): a RefUnion of the same bytes as [slots, bkv, D/2] uint16 words (the TMA
     destination) and as [slots, bkv, D] float8_e4m3fn values (what a consumer loads).  Both views
-    are tiled 8 rows x sw bytes and swizzled by sw bytes (fp8_swizzle), so their byte layouts are
-    one; both union members start at byte 0 (each is a group of its own)."""
-    sw = fp8_swizzle(D)
+    are tiled 8 rows x sw bytes and swizzled by sw bytes (None: fp8_swizzle(D); the decode may ask
+    for 128 where its conversion chunks are whole 128-value tiles), so their byte layouts are one;
+    both union members start at byte 0 (each is a group of its own)."""
+    sw = fp8_swizzle(D) if sw is None else sw
     if sw is None:
         t_words = t_bytes = ()
     else:
