@@ -175,7 +175,7 @@ LOWER = [
 
 
 def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None,
-                      dequant_cols=None, ring_swizzle=None) -> str:
+                      dequant_cols=None, ring_swizzle=None, split_head=False) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
     lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
     the config's consumer warpgroups, None its default)."""
@@ -189,7 +189,7 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
-              consumers=consumers, dequant_cols=dequant_cols, ring_swizzle=ring_swizzle)
+              consumers=consumers, dequant_cols=dequant_cols, ring_swizzle=ring_swizzle, split_head=split_head)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -475,6 +475,39 @@ def test_wide_fp8_ring_swizzle_lowers_for_cuda(D, consumers, monkeypatch):
     text = _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
                              dequant_cols=D, ring_swizzle=128)
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("case", [(4, 6, 80, 16, 200, 30.0, True, 128, 4, None, 1),
+                                  (4, 3, 96, 32, None, None, False, 64, 4, 3, 2),
+                                  (8, 6, 80, 16, None, None, False, 128, 2, None, 2)],
+                         ids=["d80", "d96_two_consumers", "d80_two_consumers"])
+def test_split_head_lowers_for_cuda(case, monkeypatch):
+    """Heads of 80 and 96 values held as two column parts (64 + 16 / 32, head_parts): Q, the K and
+    V rings and O as a tile per part, S summed over the parts' MMAs, O one MMA per part; Mosaic GPU's
+    lowering accepts them, with one and two consumers, windows, sinks, soft-cap, fixed splits."""
+    *geometry, consumers = case
+    view = kv_view(case[0], case[2], case[3])
+    text = _lowered_for_cuda(tuple(geometry), view, jnp.uint16, monkeypatch, consumers=consumers, split_head=True)
+    assert "mosaic_gpu" in text
+
+
+def test_head_parts():
+    """One part where the rows take a 128-byte swizzle; else the widest multiple of 64 and the rest."""
+    assert paged_decode_mgpu.head_parts(80) == ((0, 64), (64, 16))
+    assert paged_decode_mgpu.head_parts(96) == ((0, 64), (64, 32))
+    assert paged_decode_mgpu.head_parts(112) == ((0, 64), (64, 48))
+    assert paged_decode_mgpu.head_parts(160) == ((0, 128), (128, 32))
+    for D in (64, 128, 192, 256):
+        assert paged_decode_mgpu.head_parts(D) == ((0, D),)
+    assert paged_decode_mgpu.head_parts(80, split=False) == ((0, 80),)
+    split = DecodeMgpuConfig(64, 2, split_head=True)
+    assert paged_decode_mgpu.kernel_head_parts(80, kv_view(4, 80, 16), split) == ((0, 64), (64, 16))
+    # rows of 160 words: no multiple of the 64-value tile, so the kernel keeps one part
+    assert paged_decode_mgpu.kernel_head_parts(80, kv_view(2, 80, 16), split) == ((0, 80),)
+    assert paged_decode_mgpu.kernel_head_parts(80, kv_view(4, 80, 16), DecodeMgpuConfig(64, 2)) == ((0, 80),)
+    f8 = fp8_view(2, 80, 16)
+    with pytest.raises(NotImplementedError, match="split_head"):
+        check_decode_mgpu_supported(q_of(f8), f8, DecodeMgpuConfig(64, 2, split_head=True))
 
 
 def test_ring_swizzle_checks():
