@@ -38,7 +38,6 @@ import numpy as np
 from umem_jax.memory.plan import KVView
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
-from umem_jax.pallas_kernels.paged_prefill_mgpu import head_swizzle
 from umem_jax.pallas_kernels.words import encode_fp8
 
 from .copy_limit import copy_limit
@@ -85,25 +84,19 @@ CUDNN_PEERS = ("main", "gqa6_d80")
 
 
 def sweep_configs(D: int, fp8: bool = False):
-    """(block_kv, ring_slots, num_splits, consumers, dequant_cols, ring_swizzle) besides the default
-    (all None; num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).
-    Two consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
-    whole-row register chunks (dequant_cols = D), with the byte rings swizzled by 64 or 128 bytes
-    (ring_swizzle), is an experiment; so is a head of 80 or 96 values as two column parts (the
-    dequant_cols slot says "split": split_head)."""
+    """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None;
+    num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
+    whole-row register chunks (dequant_cols = D) is an experiment."""
     if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, whole rows
         if D > 128:
-            return [(64, 2, None, 1, None, None)]
-        out = [(128, 4, None, 1, None, None), (128, 2, None, 1, None, None), (64, 4, None, 2, None, None),
-               (128, 2, None, 2, D, None), (64, 4, None, 2, D, None)]
-        return out + ([(128, 2, None, 2, D, 128), (64, 4, None, 2, D, 128)] if D % 128 == 0 else [])
-    out = [(128, 2, None, 1, None, None), (64, 3, None, 1, None, None), (64, 4, None, 1, None, None)]
+            return [(64, 2, None, 1, None)]
+        return [(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None), (128, 2, None, 2, D),
+                (64, 4, None, 2, D)]
+    out = [(128, 2, None, 1, None), (64, 3, None, 1, None), (64, 4, None, 1, None)]
     if D <= 128:
-        out += [(128, 3, None, 1, None, None), (128, 2, None, 2, None, None), (64, 4, None, 2, None, None)]
+        out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None)]
     # More splits than the grid needs: more, shorter programs, so the last wave's idle SMs cost less.
-    out += [(128, 2, 2, 1, None, None), (128, 2, 4, 1, None, None)]
-    if head_swizzle(D) < 128:  # rows narrower-swizzled than 128 bytes: the head as two column parts
-        out += [(128, 4, None, 1, "split", None), (128, 2, None, 1, "split", None), (64, 4, None, 2, "split", None)]
+    out += [(128, 2, 2, 1, None), (128, 2, 4, 1, None)]
     return out
 
 
@@ -173,18 +166,14 @@ def bench_shape(a, s: Shape):
     if a.sweep:
         from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-        for bkv, slots, splits, cons, cols, sw in sweep_configs(s.D, s.fp8):
+        for bkv, slots, splits, cons, cols in sweep_configs(s.D, s.fp8):
             if time.time() > a.deadline:
                 break
-            split, cols = cols == "split", None if cols == "split" else cols
-            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons, cols=cols, sw=sw,
-                        split=split:
+            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons, cols=cols:
                         paged_decode_attention_mgpu(q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots,
-                                                    num_splits=splits, consumers=cons, dequant_cols=cols,
-                                                    ring_swizzle=sw, split_head=split))
+                                                    num_splits=splits, consumers=cons, dequant_cols=cols))
             cfg = f"bkv={bkv} slots={slots}" + (f" consumers={cons}" if cons > 1 else "") + \
-                (f" dequant_cols={cols}" if cols else "") + (f" ring_swizzle={sw}" if sw else "") + \
-                (" split_head" if split else "")
+                (f" dequant_cols={cols}" if cols else "")
             try:
                 err = max_err(f(q, arena, pt, ln), ref)
                 t = time_calls(lambda: f(q, arena, pt, ln), iters=a.iters, trials=a.trials).median

@@ -11,7 +11,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300
                     [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300
                     [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [q_load]=560
-                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300 [mgpu_parts]=420)
+                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -63,10 +63,6 @@ step() {
       # their GPU tests, then the fp8, D = 80 and main shapes with the sweep (all variants in the same run)
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k consumers &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8,gqa6_d80,main --budget ${MGPU_BUDGET:-240} ;;
-    mgpu_parts)  # session 28's Mosaic decode experiments: a head of 80 / 96 values as two column parts (split_head)
-      # and fp8's byte rings swizzled by 128 bytes (ring_swizzle): their GPU tests, then the D = 80 and fp8 rows' sweeps
-      python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k "split_head or ring_swizzle"
-      python3 -m benchmarks.bench_decode_mgpu --only gqa6_d80,fp8 --budget ${MGPU_BUDGET:-200} ;;
     profile_decode)  # Nsight Compute on the decode kernels where the Mosaic one trails Triton (fp8, D = 80): stall
       # reasons, shared-memory bank conflicts, throughput against the peaks (benchmarks/profile_decode.py)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -40,13 +40,8 @@ def _profiler():
 def variants(s):
     """(label, paged_decode_attention keyword arguments) profiled for shape s."""
     out = [("triton", dict(backend="triton")), ("mgpu default", dict(backend="mgpu"))]
-    if not s.fp8 and s.D % 64:  # D = 80, 96: the head as two column parts
-        out.append(("mgpu split_head", dict(backend="mgpu", mgpu_config=dict(split_head=True))))
     if s.fp8 and s.D <= 128:
         out.append(("mgpu dequant_cols=D", dict(backend="mgpu", mgpu_config=dict(dequant_cols=s.D))))
-        if s.D % 128 == 0:
-            out.append(("mgpu dequant_cols=D ring_swizzle=128",
-                        dict(backend="mgpu", mgpu_config=dict(dequant_cols=s.D, ring_swizzle=128))))
     return out
 
 

@@ -175,7 +175,7 @@ LOWER = [
 
 
 def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None,
-                      dequant_cols=None, ring_swizzle=None, split_head=False) -> str:
+                      dequant_cols=None) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
     lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
     the config's consumer warpgroups, None its default)."""
@@ -189,7 +189,7 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
-              consumers=consumers, dequant_cols=dequant_cols, ring_swizzle=ring_swizzle, split_head=split_head)
+              consumers=consumers, dequant_cols=dequant_cols)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -293,9 +293,8 @@ def test_fp8_budget_per_head_dim():
     assert default_decode_mgpu_config(128, 192, fp8=True) == DecodeMgpuConfig(64, 4, None, 2)  # 64-token blocks
 
 
-@pytest.mark.parametrize("D,wide", [(64, False), (80, False), (96, False), (128, False), (256, False), (128, True),
-                                    (256, True)])
-def test_fp8_ring_views_alias_the_same_bytes(D, wide):
+@pytest.mark.parametrize("D", [64, 80, 96, 128, 256])
+def test_fp8_ring_views_alias_the_same_bytes(D):
     """Each fp8 ring is a RefUnion of a uint16 view (the TMA writes words) and a float8 view (the
     consumer reads values).  The kernel relies on both starting at byte 0 of the union, with equal
     sizes and the same tiling in bytes (8 rows x sw bytes, swizzled by sw); jax documents no such
@@ -305,13 +304,13 @@ def test_fp8_ring_views_alias_the_same_bytes(D, wide):
     # Not a skip: the kernel relies on this placement, so a jax that hides it must be checked by hand.
     assert hasattr(core, "flatten_ref_union"), (f"jax {jax.__version__} has no flatten_ref_union: check the fp8 "
                                                 "ring's byte placement (fp8_ring) by hand, then update this test")
-    sw = 128 if wide else fp8_swizzle(D)  # wide: the decode's ring_swizzle = 128
-    union = paged_prefill_mgpu.fp8_ring(plgpu, 3, 128, D, sw)  # the decode's and the prefill's rings
+    union = paged_prefill_mgpu.fp8_ring(plgpu, 3, 128, D)  # the decode's and the prefill's rings
     words, values = jax.tree.leaves(core.flatten_ref_union(union.get_ref_aval()),
                                     is_leaf=lambda x: hasattr(x, "transforms"))
     (w_alias, *w_layout), (v_alias, *v_layout) = words.transforms, values.transforms
     assert w_alias.offset == v_alias.offset == 0
     assert (w_alias.dtype, v_alias.dtype) == (jnp.dtype(jnp.uint16), jnp.dtype(jnp.float8_e4m3fn))
+    sw = fp8_swizzle(D)
     if sw is None:  # D % 32 == 16: plain rows in both views
         assert D % 32 == 16 and w_layout == v_layout == []
         assert (w_alias.shape, v_alias.shape) == ((3, 128, D // 2), (3, 128, D))
@@ -464,63 +463,6 @@ def test_whole_row_dequantisation_lowers_for_cuda(D, consumers, monkeypatch):
     text = _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
                              dequant_cols=D)
     assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("D,consumers", [(128, 2), (256, 1)])
-def test_wide_fp8_ring_swizzle_lowers_for_cuda(D, consumers, monkeypatch):
-    """fp8 byte rings swizzled by 128 bytes (ring_swizzle = 128, whole-row chunks: each row of a page's
-    TMA box one 128-byte segment): Mosaic GPU's lowering accepts the [64, D] loads of the 128-byte tiles."""
-    case = (2, 6, D, 16, 200, None, True, 128 if consumers == 2 else 64, 2, None)
-    view = fp8_view(2, D, 16)
-    text = _lowered_for_cuda(case, view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
-                             dequant_cols=D, ring_swizzle=128)
-    assert "mosaic_gpu" in text
-
-
-@pytest.mark.parametrize("case", [(4, 6, 80, 16, 200, 30.0, True, 128, 4, None, 1),
-                                  (4, 3, 96, 32, None, None, False, 64, 4, 3, 2),
-                                  (8, 6, 80, 16, None, None, False, 128, 2, None, 2)],
-                         ids=["d80", "d96_two_consumers", "d80_two_consumers"])
-def test_split_head_lowers_for_cuda(case, monkeypatch):
-    """Heads of 80 and 96 values held as two column parts (64 + 16 / 32, head_parts): Q, the K and
-    V rings and O as a tile per part, S summed over the parts' MMAs, O one MMA per part; Mosaic GPU's
-    lowering accepts them, with one and two consumers, windows, sinks, soft-cap, fixed splits."""
-    *geometry, consumers = case
-    view = kv_view(case[0], case[2], case[3])
-    text = _lowered_for_cuda(tuple(geometry), view, jnp.uint16, monkeypatch, consumers=consumers, split_head=True)
-    assert "mosaic_gpu" in text
-
-
-def test_head_parts():
-    """One part where the rows take a 128-byte swizzle; else the widest multiple of 64 and the rest."""
-    assert paged_decode_mgpu.head_parts(80) == ((0, 64), (64, 16))
-    assert paged_decode_mgpu.head_parts(96) == ((0, 64), (64, 32))
-    assert paged_decode_mgpu.head_parts(112) == ((0, 64), (64, 48))
-    assert paged_decode_mgpu.head_parts(160) == ((0, 128), (128, 32))
-    for D in (64, 128, 192, 256):
-        assert paged_decode_mgpu.head_parts(D) == ((0, D),)
-    assert paged_decode_mgpu.head_parts(80, split=False) == ((0, 80),)
-    split = DecodeMgpuConfig(64, 2, split_head=True)
-    assert paged_decode_mgpu.kernel_head_parts(80, kv_view(4, 80, 16), split) == ((0, 64), (64, 16))
-    # rows of 160 words: no multiple of the 64-value tile, so the kernel keeps one part
-    assert paged_decode_mgpu.kernel_head_parts(80, kv_view(2, 80, 16), split) == ((0, 80),)
-    assert paged_decode_mgpu.kernel_head_parts(80, kv_view(4, 80, 16), DecodeMgpuConfig(64, 2)) == ((0, 80),)
-    f8 = fp8_view(2, 80, 16)
-    with pytest.raises(NotImplementedError, match="split_head"):
-        check_decode_mgpu_supported(q_of(f8), f8, DecodeMgpuConfig(64, 2, split_head=True))
-
-
-def test_ring_swizzle_checks():
-    view, bf16 = fp8_view(2, 128, 16), kv_view(2, 128, 16)
-    check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(128, 2, None, 2, 128, 128))
-    for cols, sw in ((None, 128), (64, 128), (128, 64)):  # 128-byte tiles need 128-value chunks; only 128
-        with pytest.raises(NotImplementedError, match="ring_swizzle"):
-            check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(128, 2, None, 2, cols, sw))
-    with pytest.raises(NotImplementedError, match="fp8 K/V only"):
-        check_decode_mgpu_supported(q_of(bf16), bf16, DecodeMgpuConfig(128, 2, None, 1, None, 128))
-    d64 = fp8_view(2, 64, 16)
-    with pytest.raises(NotImplementedError, match="multiples of 128"):
-        check_decode_mgpu_supported(q_of(d64), d64, DecodeMgpuConfig(64, 2, None, 1, 64, 128))
 
 
 def test_dequant_cols_checks():

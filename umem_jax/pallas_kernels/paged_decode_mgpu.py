@@ -103,39 +103,13 @@ class DecodeMgpuConfig:
     producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
     consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
     softmax (ring_slots a multiple of it); dequant_cols (fp8 only): the width of the register
-    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment);
-    ring_swizzle (fp8 only): the byte rings' swizzle (None: fp8_swizzle(D), 64 at D = 128; 128 where
-    dequant_cols is a multiple of 128: each row of a page's TMA box one 128-byte segment, not two
-    of 64, an experiment); split_head (bf16 only): a head whose rows take a swizzle narrower than
-    128 bytes (D = 80, 96) held as two column parts in shared memory (head_parts), an experiment."""
+    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment)."""
 
     block_kv: int = 128
     ring_slots: int = 2
     num_splits: int | None = None
     consumers: int = 1
     dequant_cols: int | None = None
-    ring_swizzle: int | None = None
-    split_head: bool = False
-
-
-def kernel_head_parts(D: int, view, cfg: DecodeMgpuConfig) -> tuple[tuple[int, int], ...]:
-    """The head parts the kernel uses: head_parts where cfg.split_head asks for them and the arena's
-    rows allow them (the TMA boxes' tiled dimension, the row, must be a multiple of the 64-value
-    tile: row_words % 64 == 0, e.g. 8 kv heads of 80), else one part (always for fp8)."""
-    split = cfg.split_head and not view.fp8 and view.row_words % 64 == 0
-    return head_parts(D, split)
-
-
-def head_parts(D: int, split: bool = True) -> tuple[tuple[int, int], ...]:
-    """Column parts (start, width) of a head's D values in the shared-memory tiles: one part, or
-    (split, where a row of D 16-bit values takes a swizzle narrower than 128 bytes: D = 80, 96) the
-    widest multiple of 64 and the rest, each a tile of its own swizzle.  Why: a TMA box's rows are
-    copied in segments of the swizzle's width, so a 160-byte row (D = 80) swizzled by 32 bytes is
-    five 32-byte segments; as parts it is one of 128 bytes and one of 32."""
-    if not split or head_swizzle(D) == 128:
-        return ((0, D),)
-    main = D // 64 * 64
-    return ((0, main), (main, D - main))
 
 
 def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
@@ -194,11 +168,6 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     dc = cfg.dequant_cols
     if dc is not None and not (view.fp8 and (dc == D or (dc % 64 == 0 and D % dc == 0 and fp8_swizzle(D)))):
         no(f"dequant_cols {dc}: fp8 K/V only, and D ({D}) or a multiple of 64 dividing D on swizzled rows")
-    rs = cfg.ring_swizzle
-    if rs is not None and not (view.fp8 and rs == 128 and D % 128 == 0 and dc is not None and dc % 128 == 0):
-        no(f"ring_swizzle {rs}: fp8 K/V only, 128, with D ({D}) and dequant_cols ({dc}) multiples of 128")
-    if cfg.split_head and view.fp8:
-        no("split_head: bf16 K/V only (the fp8 path dequantises whole rows into 16-bit tiles)")
     if cfg.consumers not in (1, 2) or cfg.ring_slots % cfg.consumers:
         # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
         # barrier): the ring's slots must fall to the consumers in a fixed pattern.
@@ -222,63 +191,51 @@ class _Static(RingStatics):
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
     dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
-    ring_swizzle: int | None = None  # fp8: the byte rings' swizzle (None: fp8_swizzle(D))
-    parts: tuple = ()  # head_parts: the (start, width) column parts of the Q, K, V and O tiles
 
 
-def _tiled(plgpu, w: int):
-    """Tiling and swizzle of a [rows, w] 16-bit tile (head_swizzle(w))."""
-    sw = head_swizzle(w)
-    return plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)
-
-
-def _kernel(plgpu, c: _Static, len_ref, pt_ref, *refs):
-    # refs: Q (one ref per head part), the arena, O (one per head part), the max/sum
-    n = len(c.parts)
-    q_refs, arena_ref, o_refs, ml_ref = refs[:n], refs[n], refs[n + 1:2 * n + 1], refs[2 * n + 1]
-    D, bkv, slots, C, parts = c.D, c.bkv, c.ring_slots, c.consumers, c.parts
-    tiled = _tiled(plgpu, D)
+def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
+    D, bkv, slots, C = c.D, c.bkv, c.ring_slots, c.consumers
+    sw = head_swizzle(D)
+    tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
     ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
     if c.fp8:  # byte rings, and each consumer's 16-bit K and V tiles the wgmma reads (refs of their
         # own, not rows of one [C, bkv, D] ref: jax 0.11 cannot lower a static index of a ref that
         # the P V's run_state closes over)
         tile = lambda: plgpu.SMEM((bkv, D), c.dtype, transforms=tiled)  # noqa: E731
-        rings = (fp8_ring(plgpu, slots, bkv, D, c.ring_swizzle), fp8_ring(plgpu, slots, bkv, D, c.ring_swizzle),
+        rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D),
                  tuple(tile() for _ in range(C)), tuple(tile() for _ in range(C)))
-    else:  # a ring per head part (one, or two where head_parts splits the rows)
-        rings = tuple(tuple(plgpu.SMEM((slots, bkv, w), c.dtype, transforms=_tiled(plgpu, w)) for _, w in parts)
-                      for _ in "kv")
+    else:
+        rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
+                 plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled))
     # Where each consumer's O leaves: one consumer through the Q tile (no MMA reads Q after its
     # loop); two share Q, so bf16 ones get an O tile each and fp8 ones use their K tile.
-    o_tiles = (tuple(plgpu.SMEM((C, _ROWS, w), c.dtype, transforms=_tiled(plgpu, w)) for _, w in parts)
-               if C > 1 and not c.fp8 else None)
+    o_tiles = plgpu.SMEM((C, _ROWS, D), c.dtype, transforms=tiled) if C > 1 and not c.fp8 else None
     pl.run_scoped(
-        functools.partial(_body, plgpu, c, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref),
-        (tuple(plgpu.SMEM((_ROWS, w), c.dtype, transforms=_tiled(plgpu, w)) for _, w in parts),
+        functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
+        (plgpu.SMEM((_ROWS, D), c.dtype, transforms=tiled),
          rings,
          plgpu.SMEM((C, _ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled),
          o_tiles),
-        (plgpu.Barrier(num_arrivals=copies * len(parts), num_barriers=slots),  # K slot filled
-         plgpu.Barrier(num_arrivals=copies * len(parts), num_barriers=slots),  # V slot filled
-         plgpu.Barrier(num_arrivals=len(parts))),  # Q tile
+        (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
+         plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
+         plgpu.Barrier()),  # Q tile
         (plgpu.Barrier(num_barriers=slots),) * 2,  # K / V slot released by its consumer
         collective_axes="wg",
     )
 
 
-def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref, smem, filled, released):
-    q_tiles, rings, ml_smem, o_tiles = smem  # q_tiles, the rings and o_tiles: one ref per head part
-    if c.fp8:  # one head part
+def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
+    q_smem, rings, ml_smem, o_tiles = smem
+    if c.fp8:
         (k_words, k_bytes), (v_words, v_bytes), k16s, v16s = rings[0], rings[1], rings[2], rings[3]
         ring_words = (k_words, v_words)  # what the producer's TMA copies write
     else:
-        k_parts, v_parts = rings
+        k_smem, v_smem = rings
         ring_words = rings
     k_filled, v_filled, q_filled = filled
     k_released, v_released = released
-    D, bkv, slots, C, parts = c.D, c.bkv, c.ring_slots, c.consumers, c.parts
-    q_smem = q_tiles[0]  # the fp8 path's (whole-head) Q tile
+    D, bkv, slots, C = c.D, c.bkv, c.ring_slots, c.consumers
     i32 = jnp.int32
 
     split = lax.axis_index("split")
@@ -307,11 +264,9 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
         layout = plgpu.Layout.WGMMA
         if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
             if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
-                for (_, w), q_part in zip(parts, q_tiles):
-                    q_part[...] = plgpu.layout_cast(jnp.zeros((_ROWS, w), c.dtype), layout)
+                q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
                 plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
-            for q_ref, q_part in zip(q_refs, q_tiles):
-                plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_part.at[pl.ds(0, c.G8)], q_filled)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
         plgpu.barrier_wait(q_filled)
         if c.fp8:
             k16, v16 = k16s[ci], v16s[ci]
@@ -319,11 +274,11 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
         exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
         m_i = plgpu.layout_cast(jnp.full((_ROWS,), _NEG_BIG, jnp.float32), layout.reduce(1))
         l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), layout.reduce(1))
-        acc = tuple(plgpu.layout_cast(jnp.full((_ROWS, w), 0.0, jnp.float32), layout) for _, w in parts)
+        acc = plgpu.layout_cast(jnp.full((_ROWS, D), 0.0, jnp.float32), layout)
 
         def softmax(s, k0, masked: bool, carry):
             """One block's online-softmax update: scores s [64, bkv] f32 of keys k0 .. k0 + bkv ->
-            (P in the 16-bit dtype, (acc rescaled (a tuple: one [64, w] per head part), m, l))."""
+            (P in the 16-bit dtype, (acc rescaled, m, l))."""
             acc, m_i, l_i = carry
             if c.softcap is not None:
                 s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
@@ -333,7 +288,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
             m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = tuple(a * lax.broadcast_in_dim(alpha, a.shape, [0]) for a in acc)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l_i = l_i * alpha + p.sum(axis=1)
             return p.astype(c.dtype), (acc, m_new, l_i)
 
@@ -342,8 +297,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
             plgpu.barrier_wait(k_filled.at[slot])
 
             def qk(acc_ref):
-                for q_part, k_part in zip(q_tiles, k_parts):  # S sums over the head parts
-                    plgpu.wgmma(acc_ref, q_part, k_part.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
@@ -354,18 +308,16 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
             if masked:
                 @pl.when((k0 < start) | (k0 + bkv > length))
                 def _zero_garbage_v():
-                    for (_, w), v_part in zip(parts, v_parts):
-                        v_ref = v_part.at[slot]
-                        rows = k0 + plgpu.broadcasted_iota(jnp.int32, (bkv, w), 0, layout=layout)
-                        v = mgpu_load(plgpu, v_ref, layout)
-                        v_ref[...] = jnp.where((rows >= start) & (rows < length), v, jnp.zeros_like(v))
+                    v_ref = v_smem.at[slot]
+                    rows = k0 + plgpu.broadcasted_iota(jnp.int32, (bkv, D), 0, layout=layout)
+                    v = mgpu_load(plgpu, v_ref, layout)
+                    v_ref[...] = jnp.where((rows >= start) & (rows < length), v, jnp.zeros_like(v))
                     plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) read
 
-            def pv(acc_refs):
-                for acc_ref, v_part in zip(acc_refs, v_parts):  # O's head parts, each its own MMA
-                    plgpu.wgmma(acc_ref, p16, v_part.at[slot])
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
 
-            acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))  # accumulate into the running O
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
             plgpu.barrier_arrive(v_released.at[slot])
             return acc, m_new, l_i
 
@@ -405,7 +357,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
                 # reader, this block's Q K^T, has completed).
                 pl.when(kb + C < hi)(lambda: next_k(kb + C))
 
-            acc = (pl.run_state(pv)(plgpu.ACC.init(acc[0])),)  # accumulate into the running O (one part)
+            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
             return acc, m_new, l_i
 
         step = step_fp8 if c.fp8 else step_bf16
@@ -433,20 +385,18 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
         # O leaves normalised, in the 16-bit dtype, through a tile no MMA reads any more (see
         # _kernel); the max and sum go out in f32 beside it, for combine_splits.
         if C == 1:
-            o_smem = q_tiles
+            o_smem = q_smem
         else:
-            o_smem = (k16.at[pl.ds(0, _ROWS)],) if c.fp8 else tuple(t.at[ci] for t in o_tiles)
+            o_smem = k16.at[pl.ds(0, _ROWS)] if c.fp8 else o_tiles.at[ci]
         l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
-        for o_part, a in zip(o_smem, acc):
-            o_part[...] = (a / lax.broadcast_in_dim(l_safe, a.shape, [0])).astype(c.dtype)
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(c.dtype)
         cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, _ML_COLS), 1, layout=layout)
         ml = jnp.where(cols < _ML_COLS // 2, lax.broadcast_in_dim(m_i, (_ROWS, _ML_COLS), [0]),
                        lax.broadcast_in_dim(l_i, (_ROWS, _ML_COLS), [0]))
         ml_smem.at[ci][...] = ml
         plgpu.commit_smem()
         out = split * C + ci
-        for o_ref, o_part in zip(o_refs, o_smem):
-            plgpu.copy_smem_to_gmem(o_part.at[pl.ds(0, c.G8)], o_ref.at[b, kv_head, out])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, c.G8)], o_ref.at[b, kv_head, out])
         plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, c.G8)], ml_ref.at[b, kv_head, out])
         plgpu.wait_smem_to_gmem(0)
 
@@ -458,8 +408,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_refs, arena_ref, o_refs, ml_ref,
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
         produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, ring_words, (k_filled, v_filled),
-                        (k_released, v_released), head_words=D // 2 if c.fp8 else None,
-                        parts=None if c.fp8 else parts)
+                        (k_released, v_released), head_words=D // 2 if c.fp8 else None)
 
 
 def combine_splits(o, ml, lengths, sinks, G: int, dtype):
@@ -505,23 +454,18 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
-                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, ring_swizzle=cfg.ring_swizzle,
-                parts=kernel_head_parts(D, view, cfg))
-    # Q in and O out as an array per head part: a TMA box's tiled dimension must be a multiple of
-    # the tile's width in the whole array, and D = 80 is no multiple of a 64-value tile.
-    q_parts = (qg,) if len(c.parts) == 1 else tuple(qg[..., c0:c0 + w] for c0, w in c.parts)
-    S = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
-    *o_parts, ml = plgpu.kernel(
+                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols)
+    parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
+    o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
-        out_type=(*(jax.ShapeDtypeStruct((B, Hkv, S, G8, w), dtype) for _, w in c.parts),
-                  jax.ShapeDtypeStruct((B, Hkv, S, G8, _ML_COLS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((B, Hkv, parts, G8, D), dtype),
+                  jax.ShapeDtypeStruct((B, Hkv, parts, G8, _ML_COLS), jnp.float32)),
         grid=(c.num_splits, Hkv, B),
         grid_names=("split", "heads", "batch"),
         num_threads=c.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(lengths, page_table, *q_parts, arena)
-    o = o_parts[0] if len(o_parts) == 1 else jnp.concatenate(o_parts, axis=-1)
+    )(lengths, page_table, qg, arena)
     lengths = jnp.minimum(lengths, P * view.page_size)
     if not view.fp8:
         return combine_splits(o, ml, lengths, sinks, G, q.dtype)
@@ -533,25 +477,23 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
-                                             "ring_slots", "num_splits", "consumers", "dequant_cols",
-                                             "ring_swizzle", "split_head"))
+                                             "ring_slots", "num_splits", "consumers", "dequant_cols"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None, consumers=None, dequant_cols=None, ring_swizzle=None,
-                                split_head=False):
+                                num_splits=None, consumers=None, dequant_cols=None):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
-    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols /
-    ring_swizzle / split_head: DecodeMgpuConfig (None: default_decode_mgpu_config's, num_splits from the grid
-    size; consumers None: the default's where the given block and ring take them, else 1).  Unsupported cases raise
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols: DecodeMgpuConfig
+    (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
+    default's where the given block and ring take them, else 1).  Unsupported cases raise
     NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
     given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
-                             dequant_cols, ring_swizzle, split_head)
+                             dequant_cols)
     if consumers is None and cfg.consumers > 1:  # the default's two consumers, where the given tiling takes them
         two = dataclasses.replace(given, consumers=cfg.consumers)
         if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8) <= _SMEM_LIMIT:

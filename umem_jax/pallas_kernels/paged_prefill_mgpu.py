@@ -243,13 +243,12 @@ def fp8_swizzle(D: int) -> int | None:
     return next((sw for sw in (64, 32) if D % sw == 0), None)
 
 
-def fp8_ring(plgpu, slots: int, bkv: int, D: int, sw: int | None = None):
+def fp8_ring(plgpu, slots: int, bkv: int, D: int):
     """One fp8 ring (K or V): a RefUnion of the same bytes as [slots, bkv, D/2] uint16 words (the TMA
     destination) and as [slots, bkv, D] float8_e4m3fn values (what a consumer loads).  Both views
-    are tiled 8 rows x sw bytes and swizzled by sw bytes (None: fp8_swizzle(D); the decode may ask
-    for 128 where its conversion chunks are whole 128-value tiles), so their byte layouts are one;
-    both union members start at byte 0 (each is a group of its own)."""
-    sw = fp8_swizzle(D) if sw is None else sw
+    are tiled 8 rows x sw bytes and swizzled by sw bytes (fp8_swizzle), so their byte layouts are
+    one; both union members start at byte 0 (each is a group of its own)."""
+    sw = fp8_swizzle(D)
     if sw is None:
         t_words = t_bytes = ()
     else:
@@ -642,18 +641,14 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
 
 
 def produce_kv_ring(plgpu, c: RingStatics, pt_ref, arena_ref, b, kv_head, first, n_steps, smem, filled, released,
-                    head_words: int | None = None, parts=None):
+                    head_words: int | None = None):
     """The producer warpgroup of the Mosaic GPU prefill and decode: copy the K and V of KV blocks
     first .. first + n_steps of request b's kv head into the shared-memory ring, slot i % ring_slots,
     one TMA copy per page (a [rows, W] box at arena row page * rows_per_page + k_row (v_row) +
     offset, column kv_head * W), waiting for the consumers' release of a slot before refilling it.
     c: the kernel's RingStatics; head_words W: the words of one head in a row (None: c.D, one word
-    per value; the fp8 kernels pass D / 2, two values per word); parts: None, or the (start, width)
-    column parts of a head (paged_decode_mgpu.head_parts), each with a ring of its own (smem's K and
-    V are then tuples of refs): one copy per page and part, all on the slot's barrier."""
+    per value; the fp8 kernels pass D / 2, two values per word)."""
     (k_smem, v_smem), (k_filled, v_filled), (k_released, v_released) = smem, filled, released
-    if parts is None:
-        parts, k_smem, v_smem = ((0, c.D if head_words is None else head_words),), (k_smem,), (v_smem,)
     i32 = jnp.int32
     bkv, ring_slots = c.bkv, c.ring_slots
     D = c.D if head_words is None else head_words
@@ -672,9 +667,8 @@ def produce_kv_ring(plgpu, c: RingStatics, pt_ref, arena_ref, b, kv_head, first,
         for i, page in enumerate(pages):
             # first arena row of this copy: the page's K (or V) rows, from token kb*bkv + i*rows
             row = page * rows_per_page + base_row + lax.rem(kb * bkv + i * rows_per_copy, i32(page_size))
-            for (c0, w), ring in zip(parts, smem):
-                plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col + c0, w)],
-                                        ring.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
+            plgpu.copy_gmem_to_smem(arena_ref.at[pl.ds(row, rows_per_copy), pl.ds(col, D)],
+                                    smem.at[slot, pl.ds(i * rows_per_copy, rows_per_copy)], bar.at[slot])
 
     def fill(i, pages):
         kb = first + i
