@@ -110,6 +110,10 @@ def test_default_config_fits_shared_memory_and_the_page(D, ps):
     check_decode_mgpu_supported(q_of(kv_view(1, D, ps)), kv_view(1, D, ps), cfg)
     if D <= 128 and (128 % ps == 0 or ps % 128 == 0):
         assert cfg.block_kv == 128
+    if D == 80:  # narrower-swizzled rows: a 2-slot ring, two CTAs an SM (measured faster)
+        assert cfg.ring_slots == 2 and 2 * smem_bytes(D, cfg) <= 226 * 1024
+    if D == 96:  # two CTAs would not fit even at 2 slots: as deep a ring as fits
+        assert cfg.ring_slots >= 3
 
 
 def test_config_refusals():

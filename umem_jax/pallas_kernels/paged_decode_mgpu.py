@@ -93,6 +93,7 @@ __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 1, never NaN
 _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+_SM_SMEM = 228 * 1024 - 2 * 1024  # shared memory of an SM, less the 1 KB the hardware keeps per CTA (two CTAs)
 _ROWS = 64  # one wgmma M tile: the q heads of one kv head, zero-padded
 _ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as a [64, 32] f32 tile
 
@@ -131,7 +132,10 @@ def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> Dec
     two consumers (each dequantises its own blocks, which one consumer alone could not keep up
     with: 1.25x faster at D = 128 on an H100, RESULTS.md), 128-token blocks in 2 slots (64-token
     ones in 4 where the page asks for them); above, one consumer (smem_bytes' fp8 budget): 2 slots
-    of 128 tokens at D = 192, 3 slots of 64 tokens at D = 256."""
+    of 128 tokens at D = 192, 3 slots of 64 tokens at D = 256.  bf16 rows that take a swizzle
+    narrower than 128 bytes, where a 2-slot ring lets two CTAs share an SM (D = 80: 101 KB each):
+    2 slots, faster than the deepest ring in all three runs that timed both at D = 80 (0.9% to
+    3.6%, H100 and H200, RESULTS.md)."""
     bkv = 64 if (128 % page_size and page_size % 128) else 128
     if fp8:
         two = DecodeMgpuConfig(bkv, 2 if bkv == 128 else 4, None, 2)
@@ -140,6 +144,8 @@ def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> Dec
     if smem_bytes(D, DecodeMgpuConfig(bkv, 2), fp8) > _SMEM_LIMIT:
         bkv = 64
     cfg = DecodeMgpuConfig(bkv, 2)
+    if not fp8 and D % 16 == 0 and head_swizzle(D) < 128 and 2 * smem_bytes(D, cfg) <= _SM_SMEM:
+        return cfg
     while cfg.ring_slots < 4 and \
             smem_bytes(D, dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1), fp8) <= _SMEM_LIMIT:
         cfg = dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1)
