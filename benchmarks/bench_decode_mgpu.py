@@ -85,7 +85,8 @@ CUDNN_PEERS = ("main", "gqa6_d80")
 
 def sweep_configs(D: int, fp8: bool = False):
     """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None;
-    num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
+    num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two
+    consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
     whole-row register chunks (dequant_cols = D) is an experiment."""
     if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, whole rows
         if D > 128:

@@ -133,7 +133,7 @@ def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> Dec
     with: 1.25x faster at D = 128 on an H100, RESULTS.md), 128-token blocks in 2 slots (64-token
     ones in 4 where the page asks for them); above, one consumer (smem_bytes' fp8 budget): 2 slots
     of 128 tokens at D = 192, 3 slots of 64 tokens at D = 256.  bf16 rows that take a swizzle
-    narrower than 128 bytes, where a 2-slot ring lets two CTAs share an SM (D = 80: 101 KB each):
+    narrower than 128 bytes, where a 2-slot ring lets two CTAs share an SM (D = 80: 99 KB each):
     2 slots, faster than the deepest ring in all three runs that timed both at D = 80 (0.9% to
     3.6%, H100 and H200, RESULTS.md)."""
     bkv = 64 if (128 % page_size and page_size % 128) else 128
