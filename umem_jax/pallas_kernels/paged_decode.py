@@ -398,9 +398,10 @@ def decode_backend(q, view, *, kv_dtype=None, backend: str | None = None,
                     "for with backend 'mgpu', it runs)")
         if choice == "auto" and (2 * q.shape[2]) % 128:
             # A head row that no 128-byte swizzle divides (D = 80, 96, ...) gets narrower shared-memory
-            # swizzles; the H200 measured the Mosaic kernel at 0.91x Triton at D = 80 (RESULTS.md).
+            # swizzles; the H200 measured the Mosaic kernel at 0.91x Triton at D = 80, the H100 at 0.97-0.98x
+            # (1.00x with the 2-slot ring now its default there: no gain to take; RESULTS.md).
             return (f"head_dim {q.shape[2]}: its rows take a narrower than 128-byte swizzle, where the Mosaic "
-                    "kernel measured slower than Triton (asked for with backend 'mgpu', it runs)")
+                    "kernel measured no faster than Triton (asked for with backend 'mgpu', it runs)")
         return None
 
     return choose(choice, "decode", refusal)
