@@ -38,10 +38,10 @@ def _profiler():
 
 
 def variants(s):
-    """(label, paged_decode_attention keyword arguments) profiled for shape s."""
-    out = [("triton", dict(backend="triton")), ("mgpu default", dict(backend="mgpu"))]
-    if s.fp8 and s.D <= 128:
-        out.append(("mgpu dequant_cols=D", dict(backend="mgpu", mgpu_config=dict(dequant_cols=s.D))))
+    """(name, paged_decode_attention keyword arguments) profiled for shape s."""
+    out = [("triton", dict(backend="triton")), ("mgpu", dict(backend="mgpu"))]
+    if s.fp8 and s.D <= 128:  # whole-row dequantisation chunks
+        out.append(("mgpu_cols", dict(backend="mgpu", mgpu_config=dict(dequant_cols=s.D))))
     return out
 
 
@@ -58,6 +58,8 @@ def _call(kw, extra):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="fp8,gqa6_d80", help="comma list of bench_decode_mgpu shape names")
+    ap.add_argument("--variants", default="triton,mgpu,mgpu_cols",
+                    help="comma list of kernels to profile (one process each keeps a failure from losing the others)")
     a = ap.parse_args(argv)
     silence_triton_deprecation()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
             view, arena, pt, ln, q, ks, vs = fp8_setup(key, s)
             kw.update(view=view, k_scale=ks, v_scale=vs)
         ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **kw))(q, arena, pt, ln)
-        for label, extra in variants(s):
+        for label, extra in (v for v in variants(s) if v[0] in a.variants.split(",")):
             f = _call(kw, extra)
             try:
                 err = max_err(f(q, arena, pt, ln), ref)
