@@ -64,14 +64,14 @@ step() {
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k consumers &&
             python3 -m benchmarks.bench_decode_mgpu --only fp8,gqa6_d80,main --budget ${MGPU_BUDGET:-240} ;;
     profile_decode)  # Nsight Compute on the decode kernels where the Mosaic one trails Triton (fp8, D = 80): stall
-      # reasons, shared-memory bank conflicts, throughput against the peaks (benchmarks/profile_decode.py)
+      # reasons, memory units' throughput against their peaks (benchmarks/profile_decode.py)
       # (one process per shape and kernel: ncu prints at exit, so a crash would lose every report of its process)
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for shp in ${PROFILE_SHAPES:-fp8 gqa6_d80}; do for v in ${PROFILE_VARIANTS:-triton mgpu mgpu_cols}; do
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 "$NCU" --clock-control none --profile-from-start off --import-source no \
-            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-            --section Occupancy --section LaunchStats --section SourceCounters --metrics \
-            l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum \
+        # These three sections ran in session 28; the full list (SourceCounters, --import-source no, bank-conflict
+        # metrics) crashed the target process at start-up there.
+        XLA_PYTHON_CLIENT_PREALLOCATE=false "$NCU" --clock-control none --profile-from-start off \
+            --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
             python3 -m benchmarks.profile_decode --only "$shp" --variants "$v"; done; done ;;
     mgpu_prefill_fp8) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_prefill --fp8 ;;
