@@ -69,7 +69,7 @@ step() {
       NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       for shp in ${PROFILE_SHAPES:-fp8 gqa6_d80}; do for v in ${PROFILE_VARIANTS:-triton mgpu mgpu_cols}; do
         # These three sections ran in session 28; the full list (SourceCounters, --import-source no, bank-conflict
-        # metrics) crashed the target process at start-up there.
+        # metrics) crashed the target process at start-up in two of its three calls there.
         XLA_PYTHON_CLIENT_PREALLOCATE=false "$NCU" --clock-control none --profile-from-start off \
             --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
             python3 -m benchmarks.profile_decode --only "$shp" --variants "$v"; done; done ;;
