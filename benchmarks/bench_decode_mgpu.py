@@ -121,20 +121,31 @@ def fp8_setup(key, s: Shape):
     return view, arena, pt, jnp.full((s.B,), s.ctx, jnp.int32), q, ks, vs
 
 
-def bench_shape(a, s: Shape):
+def shape_inputs(s: Shape, fp8: bool | None = None):
+    """Shape s's inputs, the same in every run and script -> (paged_decode_attention's keyword
+    arguments, arena, page table, lengths, q, the K/V bytes a call reads); fp8 (None: s.fp8): the
+    e4m3 arena of fp8_setup with its scales (one byte a value), else decode_setup's bf16 one."""
     key = jax.random.PRNGKey(SHAPES.index(s))  # not hash(name): str hashes change from run to run
-    view, arena, pt, ln, q = decode_setup(key, B=s.B, ctx=s.ctx, Hq=s.Hq,
-                                          Hkv=s.Hkv, D=s.D, page_size=s.ps, window=s.window)
     sinks = jax.random.normal(jax.random.PRNGKey(5), (s.Hq,), jnp.float32) if s.sinks else None
-    kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks)
-    nbytes = kv_bytes(s.B, min(s.ctx, s.window or s.ctx), view)
-    row = dict(name=s.name, shape=s.label(), bytes=nbytes)
-    if s.fp8:  # the bf16 arena above is timed too (bf16_*); the row's own kernels read the fp8 one
-        bf16 = dict(kw=kw, arena=arena, q=q, pt=pt, ln=ln, bytes=nbytes)
+    kw = dict(window=s.window, softcap=s.softcap, sinks=sinks)
+    if s.fp8 if fp8 is None else fp8:
         view, arena, pt, ln, q, ks, vs = fp8_setup(key, s)
-        kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks, k_scale=ks, v_scale=vs)
-        nbytes //= 2  # one byte a value
-        row.update(bytes=nbytes)
+        kw.update(k_scale=ks, v_scale=vs)
+    else:
+        view, arena, pt, ln, q = decode_setup(key, B=s.B, ctx=s.ctx, Hq=s.Hq, Hkv=s.Hkv, D=s.D, page_size=s.ps,
+                                              window=s.window)
+    nbytes = kv_bytes(s.B, min(s.ctx, s.window or s.ctx), view) // (2 if view.fp8 else 1)
+    return dict(view=view, **kw), arena, pt, ln, q, nbytes
+
+
+def bench_shape(a, s: Shape):
+    kw, arena, pt, ln, q, nbytes = shape_inputs(s)
+    view = kw["view"]
+    row = dict(name=s.name, shape=s.label(), bytes=nbytes)
+    if s.fp8:  # bf16 K/V of the same geometry is timed too (bf16_*); the row's own kernels read the fp8 arena
+        b_kw, b_arena, b_pt, b_ln, b_q, b_bytes = shape_inputs(s, fp8=False)
+        bf16 = dict(kw=b_kw, arena=b_arena, q=b_q, pt=b_pt, ln=b_ln, bytes=b_bytes)
+        del b_kw, b_arena, b_pt, b_ln, b_q
     ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **kw))(q, arena, pt, ln)
 
     def run(label, kw=kw, arena=arena, q=q, pt=pt, ln=ln, ref=ref, nbytes=nbytes, **extra):

@@ -24,8 +24,8 @@ import jax
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
 
-from .bench_decode_mgpu import SHAPES, fp8_setup
-from .decode_peers import decode_setup, max_err
+from .bench_decode_mgpu import SHAPES, shape_inputs
+from .decode_peers import max_err
 
 
 def _profiler():
@@ -69,14 +69,7 @@ def main(argv=None) -> int:
     start, stop = _profiler()
     names = a.only.split(",")
     for s in (s for s in SHAPES if s.name in names):
-        key = jax.random.PRNGKey(SHAPES.index(s))
-        view, arena, pt, ln, q = decode_setup(key, B=s.B, ctx=s.ctx, Hq=s.Hq, Hkv=s.Hkv, D=s.D, page_size=s.ps,
-                                              window=s.window)
-        sinks = jax.random.normal(jax.random.PRNGKey(5), (s.Hq,), jax.numpy.float32) if s.sinks else None
-        kw = dict(view=view, window=s.window, softcap=s.softcap, sinks=sinks)
-        if s.fp8:
-            view, arena, pt, ln, q, ks, vs = fp8_setup(key, s)
-            kw.update(view=view, k_scale=ks, v_scale=vs)
+        kw, arena, pt, ln, q, _ = shape_inputs(s)
         ref = jax.jit(lambda q, a_, p, l: paged_decode_attention_reference(q, a_, p, l, **kw))(q, arena, pt, ln)
         for label, extra in (v for v in variants(s) if v[0] in a.variants.split(",")):
             f = _call(kw, extra)

@@ -10,7 +10,6 @@ against the reference is tests/gpu/test_decode_mgpu_gpu.py.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
