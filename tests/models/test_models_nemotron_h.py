@@ -95,6 +95,18 @@ def test_in_memory_model_names_load_too(tmp_path, model):
     jax.tree.map(np.testing.assert_array_equal, m.params, model.params)
 
 
+def test_tie_word_embeddings_in_the_config_is_ignored(tmp_path, model):
+    """transformers' NemotronH never ties its head to the embeddings, whatever the config says: it
+    saves its own lm_head and computes with it.  A config with `tie_word_embeddings: true` loads the
+    checkpoint's lm_head too (tying would silently give other logits)."""
+    d = copy_fixture(tmp_path, NAME)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    m = load_safetensors(d)
+    assert not m.config.tie_word_embeddings
+    jax.tree.map(np.testing.assert_array_equal, m.params, model.params)
+
+
 def test_bf16_checkpoint_runs_close(tmp_path):
     """bf16 weights, bf16 conv state and K/V in the arena (the serving default), teacher-forced."""
     e = expected(NAME)

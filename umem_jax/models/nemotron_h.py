@@ -147,7 +147,9 @@ def nemotron_h_config(d: dict) -> NemotronHConfig:
         num_kv_heads=d.get("num_key_value_heads") or heads,
         head_dim=_first_present(d, "head_dim", "attention_head_dim", default=hidden // heads),
         layer_types=types, rms_norm_eps=d.get("layer_norm_epsilon", 1e-5),
-        hidden_activation=d.get("mlp_hidden_act", "relu2"), tie_word_embeddings=d.get("tie_word_embeddings", False),
+        # Never tied, whatever the config says: transformers' NemotronH ties no weights (its
+        # `_tied_weights_keys` is empty), saves its own lm_head and computes with it.
+        hidden_activation=d.get("mlp_hidden_act", "relu2"), tie_word_embeddings=False,
         dtype=weight_dtype(d), bos_token_id=d.get("bos_token_id", 1),
         eos_token_id=int_or_tuple(d.get("eos_token_id", 2)),
         pad_token_id=d.get("pad_token_id", 0), max_position_embeddings=d.get("max_position_embeddings", 4096),
