@@ -47,6 +47,31 @@ def test_config_fields(model):
     assert from_hf_config(gemma3_config_to_dict(cfg)) == cfg
 
 
+def test_yarn_rope_parses_as_transformers_computes_it():
+    """yarn on the global layers, in both spellings (5.x `rope_parameters` per layer type, the hub's
+    `rope_scaling`): inv_freq and the cos/sin factor as transformers' _compute_yarn_parameters
+    gives them (the cases gpt-oss's fixture recorded), and the config round-trips."""
+    from umem_jax.models.layers import rope_inv_freq
+
+    base = json.loads((FIXTURE / "config.json").read_text())
+    base.pop("rope_scaling", None)
+    for case in json.loads((FIXTURES / "gpt_oss_tiny" / "rope_cases.json").read_text()):
+        params = dict(case["rope_parameters"])
+        five = {**base, "max_position_embeddings": case["max_position_embeddings"],
+                "rope_parameters": {"full_attention": params,
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+        hub = {**base, "max_position_embeddings": case["max_position_embeddings"], "rope_parameters": None,
+               "rope_theta": params["rope_theta"], "rope_local_base_freq": 1e4,
+               "rope_scaling": {k: v for k, v in params.items() if k != "rope_theta"}}
+        for d in (five, hub):
+            cfg = from_hf_config(d)
+            rope = cfg.rope_for("full_attention")
+            assert rel_err(np.asarray(rope_inv_freq(rope, case["head_dim"])), np.asarray(case["inv_freq"])) <= 1e-6
+            assert rope.attention_scaling == pytest.approx(case["attention_scaling"], rel=1e-12)
+            assert cfg.rope_for("sliding_attention").rope_type == "default"
+            assert from_hf_config(gemma3_config_to_dict(cfg)) == cfg
+
+
 def test_multimodal_wrapper_config_reads_text_config():
     text = json.loads((FIXTURE / "config.json").read_text())
     wrapped = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}

@@ -68,6 +68,39 @@ class RopeConfig:
         return float(get_mscale(self.factor))
 
 
+def rope_from_params(p: dict, theta: float, max_position_embeddings: int,
+                     original_max_position_embeddings: int | None = None) -> RopeConfig:
+    """One layer type's RoPE from its transformers parameters (a 5.x `rope_parameters` entry or a
+    hub `rope_scaling` dict; `theta` when it names none).  yarn as transformers reads it: the
+    pretraining length from the entry (else `original_max_position_embeddings`, a top-level key in
+    some configs, else max_position_embeddings), and a missing factor from the two lengths' ratio."""
+    kind = p.get("rope_type", p.get("type", "default"))
+    theta = float(p.get("rope_theta", theta))
+    if kind != "yarn":
+        return RopeConfig(theta, kind, float(p.get("factor") or 1.0))
+    original = int(p.get("original_max_position_embeddings") or original_max_position_embeddings
+                   or max_position_embeddings)
+    factor = p.get("factor")
+    return RopeConfig(
+        theta, "yarn", float(factor if factor is not None else max_position_embeddings / original),
+        original_max_position_embeddings=original, beta_fast=float(p.get("beta_fast") or 32.0),
+        beta_slow=float(p.get("beta_slow") or 1.0), truncate=bool(p.get("truncate", True)),
+        attention_factor=p.get("attention_factor"), mscale=p.get("mscale"), mscale_all_dim=p.get("mscale_all_dim"))
+
+
+def rope_to_params(r: RopeConfig) -> dict:
+    """rope_from_params' inverse: a transformers 5.x `rope_parameters` entry."""
+    out = {"rope_type": r.rope_type, "rope_theta": r.theta}
+    if r.rope_type != "default":
+        out["factor"] = r.factor
+    if r.rope_type == "yarn":
+        out.update(original_max_position_embeddings=r.original_max_position_embeddings, beta_fast=r.beta_fast,
+                   beta_slow=r.beta_slow, truncate=r.truncate)
+        out.update({k: getattr(r, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
+                    if getattr(r, k) is not None})
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class MambaConfig:
     """Mamba2 mixer geometry (NemotronH / Bamba naming)."""

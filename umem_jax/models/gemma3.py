@@ -22,7 +22,8 @@ from flax import nnx
 
 from .attention import Attention
 from .causal_lm import CausalLM, ResidualLayer
-from .config import FULL, LEGACY_LAYER_TYPES, SLIDING, ModelConfig, RopeConfig, int_or_tuple, weight_dtype
+from .config import (FULL, LEGACY_LAYER_TYPES, SLIDING, ModelConfig, RopeConfig, int_or_tuple, rope_from_params,
+                     rope_to_params, weight_dtype)
 from .layers import MLP, RMSNorm
 
 ARCHITECTURE = "Gemma3ForCausalLM"
@@ -43,12 +44,6 @@ def _layer_types(d: dict) -> tuple[str, ...]:
     return types
 
 
-def _rope_entry(p: dict | None, default_theta: float) -> RopeConfig:
-    p = dict(p or {})
-    kind = p.get("rope_type", p.get("type", "default"))
-    return RopeConfig(float(p.get("rope_theta", default_theta)), kind, float(p.get("factor", 1.0)))
-
-
 def _rope(d: dict) -> tuple[tuple[str, RopeConfig], ...]:
     params = d.get("rope_parameters")
     if params and (FULL in params or SLIDING in params):  # 5.x: keyed by layer type
@@ -57,9 +52,9 @@ def _rope(d: dict) -> tuple[tuple[str, RopeConfig], ...]:
         full = dict(params or {})
         full.update(d.get("rope_scaling") or {})
         local = None
-    global_theta = d.get("rope_theta", 1_000_000.0)
-    local_theta = d.get("rope_local_base_freq", 10_000.0)
-    return ((FULL, _rope_entry(full, global_theta)), (SLIDING, _rope_entry(local, local_theta)))
+    max_pos, original = d.get("max_position_embeddings", 131_072), d.get("original_max_position_embeddings")
+    return ((FULL, rope_from_params(dict(full or {}), d.get("rope_theta", 1_000_000.0), max_pos, original)),
+            (SLIDING, rope_from_params(dict(local or {}), d.get("rope_local_base_freq", 10_000.0), max_pos, original)))
 
 
 def gemma3_config(d: dict) -> ModelConfig:
@@ -96,9 +91,7 @@ def gemma3_config(d: dict) -> ModelConfig:
 def gemma3_config_to_dict(cfg: ModelConfig) -> dict:
     """A transformers 5.x config.json dict (gemma3_config's inverse), so a converted checkpoint
     loads in transformers too."""
-    rope = {name: {"rope_type": r.rope_type, "rope_theta": r.theta,
-                   **({"factor": r.factor} if r.rope_type == "linear" else {})}
-            for name, r in cfg.rope}
+    rope = {name: rope_to_params(r) for name, r in cfg.rope}
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     return {
         "architectures": [ARCHITECTURE], "model_type": "gemma3_text", "vocab_size": cfg.vocab_size,

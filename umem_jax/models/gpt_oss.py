@@ -35,7 +35,8 @@ from flax import nnx
 
 from .attention import Attention
 from .causal_lm import CausalLM, ResidualLayer
-from .config import FULL, LEGACY_LAYER_TYPES, SLIDING, ModelConfig, RopeConfig, int_or_tuple, weight_dtype
+from .config import (FULL, LEGACY_LAYER_TYPES, SLIDING, ModelConfig, RopeConfig, int_or_tuple, rope_from_params,
+                     weight_dtype)
 from .layers import RMSNorm
 from .moe import MoE, MoEConfig
 from .mxfp4 import dequantize_mxfp4
@@ -75,17 +76,8 @@ def _rope(d: dict) -> RopeConfig:
     kind = p.get("rope_type", p.get("type", "default"))
     if kind not in ("default", "linear", "yarn"):
         raise NotImplementedError(f"gpt-oss rope_type {kind!r} is not supported (yarn, default and linear are)")
-    theta = float(p.get("rope_theta", d.get("rope_theta", 150_000.0)))
-    if kind != "yarn":
-        return RopeConfig(theta, kind, float(p.get("factor", 1.0)))
-    max_pos = d.get("max_position_embeddings", 131072)
-    original = int(d.get("original_max_position_embeddings") or p.get("original_max_position_embeddings") or max_pos)
-    factor = p.get("factor")
-    return RopeConfig(
-        theta, "yarn", float(factor if factor is not None else max_pos / original),
-        original_max_position_embeddings=original, beta_fast=float(p.get("beta_fast") or 32.0),
-        beta_slow=float(p.get("beta_slow") or 1.0), truncate=bool(p.get("truncate", True)),
-        attention_factor=p.get("attention_factor"), mscale=p.get("mscale"), mscale_all_dim=p.get("mscale_all_dim"))
+    return rope_from_params(p, d.get("rope_theta", 150_000.0), d.get("max_position_embeddings", 131072),
+                            d.get("original_max_position_embeddings"))
 
 
 def _check_quantization(d: dict) -> None:
