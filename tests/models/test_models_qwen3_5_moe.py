@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from _model_fixtures import FIXTURES, copy_fixture, model_fixture
 from _qwen_moe_checks import engine_run, fuse_experts, fused_checkpoint
 
@@ -96,6 +97,39 @@ def test_missing_or_misshaped_experts_are_named(tmp_path):
     fused["model.layers.0.mlp.experts.down_proj"] = np.swapaxes(fused["model.layers.0.mlp.experts.down_proj"], 1, 2)
     save_file(fused, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"layers.0.mlp.experts.down_proj \(8, 4, 32\).*\(8, 32, 4\)"):
+        load_safetensors(d)
+
+
+def test_no_shared_expert_drops_transformers_zero_width_one(tmp_path, model):
+    """shared_expert_intermediate_size 0: transformers still saves a zero-width shared expert and
+    its [1, d] gate (their product is 0).  They load as no shared expert, and the routed experts
+    alone give the logits: the fixture's MoE layers with their shared expert's output removed.  A
+    shared expert with weights under a config that has none is still refused."""
+    from safetensors.numpy import load_file, save_file
+
+    d = copy_fixture(tmp_path, NAME)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, shared_expert_intermediate_size=0)))
+    t = load_file(d / "model.safetensors")
+    empty = {k: np.zeros((0,) + v.shape[1:] if "down_proj" not in k else v.shape[:1] + (0,), v.dtype)
+             for k, v in t.items() if ".shared_expert." in k}
+    assert empty and any(".shared_expert_gate." in k for k in t)
+    save_file({**t, **empty}, d / "model.safetensors")
+    m = load_safetensors(d)
+    assert m.config.moe.shared_intermediate_size == 0
+    names = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(m.params))}
+    assert names and not any("shared_expert" in n for n in names)
+    flat = nnx.to_flat_state(jax.tree.map(lambda x: x, model.params))  # the fixture, shared experts silenced
+    for path, var in flat:
+        if "shared_expert" in map(str, path) and "down_proj" in map(str, path):
+            var.set_value(jnp.zeros_like(var.get_value()))
+    ids = jnp.asarray([[3, 17, 5, 9, 2, 11]], jnp.int32)
+    want = np.asarray(model.dense_logits(nnx.from_flat_state(flat), ids))
+    got = np.asarray(m.dense_logits(m.params, ids))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, np.asarray(model.dense_logits(model.params, ids)), rtol=1e-3, atol=1e-3)
+    save_file(t, d / "model.safetensors")  # the shared expert's real weights: unexpected for this config
+    with pytest.raises(KeyError, match="unexpected tensor.*shared_expert"):
         load_safetensors(d)
 
 

@@ -123,14 +123,29 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 
     @classmethod
     def checkpoint_to_params(cls, cfg: Qwen3_5Config, tensors: dict) -> dict:
-        """Stack every sparse layer's experts (either checkpoint layout); the rest loads by name."""
+        """Stack every sparse layer's experts (either checkpoint layout); the rest loads by name.
+        Without a shared expert (shared_expert_intermediate_size 0) transformers still builds and
+        saves a zero-width one and its [1, d] gate, whose product is 0: those are dropped."""
         tensors = dict(tensors)
         for i in range(cfg.num_layers):
             if cfg.is_sparse(i):
                 stack_experts(tensors, f"layers.{i}.mlp.experts.", cfg.moe.num_experts, cfg.moe.intermediate_size,
                               cfg.hidden_size)
+                if not cfg.moe.shared_intermediate_size:
+                    drop_empty_shared_expert(tensors, f"layers.{i}.mlp.")
         return tensors
 
 
-__all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "moe_config", "qwen3_5_35b_a3b_like", "qwen3_5_moe_config",
+def drop_empty_shared_expert(tensors: dict, prefix: str) -> None:
+    """Remove a zero-width shared expert (`{prefix}shared_expert.*`, every tensor empty) and its
+    gate from `tensors`; a shared expert with weights is left, for the loader to refuse as
+    unexpected (the config says there is none)."""
+    shared = [k for k in tensors if k.startswith(prefix + "shared_expert.")]
+    if shared and all(0 in tensors[k].shape for k in shared):
+        for k in shared:
+            del tensors[k]
+        tensors.pop(prefix + "shared_expert_gate.weight", None)
+
+
+__all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "drop_empty_shared_expert", "moe_config", "qwen3_5_35b_a3b_like", "qwen3_5_moe_config",
            "stack_experts"]
