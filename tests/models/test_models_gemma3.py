@@ -72,6 +72,14 @@ def test_yarn_rope_parses_as_transformers_computes_it():
             assert from_hf_config(gemma3_config_to_dict(cfg)) == cfg
 
 
+def test_attention_softcap_is_ignored_as_transformers_does():
+    """transformers' Gemma 3 reads attn_logit_softcapping but never applies it (Gemma 2 did), so a
+    config that sets it computes as one that does not; the final logits' soft-cap does apply."""
+    d = json.loads((FIXTURE / "config.json").read_text())
+    cfg = from_hf_config({**d, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 30.0})
+    assert cfg.attn_logit_softcapping is None and cfg.final_logit_softcapping == 30.0
+
+
 def test_multimodal_wrapper_config_reads_text_config():
     text = json.loads((FIXTURE / "config.json").read_text())
     wrapped = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}

@@ -76,7 +76,9 @@ def gemma3_config(d: dict) -> ModelConfig:
         rope=_rope(d),
         rms_norm_eps=d.get("rms_norm_eps", 1e-6),
         query_pre_attn_scalar=d.get("query_pre_attn_scalar", 256),
-        attn_logit_softcapping=d.get("attn_logit_softcapping"),
+        # Read but never applied by transformers' Gemma 3 (Gemma 2 applied it; Gemma 3's released
+        # configs set null): a checkpoint trained there computed without it, so it is ignored here too.
+        attn_logit_softcapping=None,
         final_logit_softcapping=d.get("final_logit_softcapping"),
         hidden_activation=d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh",
         tie_word_embeddings=d.get("tie_word_embeddings", True),
