@@ -89,6 +89,8 @@ def test_multimodal_wrapper_config_reads_text_config():
 def test_unknown_architecture_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="LlamaForCausalLM.*supported"):
         from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    with pytest.raises(ValueError, match="names no architecture.*supported: .*Gemma3ForCausalLM"):
+        from_hf_config({"hidden_size": 64})
 
 
 # ----------------------------------------------------------------------------- loading

@@ -102,6 +102,9 @@ def from_hf_config(d: dict) -> ModelConfig:
         name = _CONFIG_NAMES.get(name, name)
         if name in ARCHITECTURES:
             return ARCHITECTURES[name].parse_config(d)
+    if arch is None and model_type is None:
+        raise ValueError("config.json names no architecture: it has neither `architectures` nor `model_type`; "
+                         f"supported: {', '.join(supported_architectures())}")
     raise _unsupported(arch or model_type)
 
 
