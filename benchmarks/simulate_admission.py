@@ -9,7 +9,10 @@ drives on the GPU, with the same engine settings; a step "takes" the time of a s
 fitted to the H200 (bench_models / bench_engine, RESULTS.md):
 
     prefill step  PREFILL_BASE_S + PREFILL_S_PER_TOKEN * tokens  (2048-token chunk ~ 100 ms; every pass
-                  reads the weights once, as a decode step does: since session 15)
+                  reads the weights once, as a decode step does: since session 15); tokens are the
+                  step's padded shape B x T, each padded up to its bucket, as the engine computes
+                  them (`--prefill-cost padded`, since session 29; `tokens`: the rows' own
+                  tokens, the model of the tables before it)
     decode step   DECODE_BASE_S + DECODE_S_PER_ROW * rows + K/V read at the rows' lengths
 
 so arrivals interleave with steps roughly as on the GPU.  What it reports is exact for the
@@ -101,10 +104,21 @@ def _head_fits(sch, dm, alloc, chunk: int, batch) -> tuple[bool, int, int]:
         sch._reserved = None
 
 
+def prefill_tokens(batch, buckets: Buckets, padded: bool = True) -> int:
+    """The tokens a prefill step computes: its padded [B, T] shape (each padded up to its bucket:
+    the projections and MLPs run over every padded token), or with `padded` False its rows' own."""
+    own = [r.end - r.start for r in batch.rows]
+    if not padded:
+        return sum(own)
+    return Buckets.pick(buckets.batch, len(own)) * Buckets.pick(buckets.tokens, max(own))
+
+
 def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
-             max_model_len: int, rule: str = "now", kv_scale: float = 1.0, **sched_kw) -> dict:
+             max_model_len: int, rule: str = "now", kv_scale: float = 1.0, padded: bool = True,
+             **sched_kw) -> dict:
     """One memory configuration through `trace` -> its row.  kv_scale: the K/V bytes per token
-    against bf16 (fp8 K/V: 0.5), which scales the decode step's K/V read in the cost model."""
+    against bf16 (fp8 K/V: 0.5), which scales the decode step's K/V read in the cost model;
+    padded: a prefill step costs its padded shape's tokens (prefill_tokens)."""
     regions = None
     if mem.mode == "static":
         regions = static_regions(plan, num_rows, swa_full_tokens_ratio=mem.swa_full_tokens_ratio,
@@ -143,7 +157,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         peak = max(peak, len(sch.running))
         held.append(sum(r.num_computed for r in sch.running))
         if b.kind == "prefill":
-            t += PREFILL_BASE_S + PREFILL_S_PER_TOKEN * sum(r.end - r.start for r in b.rows)
+            t += PREFILL_BASE_S + PREFILL_S_PER_TOKEN * prefill_tokens(b, buckets, padded)
         else:
             kv_read = kv_scale * KV_S_PER_TOKEN * sum(r.end for r in b.rows)
             t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + kv_read
@@ -205,6 +219,9 @@ def run(argv=None) -> list[dict]:
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="comma list of K/V storage dtypes to run in the same arena bytes (auto, fp8, ...): the "
                          "plan's K/V rows and the cost model's K/V read follow it")
+    ap.add_argument("--prefill-cost", choices=("padded", "tokens"), default="padded",
+                    help="a prefill step's tokens in the cost model: its padded [B, T] shape (what the engine "
+                         "computes) or its rows' own tokens (the model of the tables before session 29)")
     ap.add_argument("--no-early", action="store_true",
                     help="a prompt waits in the queue until its whole need fits (early_admission=False)")
     ap.add_argument("--no-joint", action="store_true",
@@ -223,7 +240,7 @@ def run(argv=None) -> list[dict]:
     model = build_random(a.model, abstract=True)
     arena = a.arena_gib if a.arena_gib is not None else spec["arena_gib"]
     print(f"{a.model}, {trace.describe()}, arena {arena:g} GiB; "
-          f"cost model: prefill {PREFILL_S_PER_TOKEN * 2048 * 1e3:.0f} ms per 2048 tokens, decode "
+          f"cost model: prefill {PREFILL_S_PER_TOKEN * 2048 * 1e3:.0f} ms per 2048 tokens ({a.prefill_cost}), decode "
           f"{DECODE_BASE_S * 1e3:.1f} ms + {DECODE_S_PER_ROW * 1e3:.2f} ms per row + K/V", flush=True)
     sched_kw = {k: v for k, v in (("new_token_ratio", a.ratio), ("min_new_token_ratio", a.min_ratio),
                                    ("new_token_ratio_decay", a.decay)) if v is not None}
@@ -242,7 +259,8 @@ def run(argv=None) -> list[dict]:
         for rule, mem in itertools.product([r.strip() for r in a.rule.split(",") if r.strip()],
                                            [MemoryConfig()] + static_configs(plan, a.static_ratios)):
             rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
-                                 page_size=page_size, max_model_len=mml, rule=rule, kv_scale=kv_scale, **sched_kw))
+                                 page_size=page_size, max_model_len=mml, rule=rule, kv_scale=kv_scale,
+                                 padded=a.prefill_cost == "padded", **sched_kw))
             r = rows[-1]
             r["kv_cache_dtype"] = kv
             print(f"  {kv:<9} {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "

@@ -78,3 +78,20 @@ def test_fp8_kv_holds_twice_the_tokens_in_the_same_bytes(capsys):
     assert fp8["tokens_held_peak"] >= 1.8 * bf16["tokens_held_peak"]
     assert fp8["peak_running"] > bf16["peak_running"] and fp8["out_tok_per_s"] > bf16["out_tok_per_s"]
     assert "float8_e4m3fn" in capsys.readouterr().out
+
+
+def test_a_prefill_step_costs_its_padded_shape():
+    """The cost model charges a prefill step the tokens the engine computes: B rows padded up to
+    the batch bucket, each padded up to the token bucket of the longest (`--prefill-cost padded`,
+    the default); `tokens` charges the rows' own."""
+    from types import SimpleNamespace
+
+    from umem_jax.core.scheduled_batch import Buckets
+
+    buckets = Buckets.default(64, 2048, 512)  # B 1, 2, 4, ..., 64; T 16, 32, ..., 2048
+    rows = [SimpleNamespace(start=s, end=e) for s, e in ((0, 520), (100, 400), (0, 17))]
+    batch = SimpleNamespace(rows=rows)
+    assert sim.prefill_tokens(batch, buckets) == 4 * 1024  # 3 rows -> 4, the longest 520 -> 1024
+    assert sim.prefill_tokens(batch, buckets, padded=False) == 520 + 300 + 17
+    lone = SimpleNamespace(rows=[SimpleNamespace(start=2048, end=4096)])
+    assert sim.prefill_tokens(lone, buckets) == sim.prefill_tokens(lone, buckets, padded=False) == 2048
