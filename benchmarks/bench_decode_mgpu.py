@@ -41,7 +41,7 @@ from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_d
 from umem_jax.pallas_kernels.words import encode_fp8
 
 from .copy_limit import copy_limit
-from .decode_peers import cudnn_dense, decode_setup, head_major, kv_bytes, max_err
+from .decode_peers import cudnn_dense_call, decode_setup, head_major, kv_bytes, max_err
 from .report import RowLog, fmt, format_table, json_path
 from .timing import time_calls
 
@@ -83,22 +83,30 @@ SHAPES = (
 CUDNN_PEERS = ("main", "gqa6_d80")
 
 
-def sweep_configs(D: int, fp8: bool = False):
+def sweep_configs(D: int, fp8: bool = False, only: str | None = None):
     """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None;
     num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two
     consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
     whole-row register chunks (dequant_cols = D) is an experiment."""
     if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, whole rows
         if D > 128:
-            return [(64, 2, None, 1, None)]
-        return [(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None), (128, 2, None, 2, D),
-                (64, 4, None, 2, D)]
+            return _only([(64, 2, None, 1, None)], only)
+        return _only([(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None), (128, 2, None, 2, D),
+                      (64, 4, None, 2, D)], only)
     out = [(128, 2, None, 1, None), (64, 3, None, 1, None), (64, 4, None, 1, None)]
     if D <= 128:
         out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None)]
     # More splits than the grid needs: more, shorter programs, so the last wave's idle SMs cost less.
     out += [(128, 2, 2, 1, None), (128, 2, 4, 1, None)]
-    return out
+    return _only(out, only)
+
+
+def _only(configs, only: str | None):
+    """The configs `only` names ("128x2,64x4": block_kv x ring_slots, any splits and consumers)."""
+    if not only:
+        return configs
+    keep = {tuple(int(x) for x in c.split("x")) for c in only.split(",")}
+    return [c for c in configs if (c[0], c[1]) in keep]
 
 
 def fp8_setup(key, s: Shape):
@@ -172,43 +180,62 @@ def bench_shape(a, s: Shape):
         b_tri, b_mg = b_run("bf16 triton", backend="triton"), b_run("bf16 mgpu", backend="mgpu")
         row.update(bf16_triton_us=b_tri and b_tri[0] * 1e6, bf16_mgpu_us=b_mg and b_mg[0] * 1e6)
         del b, b_ref, b_run, bf16  # the bf16 arena's memory back before the fp8 timings
-    tri = run("triton", backend="triton")
-    mg_default = run("mgpu default", backend="mgpu")
-    mg = [mg_default] if mg_default else []
+    # Every variant compiled and checked first, then timed in --rounds interleaved rounds (the order
+    # reversed every other round), each variant's figure the median of its rounds: neighbours in a
+    # sweep differ by a few percent, about what one process drifts between its first and last timing.
+    variants = []  # (label, the timed call)
+
+    def add(label, fn, args=(q, arena, pt, ln)):
+        try:
+            err = max_err(fn(*args), ref)
+        except Exception as e:  # noqa: BLE001 - one failure must not end a one-shot GPU run
+            print(f"  {s.name} {label}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            if a.verbose:
+                traceback.print_exc()
+            return
+        if err > 2e-2:
+            print(f"  {s.name} {label}: err={err:.2e} WRONG", flush=True)
+            return
+        errs[label] = err
+        variants.append((label, lambda: fn(*args)))
+
+    errs = {}
+    for backend in ("triton", "mgpu"):
+        add("triton" if backend == "triton" else "mgpu default",
+            jax.jit(lambda q, a_, p, l, b=backend: paged_decode_attention(q, a_, p, l, impl="pallas", backend=b, **kw)))
     if a.sweep:
         from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-        for bkv, slots, splits, cons, cols in sweep_configs(s.D, s.fp8):
+        for bkv, slots, splits, cons, cols in sweep_configs(s.D, s.fp8, a.configs):
             if time.time() > a.deadline:
                 break
-            f = jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons, cols=cols:
-                        paged_decode_attention_mgpu(q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots,
-                                                    num_splits=splits, consumers=cons, dequant_cols=cols))
             cfg = f"bkv={bkv} slots={slots}" + (f" consumers={cons}" if cons > 1 else "") + \
-                (f" dequant_cols={cols}" if cols else "")
-            try:
-                err = max_err(f(q, arena, pt, ln), ref)
-                t = time_calls(lambda: f(q, arena, pt, ln), iters=a.iters, trials=a.trials).median
-                print(f"  {s.name} mgpu {cfg} splits={splits}: {t * 1e6:.1f} us "
-                      f"{nbytes / t / 1e12:.3f} TB/s err={err:.2e}", flush=True)
-                if err <= 2e-2:
-                    mg.append((t, err, cfg))
-            except Exception as e:  # noqa: BLE001
-                print(f"  {s.name} mgpu {cfg}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-    best = min(mg) if mg else None
-    row.update(triton_us=tri and tri[0] * 1e6, triton_err=tri and tri[1],
-               mgpu_default_us=mg_default and mg_default[0] * 1e6, mgpu_err=mg_default and mg_default[1],
-               mgpu_best_us=best and best[0] * 1e6, mgpu_best=best and best[2])
+                (f" dequant_cols={cols}" if cols else "") + f" splits={splits}"
+            add(f"mgpu {cfg}", jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons, cols=cols:
+                                       paged_decode_attention_mgpu(q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots,
+                                                                   num_splits=splits, consumers=cons,
+                                                                   dequant_cols=cols)))
     if s.name in CUDNN_PEERS and jax.default_backend() == "gpu":
-        try:
-            npages = arena.shape[0] // view.rows_per_page
-            kp, vp = jax.block_until_ready(head_major(arena, view, npages))
-            t, err = cudnn_dense(q, kp, vp, pt, s.ctx, ref,
-                                 lambda fn: time_calls(fn, iters=a.iters, trials=a.trials).median)
-            row.update(cudnn_us=t * 1e6, cudnn_err=err)
-            print(f"  {s.name} cudnn dense: {t * 1e6:.1f} us {nbytes / t / 1e12:.3f} TB/s err={err:.2e}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            print(f"  cudnn: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        npages = arena.shape[0] // view.rows_per_page
+        kp, vp = jax.block_until_ready(head_major(arena, view, npages))
+        add("cudnn dense", *cudnn_dense_call(q, kp, vp, pt, s.ctx))
+    times = {label: [] for label, _ in variants}
+    for r in range(a.rounds):
+        for label, call in (variants if r % 2 == 0 else variants[::-1]):
+            times[label].append(time_calls(call, iters=a.iters, trials=a.trials).median)
+    med = {label: float(np.median(ts)) for label, ts in times.items()}
+    for label, t in med.items():
+        rounds = "" if a.rounds == 1 else " (rounds: " + ", ".join(f"{x * 1e6:.1f}" for x in times[label]) + ")"
+        print(f"  {s.name} {label}: {t * 1e6:.1f} us {nbytes / t / 1e12:.3f} TB/s err={errs[label]:.2e}{rounds}",
+              flush=True)
+    mg = sorted((t, label.removeprefix("mgpu ")) for label, t in med.items() if label.startswith("mgpu"))
+    best = mg[0] if mg else None
+    row.update(triton_us=med.get("triton") and med["triton"] * 1e6, triton_err=errs.get("triton"),
+               mgpu_default_us=med.get("mgpu default") and med["mgpu default"] * 1e6, mgpu_err=errs.get("mgpu default"),
+               mgpu_best_us=best and best[0] * 1e6, mgpu_best=best and best[1], rounds=a.rounds,
+               times_us={label: [x * 1e6 for x in ts] for label, ts in times.items()})
+    if "cudnn dense" in med:
+        row.update(cudnn_us=med["cudnn dense"] * 1e6, cudnn_err=errs["cudnn dense"])
     return a.log.add(row)
 
 
@@ -251,6 +278,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every variant of a shape this many times, interleaved, and take the median")
+    ap.add_argument("--configs", default=None,
+                    help="the sweep's Mosaic tilings to time, e.g. 128x2,128x3 (block_kv x ring_slots; default all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
     a = ap.parse_args(argv)

@@ -83,13 +83,19 @@ def jax_paged_attention_best(q, k_pages, v_pages, pt, lengths, ref, timed, inter
     return best
 
 
-def cudnn_dense(q, k_pages, v_pages, pt, ctx, ref, timed):
-    """cuDNN dense attention over contiguous [B, ctx, Hkv, D] K/V holding the same values
-    (gathered once, outside the timing) -> (seconds, max err).  GPU only."""
+def cudnn_dense_call(q, k_pages, v_pages, pt, ctx):
+    """cuDNN dense attention over contiguous [B, ctx, Hkv, D] K/V holding the same values as the
+    pages (gathered here, once) -> (jitted fn, its args).  GPU only."""
     B, _, D = q.shape
     Hkv = k_pages.shape[0]
     kd = k_pages[:, pt].transpose(1, 2, 3, 0, 4).reshape(B, ctx, Hkv, D)
     vd = v_pages[:, pt].transpose(1, 2, 3, 0, 4).reshape(B, ctx, Hkv, D)
     f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")[:, 0])
-    err = max_err(f(q, kd, vd), ref)
-    return timed(lambda: f(q, kd, vd)), err
+    return f, (q, kd, vd)
+
+
+def cudnn_dense(q, k_pages, v_pages, pt, ctx, ref, timed):
+    """cudnn_dense_call, checked against `ref` and timed -> (seconds, max err)."""
+    f, args = cudnn_dense_call(q, k_pages, v_pages, pt, ctx)
+    err = max_err(f(*args), ref)
+    return timed(lambda: f(*args)), err

@@ -11,7 +11,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300
                     [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300
                     [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [q_load]=560
-                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300)
+                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300 [mgpu_tiling]=420)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -59,6 +59,11 @@ step() {
     fp8_defaults)  # session 27's fp8 defaults on Hopper through their entry points: the Mosaic prefill under auto
       # (128-token blocks, one dequantised tile at D = 128) and the Mosaic decode's two consumers
       python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py tests/gpu/test_decode_mgpu_gpu.py -k "entry_point or fp8" ;;
+    mgpu_tiling)  # issue 17 item 4: the bf16 Mosaic decode's ring depth at D = 128 (128-token blocks in 2 slots
+      # were 0.966-0.970x cuDNN in sessions 11 and 27, the default's 3 slots 0.943-0.945x), every tiling of the
+      # main, G = 6 and long shapes timed in interleaved rounds beside Triton and cuDNN
+      python3 -m benchmarks.bench_decode_mgpu --only ${TILING_SHAPES:-main,gqa6,long} --configs 128x2,128x3,64x4 \
+            --rounds ${TILING_ROUNDS:-3} --budget ${MGPU_BUDGET:-300} ;;
     mgpu_consumers)  # the Mosaic decode with two consumer warpgroups (and fp8's whole-row dequantisation chunks):
       # their GPU tests, then the fp8, D = 80 and main shapes with the sweep (all variants in the same run)
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k consumers &&

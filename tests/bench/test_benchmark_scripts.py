@@ -47,3 +47,15 @@ def test_bench_issue_runs_every_calling_pattern(capsys):
     assert bench_issue.main(["--small", "--families", "gptoss", "--iters", "2", "--trials", "1"]) == 0
     table = capsys.readouterr().out.split("family                         mode")[-1]
     assert [line.split()[1] for line in table.strip().splitlines()[1:]] == list(bench_issue.MODES)
+
+
+def test_decode_sweep_keeps_the_named_tilings():
+    """bench_decode_mgpu --configs 128x2,128x3: the sweep's Mosaic tilings with those block sizes
+    and ring depths (any split count or consumer count), all of them without it."""
+    from benchmarks.bench_decode_mgpu import sweep_configs
+
+    every = sweep_configs(128)
+    some = sweep_configs(128, only="128x2,128x3")
+    assert some and set(some) < set(every) and all((c[0], c[1]) in {(128, 2), (128, 3)} for c in some)
+    assert [c for c in every if (c[0], c[1]) in {(128, 2), (128, 3)}] == some
+    assert sweep_configs(128, fp8=True, only="64x4") == [c for c in sweep_configs(128, fp8=True) if c[:2] == (64, 4)]
