@@ -35,6 +35,31 @@ def test_incremental_detokenizer_holds_partial_characters():
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_incremental_detokenizer_starts_on_a_character():
+    """A prompt ending in characters the tokenizer keeps as byte tokens (rare emoji): a window of
+    the last few prompt tokens that cuts one of them would decode its bytes as U+FFFD, and a
+    byte-fallback decoder then turns the whole run after them into U+FFFD, the generated characters
+    included (the text came back empty or garbled).  The window starts on the character instead."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    hf = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    tok = Tok()
+    raw = lambda s: [3 + b for b in s.encode()]  # noqa: E731 - one byte token a byte
+    for prompt in ([1, *raw("🦩🦩")], raw("🦩𓀀"), [2, *raw("a𓀀")]):
+        out = raw("🦩𓀀🦩") + [1, 2, *raw("é")]
+        d = IncrementalDetokenizer(tok, prompt)
+        pieces = [d.step(t) for t in out]
+        assert "".join(pieces) == tok.decode(out) == "🦩𓀀🦩 hello worldé"
+        assert all("\ufffd" not in p for p in pieces) and pieces[3] == "🦩"  # each character as it completes
+
+
 def test_find_stop():
     assert find_stop("hello world", 5, ["wor", "xyz"]) == (6, "wor")
     assert find_stop("hello world", 1, ["o w"]) is None  # ended before the new text

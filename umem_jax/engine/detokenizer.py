@@ -11,13 +11,23 @@ class IncrementalDetokenizer:
     """New text per new token, holding back bytes that are not yet a whole character.
 
     Decodes a short window [prefix, end) of ids and emits what it adds beyond [prefix, read):
-    starting a few prompt tokens back keeps tokenizers that drop a leading space honest.
+    starting a few prompt tokens back keeps tokenizers that drop a leading space honest.  The
+    window starts on a character: a character the tokenizer split into byte tokens (rare emoji,
+    CJK) and cut by the window would decode as U+FFFD, and a byte-fallback decoder then turns the
+    whole run of byte tokens after it into U+FFFD too, the generated ones included.
     """
+
+    WINDOW = 5  # prompt tokens decoded before the first generated one
+    MAX_WINDOW = 32  # how far back a window may start to find a character's first byte
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
-        self.ids = list(prompt_ids[-5:])
+        start = max(0, len(prompt_ids) - self.WINDOW)
+        while start > max(0, len(prompt_ids) - self.MAX_WINDOW) and \
+                tokenizer.decode(list(prompt_ids[start:]), skip_special_tokens).startswith("\ufffd"):
+            start -= 1
+        self.ids = list(prompt_ids[start:])
         self.prefix = 0
         self.read = len(self.ids)
 
