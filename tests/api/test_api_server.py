@@ -124,6 +124,11 @@ def test_stop_strings_are_never_streamed_and_batches_stream_by_index(srv):
     chunks = list(srv.client.completions.create(prompt=prompt, stop=[stop], stream=True, **kw))
     assert "".join(c.choices[0].text for c in chunks) == ref[:at]
     assert chunks[-1].choices[0].finish_reason == "stop"
+    kept = dict(stop=[stop], extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    with_stop = srv.client.completions.create(prompt=prompt, **{**kw, **kept}).choices[0]
+    assert (with_stop.text, with_stop.finish_reason) == (ref[:at + 2], "stop")  # vLLM's option: the stop kept
+    chunks = list(srv.client.completions.create(prompt=prompt, stream=True, **{**kw, **kept}))
+    assert "".join(c.choices[0].text for c in chunks) == ref[:at + 2]
     two = list(srv.client.completions.create(prompt=["one", "two"], stream=True, **kw))
     ends = {c.choices[0].index: c.choices[0].finish_reason for c in two if c.choices[0].finish_reason}
     assert ends == {0: "length", 1: "length"}
@@ -145,7 +150,19 @@ def _post(srv, path, body, raw=None):
     ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "n", "n=0: must be in [1, 128]"),
     ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": []}, None, 400, "prompt", "empty"),
-    ("/v1/completions", {"prompt": [1, 99999]}, None, 400, None, "vocabulary"),
+    ("/v1/completions", {"prompt": [1, 99999]}, None, 400, "prompt", "vocabulary"),
+    ("/v1/completions", None, b'{"model": "tiny-test", "prompt": "a\\ud800b"}', 400, "prompt", "lone surrogate"),
+    ("/v1/chat/completions", None, b'{"model": "tiny-test", "messages": [{"role": "user", "content": "\\udfff"}]}',
+     400, "messages", "lone surrogate"),
+    ("/v1/completions", None, b'{"model": "tiny-test", "prompt": "x", "temperature": Infinity}', 400, "temperature",
+     "finite"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, None, 400, "stream_options",
+     "stream is true"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object"}}, None, 400, "guided_json", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 4}, None, 400,
+     "truncate_prompt_tokens", "not supported"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, None, 400, "skip_special_tokens",
+     "not supported"),
     ("/v1/completions", {"prompt": "x" * 5000}, None, 400, "prompt", "max_model_len"),
     ("/v1/completions", {"prompt": list(range(3, 4100))}, None, 400, "prompt", "max_model_len"),
     ("/v1/completions", {"prompt": "x", "stop": ["a"] * 33}, None, 400, "stop", "at most 32 stop strings"),

@@ -206,6 +206,8 @@ def check(body, names: list[str]) -> str:
     why = body.refused_format()
     if why is not None:
         raise APIError(400, why, "response_format")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
     return body.model or names[0]
 
 
@@ -224,8 +226,10 @@ async def _start(engine: AsyncLLMEngine, prompts: list, body, rid: str, field: s
     except BaseException as e:
         for s in streams:  # (a cancelled add aborts its own request: AsyncLLMEngine.add_samples)
             engine.abort(s.request_id)
-        if isinstance(e, ValueError):
-            raise bad_request(_in_request_terms(e, body)) from None
+        if isinstance(e, ValueError):  # a prompt's own error names no field: it is the prompt's
+            err = bad_request(_in_request_terms(e, body))
+            err.param = err.param or field
+            raise err from None
         if isinstance(e, (EngineOverloaded, EngineDead)):
             raise APIError(503, str(e)) from None
         raise

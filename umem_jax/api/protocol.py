@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..core.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -57,8 +57,54 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 # ------------------------------------------------------------------------------ requests
 
 
+# vLLM / SGLang request extras that change the output, which this engine does not do: set to anything
+# but their default (None, or the value given) they are refused with a 400 naming them, not ignored.
+UNHONOURED_EXTRAS = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                     "json_schema", "regex", "ebnf", "allowed_token_ids", "bad_words", "logits_processors",
+                     "prompt_logprobs", "truncate_prompt_tokens", "length_penalty")),
+    "use_beam_search": False, "return_tokens_as_token_ids": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+}
+
+
+def _unhonoured(extras: dict | None) -> str | None:
+    """The first extra field (vLLM's / SGLang's) set to an output-changing value, or None."""
+    for name, value in (extras or {}).items():
+        if name not in UNHONOURED_EXTRAS:
+            continue
+        default = UNHONOURED_EXTRAS[name]
+        if value != default and (default is not None or value not in (None, False, "", [], {})):
+            return name
+    return None
+
+
+def _valid_unicode(value):
+    """`value` (strings, nested in lists and dicts) if every string can be encoded in UTF-8: a JSON
+    string may carry a lone UTF-16 surrogate (\\ud800), which no tokenizer takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"not valid Unicode text: a lone surrogate {value[e.start]!r} at character {e.start}") \
+                from None
+    elif isinstance(value, (list, tuple)) and value and not isinstance(value[0], int):  # list[int]: token ids
+        for v in value:
+            _valid_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _valid_unicode(k)
+            _valid_unicode(v)
+    return value
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown extras are ignored, not a 422
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode(cls, value):
+        return _valid_unicode(value)
 
 
 class StreamOptions(_Request):
@@ -83,6 +129,7 @@ class _SamplingRequest(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -101,7 +148,7 @@ class _SamplingRequest(_Request):
         """The first field set to something the engine cannot do, or None."""
         if self.logit_bias:
             return "logit_bias"
-        return None
+        return _unhonoured(self.model_extra)
 
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: alternatives per token (None: no logprobs)."""
@@ -129,7 +176,8 @@ class _SamplingRequest(_Request):
         try:
             return SamplingParams(n=self.n, best_of=self.best_of, max_tokens=max_tokens, min_tokens=self.min_tokens,
                                   seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                  ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(), **kw)
+                                  ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                                  include_stop_str_in_output=self.include_stop_str_in_output, **kw)
         except ValueError as e:  # SamplingParams names its max_tokens; the request may have used an alias
             if field != "max_tokens" and str(e).startswith("max_tokens="):
                 raise ValueError(field + str(e)[len("max_tokens"):]) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 SEED_RANGE = (-(2**63), 2**64)  # a seed fits 64 bits, signed or unsigned
 # Every stop string is matched against the new text of every step, and a stream holds back the
@@ -34,6 +35,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it (vLLM's name)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -57,11 +59,11 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens"),
-            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 <= self.temperature < math.inf, "temperature", "must be finite and >= 0"),
             (self.top_k == -1 or self.top_k >= 0, "top_k", "must be -1 (off), 0 (off) or positive"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
-            (self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be finite and > 0"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),

@@ -288,7 +288,7 @@ class LLMEngine:
             if new and n >= req.min_tokens:
                 hit = find_stop(req.text, len(new), p.stop)
                 if hit is not None:
-                    req.text = req.text[: hit[0]]
+                    req.text = req.text[: hit[0] + (len(hit[1]) if p.include_stop_str_in_output else 0)]
                     return self._finish(req, RequestStatus.FINISHED_STOPPED, hit[1])
         if n >= req.max_tokens or req.prompt_len + n >= self.max_model_len:
             self._finish(req, RequestStatus.FINISHED_LENGTH, None)
