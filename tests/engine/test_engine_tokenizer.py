@@ -60,6 +60,24 @@ def test_incremental_detokenizer_starts_on_a_character():
         assert all("\ufffd" not in p for p in pieces) and pieces[3] == "🦩"  # each character as it completes
 
 
+def test_gemma_template_folds_the_system_message_and_refuses_other_orders():
+    """The template used when a Gemma checkpoint ships none (the packaged GGUF): Gemma's own turn
+    format -- the system message opens the first user turn, turns alternate user / model."""
+    from umem_jax.engine.tokenizer import GEMMA_TEMPLATE
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " hi "},
+            {"role": "assistant", "content": "yo"}, {"role": "user", "content": "q"}]
+    assert render_chat(GEMMA_TEMPLATE, msgs, bos_token="<bos>") == (
+        "<bos><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n<start_of_turn>model\nyo<end_of_turn>\n"
+        "<start_of_turn>user\nq<end_of_turn>\n<start_of_turn>model\n")
+    assert render_chat(GEMMA_TEMPLATE, msgs[1:2], False, bos_token="<bos>") == \
+        "<bos><start_of_turn>user\nhi<end_of_turn>\n"
+    for bad in ([{"role": "wizard", "content": "x"}], [{"role": "user", "content": "a"}] * 2,
+                [{"role": "assistant", "content": "a"}], msgs[:1] + msgs[:1]):
+        with pytest.raises(ValueError, match="alternate user / assistant"):
+            render_chat(GEMMA_TEMPLATE, bad, bos_token="<bos>")
+
+
 def test_find_stop():
     assert find_stop("hello world", 5, ["wor", "xyz"]) == (6, "wor")
     assert find_stop("hello world", 1, ["o w"]) is None  # ended before the new text

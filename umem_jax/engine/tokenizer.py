@@ -15,11 +15,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Used when a checkpoint ships no chat template (a GGUF conversion, for one).
+# Used when a checkpoint ships no chat template (a GGUF conversion, for one): Gemma's turn format as
+# its own template writes it -- a system message opens the first user turn (there is no system
+# turn), the turns alternate user / assistant starting with user, anything else is refused.
 GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
-    "{% if role == 'system' %}{% set role = 'user' %}{% endif %}"
-    "<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{{ bos_token }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{% set prefix = messages[0]['content'] ~ '\n\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('turns must alternate user / assistant, starting with user (after one system message), "
+    "got ' ~ m['role'] ~ ' at turn ' ~ loop.index0) }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ prefix if loop.first else '' }}{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
