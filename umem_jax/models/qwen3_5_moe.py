@@ -147,5 +147,5 @@ def drop_empty_shared_expert(tensors: dict, prefix: str) -> None:
         tensors.pop(prefix + "shared_expert_gate.weight", None)
 
 
-__all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "drop_empty_shared_expert", "moe_config", "qwen3_5_35b_a3b_like", "qwen3_5_moe_config",
-           "stack_experts"]
+__all__ = ["ARCHITECTURE", "Qwen3_5MoeForCausalLM", "drop_empty_shared_expert", "moe_config", "qwen3_5_35b_a3b_like",
+           "qwen3_5_moe_config", "stack_experts"]
