@@ -11,7 +11,8 @@ scheduler knobs that force retraction (new_token_ratio 0).  After every workload
   * every request ended exactly once: finished with its whole output (max_tokens as clipped,
     or a stop rule), refused at arrival with BUDGET_MESSAGE (only when even one token does not
     fit), or aborted by us (its tokens then a prefix of what it would have produced);
-  * a clip at arrival was reported (the engine's log line), never a silent short output;
+  * a clip at arrival (max_tokens unset: as many as fit) was reported (the engine's log line), never a
+    silent short output; a max_tokens asked for over what fits was refused naming how many do;
   * a greedy request produced exactly what the same request produces alone in a large arena
     (`Family.reference`, one request at a time, memoised);
   * at idle the engine's leak / refcount / byte-conservation checks ran and passed, and the
@@ -31,7 +32,7 @@ import numpy as np
 
 from umem_jax import LLM, SamplingParams
 from umem_jax.core.request import RequestStatus
-from umem_jax.engine.engine import BUDGET_MESSAGE
+from umem_jax.engine.engine import ARENA_MAX_TOKENS_MESSAGE, BUDGET_MESSAGE
 
 BUCKETS = dict(max_num_seqs=4, batch_buckets=(4,), token_buckets=(32,))
 MAX_PROMPT = 160  # longest prompt drawn (CPU time), below the clip limit of the roomy arenas
@@ -144,13 +145,16 @@ def _params(rng, e, prompt, sampling: bool, most: int) -> SamplingParams:
     clipped = e.demand.clip(len(prompt), room)
     if want == 10_000 and clipped is not None and clipped > (24 if cheap else 48):
         want = 17 if cheap else 33  # "as much as fits" only where that is cheap
-    kw = dict(max_tokens=min(want, room), ignore_eos=True, temperature=0.0)
+    # "as much as fits": max_tokens unset (clipped to what fits, reported in the log) or the room
+    # max_model_len leaves, asked for (refused at arrival where the arena holds fewer)
+    asked = None if want == 10_000 and len(prompt) % 2 else min(want, room)
+    kw = dict(max_tokens=asked, ignore_eos=True, temperature=0.0)
     if sampling and rng.random() < 0.3:
         kw.update(temperature=float(rng.choice([0.7, 1.0])), seed=int(rng.integers(1 << 30)))
     r = rng.random()
     if r < 0.1:
         kw.update(stop_token_ids=rng.integers(3, e.model.config.vocab_size, 3).tolist(),
-                  min_tokens=min(kw["max_tokens"], int(rng.integers(0, 3))))
+                  min_tokens=min(asked or room, int(rng.integers(0, 3))))
     elif r < 0.2 and e.tokenizer is not None:
         kw.update(stop=[e.tokenizer.decode(rng.integers(35, 130, 1).tolist())])  # one printable byte (tiny models)
     return SamplingParams(**kw)
@@ -161,7 +165,7 @@ def drive(llm_obj, specs: list[Spec], seed) -> dict:
     """Run `specs` on the engine (arrivals and aborts as specified) -> {rid: RequestOutput}."""
     e = llm_obj.llm_engine
     outs, step, pending = {}, 0, sorted(specs, key=lambda s: s.arrive)
-    work = sum(len(s.prompt) + (s.params.max_tokens or 0) for s in specs)
+    work = sum(len(s.prompt) + (s.params.max_tokens or e.max_model_len - len(s.prompt)) for s in specs)
     bound = 200 + 8 * work  # retraction recomputes, but never forever
     while pending or e.has_unfinished_requests():
         while pending and pending[0].arrive <= step:
@@ -194,15 +198,23 @@ def check(family: Family, llm_obj, specs: list[Spec], outs: dict, clips: ClipLog
         if o is None:
             raise fail(f"request {s.rid} (prompt {len(s.prompt)}) never ended")
         comp, n = o.outputs[0], len(s.prompt)
-        clipped = e.demand.clip(n, s.params.max_tokens)
+        asked = s.params.max_tokens
+        most_tokens = asked if asked is not None else e.max_model_len - n
+        clipped = e.demand.clip(n, most_tokens)
         if clipped is None:
             if comp.finish_reason != "abort" or o.error != BUDGET_MESSAGE.format(n) or comp.token_ids:
                 raise fail(f"prompt {n} over the budget not refused as documented: {comp.finish_reason} {o.error}")
             continue
         if o.error == BUDGET_MESSAGE.format(n):
             raise fail(f"prompt {n} refused though {clipped} tokens fit")
-        if clipped < s.params.max_tokens and s.rid not in clips.ids:
-            raise fail(f"request {s.rid}: max_tokens {s.params.max_tokens} clipped to {clipped} silently")
+        if clipped < most_tokens and asked is not None:  # asked for more than fit: refused, naming how many do
+            if (comp.finish_reason, comp.token_ids) != ("abort", []) or \
+                    o.error != ARENA_MAX_TOKENS_MESSAGE.format(asked, n, clipped, e.max_model_len):
+                raise fail(f"request {s.rid}: max_tokens {asked} over the {clipped} that fit not refused: "
+                           f"{comp.finish_reason} {o.error}")
+            continue
+        if clipped < most_tokens and s.rid not in clips.ids:
+            raise fail(f"request {s.rid}: max_tokens unset, clipped to {clipped} silently")
         greedy = s.params.temperature == 0
         want = family.reference(s.prompt, dataclasses.replace(s.params, max_tokens=clipped, min_tokens=min(s.params.min_tokens, clipped))) if greedy else None
         got = comp.token_ids

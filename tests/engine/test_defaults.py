@@ -200,3 +200,31 @@ def test_stats_names_say_what_they_count(short_llm):
     assert st["prefix_cache_query_tokens"] == pc["query_tokens"] and st["prefix_cache_hit_tokens"] == pc["hit_tokens"]
     assert pc["hit_tokens"] - before["hit_tokens"] >= 32  # the second found the first's whole pages
     assert "prefix_cache_queries" not in st and "prefix_cache_hits" not in st
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(kernel_impl="foo"), "kernel_impl must be"),
+    (dict(max_model_len=0), "max_model_len must be an int >= 1"),
+    (dict(max_model_len=-5), "max_model_len must be an int >= 1"),
+    (dict(extra_state_slots=-1), "extra_state_slots must be an int >= 0"),
+    (dict(max_prefill_streak=0), "max_prefill_streak must be an int >= 1"),
+    (dict(checkpoint_interval=-3), "checkpoint_interval must be an int >= 1"),
+    (dict(new_token_ratio=-1.0), r"new_token_ratio must be in \[0, 1\]"),
+    (dict(swa_full_tokens_ratio=-0.5), "swa_full_tokens_ratio must be a number > 0"),
+    (dict(mamba_full_memory_ratio=float("nan")), "mamba_full_memory_ratio must be a number > 0"),
+    (dict(max_num_seqs=2.5), "max_num_seqs must be an int"),
+    (dict(page_size=4.0), "page_size must be an int"),
+    (dict(arena_bytes=True), "arena_bytes must be an int"),
+    (dict(dtype="int8"), "dtype must be float32, bfloat16 or float16"),
+])
+def test_impossible_options_are_refused_naming_them(kw, match):
+    """Refused when the config is made (LLM() / the CLI), with the option's name and its range:
+    never accepted and ignored, nor left to fail the first request (and the engine with it)."""
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kw)
+
+
+def test_weight_dtype_takes_vllm_names():
+    assert [EngineConfig(dtype=d).dtype for d in ("auto", "half", "bf16", "float", "float16", None)] == \
+        [None, "float16", "bfloat16", "float32", "float16", None]
+    assert EngineConfig(arena_bytes=np.int64(1 << 20), swa_full_tokens_ratio=2).arena_bytes == 1 << 20

@@ -84,15 +84,23 @@ def test_prompt_over_budget_is_refused_with_the_message():
 
 
 def test_max_tokens_clipped_by_the_memory_clip():
+    """max_model_len (1024) above what the arena holds: a request that leaves max_tokens unset gets
+    as many as fit (a "length" finish); one that asks for more than fit is refused naming how many
+    do -- never cut short under a "length" finish it did not ask for."""
     eng_llm = llm()
     dm = eng_llm.llm_engine.demand
     p = prompts(200, seed=9)[0]
     want = 1024 - 200  # what max_model_len alone would allow
     clipped = dm.clip(200, want)
     assert clipped is not None and clipped < want
-    out = eng_llm.generate(p, SamplingParams(temperature=0, max_tokens=want, ignore_eos=True))[0]
+    out = eng_llm.generate(p, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == clipped and out.outputs[0].finish_reason == "length"
     assert out.metrics.num_retractions == 0  # admitted alone means it fits
+    asked = eng_llm.generate(p, SamplingParams(temperature=0, max_tokens=clipped + 1, ignore_eos=True))[0]
+    assert asked.outputs[0].finish_reason == "abort" and not asked.outputs[0].token_ids
+    assert f"max_tokens={clipped + 1} does not fit the arena" in asked.error and f"at most {clipped} do" in asked.error
+    fits = eng_llm.generate(p, SamplingParams(temperature=0, max_tokens=clipped, ignore_eos=True))[0]
+    assert fits.outputs[0].token_ids == out.outputs[0].token_ids
     assert_idle_clean(eng_llm)
 
 

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+
+# weight dtype names (vLLM's --dtype values and short forms) -> ours; "auto": the checkpoint's
+_WEIGHT_DTYPES = {"auto": None, "float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
+                  "bf16": "bfloat16"}
 
 
 @dataclasses.dataclass
@@ -70,9 +77,29 @@ class EngineConfig:
             raise ValueError(f"interface must be 'python' or 'cli', got {self.interface!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for name, lo, optional in (("max_num_seqs", 1, False), ("max_num_batched_tokens", 1, False),
+                                   ("page_size", 1, False), ("tensor_parallel_size", 1, False),
+                                   ("max_prefill_streak", 1, False), ("extra_state_slots", 0, False),
+                                   ("max_model_len", 1, True), ("arena_bytes", 1, True),
+                                   ("checkpoint_interval", 1, True), ("max_checkpoints_per_path", 0, True)):
+            v = getattr(self, name)
+            if optional and v is None:
+                continue
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}{' (or None)' if optional else ''}, got {v!r}")
+        for name in ("swa_full_tokens_ratio", "mamba_full_memory_ratio"):  # shares of the arena (sizing.py)
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not 0 < v < math.inf:
+                raise ValueError(f"{name} must be a number > 0, got {v!r}")
+        if not isinstance(self.new_token_ratio, numbers.Real) or not 0 <= self.new_token_ratio <= 1:
+            raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio!r}")
+        if self.kernel_impl not in (None, "pallas", "reference"):
+            raise ValueError(f"kernel_impl must be 'pallas', 'reference' or None (pallas on a GPU, reference "
+                             f"elsewhere), got {self.kernel_impl!r}")
+        self.dtype = _WEIGHT_DTYPES.get(self.dtype, self.dtype) if isinstance(self.dtype, str) else self.dtype
+        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16 (vLLM's aliases too: float, half, bf16, "
+                             f"fp16, fp32), or auto / None for the checkpoint's, got {self.dtype!r}")
         lo, hi = self.priority_range
         if not (isinstance(lo, int) and isinstance(hi, int) and lo <= 0 <= hi):
             raise ValueError(f"priority_range must be two ints (min, max) with min <= 0 <= max (0: the priority of "

@@ -65,6 +65,10 @@ BUDGET_MESSAGE = "Request prompt exceeds the KV memory budget: input_len={}."
 MAX_TOKENS_MESSAGE = ("max_tokens={0} is too large: the prompt ({2} tokens) and max_tokens must fit max_model_len={1}, "
                       "so at most {3} here (or leave max_tokens unset: up to the room left)")
 
+# max_tokens that fits max_model_len but not the arena (max_model_len set above what the arena holds)
+ARENA_MAX_TOKENS_MESSAGE = ("max_tokens={0} does not fit the arena beside this prompt ({1} tokens): at most {2} "
+                            "do (max_model_len={3} is more than the arena holds; see the start-up warning)")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
@@ -145,8 +149,13 @@ class LLMEngine:
             self._aborted.append(req)
             return req.request_id
         if clipped < req.max_tokens:
+            if req.params.max_tokens is not None:  # asked for: refused, not cut short under a "length" finish
+                req.mark_finished(RequestStatus.FINISHED_ABORTED, error=ARENA_MAX_TOKENS_MESSAGE.format(
+                    req.max_tokens, req.prompt_len, clipped, self.max_model_len))
+                self._aborted.append(req)
+                return req.request_id
             log.info("request %s: max_tokens %d clipped to %d by the arena", req.request_id, req.max_tokens, clipped)
-            req.clip_max_tokens(clipped)
+            req.clip_max_tokens(clipped)  # unset max_tokens: as many as fit
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         self.scheduler.add(req)
