@@ -137,7 +137,7 @@ async def prefill(raw: Request):
     tid, gen, url = str(body["transfer_id"]), str(body["generation"]), str(body["decode_url"]).rstrip("/")
     ids, timeout_s = [int(t) for t in body["prompt_token_ids"]], float(body.get("timeout_s", 30.0))
     try:
-        params = SamplingParams(**{**body.get("params", {}), "max_tokens": 1})
+        params = SamplingParams(**_first_token_params(body.get("params", {})))
         transport = transport_for(str(body.get("transport") or w.transport), url)
         await w.call(lambda eng: (eng.handoff.check_supported(params), eng.handoff.hold_after_prefill(tid)))
         stream = await w.aeng.add_request(ids, params, request_id=tid)
@@ -169,6 +169,18 @@ async def prefill(raw: Request):
                         "send_s": send_s})
     return {**out, "status": "failed" if why else "sent", "error": why, "bytes": env.nbytes, "send_s": send_s,
             "transport": transport}
+
+
+def _first_token_params(params: dict) -> dict:
+    """The request's params for its first token only (max_tokens=1).  min_tokens is capped at 1
+    (else the params are invalid): that still bans EOS and the stop ids from the first token, as
+    the whole request would.  With min_tokens > 1 no stop string may end the request at its first
+    token either, so none is checked here; the decode side applies every rule to the rest."""
+    out = {**params, "max_tokens": 1}
+    min_tokens = int(out.get("min_tokens") or 0)
+    if min_tokens > 1:
+        out.update(min_tokens=1, stop=None)
+    return out
 
 
 def _timed(fn, *args):
