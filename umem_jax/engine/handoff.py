@@ -188,7 +188,13 @@ class Handoff:
         clipped = eng.demand.clip(req.prompt_len, req.max_tokens)
         if clipped is None:
             raise ValueError(f"the prompt ({req.prompt_len} tokens) does not fit this decode engine's arena")
-        req.clip_max_tokens(min(clipped, req.max_tokens))
+        if clipped < req.max_tokens:  # as LLMEngine.enqueue: an asked-for max_tokens is refused, not cut short
+            if params.max_tokens is not None:
+                from .engine import ARENA_MAX_TOKENS_MESSAGE  # engine.py imports this module
+
+                raise ValueError(ARENA_MAX_TOKENS_MESSAGE.format(req.max_tokens, req.prompt_len, clipped,
+                                                                 eng.max_model_len))
+            req.clip_max_tokens(clipped)  # unset max_tokens: as many as fit
         if not held.reserve(eng.scheduler, req, req.prompt_len):
             return None
         if eng.tokenizer is not None:
