@@ -5,10 +5,11 @@ reservation left to its owner to cancel and every page accounted for."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
-from _disagg_models import engine
+from _disagg_models import DECODE_ARENA, PREFILL_ARENA, engine
 
 from umem_jax.core.sampling_params import SamplingParams
 
@@ -36,4 +37,51 @@ def test_reserve_refuses_max_tokens_beyond_the_arena_like_one_engine():
     req = D.handoff.reserve(prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True), "unset")
     assert req is not None and req.max_tokens == fits
     D.handoff.release("unset")
+    D.check_idle()
+
+
+def _exported(prompt):
+    P = engine("hybrid", PREFILL_ARENA)
+    P.handoff.hold_after_prefill("x")
+    P.add_request(prompt, _greedy(1), request_id="x")
+    while "x" not in P.scheduler.held:
+        P.step()
+    env = P.handoff.export("x")
+    P.handoff.release("x")
+    P.check_idle()
+    return env
+
+
+def _bad_envelopes(env):
+    """Envelope sets a truncated or corrupted payload could decode to: (what, envelopes)."""
+    full, win = env.pages["full"], env.pages["window16"]
+    yield "one page short", dataclasses.replace(env, pages={**env.pages, "full": full[:-1]})
+    yield "one page only (would broadcast)", dataclasses.replace(env, pages={**env.pages, "full": full[:1]})
+    yield "a sub-pool missing", dataclasses.replace(env, pages={"full": full})
+    yield "no state slot", dataclasses.replace(env, state=None)
+    yield "rows cut", dataclasses.replace(env, pages={**env.pages, "window16": win[:, :-1]})
+    yield "another dtype", dataclasses.replace(env, pages={**env.pages, "full": full.astype(np.float32)})
+    yield "a first token off the vocabulary", dataclasses.replace(env, first_token=10**6)
+
+
+def test_envelopes_off_the_plan_are_refused_before_any_write():
+    prompt = np.random.default_rng(8).integers(3, 300, 37).tolist()
+    env = _exported(prompt)
+    D = engine("hybrid", DECODE_ARENA)
+    for what, bad in _bad_envelopes(env):
+        D.handoff.reserve(prompt, _greedy(6), "r")
+        before = np.asarray(D.runner.arena.data).copy()
+        with pytest.raises(ValueError) as e:
+            D.handoff.install("r", bad)
+        assert "r" in D.scheduler.held, what  # still reserved: the caller fences and frees it
+        assert np.array_equal(np.asarray(D.runner.arena.data).view(np.uint16), before.view(np.uint16)), what
+        assert "envelope" in str(e.value) or "token" in str(e.value), (what, str(e.value))
+        D.handoff.release("r")
+        D.check_idle()
+    # the good set still installs and decodes after all that
+    req = D.handoff.reserve(prompt, _greedy(6), "ok")
+    D.handoff.install("ok", env)
+    while D.has_unfinished_requests():
+        D.step()
+    assert len(req.output_token_ids) == 6
     D.check_idle()

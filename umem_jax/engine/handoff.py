@@ -213,20 +213,44 @@ class Handoff:
         plan = TransferPlan.of(eng.plan, req.prompt_len)
         if env.plan != plan:
             raise ValueError(f"transfer plans differ: sender {env.plan}, receiver {plan}")
+        self._check_arrays(env, plan)  # before any write: each write donates the arena
         self._apply_moves()
-        arena = eng.runner.arena
+        # The runner takes each new arena at once, so it never holds a donated (deleted) buffer.
         for name, (first, end) in plan.pages.items():
             phys = eng.allocator.translate_pages(np.asarray(req.pages[first:end], np.int32), name)
-            arena = write_envelopes(arena, phys, env.pages[name], name)
+            eng.runner.arena = write_envelopes(eng.runner.arena, phys, env.pages[name], name)
         if plan.state_slots:
             phys = eng.allocator.translate_slots(np.asarray(req.slots[:plan.state_slots], np.int32))
-            arena = write_envelopes(arena, phys, env.state, eng.plan.state.name)
-        eng.runner.arena = arena
+            eng.runner.arena = write_envelopes(eng.runner.arena, phys, env.state, eng.plan.state.name)
         held.activate(eng.scheduler, req, plan.computed)
         eng._append(req, env.first_token)
         if req.finished:
             eng._requests.pop(req.request_id, None)
         return req
+
+    def _check_arrays(self, env: Envelopes, plan: TransferPlan) -> None:
+        """Raise ValueError unless `env` holds exactly the arrays `plan` moves, uint16 and shaped
+        [pages, rows_per_page, row_words], and a first token of the vocabulary.  A truncated or
+        corrupt payload is refused here, before the first write: numpy would broadcast a single
+        page over all of them, and a failure between two writes would leave a donated arena."""
+        eng = self.engine
+        words = eng.runner.arena.row_words
+        want = {name: (end - first, eng.plan[name].rows_per_page, words) for name, (first, end) in plan.pages.items()}
+        if set(env.pages) != set(want):
+            raise ValueError(f"page envelopes of sub-pools {sorted(env.pages)}, the transfer plan moves {sorted(want)}")
+        arrays = [(name, env.pages[name], shape) for name, shape in want.items()]
+        if plan.state_slots:
+            arrays.append((eng.plan.state.name, env.state,
+                           (plan.state_slots, eng.plan.state.rows_per_page, words)))
+        elif env.state is not None:
+            raise ValueError("page envelopes carry a state slot, the transfer plan moves none")
+        for name, a, shape in arrays:
+            if not isinstance(a, np.ndarray) or a.dtype != np.uint16 or a.shape != shape:
+                got = "nothing" if a is None else f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}"
+                raise ValueError(f"page envelopes of {name}: {got}, the transfer plan moves uint16{list(shape)}")
+        vocab = eng.model.config.vocab_size
+        if not 0 <= int(env.first_token) < vocab:
+            raise ValueError(f"the first token {env.first_token} is out of the vocabulary [0, {vocab})")
 
     def release(self, request_id: str) -> None:
         """Free a held request's memory (prefill: after the ack; decode: a cancelled reservation).
