@@ -53,3 +53,46 @@ def test_min_tokens_above_one(pair, min_tokens):
         await assert_no_leaks(*pair.values())
 
     asyncio.run(go())
+
+
+def _gone_url() -> str:
+    """A loopback URL nobody listens on (a worker that is gone)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_gone_worker_is_passed_over(pair):
+    """A prefill and a decode worker that are gone, listed first, with no retries: every request
+    still goes to the live pair (nothing reached the gone ones, so no attempt is spent on them);
+    tokenizing and /v1/models go to a live decode worker, not only to the first listed (a text
+    prompt was a 500 there)."""
+    P, D = pair["prefill"].url, pair["decode"].url
+    prompts = [_prompt(20 + i, 9 + 5 * i) for i in range(4)]
+    want = [reference("hybrid", p, temperature=0.0, max_tokens=5) for p in prompts]
+
+    async def go():
+        router = Router([_gone_url(), P], [_gone_url(), D], timeout_s=120, retries=0)
+        async with _client(router) as c, httpx.AsyncClient(timeout=60) as direct:
+            got = [_got(await c.post("/v1/completions", json={"prompt": p, "max_tokens": 5, "temperature": 0}))
+                   for p in prompts]
+            assert got == want
+            assert router.counts == {"requests": 4, "retries": 0, "failed": 0}, list(router.errors)
+            r = await c.get("/v1/models")
+            assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+            text = {"prompt": "hello there", "max_tokens": 3}
+            r, alone = await c.post("/v1/completions", json=text), await direct.post(f"{D}/v1/completions", json=text)
+            assert r.status_code == alone.status_code != 500, (r.text, alone.text)
+        # every worker gone: a clear 503 naming them, not a 500
+        gone = Router([_gone_url()], [_gone_url()], timeout_s=5, retries=1)
+        async with _client(gone) as c:
+            r = await c.post("/v1/completions", json={"prompt": prompts[0], "max_tokens": 5})
+            assert r.status_code == 503 and "ConnectError" in r.json()["error"]["message"], r.text
+            r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5})
+            assert r.status_code == 503 and "no decode worker answered /tokenize" in r.json()["error"]["message"]
+            assert (await c.get("/v1/models")).status_code == 503
+        await assert_no_leaks(*pair.values())
+
+    asyncio.run(go())

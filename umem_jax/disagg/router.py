@@ -3,7 +3,9 @@ worker.  Each request: tokenize (at the decode worker), reserve its pages at the
 prefill at the prefill worker (which sends the page envelopes to the decode worker), then stream
 the decode worker's tokens back as OpenAI completions / chat completions (streamed or not).
 
-A failed transfer (timed out, dropped, the decode worker gone) is retried `retries` times with a
+Workers go round-robin; a worker that refuses the connection (gone) or a decode worker with no
+room for the reservation is passed over for the next one within the same attempt, since nothing
+happened there yet.  A failed transfer (timed out, dropped, the decode worker gone) is retried `retries` times with a
 new transfer id before any token reached the client, then answered 503 with the reason.  Choices
 carry `token_ids` besides the text.  Not supported yet (400 by name): n / best_of > 1, logprobs,
 echo, suffix, several prompts in one request.
@@ -30,6 +32,14 @@ class TransferFailed(RuntimeError):
     """This attempt failed before any token was sent: another attempt may succeed."""
 
 
+class WorkerDown(TransferFailed):
+    """The worker refused the connection (or none opened): nothing reached it, so the same step
+    may go to another worker at once."""
+
+
+DOWN_S = 5.0  # a worker that refused a connection is tried after the others for this long
+
+
 class Router:
     """prefill / decode: worker base URLs (round-robin); timeout_s: a transfer's deadline (the
     decode worker's reservation and the prefill worker's wait for the ack); retries: attempts
@@ -45,31 +55,70 @@ class Router:
         self.transport = transport
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
         self.counts = {"requests": 0, "retries": 0, "failed": 0}
+        self._down: dict[str, float] = {}  # worker URL -> time.monotonic() until which it is tried last
         self.errors: collections.deque[str] = collections.deque(maxlen=32)  # why recent attempts failed
 
     async def _post(self, url: str, **kw) -> httpx.Response:
         try:
             return await self.client.post(url, **kw)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise WorkerDown(f"{url}: {type(e).__name__} {e}") from None
         except httpx.HTTPError as e:
             raise TransferFailed(f"{url}: {type(e).__name__} {e}") from None
 
+    def _order(self, urls: list[str], cycle) -> list[str]:
+        """Every worker of `urls`, from the next one of the round robin on; those that refused a
+        connection in the last DOWN_S seconds last (a gone worker does not take every other request)."""
+        i = urls.index(next(cycle))
+        now = time.monotonic()
+        return sorted(urls[i:] + urls[:i], key=lambda u: self._down.get(u, 0.0) > now)
+
+    def _went_down(self, url: str) -> None:
+        self._down[url] = time.monotonic() + DOWN_S
+
+    async def _any_decode(self, method: str, path: str, **kw) -> httpx.Response:
+        """`method path` at the first decode worker that answers (any of them tokenizes and lists
+        the model) -> its response; 503 naming why when none does."""
+        why = []
+        for url in self._order(self.decode, self._d):
+            try:
+                return await self.client.request(method, f"{url}{path}", **kw)
+            except httpx.HTTPError as e:
+                self._went_down(url)
+                why.append(f"{url}: {type(e).__name__} {e}")
+        raise APIError(503, f"no decode worker answered {path}: {'; '.join(why)}")
+
     async def tokenize(self, payload: dict) -> list[int]:
-        r = await self._post(f"{self.decode[0]}/tokenize", json=payload)
+        r = await self._any_decode("POST", "/tokenize", json=payload)
         if r.status_code != 200:
-            raise APIError(r.status_code, r.json().get("error", {}).get("message", r.text))
+            raise APIError(r.status_code, _message(r))
         return r.json()["tokens"]
 
-    async def _reserve(self, url: str, tid: str, ids: list[int], params: dict) -> str:
+    async def _reserve(self, tid: str, ids: list[int], params: dict) -> tuple[str, str]:
+        """Reserve the prompt's pages at a decode worker -> (its URL, the generation).  Workers are
+        tried in turn (round robin): one that is gone or has no room now is passed over for the
+        next; while none has room, try again until reserve_wait_s."""
         deadline = time.monotonic() + self.reserve_wait_s
+        body = {"transfer_id": tid, "prompt_token_ids": ids, "params": params, "timeout_s": self.timeout_s,
+                **({"transport": self.transport} if self.transport else {})}
         while True:
-            r = await self._post(f"{url}/disagg/reserve", json={"transfer_id": tid, "prompt_token_ids": ids,
-                                                                "params": params, "timeout_s": self.timeout_s,
-                **({"transport": self.transport} if self.transport else {})})
-            if r.status_code == 200:
-                return r.json()["generation"]
-            msg = r.json().get("error", {}).get("message", r.text)
-            if r.status_code != 503 or time.monotonic() > deadline:
-                raise APIError(r.status_code, msg) if r.status_code == 400 else TransferFailed(msg)
+            why, full = [], False
+            for url in self._order(self.decode, self._d):
+                try:
+                    r = await self._post(f"{url}/disagg/reserve", json=body)
+                except WorkerDown as e:
+                    self._went_down(url)
+                    why.append(str(e))
+                    continue
+                if r.status_code == 200:
+                    return url, r.json()["generation"]
+                msg = _message(r)
+                if r.status_code == 400:
+                    raise APIError(400, msg)
+                full |= r.status_code == 503
+                why.append(f"{url}: {msg}")
+            if not full or time.monotonic() > deadline:
+                raise TransferFailed("; ".join(why))
             await _sleep(0.05)
 
     async def deltas(self, ids: list[int], params: dict, request_id: str | None = None):
@@ -91,11 +140,21 @@ class Router:
         self.counts["failed"] += 1
         raise APIError(503, f"the disaggregated request failed after {1 + self.retries} attempts: {why}")
 
+    async def _prefill(self, body: dict) -> httpx.Response:
+        """POST the prefill to a prefill worker: one that is gone is passed over for the next."""
+        why = []
+        for url in self._order(self.prefill, self._p):
+            try:
+                return await self._post(f"{url}/disagg/prefill", json=body)
+            except WorkerDown as e:
+                self._went_down(url)
+                why.append(str(e))
+        raise TransferFailed(f"no prefill worker answered: {'; '.join(why)}")
+
     async def _attempt(self, tid: str, ids: list[int], params: dict):
-        d_url, p_url = next(self._d), next(self._p)
-        gen = await self._reserve(d_url, tid, ids, params)
+        d_url, gen = await self._reserve(tid, ids, params)
         try:
-            r = await self._post(f"{p_url}/disagg/prefill", json={
+            r = await self._prefill({
                 "transfer_id": tid, "generation": gen, "decode_url": d_url, "prompt_token_ids": ids,
                 "params": params, "timeout_s": self.timeout_s,
                 **({"transport": self.transport} if self.transport else {})})
@@ -111,7 +170,7 @@ class Router:
             if res.get("status") == "done":
                 yield res
                 return
-            raise TransferFailed(res.get("error") or f"the prefill worker answered {r.status_code}")
+            raise TransferFailed(res.get("error") or f"the prefill worker answered {r.status_code}: {_message(r)}")
         async for d in self._stream(d_url, tid):
             yield d
 
@@ -132,6 +191,14 @@ class Router:
             await self.client.post(f"{url}/disagg/cancel/{tid}", params={"generation": gen}, timeout=self.timeout_s)
         except httpx.HTTPError:
             pass  # the decode worker is gone, or its reservation expires by itself
+
+
+def _message(r: httpx.Response) -> str:
+    """A worker's error message (its OpenAI-style body), else its text."""
+    try:
+        return r.json().get("error", {}).get("message", r.text)
+    except ValueError:
+        return r.text[:300]
 
 
 async def _sleep(s: float) -> None:
@@ -164,7 +231,8 @@ def build_router_app(router: Router, model_name: str = "umem-jax") -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return JSONResponse((await router.client.get(f"{router.decode[0]}/v1/models")).json())
+        r = await router._any_decode("GET", "/v1/models")
+        return JSONResponse(r.json(), status_code=r.status_code)
 
     @app.get("/router/stats")
     async def stats():
