@@ -96,3 +96,53 @@ def test_a_gone_worker_is_passed_over(pair):
         await assert_no_leaks(*pair.values())
 
     asyncio.run(go())
+
+
+def test_workers_of_another_plan_are_refused_with_the_reason(pair, monkeypatch):
+    """A decode worker of another model: the router refuses to start naming why (roles checked
+    too); a request sent anyway fails with a 503 giving the reason, the prefill worker computes
+    nothing for it, and neither side keeps a page."""
+    from umem_jax.disagg import router as router_mod
+
+    other = InProcWorker("decode", family="state")
+    try:
+        P, D = pair["prefill"], other
+        router = Router([P.url], [D.url], timeout_s=60)
+        why = asyncio.run(router.check_workers())
+        assert why is not None and "different memory plans" in why, why
+        assert asyncio.run(Router([P.url], [pair["decode"].url]).check_workers()) is None
+        swapped = asyncio.run(Router([pair["decode"].url], [P.url]).check_workers())
+        assert "given as a prefill worker but is decode" in swapped, swapped
+        import uvicorn
+
+        monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("the router started"))
+        assert router_mod.serve_router(router, port=0) == 2
+
+        async def go():
+            steps = P.eng.num_steps.copy()
+            async with _client(router) as c:
+                r = await c.post("/v1/completions", json={"prompt": _prompt(3, 12), "max_tokens": 4})
+            assert r.status_code == 503 and "another memory plan" in r.json()["error"]["message"], r.text
+            assert P.eng.num_steps == steps  # refused before any prefill
+            await assert_no_leaks(P, D)
+
+        asyncio.run(go())
+    finally:
+        other.stop()
+
+
+def test_another_model_of_the_same_plan_has_another_fingerprint():
+    """Two models whose memory plans are equal (only the MLP width differs) must not exchange
+    envelopes: the fingerprint covers the model's config, not only the plan."""
+    from _disagg_models import DECODE_ARENA, SETTINGS
+
+    from umem_jax.engine.config import EngineConfig
+    from umem_jax.engine.engine import LLMEngine
+    from umem_jax.models.config import FULL, SLIDING
+    from umem_jax.models.tiny import tiny_model
+
+    types = (SLIDING, FULL, SLIDING, FULL)
+    a, b = (LLMEngine(EngineConfig(model=tiny_model(seed=7, layer_types=types, **kw), arena_bytes=DECODE_ARENA,
+                                   **SETTINGS)) for kw in ({}, {"intermediate_size": 96}))
+    assert repr(a.plan) == repr(b.plan)
+    assert a.handoff.fingerprint != b.handoff.fingerprint

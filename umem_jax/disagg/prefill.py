@@ -1,6 +1,7 @@
 """The prefill worker: computes a prompt, sends its page envelopes, frees them on the ack.
 
-    POST /disagg/prefill {transfer_id, generation, decode_url, prompt_token_ids, params, timeout_s}
+    POST /disagg/prefill {transfer_id, generation, decode_url, prompt_token_ids, params, timeout_s[, fingerprint]}
+      (fingerprint: the decode worker's, from its reservation: another one fails at once, nothing computed)
       -> {status: "sent" | "done" | "failed", first token, text, finish_reason, error, bytes, send_s}
     GET  /disagg/transfers        the latest sends: {transfer_id, tokens, bytes, ok, export_wait_s,
                                   export_s (gather + device-to-host read), pack_s, send_s (POST to ack)}
@@ -34,6 +35,7 @@ from fastapi import APIRouter, Request
 
 from ..api.errors import error
 from ..core.sampling_params import SamplingParams
+from ..engine.handoff import plan_mismatch
 from .faults import Faults
 from .wire import NoSegment, SegmentPool, pack, pack_shm, transport_for
 
@@ -136,6 +138,10 @@ async def prefill(raw: Request):
     w, body = _worker(raw), await raw.json()
     tid, gen, url = str(body["transfer_id"]), str(body["generation"]), str(body["decode_url"]).rstrip("/")
     ids, timeout_s = [int(t) for t in body["prompt_token_ids"]], float(body.get("timeout_s", 30.0))
+    theirs, ours = body.get("fingerprint"), w.aeng.engine.handoff.fingerprint  # fixed at build: any thread
+    if theirs is not None and theirs != ours:  # the decode worker could not take these envelopes: compute nothing
+        return {"transfer_id": tid, "token_ids": [], "text": "", "finish_reason": None, "stop_reason": None,
+                "status": "failed", "error": f"the decode worker refuses {plan_mismatch(ours, theirs)}"}
     try:
         params = SamplingParams(**_first_token_params(body.get("params", {})))
         transport = transport_for(str(body.get("transport") or w.transport), url)

@@ -94,8 +94,8 @@ class Router:
             raise APIError(r.status_code, _message(r))
         return r.json()["tokens"]
 
-    async def _reserve(self, tid: str, ids: list[int], params: dict) -> tuple[str, str]:
-        """Reserve the prompt's pages at a decode worker -> (its URL, the generation).  Workers are
+    async def _reserve(self, tid: str, ids: list[int], params: dict) -> tuple[str, str, str | None]:
+        """Reserve the prompt's pages at a decode worker -> (its URL, the generation, its plan fingerprint).  Workers are
         tried in turn (round robin): one that is gone or has no room now is passed over for the
         next; while none has room, try again until reserve_wait_s."""
         deadline = time.monotonic() + self.reserve_wait_s
@@ -111,7 +111,7 @@ class Router:
                     why.append(str(e))
                     continue
                 if r.status_code == 200:
-                    return url, r.json()["generation"]
+                    return url, r.json()["generation"], r.json().get("fingerprint")
                 msg = _message(r)
                 if r.status_code == 400:
                     raise APIError(400, msg)
@@ -152,11 +152,11 @@ class Router:
         raise TransferFailed(f"no prefill worker answered: {'; '.join(why)}")
 
     async def _attempt(self, tid: str, ids: list[int], params: dict):
-        d_url, gen = await self._reserve(tid, ids, params)
+        d_url, gen, fingerprint = await self._reserve(tid, ids, params)
         try:
             r = await self._prefill({
                 "transfer_id": tid, "generation": gen, "decode_url": d_url, "prompt_token_ids": ids,
-                "params": params, "timeout_s": self.timeout_s,
+                "params": params, "timeout_s": self.timeout_s, "fingerprint": fingerprint,
                 **({"transport": self.transport} if self.transport else {})})
         except TransferFailed:
             await self._cancel(d_url, tid, gen)
@@ -185,6 +185,30 @@ class Router:
         except httpx.HTTPError as e:
             yield {"text": "", "token_ids": [], "finish_reason": "abort", "stop_reason": None,
                    "error": f"the decode worker went away mid-request: {type(e).__name__} {e}"}
+
+    async def check_workers(self) -> str | None:
+        """Ask every worker its /disagg/status -> why this pairing cannot work (a URL in the wrong
+        role, or workers of different memory plans: another model, page size or K/V dtype, whose
+        envelopes the other side would refuse), or None.  A worker that does not answer is left out
+        (each request checks again: a prefill worker computes nothing for a decode worker of another
+        plan)."""
+        seen, why = {}, []
+        async with httpx.AsyncClient(timeout=10) as c:
+            for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+                for url in urls:
+                    try:
+                        r = await c.get(f"{url}/disagg/status")
+                        st = r.json() if r.status_code == 200 else {}
+                    except (httpx.HTTPError, ValueError):
+                        continue
+                    if st.get("mode") != role:
+                        why.append(f"{url} is given as a {role} worker but is {st.get('mode') or 'not a worker'}")
+                    else:
+                        seen[url] = st.get("fingerprint")
+        if len(set(seen.values())) > 1:
+            why.append("the workers run different memory plans (model, page size or K/V dtype), so page envelopes "
+                       "cannot move between them: " + ", ".join(f"{u} {f}" for u, f in seen.items()))
+        return "; ".join(why) or None
 
     async def _cancel(self, url: str, tid: str, gen: str) -> None:
         try:
@@ -311,7 +335,16 @@ async def _respond(router: Router, body, ids: list[int], kind: str, model: str):
 
 
 def serve_router(router: Router, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
+    """Serve the router -> 0; 2 without serving when the workers that answer cannot work together
+    (Router.check_workers: the reason is logged)."""
+    import asyncio
+    import logging
+
     import uvicorn
 
+    why = asyncio.run(router.check_workers())
+    if why is not None:
+        logging.getLogger("umem_jax").error("umem-jax router: refusing to start: %s", why)
+        return 2
     uvicorn.run(build_router_app(router), host=host, port=port, log_level=log_level)
     return 0

@@ -35,10 +35,18 @@ from ..scheduler import held
 from .detokenizer import IncrementalDetokenizer
 
 
-def plan_fingerprint(plan: Plan, dtype) -> str:
+def plan_fingerprint(plan: Plan, dtype, model_config=None) -> str:
     """A short hash of everything that fixes the bytes of a page envelope: the plan (every
-    sub-pool's layers, geometry, rows per entry, row words, page size) and the arena dtype."""
-    return hashlib.sha256(f"{plan!r}|{np.dtype(dtype).name}".encode()).hexdigest()[:16]
+    sub-pool's layers, geometry, rows per entry, row words, page size) and the arena dtype; and of
+    the model's config when given, since two models of one plan (another vocabulary, MLP width,
+    RoPE) read the same bytes differently: decoding one's envelopes on the other is silent garbage."""
+    return hashlib.sha256(f"{plan!r}|{np.dtype(dtype).name}|{model_config!r}".encode()).hexdigest()[:16]
+
+
+def plan_mismatch(theirs: str, ours: str) -> str:
+    """Why envelopes of fingerprint `theirs` cannot go into an engine of fingerprint `ours`."""
+    return (f"page envelopes of another memory plan ({theirs}, this engine's is {ours}): both engines must "
+            f"run the same model, page size and K/V dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +135,7 @@ class Handoff:
 
     def __init__(self, engine):
         self.engine = engine
-        self.fingerprint = plan_fingerprint(engine.plan, engine.runner.arena.dtype)
+        self.fingerprint = plan_fingerprint(engine.plan, engine.runner.arena.dtype, engine.model.config)
         self._hold: set[str] = set()  # requests to hold when their one prefill token is out
 
     @property
@@ -208,8 +216,7 @@ class Handoff:
         eng = self.engine
         req = self.held[request_id]
         if env.fingerprint != self.fingerprint:
-            raise ValueError(f"page envelopes of another memory plan ({env.fingerprint}, this engine's is "
-                             f"{self.fingerprint}): both engines must run the same model, page size and K/V dtype")
+            raise ValueError(plan_mismatch(env.fingerprint, self.fingerprint))
         plan = TransferPlan.of(eng.plan, req.prompt_len)
         if env.plan != plan:
             raise ValueError(f"transfer plans differ: sender {env.plan}, receiver {plan}")
