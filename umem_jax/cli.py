@@ -148,19 +148,24 @@ def _sampling_modes(text: str) -> tuple[str, ...]:
 
 
 def _serve(args) -> int:
+    from .api.server import bind
     from .engine import startup
 
+    # the port first: one in use (or a bad --host / --port) is refused before minutes of loading
+    sock = bind(args.host, args.port)
+    args.port = sock.getsockname()[1]  # --port 0: the free port taken, as the lines below print it
     names = args.served_model_name or _default_names(args)
     # loading, converting, compiling + ETA on stderr; uninstalled however serve ends, so a failed
     # start leaves no report behind for the next engine of this process
     report = startup.install(startup.StartupReport())
     try:
-        return _serve_with(args, names, report)
+        return _serve_with(args, names, report, sock)
     finally:
         startup.install(None)
+        sock.close()
 
 
-def _serve_with(args, names: list[str], report) -> int:
+def _serve_with(args, names: list[str], report, sock) -> int:
     from .api.async_engine import AsyncLLMEngine
     from .api.metrics import EngineMetrics
     from .api.server import serve
@@ -171,10 +176,13 @@ def _serve_with(args, names: list[str], report) -> int:
                           warmup_shapes=shapes, warmup_sampling=_sampling_modes(sampling))
     print(_serving_line(engine, names, args), flush=True)
     startup.announce_when_ready(report, aeng, f"ready: http://{args.host}:{args.port}/v1")
-    if args.disaggregation_mode != "null":  # a prefill or decode worker (disagg/worker.py)
+    if args.disaggregation_mode != "null":  # a prefill or decode worker (disagg/worker.py) binds its own
         from .disagg.worker import serve_worker as serve
+        sock.close()
         serve = functools.partial(serve, mode=args.disaggregation_mode,
                                   transfer_backend=args.disaggregation_transfer_backend)
+    else:
+        serve = functools.partial(serve, sock=sock)
     code = serve(aeng, names, host=args.host, port=args.port, model_root=str(args.model or args.model_path),
                  api_key=args.api_key or None, max_request_bytes=args.max_request_bytes or None)
     if code:

@@ -133,3 +133,36 @@ def test_serve_startup_line_says_what_is_served():
         assert f"max_model_len {engine.max_model_len:,}" in line and "(0 at once)" not in line
         assert ("pretrained base model" in line and "/v1/completions" in line) == base
     assert "capacity: 0 " not in cli._capacity(engine)
+
+
+# ------------------------------------------------------------------ `serve`: the port before the model
+
+
+def test_serve_refuses_a_port_in_use_or_out_of_range_before_loading(capsys):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        for flags, why in ((["--port", str(port)], f"cannot listen on 127.0.0.1:{port}: "),
+                           (["--port", "70000"], "--port 70000: a TCP port is 0..65535"),
+                           (["--port", "-1"], "--port -1: a TCP port is 0..65535"),
+                           (["--host", "no-such-host.invalid", "--port", "0"],
+                            "cannot listen on no-such-host.invalid")):
+            assert cli.main(["serve", "tiny", *flags]) == 2, flags
+            err = capsys.readouterr().err
+            assert why in err and "loading the weights" not in err and "Traceback" not in err, err
+    finally:
+        taken.close()
+
+
+def test_serve_on_port_0_says_which_port_it_took(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr("umem_jax.api.server.serve", lambda aeng, names, **kw: seen.update(kw) or 0)
+    assert cli.main(["serve", "tiny", "--port", "0", "--arena-bytes", str(2 << 20), "--max-num-seqs", "2",
+                     "--max-num-batched-tokens", "32"]) == 0
+    port = seen["port"]
+    assert port > 0 and seen["sock"].fileno() == -1  # the bound socket was handed over, and closed after
+    assert f"serving ['tiny'] on http://127.0.0.1:{port}:" in capsys.readouterr().out

@@ -32,7 +32,7 @@ def _serve_without_a_model(monkeypatch, flags):
     seen = {}
     monkeypatch.setattr("umem_jax.api.server.serve", lambda aeng, names, **kw: seen.update(
         names=names, model_root=kw["model_root"], model=aeng.engine.config.model, aeng=aeng) or 0)
-    assert cli.main(["serve", *flags]) == 0
+    assert cli.main(["serve", "--port", "0", *flags]) == 0  # port 0: a free one, whatever else listens
     return seen
 
 

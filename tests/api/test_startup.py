@@ -107,7 +107,7 @@ def test_ready_is_announced_once_the_server_engine_is_warm():
 
 def test_serve_prints_its_loading_phase(monkeypatch, capsys):
     monkeypatch.setattr("umem_jax.api.server.serve", lambda aeng, names, **kw: 0)
-    assert cli.main(["serve", "tiny", "--arena-bytes", str(2 << 20), "--max-num-seqs", "2",
+    assert cli.main(["serve", "tiny", "--port", "0", "--arena-bytes", str(2 << 20), "--max-num-seqs", "2",
                      "--max-num-batched-tokens", "32"]) == 0
     err = capsys.readouterr().err
     assert "umem-jax: loading the weights of tiny ..." in err and "loading the weights of tiny: done in" in err

@@ -27,6 +27,7 @@ its pages.
 from __future__ import annotations
 
 import logging
+import socket
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response
@@ -87,26 +88,51 @@ async def metrics(raw: Request):
     return Response(body, media_type=ctype)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet), or ValueError saying why not.  `serve`
+    binds before the model loads, so a port in use or a bad address is refused at once, not after
+    the weights loaded and the warm-up compiled (and never with a "ready" line for a server that
+    is not there).  Port 0 takes a free port: getsockname() says which."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a TCP port is 0..65535 (0: any free port)")
+    sock = None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        # IPv4 first: "localhost" may resolve to ::1 first, and clients often try 127.0.0.1 only
+        family, kind, proto, _, addr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT port is reusable
+        sock.bind(addr)
+    except OSError as e:  # gaierror (unknown host) included
+        if sock is not None:
+            sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(engine: AsyncLLMEngine, served_model_names: list[str], *, host: str = "127.0.0.1", port: int = 8000,
           model_root: str | None = None, log_level: str = "info", api_key: str | None = None,
-          max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> int:
+          max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES, sock: socket.socket | None = None) -> int:
     """Start the engine thread, serve until interrupted or the engine fails, stop the engine ->
-    the exit code: 0, or 1 after an engine failure (open requests got its message first)."""
+    the exit code: 0, or 1 after an engine failure (open requests got its message first).  sock:
+    a socket from bind(host, port) (None: bound here)."""
     import uvicorn
 
     app = build_app(engine, served_model_names, model_root=model_root, api_key=api_key,
                     max_request_bytes=max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     engine.on_dead = lambda why: setattr(server, "should_exit", True)  # graceful: open responses finish
+    sock = sock if sock is not None else bind(host, port)
     engine.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()
     if engine.error is not None:
         log.error("umem_jax: the engine failed, the server stopped: %s", engine.dead_message())
         return 1
     return 0
 
 
-__all__ = ["APIError", "build_app", "serve"]
+__all__ = ["APIError", "bind", "build_app", "serve"]
