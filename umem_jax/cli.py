@@ -137,6 +137,18 @@ def _capacity(engine) -> str:
             f"(--max-num-seqs {cfg.max_num_seqs}); each band alone: {'; '.join(kinds)}")
 
 
+def _int_from(low: int, why: str):
+    """An argparse type: an int >= low, else the flag's error (exit 2) saying `why`."""
+    def parse(text: str) -> int:
+        value = int(text)  # a non-int: argparse's own "invalid int value"
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}: {why}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
 def _sampling_modes(text: str) -> tuple[str, ...]:
     from .runner.sampler import MODES
 
@@ -373,11 +385,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--served-model-name", nargs="+", default=None)
-    s.add_argument("--max-waiting-requests", type=int, default=1024, help="queue length at which requests get 503")
+    # a limit below these would turn every request away (503 / 413), never what a start means
+    s.add_argument("--max-waiting-requests", type=_int_from(1, "with it every request would get 503"), default=1024,
+                   help="queue length at which requests get 503 (>= 1)")
     s.add_argument("--api-key", default=os.environ.get("UMEM_JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (401 without it); /health and /metrics stay "
                    "open (default: $UMEM_JAX_API_KEY; unset: no key)")
-    s.add_argument("--max-request-bytes", type=int, default=16 << 20,
+    s.add_argument("--max-request-bytes", type=_int_from(0, "0 is no limit; below it every body would get 413"),
+                   default=16 << 20,
                    help="largest request body in bytes, larger ones get 413 (default 16 MiB; 0: no limit)")
     s.add_argument("--warmup-shapes", type=int, default=None,
                    help="step shapes compiled before /health turns 200 (default 32 on a GPU, decode first; 4 on a CPU, "

@@ -166,3 +166,19 @@ def test_serve_on_port_0_says_which_port_it_took(monkeypatch, capsys):
     port = seen["port"]
     assert port > 0 and seen["sock"].fileno() == -1  # the bound socket was handed over, and closed after
     assert f"serving ['tiny'] on http://127.0.0.1:{port}:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, why", [(["--max-waiting-requests", "0"], "every request would get 503"),
+                                        (["--max-waiting-requests", "-1"], "every request would get 503"),
+                                        (["--max-request-bytes", "-1"], "every body would get 413")])
+def test_serve_refuses_limits_that_turn_every_request_away(flags, why, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "tiny", *flags])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flags[0]}: {flags[1]} is below" in err and why in err
+
+
+def test_serve_takes_a_limit_of_0_bytes_as_no_limit():
+    args = cli.parser().parse_args(["serve", "tiny", "--max-request-bytes", "0", "--max-waiting-requests", "1"])
+    assert (args.max_request_bytes, args.max_waiting_requests) == (0, 1)
