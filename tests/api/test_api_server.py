@@ -387,3 +387,15 @@ def test_cli_generate_and_serve_startup_print_plan_capacity_and_memory(monkeypat
     assert seen == {"names": ["my-tiny"], "host": "127.0.0.1", "port": 8123, "model_root": "tiny",
                     "api_key": "from-env", "max_request_bytes": 1000, "priority_range": (-5, 5)}
     assert "capacity:" in capsys.readouterr().out
+
+
+def test_version_is_served_without_the_api_key():
+    # vLLM's GET /version: scripts probe it before sending work; it sits outside /v1 like /health
+    from fastapi.testclient import TestClient
+
+    import umem_jax
+    from umem_jax.api.server import build_app
+
+    client = TestClient(build_app(object(), ["m"], api_key="k"))  # the engine is not touched
+    got = client.get("/version")
+    assert got.status_code == 200 and got.json() == {"version": umem_jax.__version__}

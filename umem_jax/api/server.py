@@ -10,6 +10,7 @@ Endpoints
   GET  /v1/models             the served model name(s) with max_model_len
   POST /tokenize, /detokenize vLLM's tokenizer endpoints (tokenize.py)
   GET  /health                503 until the engine is warm (and after it failed), then 200
+  GET  /version               {"version": umem_jax's}, as vLLM's (open, like /health)
   GET  /metrics               Prometheus text (metrics.py)
 
 Streams are `data: {json}\\n\\n` events ending with `data: [DONE]\\n\\n`; with
@@ -70,6 +71,13 @@ async def health(raw: Request):
         return Response(status_code=200)
     why = engine.dead_message() if engine.error is not None else "the engine is warming up"
     return error(503, why)
+
+
+@plain_routes.get("/version")
+async def version():
+    from .. import __version__
+
+    return {"version": __version__}
 
 
 @plain_routes.get("/v1/models")
