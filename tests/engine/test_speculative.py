@@ -176,6 +176,22 @@ def test_bad_speculative_configs_are_refused(spec, match):
         LLM("tiny-attention", arena_bytes=1 << 20, speculative_config=spec)
 
 
+@pytest.mark.parametrize("spec,match", [
+    # vLLM's Python users pass fields of its SpeculativeConfig that this engine lacks: a ValueError
+    # naming them (as the CLI's --speculative-config does), not a TypeError from the dataclass
+    ({"model": "tiny-attention", "draft_tensor_parallel_size": 1}, r"\['draft_tensor_parallel_size'\]"),
+    ({"model": "tiny-attention", "num_speculative_tokens": True}, "num_speculative_tokens must be an int"),
+    ({"model": "tiny-attention", "probe_steps": True}, "probe_steps must be an int"),
+    ({"model": "tiny-attention", "min_acceptance": "0.3"}, "min_acceptance must be"),
+    ({"model": "tiny-attention", "min_acceptance": True}, "min_acceptance must be"),
+])
+def test_bad_speculative_fields_are_refused_naming_the_field(spec, match):
+    from umem_jax.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):  # EngineConfig alone: refused before any model is loaded
+        EngineConfig(model="tiny-attention", speculative_config=spec)
+
+
 def test_unsupported_pairs_are_refused_with_the_reason():
     # (a target with recurrent state is served: tests/engine/test_speculative_state.py)
     with pytest.raises(ValueError, match="draft that has recurrent layers .* not supported yet"):

@@ -111,6 +111,12 @@ class EngineConfig:
         kv_cache_dtype(self.kv_cache_dtype)  # raises ValueError naming the accepted values
         mamba_ssm_dtype(self.mamba_ssm_dtype)  # likewise
         if isinstance(self.speculative_config, dict):
+            # fields vLLM's SpeculativeConfig has and this one lacks (draft_tensor_parallel_size ...):
+            # refused naming them, as the CLI's --speculative-config is, not as a dataclass TypeError
+            known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+            unknown = sorted(set(self.speculative_config) - known)
+            if unknown:
+                raise ValueError(f"speculative_config fields {unknown} are not supported (known: {sorted(known)})")
             self.speculative_config = SpeculativeConfig(**self.speculative_config)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             raise ValueError(f"speculative_config must be a SpeculativeConfig or a dict of its fields, got "
@@ -145,12 +151,13 @@ class SpeculativeConfig:
         self.method = method_name(self.method)  # vLLM's "draft_model", SGLang's "NEXTN" ... -> ours
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        k = self.num_speculative_tokens  # a bool is an int to Python, never a count here
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an int in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
-        if not 0.0 <= self.min_acceptance <= 1.0:
-            raise ValueError(f"min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
-        if not isinstance(self.probe_steps, int) or self.probe_steps < 1:
+        a = self.min_acceptance
+        if not isinstance(a, numbers.Real) or isinstance(a, bool) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"min_acceptance must be a number in [0, 1], got {a!r}")
+        if not isinstance(self.probe_steps, int) or isinstance(self.probe_steps, bool) or self.probe_steps < 1:
             raise ValueError(f"probe_steps must be an int >= 1, got {self.probe_steps!r}")
         if self.model is None and self.method == "draft":
             raise ValueError("speculative method 'draft' needs the draft model (speculative_config model= / "
