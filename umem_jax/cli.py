@@ -88,6 +88,8 @@ def _engine(args):
     model = args.model or args.model_path
     if not model:
         raise ValueError(f"give a model: {MODEL_HELP}")
+    if args.model and args.model_path and args.model != args.model_path:
+        raise ValueError(f"two models given: {args.model!r} and --model-path/--model {args.model_path!r}")
     _start_distributed(args)
     _check_platform()
     cfg = EngineConfig(model=model, tokenizer=args.tokenizer, memory_mode=args.memory_mode,
@@ -183,7 +185,12 @@ def _serve_with(args, names: list[str], report, sock) -> int:
     from .api.server import serve
     from .engine import startup, warmup
 
+    template = _chat_template(args.chat_template)  # a bad one is refused before the model loads
     engine, (shapes, sampling) = _engine(args), warmup.resolve(args.warmup_shapes, args.warmup_sampling)
+    if template is not None:
+        if engine.tokenizer is None:
+            raise ValueError(f"--chat-template: {args.model or args.model_path!r} has no tokenizer (token ids only)")
+        engine.tokenizer.chat_template = template  # what /v1/chat/completions and /tokenize render
     aeng = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, metrics=EngineMetrics(names[0]),
                           warmup_shapes=shapes, warmup_sampling=_sampling_modes(sampling))
     print(_serving_line(engine, names, args), flush=True)
@@ -200,6 +207,30 @@ def _serve_with(args, names: list[str], report, sock) -> int:
     if code:
         print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
     return code or 0
+
+
+def _chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or the Jinja template itself (as vLLM takes it: a string
+    with template syntax is the template); checked to parse.  None: the tokenizer's own."""
+    from pathlib import Path
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        template, where = path.read_text(encoding="utf-8"), str(path)
+    elif any(c in given for c in "{}\n"):
+        template, where = given, "the template given"
+    else:
+        raise ValueError(f"--chat-template {given!r}: no such file (and not a Jinja template)")
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {where}, line {e.lineno}: {e.message}") from None
+    return template
 
 
 def _default_names(args) -> list[str]:
@@ -285,34 +316,50 @@ def _bench_parsers(sub) -> None:
 
 def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
     p.add_argument("model", nargs="?", help=model_help)
-    p.add_argument("--model-path", dest="model_path", help="alias of the positional MODEL")
+    # --model spelled out (vLLM's older form): as a mere abbreviation of --model-path it would
+    # break the day any other --model-* flag appears
+    p.add_argument("--model-path", "--model", dest="model_path", help="alias of the positional MODEL (SGLang's "
+                   "--model-path, vLLM's --model)")
     p.add_argument("--tokenizer", default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.9,
+                   help="fraction of the GPU's memory for the weights and the arena, in (0, 1] (default 0.9; a CPU "
+                   "arena is sized by --arena-bytes / --max-model-len instead)")
     p.add_argument("--arena-bytes", type=int, default=None,
                    help="arena budget in bytes (default: on a GPU what --gpu-memory-utilization leaves after the "
                    "weights; on a CPU 64 MiB, or more up to 1 GiB to hold one request of --max-model-len)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=256,
+                   help="requests running at once (default 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest request, prompt + output (default: the model's context, or the longest one "
                    "request can hold in the arena)")
     p.add_argument("--page-size", "--block-size", type=int, default=16)
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    p.add_argument("--memory-mode", default="unified", choices=("unified", "static"))
+    p.add_argument("--memory-mode", default="unified", choices=("unified", "static"),
+                   help="unified: one arena whose bands grow into each other (default) | static: fixed pools")
+    p.add_argument("--enable-unified-memory", dest="memory_mode", action="store_const", const="unified",
+                   help="SGLang's flag: --memory-mode unified (already the default)")
     p.add_argument("--swa-full-tokens-ratio", type=float, default=0.8)
     p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", default=None, help="weights and activations: auto (the checkpoint's), float32, "
+                   "bfloat16 or float16 (vLLM's aliases too: float, half, bf16, fp16, fp32)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "fp8", "fp8_e4m3"),
                    help="K/V storage: auto (the weights' dtype), or fp8 (e4m3, half the bytes; k/v scales from the "
                         "checkpoint, else 1.0)")
     p.add_argument("--mamba-ssm-dtype", "--mamba-ssm-cache-dtype", default="auto", choices=SSM_DTYPES, help="recurrent "
                    "state: auto (the checkpoint config's, else float32) or bfloat16 / float16 (half the state bytes)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--load-format dummy, tiny) "
+                   "and of sampling for requests that give none (default 0)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share cached prompt prefixes between requests (default: on)")
+    p.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="SGLang's spelling of --no-enable-prefix-caching")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted so vLLM / SGLang commands run unchanged; changes nothing: umem_jax runs no code "
+                   "from a checkpoint (its architectures are built in; others are refused at startup)")
     p.add_argument("--max-checkpoints-per-path", type=int, default=4,
                    help="recurrent-state checkpoints the prefix cache keeps on one cached path")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", "--tp", "--tp-size", type=int, default=1,
                    help="devices the model and the arena are split over (heads; arena budget per device)")
     p.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="MoE: whole experts per TP device")
     p.add_argument("--dist-init-addr", default=None, help="multi-host: process 0's HOST:PORT (jax.distributed)")
@@ -384,7 +431,10 @@ def parser() -> argparse.ArgumentParser:
                   "and gemma3-270m, else tiny)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", nargs="+", default=None)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) requests may give as `model` and /v1/models lists (default: MODEL as given)")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself, for "
+                   "/v1/chat/completions in place of the tokenizer's (default: the tokenizer's)")
     # a limit below these would turn every request away (503 / 413), never what a start means
     s.add_argument("--max-waiting-requests", type=_int_from(1, "with it every request would get 503"), default=1024,
                    help="queue length at which requests get 503 (>= 1)")
