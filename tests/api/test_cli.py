@@ -182,3 +182,39 @@ def test_serve_refuses_limits_that_turn_every_request_away(flags, why, capsys):
 def test_serve_takes_a_limit_of_0_bytes_as_no_limit():
     args = cli.parser().parse_args(["serve", "tiny", "--max-request-bytes", "0", "--max-waiting-requests", "1"])
     assert (args.max_request_bytes, args.max_waiting_requests) == (0, 1)
+
+
+# ------------------------------------------------------------------ broken checkpoints: one line, exit 2
+
+
+def _broken_checkpoints(tmp_path):
+    """(dir, what stderr must say) for a corrupt, a header-truncated and a data-truncated
+    safetensors file, and a config.json that is not JSON."""
+    import shutil
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "gemma3_tiny"
+    data = (fixture / "model.safetensors").read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    cases = {"garbage": (b"not a checkpoint", "not a safetensors file"),
+             "cut-header": (data[:header_end - 5], "not a safetensors file"),
+             "cut-data": (data[:header_end + 16], "lies past the end of the file")}
+    out = []
+    for name, (content, why) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        shutil.copy(fixture / "config.json", d / "config.json")
+        (d / "model.safetensors").write_bytes(content)
+        out.append((d, why))
+    bad = tmp_path / "bad-config"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    out.append((bad, "config.json: not a JSON config"))
+    return out
+
+
+def test_a_broken_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
+    for path, why in _broken_checkpoints(tmp_path):
+        assert cli.main(["generate", str(path), "--prompt", "x"]) == 2, path
+        err = capsys.readouterr().err
+        assert f"umem-jax: {path}" in err and why in err and "Traceback" not in err, err

@@ -32,10 +32,23 @@ DTYPES = {
 def header(path: str | os.PathLike) -> tuple[dict, int]:
     """A file's header ({name: {dtype, shape, data_offsets}}, without __metadata__) and the byte
     offset its data starts at."""
+    size = os.path.getsize(path)
     with open(path, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
-        head = json.loads(fh.read(n))
+        # a corrupt or truncated file (an interrupted download) must be a clear error, not a
+        # read of a garbage length (MemoryError) or a reshape error naming no file
+        if size < 8 or n > size - 8:
+            raise ValueError(f"{path}: not a safetensors file (header of {n:,} bytes in a {size:,}-byte file)")
+        try:
+            head = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a safetensors file (header is not JSON: {e})") from None
     head.pop("__metadata__", None)
+    for name, info in head.items():
+        lo, hi = info["data_offsets"]
+        if not 0 <= lo <= hi <= size - 8 - n:
+            raise ValueError(f"{path}: tensor {name} lies past the end of the file (bytes {lo:,}..{hi:,} of "
+                             f"{size - 8 - n:,}): the file is truncated; download it again")
     return head, 8 + n
 
 

@@ -115,7 +115,11 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         p = p / "config.json"
     if not p.exists():
         raise FileNotFoundError(f"no config.json at {p}")
-    return from_hf_config(json.loads(p.read_text()))
+    try:
+        raw = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: not a JSON config: {e}") from None
+    return from_hf_config(raw)
 
 
 def config_to_dict(cfg: ModelConfig) -> dict:
