@@ -218,3 +218,20 @@ def test_a_broken_checkpoint_is_one_line_and_exit_2(tmp_path, capsys):
         assert cli.main(["generate", str(path), "--prompt", "x"]) == 2, path
         err = capsys.readouterr().err
         assert f"umem-jax: {path}" in err and why in err and "Traceback" not in err, err
+
+
+def test_python_dash_m_umem_jax_is_the_command():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "umem_jax", "serve", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0 and "--served-model-name" in done.stdout, done.stderr
+    done = subprocess.run([sys.executable, "-m", "umem_jax", "serve", "tiny", "--port", "-1"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "umem-jax: --port -1: a TCP port is 0..65535" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
