@@ -160,13 +160,15 @@ async def prefill(raw: Request):
         w.counts["done"] += 1
         return {**out, "status": "failed" if last.error else "done"}
     t0 = time.perf_counter()
-    env, export_s = await w.call(lambda eng: _timed(eng.handoff.export, tid))  # the D2H read is synchronous
-    wait_s = time.perf_counter() - t0 - export_s  # for the engine thread (its step in flight)
-    if w.faults.take("poison", tid):  # a test's late write: NaN bytes that must never land
-        env = dataclasses.replace(env, pages={k: v | 0x7FC0 for k, v in env.pages.items()},
-                                  state=None if env.state is None else env.state | 0x7FC0)
-    transport, why, pack_s, send_s = await w.deliver(url, tid, gen, env, timeout_s, transport)
-    await w.call(lambda eng: eng.handoff.release(tid))
+    try:  # the held pages go back however this ends (an error, the client gone): the envelope is a host copy
+        env, export_s = await w.call(lambda eng: _timed(eng.handoff.export, tid))  # the D2H read is synchronous
+        wait_s = time.perf_counter() - t0 - export_s  # for the engine thread (its step in flight)
+        if w.faults.take("poison", tid):  # a test's late write: NaN bytes that must never land
+            env = dataclasses.replace(env, pages={k: v | 0x7FC0 for k, v in env.pages.items()},
+                                      state=None if env.state is None else env.state | 0x7FC0)
+        transport, why, pack_s, send_s = await w.deliver(url, tid, gen, env, timeout_s, transport)
+    finally:
+        await w.call(lambda eng: eng.handoff.release(tid))
     w.counts["failed" if why else "sent"] += 1
     w.counts["bytes"] += env.nbytes
     w.counts["send_s"] += send_s
