@@ -296,3 +296,20 @@ def test_dataset_workload_keeps_its_prompts():
         wl.prompts(10)
     with pytest.raises(ValueError, match="max_model_len=10"):
         from_samples("gsp", samples, [0.0] * 4, max_len=10)
+
+
+def test_a_server_not_answering_is_said_while_the_initial_test_retries(capsys):
+    import socket
+
+    from umem_jax import cli
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = ["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--model", "m", "--dataset-name",
+            "random-ids", "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "1",
+            "--vocab-size", "64", "--ready-check-timeout-sec", "1.5", "--disable-tqdm"]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out.count("retrying every second for up to 1.5 s (--ready-check-timeout-sec)") == 1, out
+    assert "Connect" in out and "initial test run failed" in err

@@ -135,15 +135,20 @@ def _client(max_connections: int | None):
                              limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=None))
 
 
-async def initial_test(api: Api, s: SampleRequest, timeout_s: float = 0.0) -> RequestOutput:
+async def initial_test(api: Api, s: SampleRequest, timeout_s: float = 0.0, say=None) -> RequestOutput:
     """One request before the run (not counted): the endpoint, model and flags work.  Retried
-    every second until it succeeds or timeout_s passes (a server still warming up)."""
+    every second until it succeeds or timeout_s passes (a server still warming up); say(line)
+    tells of the first failure."""
     deadline = time.monotonic() + timeout_s
     async with _client(4) as client:
         while True:
             out = await send(client, api, s, time.perf_counter())
             if out.success or time.monotonic() >= deadline:
                 return out
+            if say is not None:  # once: retrying for minutes without a word looks like a hang
+                say(f"the test request failed ({out.error}); retrying every second for up to {timeout_s:g} s "
+                    "(--ready-check-timeout-sec)")
+                say = None
             await asyncio.sleep(1.0)
 
 

@@ -139,7 +139,8 @@ def main(args) -> int:
     print(f"{args.dataset_name}: {len(samples)} prompts, {sum(s.prompt_len for s in samples)} input tokens, "
           f"{sum(s.output_len for s in samples)} output tokens asked; {url}, model {model}")
     print("Starting initial single prompt test run...", flush=True)
-    test = asyncio.run(initial_test(api, samples[0], args.ready_check_timeout_sec))
+    test = asyncio.run(initial_test(api, samples[0], args.ready_check_timeout_sec,
+                                    say=lambda line: print(line, flush=True)))
     if not test.success:
         raise ValueError(f"initial test run failed: make sure the benchmark arguments are right. Error: {test.error}")
     print(f"Initial test run completed. Starting main benchmark run (request rate {rate_label(args.request_rate)}, "
