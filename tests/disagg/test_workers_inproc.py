@@ -146,3 +146,34 @@ def test_another_model_of_the_same_plan_has_another_fingerprint():
                                    **SETTINGS)) for kw in ({}, {"intermediate_size": 96}))
     assert repr(a.plan) == repr(b.plan)
     assert a.handoff.fingerprint != b.handoff.fingerprint
+
+
+def test_unopened_streams_are_given_up(pair, monkeypatch):
+    """A reservation whose transfer never came (its prefill worker died) or whose stream nobody
+    opened (the router gone after the ack) left its delta queue on the decode worker for good;
+    past the reservation's deadline and a grace the next reservation drops it."""
+    from umem_jax.disagg import decode as dec
+
+    monkeypatch.setattr(dec, "STREAM_GRACE_S", 0.0)
+    D, worker = pair["decode"].url, pair["decode"].app.state.disagg
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as c:
+            for i in range(3):
+                r = await c.post(f"{D}/disagg/reserve", json={"transfer_id": f"orphan{i}", "timeout_s": 0.2,
+                                                              "prompt_token_ids": _prompt(40 + i, 11),
+                                                              "params": {"max_tokens": 4, "temperature": 0}})
+                assert r.status_code == 200, r.text
+            assert {"orphan0", "orphan1", "orphan2"} <= set(worker.queues)
+            await asyncio.sleep(0.6)  # the ticker expires the reservations (their pages freed)
+            r = await c.post(f"{D}/disagg/reserve", json={"transfer_id": "later", "timeout_s": 30,
+                                                          "prompt_token_ids": _prompt(50, 11),
+                                                          "params": {"max_tokens": 4, "temperature": 0}})
+            assert r.status_code == 200, r.text
+            assert not {"orphan0", "orphan1", "orphan2"} & set(worker.queues)
+            gen = r.json()["generation"]
+            assert (await c.post(f"{D}/disagg/cancel/later", params={"generation": gen})).status_code == 200
+        assert not worker.queues and not worker.unopened_by
+        await assert_no_leaks(*pair.values())
+
+    asyncio.run(go())

@@ -44,7 +44,8 @@ class DecodeWorker:
     def __init__(self, aeng, *, tick_s: float = 0.1):
         self.aeng = aeng
         self.ledger = lg.Ledger()
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, asyncio.Queue] = {}  # a reservation's deltas until its stream is opened
+        self.unopened_by: dict[str, float] = {}  # when a queue nobody opened is given up (sweep)
         self.faults = Faults()
         # the latest writes, timed (GET /disagg/transfers; benchmarks/bench_disagg.py reads them)
         self.transfers: collections.deque[dict] = collections.deque(maxlen=4096)
@@ -83,11 +84,26 @@ def _worker(raw: Request) -> DecodeWorker:
     return raw.app.state.disagg
 
 
+STREAM_GRACE_S = 60.0  # past a reservation's deadline, how long its stream may still be opened
+
+
+def _sweep(w: DecodeWorker) -> None:
+    """Give up the queues whose stream was never opened (the router gone after its transfer, or a
+    reservation that expired): their deltas would pile up for nobody, and a request still decoding
+    for nobody is aborted.  Event-loop thread, as every use of w.queues."""
+    now = time.monotonic()
+    for tid in [t for t, by in w.unopened_by.items() if by < now]:
+        w.unopened_by.pop(tid, None)
+        if w.queues.pop(tid, None) is not None:
+            w.aeng.abort(tid)
+
+
 @router.post("/disagg/reserve")
 async def reserve(raw: Request):
     w, body = _worker(raw), await raw.json()
     tid, ids = str(body["transfer_id"]), [int(t) for t in body["prompt_token_ids"]]
     timeout_s = float(body.get("timeout_s", 30.0))
+    _sweep(w)
     try:
         params = SamplingParams(**body.get("params", {}))
     except (TypeError, ValueError) as e:
@@ -111,6 +127,7 @@ async def reserve(raw: Request):
     if gen is None:
         return error(503, f"the decode worker has no room for {len(ids)} prompt tokens now; retry later")
     w.queues[tid] = q
+    w.unopened_by[tid] = time.monotonic() + timeout_s + STREAM_GRACE_S
     return {"transfer_id": tid, "generation": gen, "fingerprint": w.aeng.engine.handoff.fingerprint}
 
 
@@ -179,6 +196,7 @@ async def cancel(tid: str, raw: Request):
 
     was = await asyncio.wrap_future(w.aeng.call(drop))
     w.queues.pop(tid, None)
+    w.unopened_by.pop(tid, None)
     return {"acked": True, "transfer_id": tid, "state": was}
 
 
@@ -186,6 +204,7 @@ async def cancel(tid: str, raw: Request):
 async def stream(tid: str, raw: Request):
     w = _worker(raw)
     q = w.queues.pop(tid, None)
+    w.unopened_by.pop(tid, None)
     if q is None:
         return error(404, f"no stream for transfer {tid!r}")
 
