@@ -139,18 +139,6 @@ def _capacity(engine) -> str:
             f"(--max-num-seqs {cfg.max_num_seqs}); each band alone: {'; '.join(kinds)}")
 
 
-def _int_from(low: int, why: str):
-    """An argparse type: an int >= low, else the flag's error (exit 2) saying `why`."""
-    def parse(text: str) -> int:
-        value = int(text)  # a non-int: argparse's own "invalid int value"
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}: {why}")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
 def _sampling_modes(text: str) -> tuple[str, ...]:
     from .runner.sampler import MODES
 
@@ -184,8 +172,9 @@ def _serve_with(args, names: list[str], report, sock) -> int:
     from .api.metrics import EngineMetrics
     from .api.server import serve
     from .engine import startup, warmup
+    from .engine.tokenizer import read_chat_template
 
-    template = _chat_template(args.chat_template)  # a bad one is refused before the model loads
+    template = read_chat_template(args.chat_template)  # a bad one is refused before the model loads
     engine, (shapes, sampling) = _engine(args), warmup.resolve(args.warmup_shapes, args.warmup_sampling)
     if template is not None:
         if engine.tokenizer is None:
@@ -207,30 +196,6 @@ def _serve_with(args, names: list[str], report, sock) -> int:
     if code:
         print(f"umem-jax: the engine failed and the server stopped: {aeng.dead_message()}", file=sys.stderr)
     return code or 0
-
-
-def _chat_template(given: str | None) -> str | None:
-    """--chat-template: a file's text, or the Jinja template itself (as vLLM takes it: a string
-    with template syntax is the template); checked to parse.  None: the tokenizer's own."""
-    from pathlib import Path
-
-    from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    if given is None:
-        return None
-    path = Path(given).expanduser()
-    if path.is_file():
-        template, where = path.read_text(encoding="utf-8"), str(path)
-    elif any(c in given for c in "{}\n"):
-        template, where = given, "the template given"
-    else:
-        raise ValueError(f"--chat-template {given!r}: no such file (and not a Jinja template)")
-    try:
-        ImmutableSandboxedEnvironment().parse(template)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: {where}, line {e.lineno}: {e.message}") from None
-    return template
 
 
 def _default_names(args) -> list[str]:
@@ -314,63 +279,34 @@ def _bench_parsers(sub) -> None:
     bs.set_defaults(fn=_bench_serve)
 
 
-def _engine_flags(p, model_help: str = MODEL_HELP) -> None:
-    p.add_argument("model", nargs="?", help=model_help)
-    # --model spelled out (vLLM's older form): as a mere abbreviation of --model-path it would
-    # break the day any other --model-* flag appears
-    p.add_argument("--model-path", "--model", dest="model_path", help="alias of the positional MODEL (SGLang's "
-                   "--model-path, vLLM's --model)")
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--gpu-memory-utilization", "--mem-fraction-static", type=float, default=0.9,
-                   help="fraction of the GPU's memory for the weights and the arena, in (0, 1] (default 0.9; a CPU "
-                   "arena is sized by --arena-bytes / --max-model-len instead)")
-    p.add_argument("--arena-bytes", type=int, default=None,
-                   help="arena budget in bytes (default: on a GPU what --gpu-memory-utilization leaves after the "
-                   "weights; on a CPU 64 MiB, or more up to 1 GiB to hold one request of --max-model-len)")
-    p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=256,
-                   help="requests running at once (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest request, prompt + output (default: the model's context, or the longest one "
-                   "request can hold in the arena)")
-    p.add_argument("--page-size", "--block-size", type=int, default=16)
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    p.add_argument("--memory-mode", default="unified", choices=("unified", "static"),
-                   help="unified: one arena whose bands grow into each other (default) | static: fixed pools")
-    p.add_argument("--enable-unified-memory", dest="memory_mode", action="store_const", const="unified",
-                   help="SGLang's flag: --memory-mode unified (already the default)")
-    p.add_argument("--swa-full-tokens-ratio", type=float, default=0.8)
-    p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)
-    p.add_argument("--dtype", default=None, help="weights and activations: auto (the checkpoint's), float32, "
-                   "bfloat16 or float16 (vLLM's aliases too: float, half, bf16, fp16, fp32)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bfloat16", "float32", "fp8", "fp8_e4m3"),
-                   help="K/V storage: auto (the weights' dtype), or fp8 (e4m3, half the bytes; k/v scales from the "
-                        "checkpoint, else 1.0)")
-    p.add_argument("--mamba-ssm-dtype", "--mamba-ssm-cache-dtype", default="auto", choices=SSM_DTYPES, help="recurrent "
-                   "state: auto (the checkpoint config's, else float32) or bfloat16 / float16 (half the state bytes)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights (--load-format dummy, tiny) "
-                   "and of sampling for requests that give none (default 0)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share cached prompt prefixes between requests (default: on)")
-    p.add_argument("--disable-radix-cache", "--disable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", help="SGLang's spelling of --no-enable-prefix-caching")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="accepted so vLLM / SGLang commands run unchanged; changes nothing: umem_jax runs no code "
-                   "from a checkpoint (its architectures are built in; others are refused at startup)")
-    p.add_argument("--max-checkpoints-per-path", type=int, default=4,
-                   help="recurrent-state checkpoints the prefix cache keeps on one cached path")
-    p.add_argument("--tensor-parallel-size", "-tp", "--tp", "--tp-size", type=int, default=1,
-                   help="devices the model and the arena are split over (heads; arena budget per device)")
-    p.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="MoE: whole experts per TP device")
-    p.add_argument("--dist-init-addr", default=None, help="multi-host: process 0's HOST:PORT (jax.distributed)")
-    p.add_argument("--nnodes", type=int, default=None, help="multi-host: number of hosts (processes)")
-    p.add_argument("--node-rank", type=int, default=None, help="multi-host: this host's rank, 0 .. nnodes-1")
-    p.add_argument("--priority-range", type=int, nargs=2, metavar=("MIN", "MAX"), default=[-(2**31), 2**31 - 1],
-                   help="priorities a request may ask for (lower is served first; MIN <= 0 <= MAX, 0 is the "
-                   "default); others get 400")
-    from .engine.speculative_flags import add_flags
+def _serve_flags(s) -> None:
+    """`serve`'s own flags (the engine's are engine/flags.py's)."""
+    from .disagg.commands import add_worker_flags
+    from .engine.flags import int_from
 
-    add_flags(p)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port, printed)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) requests may give as `model` and /v1/models lists (default: MODEL as given)")
+    s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself, for "
+                   "/v1/chat/completions in place of the tokenizer's (default: the tokenizer's)")
+    # a limit below these would turn every request away (503 / 413), never what a start means
+    s.add_argument("--max-waiting-requests", type=int_from(1, "with it every request would get 503"), default=1024,
+                   help="queue length at which requests get 503 (>= 1)")
+    s.add_argument("--api-key", default=os.environ.get("UMEM_JAX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 without it); /health and /metrics stay "
+                   "open (default: $UMEM_JAX_API_KEY; unset: no key)")
+    s.add_argument("--max-request-bytes", type=int_from(0, "0 is no limit; below it every body would get 413"),
+                   default=16 << 20,
+                   help="largest request body in bytes, larger ones get 413 (default 16 MiB; 0: no limit)")
+    s.add_argument("--warmup-shapes", type=int, default=None,
+                   help="step shapes compiled before /health turns 200 (default 32 on a GPU, decode first; 4 on a CPU, "
+                   "a short prompt's first; -1: all; the rest compile on first use, kept on disk: `umem-jax cache`)")
+    s.add_argument("--warmup-sampling", default=None,
+                   help="sampler variants each warm-up shape is compiled in: greedy (temperature 0), random "
+                   "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request) (default: "
+                   "greedy,cuts on a GPU, greedy,random on a CPU)")
+    add_worker_flags(s)  # --disaggregation-mode / -transfer-backend (disagg/commands.py)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The `umem-jax` argument parser, every subcommand on it."""
-    from .disagg.commands import add_router_parser, add_worker_flags
+    from .disagg.commands import add_router_parser
     from .engine import cache
+    from .engine.flags import add_engine_flags
     from .models.presets import PRESETS
 
     ap = argparse.ArgumentParser(prog="umem-jax", description="umem_jax: serve hybrid language models (full "
@@ -427,38 +364,16 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=_plan)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)")
-    _engine_flags(s, MODEL_HELP + " (default: gemma3-270m if its package is installed, served as google/gemma-3-270m "
-                  "and gemma3-270m, else tiny)")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) requests may give as `model` and /v1/models lists (default: MODEL as given)")
-    s.add_argument("--chat-template", default=None, help="a Jinja chat template file, or the template itself, for "
-                   "/v1/chat/completions in place of the tokenizer's (default: the tokenizer's)")
-    # a limit below these would turn every request away (503 / 413), never what a start means
-    s.add_argument("--max-waiting-requests", type=_int_from(1, "with it every request would get 503"), default=1024,
-                   help="queue length at which requests get 503 (>= 1)")
-    s.add_argument("--api-key", default=os.environ.get("UMEM_JAX_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (401 without it); /health and /metrics stay "
-                   "open (default: $UMEM_JAX_API_KEY; unset: no key)")
-    s.add_argument("--max-request-bytes", type=_int_from(0, "0 is no limit; below it every body would get 413"),
-                   default=16 << 20,
-                   help="largest request body in bytes, larger ones get 413 (default 16 MiB; 0: no limit)")
-    s.add_argument("--warmup-shapes", type=int, default=None,
-                   help="step shapes compiled before /health turns 200 (default 32 on a GPU, decode first; 4 on a CPU, "
-                   "a short prompt's first; -1: all; the rest compile on first use, kept on disk: `umem-jax cache`)")
-    s.add_argument("--warmup-sampling", default=None,
-                   help="sampler variants each warm-up shape is compiled in: greedy (temperature 0), random "
-                   "(temperature > 0, no cuts), cuts (any top-k/top-p/min-p; covers every request) (default: "
-                   "greedy,cuts on a GPU, greedy,random on a CPU)")
-    add_worker_flags(s)  # --disaggregation-mode / -transfer-backend (disagg/commands.py)
+    add_engine_flags(s, MODEL_HELP + " (default: gemma3-270m if its package is installed, served as "
+                     "google/gemma-3-270m and gemma3-270m, else tiny)")
+    _serve_flags(s)
     s.set_defaults(fn=_serve)
 
     add_router_parser(sub)  # `umem-jax router` (disagg/commands.py)
 
     g = sub.add_parser("generate", help="generate for one prompt (default model: gemma3-270m if installed, else "
                        "tiny), then print the arena memory per band")
-    _engine_flags(g, MODEL_HELP + " (default: gemma3-270m if its package is installed, else tiny)")
+    add_engine_flags(g, MODEL_HELP + " (default: gemma3-270m if its package is installed, else tiny)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=16)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default here) is greedy")

@@ -75,9 +75,13 @@ async def health(raw: Request):
 
 @plain_routes.get("/version")
 async def version():
-    from .. import __version__
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
-    return {"version": __version__}
+    try:
+        return {"version": installed("umem_jax")}
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return {"version": "unknown"}
 
 
 @plain_routes.get("/v1/models")

@@ -50,6 +50,30 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
 
 
+def read_chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or the Jinja template itself (as vLLM takes it: a string
+    with template syntax is the template); checked to parse.  None: the tokenizer's own."""
+    from pathlib import Path
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    if given is None:
+        return None
+    path = Path(given).expanduser()
+    if path.is_file():
+        template, where = path.read_text(encoding="utf-8"), str(path)
+    elif any(c in given for c in "{}\n"):
+        template, where = given, "the template given"
+    else:
+        raise ValueError(f"--chat-template {given!r}: no such file (and not a Jinja template)")
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: {where}, line {e.lineno}: {e.message}") from None
+    return template
+
+
 class ByteTokenizer:
     """Bytes as tokens: id = offset + byte, offset = one past the special ids (tiny model)."""
 
@@ -162,4 +186,4 @@ def get_tokenizer(model, path: str | Path | None = None):
     return None
 
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "get_tokenizer", "render_chat"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "get_tokenizer", "read_chat_template", "render_chat"]
