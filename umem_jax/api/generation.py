@@ -28,21 +28,18 @@ from ..engine.samples import best_order
 from .async_engine import AsyncLLMEngine, EngineDead, EngineOverloaded, RequestStream, StreamDelta
 from .errors import APIError, bad_request
 from .logprobs import CompletionLogprobWriter, chat_logprobs
-from .protocol import (
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body, random_id
+from .responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     UsageInfo,
-    error_body,
-    random_id,
 )
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks whether its client is still there

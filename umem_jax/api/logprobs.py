@@ -25,7 +25,7 @@ import functools
 import re
 
 from ..engine.tokenizer import ByteTokenizer, HFTokenizer
-from .protocol import ChatLogProbs, ChatTokenLogprob, CompletionLogProbs, TopLogprob
+from .responses import ChatLogProbs, ChatTokenLogprob, CompletionLogProbs, TopLogprob
 
 FLOOR = -9999.0
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -37,7 +37,7 @@ from . import generation, tokenize
 from .async_engine import AsyncLLMEngine
 from .errors import APIError, add_handlers, error
 from .guards import DEFAULT_MAX_REQUEST_BYTES, ApiKeyGuard, BodyLimit
-from .protocol import ModelCard, ModelList
+from .responses import ModelCard, ModelList
 
 log = logging.getLogger("umem_jax")
 

@@ -50,6 +50,7 @@ from .bands import band_usage
 from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
+from .fit import ARENA_MAX_TOKENS_MESSAGE
 from .handoff import Handoff
 from . import overlap
 from .isolation import EngineDeadError, FailureIsolation
@@ -65,9 +66,6 @@ BUDGET_MESSAGE = "Request prompt exceeds the KV memory budget: input_len={}."
 MAX_TOKENS_MESSAGE = ("max_tokens={0} is too large: the prompt ({2} tokens) and max_tokens must fit max_model_len={1}, "
                       "so at most {3} here (or leave max_tokens unset: up to the room left)")
 
-# max_tokens that fits max_model_len but not the arena (max_model_len set above what the arena holds)
-ARENA_MAX_TOKENS_MESSAGE = ("max_tokens={0} does not fit the arena beside this prompt ({1} tokens): at most {2} "
-                            "do (max_model_len={3} is more than the arena holds; see the start-up warning)")
 
 
 class LLMEngine:

@@ -34,6 +34,10 @@ from ..memory.demand import Demand, DemandModel
 from ..memory.sizing import ArenaSize, ArenaSizeError, budget_bytes
 from .config import EngineConfig
 
+# max_tokens that fits max_model_len but not the arena (max_model_len set above what the arena holds)
+ARENA_MAX_TOKENS_MESSAGE = ("max_tokens={0} does not fit the arena beside this prompt ({1} tokens): at most {2} "
+                            "do (max_model_len={3} is more than the arena holds; see the start-up warning)")
+
 log = logging.getLogger("umem_jax")
 
 CPU_ARENA_BYTES = 64 << 20  # the least default CPU arena (no memory_stats() there)

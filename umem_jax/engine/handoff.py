@@ -33,6 +33,7 @@ from ..core.sampling_params import SamplingParams
 from ..memory.plan import Plan
 from ..scheduler import held
 from .detokenizer import IncrementalDetokenizer
+from .fit import ARENA_MAX_TOKENS_MESSAGE
 
 
 def plan_fingerprint(plan: Plan, dtype, model_config=None) -> str:
@@ -198,7 +199,6 @@ class Handoff:
             raise ValueError(f"the prompt ({req.prompt_len} tokens) does not fit this decode engine's arena")
         if clipped < req.max_tokens:  # as LLMEngine.enqueue: an asked-for max_tokens is refused, not cut short
             if params.max_tokens is not None:
-                from .engine import ARENA_MAX_TOKENS_MESSAGE  # engine.py imports this module
 
                 raise ValueError(ARENA_MAX_TOKENS_MESSAGE.format(req.max_tokens, req.prompt_len, clipped,
                                                                  eng.max_model_len))
