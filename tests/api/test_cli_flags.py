@@ -20,6 +20,7 @@ def _parse(*flags):
     (["--tp-size", "2"], "tensor_parallel_size", 2),
     (["--mem-fraction-static", "0.7"], "gpu_memory_utilization", 0.7),
     (["--max-running-requests", "3"], "max_num_seqs", 3),
+    (["--chunked-prefill-size", "512"], "max_num_batched_tokens", 512),
     (["--memory-mode", "static", "--enable-unified-memory"], "memory_mode", "unified"),
     (["--disable-radix-cache"], "enable_prefix_caching", False),
     (["--no-enable-prefix-caching"], "enable_prefix_caching", False),

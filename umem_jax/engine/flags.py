@@ -38,7 +38,8 @@ def add_engine_flags(p, model_help: str) -> None:
                    "weights; on a CPU 64 MiB, or more up to 1 GiB to hold one request of --max-model-len)")
     p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=256,
                    help="requests running at once (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=int, default=2048,
+                   help="prefill tokens per step, and so the longest prefill chunk (default 2048)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest request, prompt + output (default: the model's context, or the longest one "
                    "request can hold in the arena)")
