@@ -146,6 +146,11 @@ def test_table_names_every_column():
          "no full-attention owner"),
         ([window_attention(0, 64, 2, 64), full_attention(1, 2, 64), full_attention(2, 4, 64)], "two geometries"),
         ([window_attention(0, 64, 1, 4), full_attention(1, 1, 4)], "not a multiple of 16"),
+        # two state geometries (Mamba2 beside gated DeltaNet, or a draft's other state): the
+        # state key has no window length, which the message once indexed (IndexError)
+        ([recurrent_state(0, mamba2_state_tensors(4, 16, 16, 1, 4)),
+          recurrent_state(1, gated_deltanet_state_tensors(2, 4, 16, 16, 4)), full_attention(2, 2, 64)],
+         r"two geometries in one sub-pool \(state\)"),
     ],
 )
 def test_refusals_name_the_cause(decls, match):

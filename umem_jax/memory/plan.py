@@ -278,8 +278,9 @@ def _refuse_unsupported(groups: dict[tuple, list]) -> None:
                 layer = f"{d.model}:{d.layer}" if d.model != "target" else str(d.layer)
                 by.setdefault(p.geometry.describe(), []).append(layer)
             desc = "; ".join(f"{g} in layers {','.join(v[:6])}" for g, v in by.items())
+            label = key[0] + (str(key[1]) if key[1:] and key[1] else "")  # the state key is ("state",)
             raise PlanError(
-                f"two geometries in one sub-pool ({key[0]}{key[1] or ''}): {desc}. One sub-pool holds one "
+                f"two geometries in one sub-pool ({label}): {desc}. One sub-pool holds one "
                 "geometry; give these layers a common geometry (same kv heads and head dims) or a "
                 "different lifetime."
             )
