@@ -66,6 +66,48 @@ def test_temperature_sampling_matches_softmax_frequencies():
     np.testing.assert_allclose(freq, p, atol=0.03)
 
 
+def _vllm_probs(logits, t, top_k, top_p, min_p):
+    """vLLM's sampling distribution of one row: temperature, min-p, top-k, then top-p over what
+    is left, renormalised."""
+    z = logits / t
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, bool)
+    keep[order[:top_k if top_k > 0 else len(p)]] = True
+    keep &= p >= min_p * p.max()
+    q = np.where(keep, p, 0.0)
+    q /= q.sum()
+    before = np.cumsum(q[order]) - q[order]
+    keep[order[before >= top_p]] = False
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_top_p_cuts_what_top_k_and_min_p_left_renormalised(case):
+    """vLLM applies top-p to the distribution after top-k (and min-p), renormalised: top_k=2,
+    top_p=0.5 on probabilities (0.35, 0.3, ...) keeps the first token alone.  Chi-square of 4000
+    draws (one jitted call) against that distribution."""
+    from scipy import stats
+
+    rng = np.random.default_rng(100 + case)
+    V, n = 8, 4000
+    row = rng.normal(0, 1.5, V).astype(np.float32)
+    kw = [dict(temperature=1.0, top_k=2, top_p=0.5), dict(temperature=0.8, top_k=4, top_p=0.6),
+          dict(temperature=1.2, min_p=0.3, top_p=0.7), dict(temperature=1.0, top_k=5, min_p=0.1, top_p=0.8)][case]
+    if case == 0:  # the case above: renormalised, the top token holds more than half of the top two
+        row = np.log(np.array([0.35, 0.3, 0.2, 0.05, 0.04, 0.03, 0.02, 0.01], np.float32))
+    want = _vllm_probs(row.astype(np.float64), kw["temperature"], kw.get("top_k", 0), kw["top_p"], kw.get("min_p", 0.0))
+    out = run(np.repeat(row[None], n, axis=0), [SamplingParams(**kw)] * n, seeds=[int(s) for s in rng.integers(0, 2**31, n)])
+    counts = np.bincount(out, minlength=V)
+    assert set(np.nonzero(counts)[0]) <= set(np.nonzero(want)[0]), (counts, want)
+    support = want > 0
+    if support.sum() > 1:
+        chi2 = (((counts - n * want) ** 2)[support] / (n * want[support])).sum()
+        assert chi2 < stats.chi2.ppf(0.999, support.sum() - 1), (counts, n * want)
+
+
 def test_seed_and_step_make_sampling_reproducible():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(8, 100)).astype(np.float32)

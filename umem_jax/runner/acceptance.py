@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from .sampler import keep_sorted
+
 
 def row_probs(logits, temperature, top_k, top_p, min_p, *, cuts: bool = True):
     """The distribution each row's sampler draws from -> probs [B, V] fp32.
@@ -37,12 +39,7 @@ def row_probs(logits, temperature, top_k, top_p, min_p, *, cuts: bool = True):
     if cuts:
         order = jnp.argsort(-scaled, axis=-1)
         sp = jnp.take_along_axis(probs, order, axis=-1)
-        rank = jnp.arange(V)[None, :]
-        keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
-        keep &= (jnp.cumsum(sp, axis=-1) - sp) < top_p[:, None]
-        keep &= sp >= min_p[:, None] * sp[:, :1]
-        keep = keep.at[:, 0].set(True)
-        kept = jnp.where(keep, sp, 0.0)
+        kept = jnp.where(keep_sorted(sp, top_k, top_p, min_p), sp, 0.0)
         kept = kept / kept.sum(-1, keepdims=True)
         probs = jnp.zeros_like(probs).at[jnp.arange(probs.shape[0])[:, None], order].set(kept)
     return jnp.where((temperature > 0)[:, None], probs, greedy)

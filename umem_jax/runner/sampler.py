@@ -62,6 +62,23 @@ def token_logprobs(logits, tokens, k: int):
     return picked - lse, rank, ids.astype(jnp.int32), vals
 
 
+def keep_sorted(probs, top_k, top_p, min_p):
+    """Which tokens survive the cuts -> bool [B, V].  probs [B, V]: each row's tempered
+    distribution sorted most likely first.  vLLM's order: min-p and top-k, then top-p over the
+    distribution they left, renormalised (the smallest prefix whose mass reaches top_p), so
+    top_k=2, top_p=0.5 on probabilities (0.35, 0.3, ...) keeps one token, not two.  The first
+    token always stays.  The speculative acceptance rule uses it too (acceptance.row_probs):
+    both must draw from the same distribution."""
+    rank = jnp.arange(probs.shape[-1])[None, :]
+    keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep = keep.at[:, 0].set(True)
+    left = jnp.where(keep, probs, 0.0)
+    left = left / left.sum(-1, keepdims=True)
+    # top_p 1.0 cuts nothing: the cumulative sum may round to 1 before the last kept token
+    return keep & (((jnp.cumsum(left, axis=-1) - left) < top_p[:, None]) | (top_p[:, None] >= 1.0))
+
+
 def sampling_mode(temperature, top_k, top_p, min_p) -> str:
     """The least mode that covers rows with these parameters (numpy arrays or scalars)."""
     stochastic = np.asarray(temperature) > 0
@@ -82,7 +99,6 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode: str
     parameters and seed alone, never on the mode its batch took."""
     if mode not in MODES:
         raise ValueError(f"sampling mode {mode!r}: one of {MODES}")
-    V = logits.shape[1]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode == "greedy":
         return greedy
@@ -101,14 +117,7 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, seed, step, mode: str
             order = jnp.argsort(-scaled, axis=-1)
             sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
             probs = jax.nn.softmax(sorted_logits, axis=-1)
-            rank = jnp.arange(V)[None, :]
-            keep = jnp.where(top_k[:, None] > 0, rank < top_k[:, None], True)
-            # top-p: keep the smallest prefix whose mass reaches p (the first token always stays).
-            cum_before = jnp.cumsum(probs, axis=-1) - probs
-            keep &= cum_before < top_p[:, None]
-            keep &= probs >= min_p[:, None] * probs[:, :1]
-            keep = keep.at[:, 0].set(True)
-            masked = jnp.where(keep, sorted_logits, -jnp.inf)
+            masked = jnp.where(keep_sorted(probs, top_k, top_p, min_p), sorted_logits, -jnp.inf)
             choice = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
             return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
