@@ -261,6 +261,9 @@ def _chunked_core(S0, xc, dt, q_lens, pos, A_log, dt_bias, D, d: Mamba2Dims, dt_
 def _prefill(arena, slots, xbc, dt, q_lens, conv_weight, conv_bias, A_log, dt_bias, D, *, view, dt_min, reset,
              checkpoint_positions, checkpoint_slots, state_impl, interpret, algo, chunk_size):
     d = _checked_dims(arena, view, xbc, dt, conv_weight, conv_bias, A_log, dt_bias, D, xbc.shape[:2])
+    if jnp.ndim(dt_min) not in (0, 1) or (jnp.ndim(dt_min) == 1 and jnp.shape(dt_min) != xbc.shape[:1]):
+        # a scalar or one floor per row; any other shape only failed later as a broadcast in the scan
+        raise ValueError(f"dt_min must be a scalar or [{xbc.shape[0]}] (one per row), got shape {list(jnp.shape(dt_min))}")
 
     def core(S0, xc, q_lens, pos):
         if algo == "scan":

@@ -31,12 +31,12 @@ from jax.experimental import pallas as pl
 from ._compat import pltr, triton_params
 from .causal_conv import conv_decode_pallas, conv_decode_reference, conv_prefill_reference
 from .launch import ANY, resolve_impl
-from .state_io import block_fits, read_state, read_state_reference, write_state, write_state_reference
+from .state_io import block_fits, check_slots, read_state, read_state_reference, write_state, write_state_reference
 from .words import from_u16, to_u16
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")  # what the recurrent tensor may be stored as
 
-__all__ = ["STATE_DTYPES", "Cols", "as_array", "check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
+__all__ = ["STATE_DTYPES", "Cols", "as_array", "check_prefill_batch", "check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
            "initial_checkpoints", "prefill", "scan_tokens", "softplus", "src_start", "tile_rows", "to_chunks"]
 
 
@@ -184,6 +184,19 @@ def decode_pallas(arena, slots, x, conv_weight, conv_bias, head_inputs, *, view,
 # --------------------------------------------------------------------------- prefill
 
 
+def check_prefill_batch(B: int, slots, q_lens, reset) -> None:
+    """slots int32 [B], q_lens integer [B] and reset [B] | None against the chunk's batch B.  Without
+    this a mismatch surfaced deep in the conv or the scan as a concatenate / vmap / broadcast error
+    that named none of them."""
+    check_slots(slots)
+    if slots.shape[0] != B:
+        raise ValueError(f"slots must be int32 [{B}] (one per row of the chunk), got {slots.dtype}{list(slots.shape)}")
+    if q_lens.shape != (B,) or not jnp.issubdtype(q_lens.dtype, jnp.integer):
+        raise ValueError(f"q_lens must be int32 [{B}], got {q_lens.dtype}{list(q_lens.shape)}")
+    if reset is not None and jnp.shape(reset) != (B,):
+        raise ValueError(f"reset must be [{B}] (one flag per row) or None, got shape {list(jnp.shape(reset))}")
+
+
 def checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens):
     """Normalise checkpoint args: positions outside [0, q_len] or slot <= 0 are padding (slot 0)."""
     if checkpoint_positions is None:
@@ -286,6 +299,7 @@ def prefill(arena, slots, x, q_lens, conv_weight, conv_bias, *, view, state_name
     if algo not in ("scan", "chunked"):
         raise ValueError(f"algo must be 'scan' or 'chunked', got {algo!r}")
     B, T = x.shape[:2]
+    check_prefill_batch(B, slots, q_lens, reset)
     q_lens = q_lens.astype(jnp.int32)
     pos, checkpoint_ids = checkpoint_args(checkpoint_positions, checkpoint_slots, q_lens)
     tensors = _reset(read_state(arena, slots, view=view, impl=state_impl, interpret=interpret), reset)
