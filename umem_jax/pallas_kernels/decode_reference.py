@@ -20,12 +20,14 @@ __all__ = ["check_decode_args", "merge_splits", "paged_decode_attention_referenc
 
 def check_decode_args(q, arena, page_table, lengths, view, sinks, window=None, softcap=None):
     check_view(arena, view)
-    if window is not None and (int(window) != window or window <= 0):
+    if window is not None and (isinstance(window, bool) or int(window) != window or window <= 0):
         raise ValueError(f"window must be a positive int or None, got {window!r}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be > 0 or None, got {softcap!r}")
     if q.ndim != 3 or q.shape[2] != view.head_dim:
         raise ValueError(f"q must be [B, Hq, {view.head_dim}], got {q.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):  # as the prefill's check; the output takes q's dtype
+        raise ValueError(f"q must be floating point, got {q.dtype}")
     B, Hq, _ = q.shape
     if Hq % view.num_kv_heads:
         raise ValueError(f"q heads ({Hq}) must be a multiple of kv heads ({view.num_kv_heads})")

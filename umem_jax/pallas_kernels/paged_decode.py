@@ -227,6 +227,7 @@ def _paged_decode_pallas(q, arena, page_table, lengths, sinks=None, k_scale=None
                          window=None, softcap=None, scale=None, kv_dtype=None, interpret=False, block_tokens=None,
                          num_splits=None, num_warps=4, num_stages=None, fp8_dot=None):
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
+    window = None if window is None else int(window)  # 512.0 is a window too; the kernel's block math is integer
     B, Hq, D = q.shape
     Hkv, Dv, page_size = view.num_kv_heads, view.v_head_dim, view.page_size
     G = Hq // Hkv

@@ -586,6 +586,7 @@ def _paged_prefill_attention(q, arena, page_table, q_lens, kv_lens, *, view, win
                              num_stages):
     check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
     check_prefill_options(window, softcap)
+    window = None if window is None else int(window)  # 512.0 is a window too; the kernel's block math is integer
     impl = resolve_impl(impl, interpret)
     if impl == "reference":
         return paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, view=view, window=window,

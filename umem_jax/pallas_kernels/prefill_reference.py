@@ -44,8 +44,10 @@ def check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view) -> No
 
 def check_prefill_options(window, softcap) -> None:
     """window and softcap are None or positive."""
-    if window is not None and window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
+    # A whole number, as decode's check_decode_args wants: a float window reached the Pallas kernel's
+    # integer block arithmetic as an obscure lax.div dtype error (and the reference took it silently).
+    if window is not None and (isinstance(window, bool) or int(window) != window or window <= 0):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"softcap must be positive, got {softcap}")
 
@@ -61,6 +63,7 @@ def paged_prefill_attention_reference(q, arena, page_table, q_lens, kv_lens, *, 
     v_scale, f32 [Hkv] or scalars, default 1.0) by read_kv_reference.
     """
     check_prefill_args(q, arena, page_table, q_lens, kv_lens, sinks, view)
+    check_prefill_options(window, softcap)  # called directly too (the tests' oracle), not only via the wrapper
     B, T, Hq, D = q.shape
     Hkv, Dv = view.num_kv_heads, view.v_head_dim
     G = Hq // Hkv
