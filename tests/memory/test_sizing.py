@@ -8,7 +8,17 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from umem_jax.memory import MHA, Full, LayerDecl, Part, full_attention, plan, recurrent_state, window_attention
+from umem_jax.memory import (
+    MHA,
+    ChainAllocator,
+    Full,
+    LayerDecl,
+    Part,
+    full_attention,
+    plan,
+    recurrent_state,
+    window_attention,
+)
 from umem_jax.memory.declarations import mamba2_state_tensors
 from umem_jax.memory.sizing import (
     ArenaSizeError,
@@ -56,6 +66,26 @@ def test_rows_and_pages_alone():
     text = s.summary()
     for word in ("full", "window512", "window128", "state", "tokens", "state slots", f"{s.nbytes:,}"):
         assert word in text
+
+
+def test_pages_alone_is_what_the_allocator_gives_when_the_full_grid_leaves_a_tail():
+    """Three full layers make a full page of 3 * 16 * 2 = 96 rows, which no power-of-two arena is a
+    multiple of: the rows above the full grid's last page belong to no page of it, and the empty
+    full band sits at that page boundary, so no other band reaches past it either.  The capacity
+    report ("each band alone") must count the slots and pages the allocator really hands out."""
+    st_ = mamba2_state_tensors(num_heads=4, head_dim=16, state_size=16, n_groups=1, conv_kernel=4)
+    p = plan([recurrent_state(0, st_), window_attention(1, 64, 2, 64)] + [full_attention(i, 2, 64) for i in (2, 3, 4)],
+             page_size=16)
+    s = size_arena(p, 2 * MiB)
+    top = p.full.page_row(p.full.num_pages(s.num_rows))
+    assert top < s.num_rows  # the case: a tail of rows past the full grid
+    alloc = ChainAllocator(p, s.num_rows)
+    slots = alloc.available_state_slots()
+    assert s.pages_alone["state"] == slots and alloc.alloc_state_slots(slots) is not None
+    assert alloc.alloc_state_slots(1) is None
+    assert s.pages_alone["full"] == p.full.num_pages(s.num_rows) - p.first_page(p.full)  # the full band reaches it
+    window = p["window64"]
+    assert window.page_row(p.first_page(window) + s.pages_alone["window64"]) <= top
 
 
 def test_floor_to_4096_and_row():

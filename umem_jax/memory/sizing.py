@@ -95,9 +95,11 @@ class ArenaSize:
     """The arena's shape for a budget, and what each sub-pool could hold with all of it.
 
     pages_alone[name]: physical pages of that sub-pool above the sink if it had the whole arena
-    (state: slots).  Counted on the sub-pool's own page grid, so it equals
-    `sp.num_pages(num_rows) - plan.first_page(sp)` (state: (num_rows - sink_rows) // rows_per_slot,
-    its grid starting at the sink).
+    (state: slots), as the allocator hands them out.  Counted on the sub-pool's own page grid:
+    the full sub-pool's are `num_pages(num_rows) - plan.first_page(sp)`; every other one ends
+    below the full grid's last page boundary (`full_top`), where the empty full band sits, so
+    rows past it (when the full page does not divide num_rows) count for nobody (state:
+    (full_top - sink_rows) // rows_per_slot, its grid starting at the sink).
     """
 
     plan: Plan = dataclasses.field(repr=False, compare=False)
@@ -170,7 +172,11 @@ def size_arena(plan: Plan, budget_bytes: int, *, max_model_len: int | None = Non
     if num_rows < need:
         raise ArenaSizeError(f"budget {budget_bytes:,} B gives {num_rows:,} rows, fewer than the sink plus one page "
                              f"of each sub-pool ({need:,} rows = {need * row_bytes:,} B)")
-    pages = {sp.name: sp.num_pages(num_rows) - plan.first_page(sp) for sp in plan.subpools}
+    # The empty full band sits at its grid's top page boundary and no band grows past it: the
+    # rows above that boundary (less than one full page) are no sub-pool's.
+    full_top = plan.full.page_row(plan.full.num_pages(num_rows))
+    pages = {sp.name: (sp.num_pages(num_rows) if sp is plan.full else sp.page_floor(full_top)) - plan.first_page(sp)
+             for sp in plan.subpools}
     size = ArenaSize(plan, int(budget_bytes), num_rows, plan.row_words, plan.sink_rows, pages)
     if max_model_len is not None:
         check_bs1_floor(plan, num_rows, max_model_len=max_model_len, checkpoint_slots=checkpoint_slots)
