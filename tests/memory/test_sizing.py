@@ -144,6 +144,21 @@ def test_refuses_2_31_rows():
         size_arena(p, 32 * GiB)
 
 
+def test_measured_budget_stops_at_2_31_rows():
+    """A budget measured from a large device (100 GiB free) for 16-byte rows would be 6.7e9 rows,
+    which size_arena refuses (int32 row ids), so the engine could not start on the bigger card.
+    Measured budgets stop at the most rows the ids address; an explicit fixed_bytes is kept as
+    given (and refused by size_arena, which says why)."""
+    p = plan([full_attention(0, 1, 8), window_attention(1, 64, 1, 8)], page_size=16)  # 16-byte rows
+    gpu = types.SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 100 * GiB, "bytes_in_use": 0})
+    got = budget_bytes(gpu, fraction=1.0, plan=p)
+    s = size_arena(p, got)
+    assert s.num_rows <= 2**31 - 1 and s.num_rows > 2**31 - 1 - 4096  # all the rows ids can address
+    assert got % 4096 == 0 and got % 16 == 0
+    assert budget_bytes(gpu, fraction=1.0, plan=_three_kinds()) == 100 * GiB  # wide rows: nothing capped
+    assert budget_bytes(gpu, fixed_bytes=32 * GiB, plan=p) == 32 * GiB
+
+
 def test_refuses_below_one_page_each():
     p = _three_kinds()
     with pytest.raises(ArenaSizeError, match="sink plus one page"):

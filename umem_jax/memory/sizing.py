@@ -57,7 +57,8 @@ def budget_bytes(device=None, *, fraction: float = 0.9, weights_bytes: int | Non
           XLA_CLIENT_MEM_FRACTION, best ~0.95) and weights_bytes defaults to the bytes in use now
           (so load the weights first).  `fraction` plays --gpu-memory-utilization.
     CPU (no memory_stats) or `fixed_bytes` given: `fixed_bytes`, as is.
-    The result is floored to a multiple of 4096 bytes and, if `plan` is given, of its row size.
+    The result is floored to a multiple of 4096 bytes and, if `plan` is given, of its row size;
+    a measured (GPU) budget is also capped at MAX_ROWS rows of the plan (int32 row ids).
     """
     import jax  # local: sizing arithmetic must not need a backend
 
@@ -76,6 +77,10 @@ def budget_bytes(device=None, *, fraction: float = 0.9, weights_bytes: int | Non
         what = (f"{fraction} x bytes_limit {_gib(limit)} - weights {_gib(used)} - temporaries "
                 f"{_gib(int(temp_bytes))} - reserve {_gib(int(reserve_bytes))}")
     unit = _unit(plan.row_words * WORD_BYTES if plan is not None else 1)
+    if stats is not None and plan is not None:
+        # A measured budget stops at the rows int32 ids address (narrow rows on a large card
+        # would otherwise refuse to start); an explicit fixed_bytes is left to size_arena to refuse.
+        raw = min(raw, MAX_ROWS * plan.row_words * WORD_BYTES)
     out = raw // unit * unit
     if out <= 0:
         raise ArenaSizeError(f"no memory left for the arena: {what} = {raw:,} B. Raise --gpu-memory-utilization "
