@@ -232,6 +232,26 @@ def test_engine_text_leaves_stop_token_out():
     assert out.text == tok.decode(full.token_ids[:k]) and full.text == tok.decode(full.token_ids)
 
 
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(engine_llm):
+    """vLLM leaves a stop token's text out of the output text unless include_stop_str_in_output
+    (its token id is in token_ids either way)."""
+    rng = np.random.default_rng(23)
+    tok = engine_llm.get_tokenizer()
+    p = rng.integers(3 + 97, 3 + 123, 9).tolist()  # lower-case ASCII letters of the byte tokenizer
+    full = engine_llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    # an ASCII token after whole characters (the detokenizer holds back a character's first bytes)
+    ids = full.token_ids
+    k = next(i for i, t in enumerate(ids) if tok.decode([t]).isascii() and tok.decode([t]).isprintable()
+             and tok.decode([t]) and not tok.decode(ids[:i]).endswith("\ufffd"))
+    stop = full.token_ids[k]
+    for keep in (False, True):
+        out = engine_llm.generate([p], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[stop],
+                                                      include_stop_str_in_output=keep))[0].outputs[0]
+        assert out.token_ids == full.token_ids[: k + 1] and out.stop_reason == stop and out.finish_reason == "stop"
+        assert out.text == tok.decode(full.token_ids[: k + 1 if keep else k]), keep
+    assert_idle_clean(engine_llm)
+
+
 def test_out_of_vocabulary_fields_are_refused_by_name(engine_llm):
     e: LLMEngine = engine_llm.llm_engine
     vocab = e.model.config.vocab_size

@@ -288,6 +288,7 @@ class LLMEngine:
         n = len(req.output_token_ids)
         if n >= req.min_tokens:  # before min_tokens no stop rule applies (stop ids were banned too)
             if (t in self.eos_ids and not p.ignore_eos) or t in p.stop_token_ids:
+                req.text_tokens = n if p.include_stop_str_in_output else req.text_tokens  # vLLM: its text stays
                 return self._finish(req, RequestStatus.FINISHED_STOPPED, t if t in p.stop_token_ids else None)
         req.text_tokens = n  # the text covers this token (not a stop token: see above)
         if p.stop and req.detok is not None:  # stop strings need the text now; else it is made when read
