@@ -266,6 +266,24 @@ def test_out_of_vocabulary_fields_are_refused_by_name(engine_llm):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_seeds_differing_in_high_bits_or_sign_draw_different_tokens(engine_llm):
+    """A seed is 64 bits; the sampler's key word holds 31.  Seeds equal modulo 2**31 (5, 5 +
+    2**31, 5 + 2**32; -1 and 2**31 - 1) must not share a stream, and each stays reproducible."""
+    rng = np.random.default_rng(31)
+    p = rng.integers(3, 300, 7).tolist()
+    base = int(rng.integers(0, 2**20))
+    seeds = [base, base + 2**31, base + 2**32, base + 2**63, -1, 2**31 - 1]  # (-1 is 2**64 - 1: one seed)
+
+    def run(seed):
+        sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+        return tuple(engine_llm.generate([p], sp)[0].outputs[0].token_ids)
+
+    outs = [run(s) for s in seeds]
+    assert len(set(outs)) == len(seeds), outs
+    assert run(seeds[2]) == outs[2]
+    assert_idle_clean(engine_llm)
+
+
 # Integer fields of SamplingParams (and the request priority), each with extreme values.
 INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "stop_token_ids", "priority")
 EXTREME_INTS = st.one_of(st.sampled_from([0, 1, -1, 319, 320, 2**31 - 1, 2**31, -(2**31) - 1, 2**63 - 1, 2**63,

@@ -90,6 +90,19 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+def seed_word(seed: int) -> int:
+    """A request's seed (64 bits, signed or not) as the sampler's key word (31 bits: it is packed
+    into int32 sampling words).  Seeds in [0, 2**31) are kept; any other is hashed (splitmix64's
+    finalizer), so seeds that differ only in their high bits or sign (5 and 5 + 2**32, -1 and
+    2**31 - 1) draw different tokens, where masking the low bits made them draw the same."""
+    if 0 <= seed < 2**31:
+        return seed
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return (z ^ (z >> 31)) & 0x7FFFFFFF
+
+
 def _short(value) -> str:
     """repr for an error message, cut short (a refused list may hold a million strings)."""
     if isinstance(value, list) and len(value) > 8:

@@ -43,7 +43,7 @@ import time
 import numpy as np
 
 from ..core.request import Request, RequestOutput, RequestStatus
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams, seed_word
 from ..runner.runner import Launched
 from ..runner.speculative import SpecLaunched
 from .bands import band_usage
@@ -125,7 +125,7 @@ class LLMEngine:
             raise ValueError(MAX_TOKENS_MESSAGE.format(params.max_tokens, self.max_model_len, len(ids), room))
         max_tokens = room if params.max_tokens is None else params.max_tokens
         seed = params.seed if params.seed is not None else (self.config.seed * 1_000_003 + arrival)
-        req = Request(rid, text, ids, params, arrival=arrival, seed=int(seed) & 0x7FFFFFFF, max_tokens=max_tokens,
+        req = Request(rid, text, ids, params, arrival=arrival, seed=seed_word(int(seed)), max_tokens=max_tokens,
                       priority=priority, windows=tuple(n for n, _ in self.demand.windows))
         req.stop_ids = ([] if params.ignore_eos else sorted(self.eos_ids)) + list(params.stop_token_ids)
         self.samples.fork(req)  # the logprobs it records, and its siblings of n / best_of (samples.py)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..core.request import Request, RequestOutput
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import SamplingParams, seed_word
 
 
 def num_logprobs(params: SamplingParams) -> int | None:
@@ -83,7 +83,7 @@ class Samples:
             sid = f"{req.request_id}#{i}"
             while sid in eng._requests:
                 sid += "+"
-            s = Request(sid, req.prompt, req.prompt_token_ids, p, arrival=arrival, seed=seed & 0x7FFFFFFF,
+            s = Request(sid, req.prompt, req.prompt_token_ids, p, arrival=arrival, seed=seed_word(seed),
                         max_tokens=req.max_tokens, priority=req.priority, windows=tuple(req.window_start))
             s.stop_ids, s.sample_index = list(req.stop_ids), i
             s.record_logprobs(wants)
