@@ -108,6 +108,31 @@ def test_top_p_cuts_what_top_k_and_min_p_left_renormalised(case):
         assert chi2 < stats.chi2.ppf(0.999, support.sum() - 1), (counts, n * want)
 
 
+@pytest.mark.parametrize("temperature", [1e-6, 5e-38])
+def test_a_temperature_below_vllms_epsilon_is_greedy_as_packed(temperature):
+    """vLLM samples greedily below temperature 1e-5.  Packed as given, 1e-6 drew among tied
+    top logits at random (argmax takes the first) and 1e-38 overflowed logits / t to ties of inf."""
+    from umem_jax.core.request import Request
+    from umem_jax.runner.packing import FLOAT_SAMPLING, INT_SAMPLING, RowCache
+
+    rng = np.random.default_rng(int(-np.log10(temperature)))
+    n, V = 64, 16
+    logits = rng.normal(0, 3, (n, V)).astype(np.float32)
+    top = rng.integers(1, V, n)
+    logits[np.arange(n), top] = 30.0
+    logits[np.arange(n), top - 1] = 30.0 if temperature > 1e-20 else 29.0  # a tie / a near tie that overflows
+    cache = RowCache(8, n)
+    reqs = [Request(str(i), None, [5, 6], SamplingParams(temperature=temperature, top_p=0.9 if i % 2 else 1.0),
+                    arrival=i, seed=int(rng.integers(0, 2**31)), max_tokens=4) for i in range(n)]
+    rows = [cache.entry(r, []).row for r in reqs]
+    words = cache.sampling_words[rows]
+    cols = {f: words[:, i] for i, f in enumerate(INT_SAMPLING)}
+    cols |= {f: words[:, len(INT_SAMPLING) + i].view(np.float32) for i, f in enumerate(FLOAT_SAMPLING)}
+    mode = MODES[int(cache.sampling_mode[rows].max())]
+    out = np.asarray(sample(jnp.asarray(logits), **{k: jnp.asarray(v) for k, v in cols.items()}, mode=mode))
+    np.testing.assert_array_equal(out, logits.argmax(-1))
+
+
 def test_seed_and_step_make_sampling_reproducible():
     rng = np.random.default_rng(3)
     logits = rng.normal(size=(8, 100)).astype(np.float32)

@@ -12,14 +12,17 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 256  # looked up on every sampled token
 MAX_SAMPLES = 128  # n and best_of: samples of one prompt (OpenAI's limit on n)
+# Below this temperature a request samples greedily (vLLM's _SAMPLING_EPS): dividing the logits by
+# it would overflow to ties of inf, and a near-tie would be drawn at random where argmax is meant.
+GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; the sampler's largest bucket)
 
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request sampling and stopping options.
 
-    temperature 0 is greedy.  top_k <= 0 (or -1) means no top-k cut; top_p 1.0 and min_p 0.0 mean
-    no nucleus / min-p cut.  Penalties follow vLLM: repetition_penalty divides positive logits
+    temperature 0 (or below GREEDY_BELOW) is greedy.  top_k <= 0 (or -1) means no top-k cut;
+    top_p 1.0 and min_p 0.0 mean no nucleus / min-p cut.  Penalties follow vLLM: repetition_penalty divides positive logits
     (multiplies negative ones) of tokens seen in the prompt or output; presence/frequency penalties
     subtract from logits of tokens seen in the output.
     """

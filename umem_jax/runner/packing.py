@@ -16,7 +16,7 @@ import numpy as np
 from jax import lax
 
 from ..core.request import Request
-from ..core.sampling_params import SamplingParams
+from ..core.sampling_params import GREEDY_BELOW, SamplingParams
 from .sampler import MODES, sampling_mode
 
 FIELD_ALIGN = 64  # int32 words: 256 bytes
@@ -188,11 +188,12 @@ class RowCache:
                 self._reclaim(batch_rows)
             row = self.free.pop()
         p = req.params
+        t = p.temperature if p.temperature >= GREEDY_BELOW else 0.0  # greedy on the device too, every step kind
         self.sampling_words[row, :3] = (max(p.top_k, 0), req.seed, 0)
-        self.sampling_words[row, 3:] = words([p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+        self.sampling_words[row, 3:] = words([t, p.top_p, p.min_p, p.repetition_penalty,
                                               p.presence_penalty, p.frequency_penalty], np.float32)
         self.penalties[row] = p.has_penalties
-        self.sampling_mode[row] = MODES.index(sampling_mode(p.temperature, max(p.top_k, 0), p.top_p, p.min_p))
+        self.sampling_mode[row] = MODES.index(sampling_mode(t, max(p.top_k, 0), p.top_p, p.min_p))
         self.logprobs[row] = -1 if req.num_logprobs is None else req.num_logprobs
         self.page_ids[row] = -1
         e = RowEntry(row, req, [], p, req.seed)
