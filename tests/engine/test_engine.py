@@ -110,6 +110,24 @@ def test_stop_token_ids_eos_and_ignore_eos(engine_llm):
     assert_idle_clean(engine_llm)
 
 
+def test_min_tokens_bans_many_stop_ids(engine_llm):
+    """min_tokens keeps every stop id out (EOS ids included), not only the first four: models ship
+    several EOS ids and users add their own stop ids; more than the runner's columns is refused."""
+    p = MIXED[0]
+    ref = dense_greedy([p], 12)[0]
+    vocab = engine_llm.llm_engine.model.config.vocab_size
+    stops = list(dict.fromkeys(ref))[:4]
+    stops += [int(t) for t in np.random.default_rng(7).choice(np.setdiff1d(np.arange(vocab), stops), 5, replace=False)]
+    assert ref[0] in stops  # the greedy's first token, banned until min_tokens
+    out = engine_llm.generate(p, SamplingParams(temperature=0, max_tokens=12, min_tokens=6,
+                                                stop_token_ids=stops))[0].outputs[0]
+    assert len(out.token_ids) >= 6 and not set(out.token_ids[:6]) & set(stops), (out.token_ids, stops)
+    too_many = list(range(3, 3 + engine_llm.llm_engine.runner.banned_per_row + 1))
+    with pytest.raises(ValueError, match="min_tokens with more than"):
+        engine_llm.generate(p, SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=too_many))
+    assert_idle_clean(engine_llm)
+
+
 def test_stop_strings_on_text_prompts(engine_llm):
     tok = engine_llm.get_tokenizer()
     text_prompt = "The quick brown fox"

@@ -112,7 +112,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:8]}")
         check_vocab_fields(params, vocab)
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
-            raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids is not supported")
+            raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids (the model's EOS "
+                             f"ids included: {len(self.eos_ids)}) is not supported")
         check_priority(priority, self.config.priority_range)
         if request_id is not None and str(request_id) in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -131,7 +131,7 @@ class Launched:
 
 class Runner:
     def __init__(self, model, plan, num_rows: int, allocator: ChainAllocator, buckets: Buckets, *,
-                 impl: str | None = None, interpret: bool = False, debug_nan: bool = False, banned_per_row: int = 4,
+                 impl: str | None = None, interpret: bool = False, debug_nan: bool = False, banned_per_row: int = 16,
                  checkpoints: bool = False):
         self.model, self.plan, self.allocator, self.buckets = model, plan, allocator, buckets
         self.impl, self.interpret = impl, interpret
