@@ -128,6 +128,22 @@ def test_min_tokens_bans_many_stop_ids(engine_llm):
     assert_idle_clean(engine_llm)
 
 
+def test_stop_strings_without_a_tokenizer_are_refused(engine_llm):
+    """Without a tokenizer no text is made, so a stop string could never end the request: refused
+    at arrival (it was silently ignored), nothing else touched."""
+    e = engine_llm.llm_engine
+    saved = e.tokenizer
+    try:
+        e.tokenizer = None
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            e.add_request([5, 6, 7], SamplingParams(max_tokens=3, stop=["x"]))
+        out = engine_llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, stop_token_ids=[9]))
+        assert len(out[0].outputs[0].token_ids) >= 1
+    finally:
+        e.tokenizer = saved
+    assert_idle_clean(engine_llm)
+
+
 def test_stop_strings_on_text_prompts(engine_llm):
     tok = engine_llm.get_tokenizer()
     text_prompt = "The quick brown fox"
