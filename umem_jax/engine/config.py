@@ -22,7 +22,7 @@ class EngineConfig:
     swa_full_tokens_ratio: float = 0.8
     mamba_full_memory_ratio: float = 0.9
     gpu_memory_utilization: float = 0.9
-    arena_bytes: int | None = None  # arena budget in bytes; None: free GPU memory, on CPU sized to fit (engine/fit.py)
+    arena_bytes: int | None = None  # arena bytes per device (each TP shard its own); None: free GPU memory / fit.py
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # prefill tokens per step, and the longest chunk
     page_size: int = 16

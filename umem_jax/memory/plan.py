@@ -261,8 +261,8 @@ def _refuse_unsupported(groups: dict[tuple, list]) -> None:
         only = next(iter(groups))[0] if groups else "nothing"
         raise PlanError(
             f"not a hybrid model: every layer keeps {only} memory, so there is only one kind of memory to "
-            "share. Unified memory replaces the pools of hybrid models only; serve this model with a "
-            "plain paged-attention engine."
+            "share. Unified memory replaces the pools of hybrid models only; serve this model with an "
+            "engine built for that one kind (paged attention, or a state-space model's own server)."
         )
     if ("full", 0) not in groups:
         raise PlanError(
