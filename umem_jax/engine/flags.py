@@ -34,8 +34,9 @@ def add_engine_flags(p, model_help: str) -> None:
                    help="fraction of the GPU's memory for the weights and the arena, in (0, 1] (default 0.9; a CPU "
                    "arena is sized by --arena-bytes / --max-model-len instead)")
     p.add_argument("--arena-bytes", type=int, default=None,
-                   help="arena budget in bytes, per device under tensor parallelism (default: on a GPU what --gpu-memory-utilization leaves after the "
-                   "weights; on a CPU 64 MiB, or more up to 1 GiB to hold one request of --max-model-len)")
+                   help="arena budget in bytes, per device under tensor parallelism (default: on a GPU what "
+                   "--gpu-memory-utilization leaves after the weights; on a CPU 64 MiB, or more up to 1 GiB to "
+                   "hold one request of --max-model-len)")
     p.add_argument("--max-num-seqs", "--max-running-requests", type=int, default=256,
                    help="requests running at once (default 256)")
     p.add_argument("--max-num-batched-tokens", "--chunked-prefill-size", type=int, default=2048,
