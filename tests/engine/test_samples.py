@@ -85,6 +85,30 @@ def test_aborting_the_primary_aborts_every_sample(engine_llm):
     assert_idle_clean(engine_llm)
 
 
+def test_aborting_a_group_whose_primary_finished_aborts_the_rest_and_its_id_stays_taken():
+    """The primary's id names the group until the group is reported: aborting it after the
+    primary finished (its siblings start a step or more later) ended nothing, the siblings ran
+    to max_tokens; and a new request could take the id meanwhile (two outputs of one id).  One
+    sequence at a time, so the siblings wait for the primary to finish."""
+    one = llm(max_num_seqs=1)
+    e = one.llm_engine
+    rid = e.add_request(prompts(9, seed=12)[0], SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True,
+                                                                logprobs=0), request_id="group")
+    primary = e._requests[rid]
+    while not primary.finished:
+        assert not e.step()
+    assert not all(s.finished for s in primary.siblings)
+    with pytest.raises(ValueError, match="already in use"):
+        e.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id=rid)
+    e.abort_request(rid)
+    out, _ = _run(e, rid)
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 6
+    assert {c.finish_reason for c in out.outputs[1:]} == {"abort"} and out.error == "aborted by the user"
+    assert e.add_request([5, 6, 7], SamplingParams(max_tokens=2), request_id=rid) == rid  # reported: free again
+    _run(e, rid)
+    assert_idle_clean(one)
+
+
 @pytest.mark.parametrize("kw,field", [(dict(n=0), "n"), (dict(n=129), "n"), (dict(n=2, best_of=1), "best_of"),
                                       (dict(best_of=129), "best_of"), (dict(logprobs=21), "logprobs")])
 def test_bad_sample_counts_name_the_field(kw, field):

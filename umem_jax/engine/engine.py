@@ -117,11 +117,11 @@ class LLMEngine:
             raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids (the model's EOS "
                              f"ids included: {len(self.eos_ids)}) is not supported")
         check_priority(priority, self.config.priority_range)
-        if request_id is not None and str(request_id) in self._requests:
+        if request_id is not None and (str(request_id) in self._requests or str(request_id) in self.samples.groups):
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = next(self._arrivals)
         rid = str(request_id) if request_id is not None else str(arrival)
-        while rid in self._requests:
+        while rid in self._requests or rid in self.samples.groups:
             rid += "+"
         room = self.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
@@ -165,12 +165,11 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(str(request_id))
-        if req is None or req.finished:
-            return
-        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-        req.mark_finished(RequestStatus.FINISHED_ABORTED, error="aborted by the user")
-        self._aborted.append(req)
-        for s in req.siblings:  # a primary's samples go with it
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            req.mark_finished(RequestStatus.FINISHED_ABORTED, error="aborted by the user")
+            self._aborted.append(req)
+        for s in self.samples.rest(str(request_id)):  # a primary's samples go with it, finished or not
             self.abort_request(s.request_id)
 
     def fail_request(self, req: Request, error: BaseException, where: str) -> None:

@@ -116,14 +116,24 @@ class Samples:
         """Outputs of a step with each group's members replaced by the group, once all finished."""
         merged = []
         for o in outs:
-            group = self.groups.pop(o.request_id, None)
+            group = self.groups.get(o.request_id)
             if group is None:
                 merged.append(o)
                 continue
             group.done[o.request_id] = o
             if len(group.done) == len(group.members):
+                for m in group.members:  # only now: the primary's id names the group until it is reported
+                    self.groups.pop(m.request_id, None)
                 merged.append(group.output())
         return merged
+
+    def rest(self, request_id: str) -> list[Request]:
+        """The unfinished samples of the group `request_id` names (its primary's id), the primary
+        left out: they go with it when it is aborted, even after it finished (the group is not)."""
+        group = self.groups.get(request_id)
+        if group is None or group.members[0].request_id != request_id:
+            return []
+        return [m for m in group.members[1:] if not m.finished]
 
 
 __all__ = ["Group", "Samples", "best_order", "num_logprobs"]
