@@ -36,8 +36,9 @@ from .words import from_u16, to_u16
 
 STATE_DTYPES = ("float32", "bfloat16", "float16")  # what the recurrent tensor may be stored as
 
-__all__ = ["STATE_DTYPES", "Cols", "as_array", "check_prefill_batch", "check_shapes", "checkpoint_args", "decode_impl", "decode_pallas", "decode_reference", "from_chunks",
-           "initial_checkpoints", "prefill", "scan_tokens", "softplus", "src_start", "tile_rows", "to_chunks"]
+__all__ = ["STATE_DTYPES", "Cols", "as_array", "check_prefill_batch", "check_shapes", "checkpoint_args", "decode_impl",
+           "decode_pallas", "decode_reference", "from_chunks", "initial_checkpoints", "prefill", "scan_tokens",
+           "softplus", "src_start", "tile_rows", "to_chunks"]
 
 
 @jax.tree_util.register_pytree_node_class
