@@ -32,7 +32,8 @@ import numpy as np
 
 from umem_jax import LLM, SamplingParams
 from umem_jax.core.request import RequestStatus
-from umem_jax.engine.engine import ARENA_MAX_TOKENS_MESSAGE, BUDGET_MESSAGE
+from umem_jax.engine.engine import BUDGET_MESSAGE
+from umem_jax.engine.fit import ARENA_MAX_TOKENS_MESSAGE
 
 BUCKETS = dict(max_num_seqs=4, batch_buckets=(4,), token_buckets=(32,))
 MAX_PROMPT = 160  # longest prompt drawn (CPU time), below the clip limit of the roomy arenas

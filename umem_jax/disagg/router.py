@@ -5,8 +5,9 @@ the decode worker's tokens back as OpenAI completions / chat completions (stream
 
 Workers go round-robin; a worker that refuses the connection (gone) or a decode worker with no
 room for the reservation is passed over for the next one within the same attempt, since nothing
-happened there yet.  A failed transfer (timed out, dropped, the decode worker gone) is retried `retries` times with a
-new transfer id before any token reached the client, then answered 503 with the reason.  Choices
+happened there yet.  A failed transfer (timed out, dropped, the decode worker gone) is retried
+`retries` times with a new transfer id before any token reached the client, then answered 503
+with the reason.  Choices
 carry `token_ids` besides the text.  Not supported yet (400 by name): n / best_of > 1, logprobs,
 echo, suffix, several prompts in one request.
 """
@@ -95,9 +96,9 @@ class Router:
         return r.json()["tokens"]
 
     async def _reserve(self, tid: str, ids: list[int], params: dict) -> tuple[str, str, str | None]:
-        """Reserve the prompt's pages at a decode worker -> (its URL, the generation, its plan fingerprint).  Workers are
-        tried in turn (round robin): one that is gone or has no room now is passed over for the
-        next; while none has room, try again until reserve_wait_s."""
+        """Reserve the prompt's pages at a decode worker -> (its URL, the generation, its plan
+        fingerprint).  Workers are tried in turn (round robin): one that is gone or has no room now
+        is passed over for the next; while none has room, try again until reserve_wait_s."""
         deadline = time.monotonic() + self.reserve_wait_s
         body = {"transfer_id": tid, "prompt_token_ids": ids, "params": params, "timeout_s": self.timeout_s,
                 **({"transport": self.transport} if self.transport else {})}

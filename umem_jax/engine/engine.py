@@ -50,7 +50,7 @@ from .bands import band_usage
 from .build import build
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop
-from .fit import ARENA_MAX_TOKENS_MESSAGE
+from .fit import fit_max_tokens
 from .handoff import Handoff
 from . import overlap
 from .isolation import EngineDeadError, FailureIsolation
@@ -65,7 +65,6 @@ BUDGET_MESSAGE = "Request prompt exceeds the KV memory budget: input_len={}."
 # max_tokens that cannot fit beside the prompt (vLLM's 400): max_tokens, max_model_len, prompt tokens
 MAX_TOKENS_MESSAGE = ("max_tokens={0} is too large: the prompt ({2} tokens) and max_tokens must fit max_model_len={1}, "
                       "so at most {3} here (or leave max_tokens unset: up to the room left)")
-
 
 
 class LLMEngine:
@@ -149,14 +148,11 @@ class LLMEngine:
             req.mark_finished(RequestStatus.FINISHED_ABORTED, error=BUDGET_MESSAGE.format(req.prompt_len))
             self._aborted.append(req)
             return req.request_id
-        if clipped < req.max_tokens:
-            if req.params.max_tokens is not None:  # asked for: refused, not cut short under a "length" finish
-                req.mark_finished(RequestStatus.FINISHED_ABORTED, error=ARENA_MAX_TOKENS_MESSAGE.format(
-                    req.max_tokens, req.prompt_len, clipped, self.max_model_len))
-                self._aborted.append(req)
-                return req.request_id
-            log.info("request %s: max_tokens %d clipped to %d by the arena", req.request_id, req.max_tokens, clipped)
-            req.clip_max_tokens(clipped)  # unset max_tokens: as many as fit
+        why = fit_max_tokens(req, clipped, self.max_model_len)
+        if why is not None:
+            req.mark_finished(RequestStatus.FINISHED_ABORTED, error=why)
+            self._aborted.append(req)
+            return req.request_id
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
         self.scheduler.add(req)

@@ -40,6 +40,20 @@ ARENA_MAX_TOKENS_MESSAGE = ("max_tokens={0} does not fit the arena beside this p
 
 log = logging.getLogger("umem_jax")
 
+
+def fit_max_tokens(req, clipped: int, max_model_len: int) -> str | None:
+    """Fit `req`'s max_tokens to the `clipped` tokens the arena holds beside its prompt (the demand
+    model's clip) -> None, or why it is refused: a max_tokens the request asked for is refused (not
+    cut short under a "length" finish); an unset one takes what fits.  The engine and the decode
+    side of a page handoff both apply it."""
+    if clipped >= req.max_tokens:
+        return None
+    if req.params.max_tokens is not None:
+        return ARENA_MAX_TOKENS_MESSAGE.format(req.max_tokens, req.prompt_len, clipped, max_model_len)
+    log.info("request %s: max_tokens %d clipped to %d by the arena", req.request_id, req.max_tokens, clipped)
+    req.clip_max_tokens(clipped)
+    return None
+
 CPU_ARENA_BYTES = 64 << 20  # the least default CPU arena (no memory_stats() there)
 MAX_CPU_ARENA_BYTES = 1 << 30  # the most a default CPU arena grows to hold one request of the context
 HOST_FRACTION = 8  # ...and at most this fraction of the host memory free at startup

@@ -33,7 +33,7 @@ from ..core.sampling_params import SamplingParams
 from ..memory.plan import Plan
 from ..scheduler import held
 from .detokenizer import IncrementalDetokenizer
-from .fit import ARENA_MAX_TOKENS_MESSAGE
+from .fit import fit_max_tokens
 
 
 def plan_fingerprint(plan: Plan, dtype, model_config=None) -> str:
@@ -197,12 +197,9 @@ class Handoff:
         clipped = eng.demand.clip(req.prompt_len, req.max_tokens)
         if clipped is None:
             raise ValueError(f"the prompt ({req.prompt_len} tokens) does not fit this decode engine's arena")
-        if clipped < req.max_tokens:  # as LLMEngine.enqueue: an asked-for max_tokens is refused, not cut short
-            if params.max_tokens is not None:
-
-                raise ValueError(ARENA_MAX_TOKENS_MESSAGE.format(req.max_tokens, req.prompt_len, clipped,
-                                                                 eng.max_model_len))
-            req.clip_max_tokens(clipped)  # unset max_tokens: as many as fit
+        why = fit_max_tokens(req, clipped, eng.max_model_len)  # as LLMEngine.enqueue
+        if why is not None:
+            raise ValueError(why)
         if not held.reserve(eng.scheduler, req, req.prompt_len):
             return None
         if eng.tokenizer is not None:
@@ -253,7 +250,8 @@ class Handoff:
             raise ValueError("page envelopes carry a state slot, the transfer plan moves none")
         for name, a, shape in arrays:
             if not isinstance(a, np.ndarray) or a.dtype != np.uint16 or a.shape != shape:
-                got = "nothing" if a is None else f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}"
+                got = ("nothing" if a is None
+                       else f"{getattr(a, 'dtype', type(a).__name__)}{list(getattr(a, 'shape', ()))}")
                 raise ValueError(f"page envelopes of {name}: {got}, the transfer plan moves uint16{list(shape)}")
         vocab = eng.model.config.vocab_size
         if not 0 <= int(env.first_token) < vocab:

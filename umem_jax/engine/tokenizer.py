@@ -53,8 +53,6 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
 def read_chat_template(given: str | None) -> str | None:
     """--chat-template: a file's text, or the Jinja template itself (as vLLM takes it: a string
     with template syntax is the template); checked to parse.  None: the tokenizer's own."""
-    from pathlib import Path
-
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
