@@ -109,6 +109,24 @@ def test_aborting_a_group_whose_primary_finished_aborts_the_rest_and_its_id_stay
     assert_idle_clean(one)
 
 
+def test_a_refused_group_reports_all_its_samples_and_leaks_nothing(engine_llm):
+    """A prompt over the memory budget (or a max_tokens over what the arena holds) with n = 3:
+    the output has 3 completions, each an abort with the reason -- not 1 (its siblings were never
+    registered) -- and a request beside it runs to the end."""
+    e = engine_llm.llm_engine
+    n = next(n for n in range(200, 1024, 8) if e.demand.clip(n, 1) is None)
+    ok = prompts(12, seed=8)[0]
+    outs = engine_llm.generate([ok, prompts(n, seed=3)[0]],
+                               SamplingParams(n=3, best_of=4, temperature=0.7, seed=1, max_tokens=4, ignore_eos=True))
+    assert [len(c.token_ids) for c in outs[0].outputs] == [4, 4, 4]
+    refused = outs[1]
+    assert [c.index for c in refused.outputs] == [0, 1, 2]
+    assert all(c.finish_reason == "abort" and c.token_ids == [] for c in refused.outputs)
+    assert refused.error == f"Request prompt exceeds the KV memory budget: input_len={n}."
+    assert not e.samples.groups and not e.samples.held
+    assert_idle_clean(engine_llm)
+
+
 @pytest.mark.parametrize("kw,field", [(dict(n=0), "n"), (dict(n=129), "n"), (dict(n=2, best_of=1), "best_of"),
                                       (dict(best_of=129), "best_of"), (dict(logprobs=21), "logprobs")])
 def test_bad_sample_counts_name_the_field(kw, field):

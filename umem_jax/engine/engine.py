@@ -144,14 +144,12 @@ class LLMEngine:
         """Apply the memory clip and queue a prepared request (or refuse it: see BUDGET_MESSAGE)."""
         self._requests[req.request_id] = req
         clipped = self.demand.clip(req.prompt_len, req.max_tokens)
-        if clipped is None:
-            req.mark_finished(RequestStatus.FINISHED_ABORTED, error=BUDGET_MESSAGE.format(req.prompt_len))
-            self._aborted.append(req)
-            return req.request_id
-        why = fit_max_tokens(req, clipped, self.max_model_len)
-        if why is not None:
-            req.mark_finished(RequestStatus.FINISHED_ABORTED, error=why)
-            self._aborted.append(req)
+        why = (BUDGET_MESSAGE.format(req.prompt_len) if clipped is None
+               else fit_max_tokens(req, clipped, self.max_model_len))
+        if why is not None:  # refused: the whole group (n / best_of samples) is reported, each with why
+            for r in [req, *self.samples.refuse(req)]:
+                r.mark_finished(RequestStatus.FINISHED_ABORTED, error=why)
+                self._aborted.append(r)
             return req.request_id
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)

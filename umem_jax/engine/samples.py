@@ -103,6 +103,17 @@ class Samples:
         if self.engine.scheduler.cache is None:
             self.release()
 
+    def refuse(self, req: Request) -> list[Request]:
+        """`req` (a primary) was refused at enqueue: its group is registered so that it is
+        reported as one, with all its samples -> the siblings, to be finished as it is."""
+        if not req.siblings:
+            return []
+        group = Group([req, *req.siblings], req.params.n)
+        for m in group.members:
+            self.groups[m.request_id] = group
+            self.engine._requests[m.request_id] = m
+        return list(req.siblings)
+
     def release(self) -> None:
         """Queue the siblings of every primary whose prompt is computed (or that finished)."""
         for req in [r for r in self.held if r.finished or r.num_computed >= r.prompt_len
