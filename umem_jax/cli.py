@@ -82,7 +82,7 @@ def _check_platform() -> None:
 
 def _engine(args):
     """Platform check, EngineConfig from the flags, the engine, and the startup report."""
-    from .engine import speculative_flags
+    from .engine import flags, speculative_flags
     from .engine.engine import EngineConfig, LLMEngine
 
     model = args.model or args.model_path
@@ -90,6 +90,7 @@ def _engine(args):
         raise ValueError(f"give a model: {MODEL_HELP}")
     if args.model and args.model_path and args.model != args.model_path:
         raise ValueError(f"two models given: {args.model!r} and --model-path/--model {args.model_path!r}")
+    flags.apply_enforce_eager(args)  # before anything starts the GPU backend
     _start_distributed(args)
     _check_platform()
     cfg = EngineConfig(model=model, tokenizer=args.tokenizer, memory_mode=args.memory_mode,

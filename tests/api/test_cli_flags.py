@@ -25,9 +25,23 @@ def _parse(*flags):
     (["--disable-radix-cache"], "enable_prefix_caching", False),
     (["--no-enable-prefix-caching"], "enable_prefix_caching", False),
     (["--trust-remote-code"], "trust_remote_code", True),
+    (["--enforce-eager"], "enforce_eager", True),
+    (["--disable-cuda-graph"], "enforce_eager", True),
 ])
 def test_other_servers_spellings_set_the_same_option(flags, dest, value):
     assert getattr(_parse(*flags), dest) == value
+
+
+def test_enforce_eager_turns_cuda_graphs_off_before_the_backend_starts():
+    from umem_jax.engine.flags import NO_CUDA_GRAPHS, apply_enforce_eager
+
+    env = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    apply_enforce_eager(_parse("--enforce-eager"), env)
+    apply_enforce_eager(_parse("--enforce-eager"), env)  # once only
+    assert env["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {NO_CUDA_GRAPHS}"
+    plain = {}
+    apply_enforce_eager(_parse(), plain)
+    assert plain == {}
 
 
 def test_model_flag_is_its_own_option_not_an_abbreviation():

@@ -6,6 +6,10 @@ for either run unchanged; a flag that would change nothing here says so in its h
 from __future__ import annotations
 
 import argparse
+import os
+
+# XLA's command buffers are its CUDA graphs: an empty list turns them off
+NO_CUDA_GRAPHS = "--xla_gpu_enable_command_buffer="
 
 
 def int_from(low: int, why: str):
@@ -18,6 +22,15 @@ def int_from(low: int, why: str):
 
     parse.__name__ = "int"
     return parse
+
+
+def apply_enforce_eager(args, environ=os.environ) -> None:
+    """--enforce-eager / --disable-cuda-graph: the compiled steps run without CUDA graphs (XLA's
+    command buffers off, the nearest thing here to vLLM's eager mode: each kernel is launched on
+    its own; for debugging and profiling, slower at small batches).  XLA reads XLA_FLAGS when the
+    GPU backend starts, which in the CLI comes after the flags are parsed."""
+    if getattr(args, "enforce_eager", False) and NO_CUDA_GRAPHS not in environ.get("XLA_FLAGS", ""):
+        environ["XLA_FLAGS"] = f"{environ.get('XLA_FLAGS', '')} {NO_CUDA_GRAPHS}".strip()
 
 
 def add_engine_flags(p, model_help: str) -> None:
@@ -69,6 +82,9 @@ def add_engine_flags(p, model_help: str) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted so vLLM / SGLang commands run unchanged; changes nothing: umem_jax runs no code "
                    "from a checkpoint (its architectures are built in; others are refused at startup)")
+    p.add_argument("--enforce-eager", "--disable-cuda-graph", action="store_true",
+                   help="no CUDA graphs: sets XLA_FLAGS=%s before the GPU starts (vLLM's --enforce-eager, "
+                   "SGLang's --disable-cuda-graph; slower at small batches)" % NO_CUDA_GRAPHS)
     p.add_argument("--max-checkpoints-per-path", type=int, default=4,
                    help="recurrent-state checkpoints the prefix cache keeps on one cached path")
     p.add_argument("--tensor-parallel-size", "-tp", "--tp", "--tp-size", type=int, default=1,
