@@ -13,6 +13,8 @@ Shapes are padded to the runner's buckets so the step compiles once per bucket:
                                 state after the first p tokens of row b's chunk is also written
                                 to physical slot s (prefix-cache checkpoints); p = -1 or s = 0 is
                                 padding.  None: no checkpoints (decode, or caching off).
+    targets      [B, T] int32 or None: the token each new token is scored against (the one after
+                                it), for prompt logprobs (core/prompt_logprobs.py); None: no scores.
 
 Row b's new token j < q_lens[b] sits at position kv_lens[b] - q_lens[b] + j.
 """
@@ -33,6 +35,7 @@ class Batch:
     state_slots: jax.Array
     checkpoint_positions: jax.Array | None = None
     checkpoint_slots: jax.Array | None = None
+    targets: jax.Array | None = None
 
     def positions(self) -> jax.Array:
         """[B, T] int32 position of every new token (padding rows continue the count)."""

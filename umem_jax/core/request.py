@@ -58,6 +58,16 @@ class Logprob:
 TokenLogprobs = tuple[float, int, list[int], list[float]]
 
 
+def logprob_dict(t: int, entry: TokenLogprobs, text) -> dict[int, Logprob]:
+    """vLLM's shape of one position: {id: Logprob} of token t (the chosen or scored one), then
+    the top alternatives not already in it.  text(id) -> the token's text (or None)."""
+    lp, rank, ids, vals = entry
+    d = {t: Logprob(lp, rank, text(t))}
+    for r, (i, v) in enumerate(zip(ids, vals), 1):
+        d.setdefault(i, Logprob(v, r, text(i)))
+    return d
+
+
 @dataclasses.dataclass
 class CompletionOutput:
     """One generated sequence (vLLM's CompletionOutput).  logprobs: per output token, {token id:
@@ -87,6 +97,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why it was aborted, e.g. the memory-budget message
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (vLLM's field)
+    prompt_logprobs: list | None = None  # per prompt token (None first): {id: Logprob} (core/prompt_logprobs.py)
 
 
 class Request:
@@ -131,6 +142,7 @@ class Request:
         self.sample_index = 0  # which of its prompt's samples (n / best_of) it is
         self.num_logprobs: int | None = None  # top alternatives recorded per token (None: no logprobs)
         self.logprobs: list[TokenLogprobs] | None = None  # one entry per output token, when recorded
+        self.prompt_lp = None  # a PromptLogprobs when the request asks for prompt_logprobs (core/prompt_logprobs.py)
         self.siblings: list[Request] = []  # the other samples of its prompt (n / best_of: engine/samples.py)
         # speculative method "mtp": the draft tokens its MTP head proposed after its last step, for
         # positions num_computed + 1 on (runner/mtp.py); None: its drafts are made in the step (a draft model)
@@ -343,26 +355,22 @@ class Request:
         """vLLM's shape: per output token, {id: Logprob} of the chosen token, then the top ones."""
         if self.logprobs is None:
             return None
-        tok = self.detok.tok if self.detok is not None else None
-        text = (lambda t: tok.decode([t], False)) if tok is not None else (lambda t: None)
-        out = []
-        for (t, (lp, rank, ids, vals)) in zip(self.output_token_ids, self.logprobs):
-            d = {t: Logprob(lp, rank, text(t))}
-            for r, (i, v) in enumerate(zip(ids, vals), 1):
-                d.setdefault(i, Logprob(v, r, text(i)))
-            out.append(d)
-        return out
+        return [logprob_dict(t, e, self._token_text) for t, e in zip(self.output_token_ids, self.logprobs)]
+
+    def _token_text(self, t: int) -> str | None:
+        return self.detok.tok.decode([t], False) if self.detok is not None else None
 
     def output(self) -> RequestOutput:
         comp = CompletionOutput(self.sample_index, self.text, list(self.output_token_ids),
                                 cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs_output(),
                                 finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        prompt_lp = None if self.prompt_lp is None else self.prompt_lp.output(self._token_text)
         return RequestOutput(self.request_id, self.prompt, list(self.prompt_token_ids), [comp], self.finished,
-                             self.metrics, self.error, self.num_cached_tokens)
+                             self.metrics, self.error, self.num_cached_tokens, prompt_lp)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.prompt_len}, out={self.num_output}"
                 f"/{self.max_tokens}, computed={self.num_computed}, pages={len(self.pages)}, prio={self.priority})")
 
 
-__all__ = ["CompletionOutput", "Logprob", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "TokenLogprobs"]
+__all__ = ["CompletionOutput", "Logprob", "logprob_dict", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "TokenLogprobs"]

@@ -43,6 +43,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # the chosen token's logprob and this many top alternatives (None: none)
+    prompt_logprobs: int | None = None  # per prompt token, its logprob and this many top alternatives (None: none)
     priority: int = 0
     best_of: int | None = None  # samples drawn, the n of highest mean token logprob returned (None: n)
 
@@ -70,6 +71,8 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"must be in [0, {MAX_LOGPROBS}]"),
             (self.seed is None or SEED_RANGE[0] <= self.seed < SEED_RANGE[1], "seed", "must be in [-2**63, 2**64)"),
             # an empty stop string matches everywhere, and a stream's hold-back would go negative
             (all(isinstance(s, str) and s for s in self.stop), "stop", "stop strings must be non-empty strings"),

@@ -251,11 +251,14 @@ class LLMEngine:
         try:
             tokens = np.asarray(launched.tokens).tolist()  # waits for that step only
             lp = None if launched.logprobs is None else [np.asarray(x) for x in launched.logprobs]
+            scores = None if launched.prompt_logprobs is None else [np.asarray(x) for x in launched.prompt_logprobs]
         except Exception as e:
             raise EngineDeadError(f"a step's tokens could not be read back (a device error): {e!r}") from e
         outs = []
         now = time.time()
         for i, row in enumerate(launched.batch.rows):
+            if scores is not None and row.req.prompt_lp is not None:  # its chunk scored (core/prompt_logprobs.py)
+                row.req.prompt_lp.add(scores, i, row.start, row.end)
             if not row.sample:
                 continue
             req = row.req

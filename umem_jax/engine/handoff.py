@@ -150,8 +150,9 @@ class Handoff:
             raise NotImplementedError("disaggregation with tensor parallelism is not supported yet")
         if eng.config.speculative_config is not None:
             raise NotImplementedError("disaggregation with speculative decoding is not supported yet")
-        if params.logprobs is not None or params.n != 1 or (params.best_of or 1) != 1:
-            raise ValueError("disaggregation supports n=1 without logprobs for now")
+        if (params.logprobs is not None or params.prompt_logprobs is not None or params.n != 1
+                or (params.best_of or 1) != 1):
+            raise ValueError("disaggregation supports n=1 without logprobs or prompt_logprobs for now")
 
     # -------------------------------------------------------------- prefill side
     def hold_after_prefill(self, request_id: str) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..core.prompt_logprobs import PromptLogprobs
 from ..core.request import Request, RequestOutput
 from ..core.sampling_params import SamplingParams, seed_word
 
@@ -58,7 +59,7 @@ class Group:
                     for rank, i in enumerate(order[: self.n])]
         error = next((self.done[m.request_id].error for m in self.members if self.done[m.request_id].error), None)
         return RequestOutput(first.request_id, first.prompt, list(first.prompt_token_ids), outs, True, first.metrics,
-                             error, first.num_cached_tokens)
+                             error, first.num_cached_tokens, self.done[first.request_id].prompt_logprobs)
 
 
 class Samples:
@@ -74,8 +75,12 @@ class Samples:
         """Set what `req` records (logprobs) and make its siblings (not queued).  Raises
         ValueError, changing nothing, for what the engine cannot do."""
         eng, p = self.engine, req.params
+        if p.prompt_logprobs is not None and eng.runner.speculator is not None:
+            raise ValueError("prompt_logprobs: not offered with speculative decoding (its prefill steps do not score "
+                             "the prompt); start the engine without a speculative config for them")
         wants = num_logprobs(p)
         req.record_logprobs(wants)
+        req.prompt_lp = None if p.prompt_logprobs is None else PromptLogprobs(req.prompt_token_ids, p.prompt_logprobs)
         req.siblings = []
         for i in range(1, p.num_samples):
             arrival = next(eng._arrivals)

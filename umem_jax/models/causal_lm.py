@@ -13,6 +13,8 @@ anything else (NemotronH's MLP blocks) nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -35,6 +37,9 @@ from ..memory.plan import Plan
 from .arena_slot import arena_slot
 from .config import FULL, LAYER_TYPES, RECURRENT, SLIDING, ModelConfig
 from .layers import Embedding, RMSNorm, settle
+
+# Tokens whose logits one block of `score_tokens` holds: 512 x a 262K vocabulary is 512 MiB fp32.
+SCORE_BLOCK = 512
 
 
 class ResidualLayer(nnx.Module):
@@ -156,7 +161,8 @@ class CausalLM(nnx.Module):
         return self.logits(h)
 
     def __call__(self, arena: jax.Array, batch: Batch, plan: Plan, *, memory_model: str = "target",
-                 all_positions: bool = False, decode_rows: bool = False, hidden: bool = False, **kernel_kw):
+                 all_positions: bool = False, decode_rows: bool = False, hidden: bool = False,
+                 per_token: Callable | None = None, **kernel_kw):
         """Serving forward -> (logits [B, V] fp32 at each row's last valid token, arena).
 
         kernel_kw: impl ("pallas" | "reference") and interpret, passed to every kernel.
@@ -165,6 +171,8 @@ class CausalLM(nnx.Module):
         token (a speculative verify reads them all).  decode_rows: every row decodes, T > 1 too
         (a verify): no prefill-only rule applies (ArenaSlot.decode_rows).  hidden: the first
         item is (logits, the final-normed hidden [B, T, d] of every token): what an MTP head reads.
+        per_token: the first item is (logits, `score_tokens(normed, batch.targets, per_token)`):
+        every token's logits scored against its target (prompt logprobs).
         """
         h = self.embed(batch.tokens)
         for i, layer in enumerate(self.layers):
@@ -173,10 +181,24 @@ class CausalLM(nnx.Module):
             h, arena = layer(h, arena, batch, slot)
         h = settle(h)  # a layer may leave its residual add pending (RMSNorm.enter)
         last = lambda x: x if all_positions else jnp.take_along_axis(x, batch.last_index()[:, None, None], axis=1)[:, 0]
-        if hidden:
+        if hidden or per_token is not None:
             normed = self.final_norm(h)
-            return (self.head_logits(last(normed)), normed), arena
+            extra = normed if hidden else self.score_tokens(normed, batch.targets, per_token)
+            return (self.head_logits(last(normed)), extra), arena
         return self.logits(last(h)), arena
+
+    def score_tokens(self, normed: jax.Array, targets: jax.Array, fn: Callable, block: int = SCORE_BLOCK):
+        """fn(logits [n, V] fp32, targets [n] int32) -> arrays [n, ...], applied to the LM head's
+        logits of every token of normed [B, T, d] (targets [B, T]) in blocks of `block` tokens, so
+        the [block, V] logits are the largest temporary -> those arrays as [B, T, ...]."""
+        b, t, d = normed.shape
+        n = b * t
+        blk = min(block, n)
+        nb = -(-n // blk)
+        x = jnp.pad(normed.reshape(n, d), ((0, nb * blk - n), (0, 0))).reshape(nb, blk, d)
+        y = jnp.pad(targets.reshape(n).astype(jnp.int32), (0, nb * blk - n)).reshape(nb, blk)
+        out = jax.lax.map(lambda xy: fn(self.head_logits(xy[0]), xy[1]), (x, y))
+        return jax.tree.map(lambda a: a.reshape(nb * blk, *a.shape[2:])[:n].reshape(b, t, *a.shape[2:]), out)
 
 
 __all__ = ["CausalLM", "ResidualLayer"]

@@ -51,6 +51,7 @@ class Layout:
     checkpoints_per_row: int = 0  # state checkpoint columns (prefill with a prefix cache; 0: none)
     sampling: str = "greedy"  # the sampler's static mode (sampler.MODES): what the rows need at most
     logprobs: int | None = None  # top alternatives of a logprobs step (sampler.LOGPROB_BUCKETS); None: no logprobs
+    prompt_logprobs: int | None = None  # top alternatives of a prefill that scores its tokens (prompt logprobs)
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         B, K = self.B, self.checkpoints_per_row
@@ -60,6 +61,8 @@ class Layout:
             out += [("checkpoint_positions", (B, K)), ("checkpoint_slots", (B, K))]
         out += [(n, (B,)) for n in SAMPLING_FIELDS]
         out += [("ban", (B, self.banned_per_row))]
+        if self.prompt_logprobs is not None:
+            out += [("next", (B,))]  # the token after each row's chunk (its last token's target)
         return out
 
     @functools.cached_property
@@ -122,6 +125,19 @@ class Layout:
             v = meta[a:b].reshape(shape)
             out[name] = lax.bitcast_convert_type(v, jnp.float32) if name in FLOAT_SAMPLING else v
         return out
+
+
+def penalty_counts(rows, B: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Prompt and output token counts [B, V] f32 of a step's rows, for the penalty variant
+    (host-built: the only per-step transfer besides meta, and only for batches that use
+    penalties).  The engine reads back pending tokens first, so the output counts are complete."""
+    prompt = np.zeros((B, vocab), np.float32)
+    output = np.zeros((B, vocab), np.float32)
+    for i, row in enumerate(rows):
+        prompt[i] = np.bincount(row.req.prompt_token_ids, minlength=vocab)[:vocab]
+        if row.req.output_token_ids:
+            output[i] = np.bincount(row.req.output_token_ids, minlength=vocab)[:vocab]
+    return jnp.asarray(prompt), jnp.asarray(output)
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -229,4 +245,5 @@ class RowCache:
             self.free += range(2 * cap - 1, cap - 1, -1)
 
 
-__all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "SAMPLING_FIELDS", "Layout", "RowCache", "RowEntry"]
+__all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "SAMPLING_FIELDS", "Layout", "RowCache", "RowEntry",
+           "penalty_counts"]

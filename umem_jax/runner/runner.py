@@ -42,7 +42,7 @@ from ..pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
 from ..pallas_kernels.rms_norm import NORM_ENV
 from ..pallas_kernels.route_topk import ROUTE_ENV, ROUTER_DOT_ENV
 from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
-from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry
+from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry, penalty_counts
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
 
@@ -77,19 +77,29 @@ def step_key(*parts) -> tuple:
     return (*parts, *(os.environ.get(name, "").strip().lower() for name in TRACE_ENV))
 
 
-def step_model(model, plan, impl: str | None, interpret: bool, treedef) -> StepModel:
-    """The StepModel of `model` (whose params flatten to `treedef`) over `plan`'s arena."""
-    key = step_key(model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None))
+def step_model(model, plan, impl: str | None, interpret: bool, treedef, scores: int | None = None) -> StepModel:
+    """The StepModel of `model` (whose params flatten to `treedef`) over `plan`'s arena; with
+    `scores` (k), one whose forward also scores every token (prompt logprobs, k alternatives)."""
+    key = step_key(model.graphdef, treedef, plan, impl, interpret, getattr(model, "mesh", None), scores)
     got = _STEP_MODELS.get(key)
     if got is None:
-        got = _STEP_MODELS[key] = StepModel(model.forward_fn(plan, impl=impl, interpret=interpret), treedef)
+        kw = {} if scores is None else {"per_token": _scorer(scores)}
+        got = _STEP_MODELS[key] = StepModel(model.forward_fn(plan, impl=impl, interpret=interpret, **kw), treedef)
     return got
+
+
+@functools.cache
+def _scorer(k: int) -> Callable:
+    """token_logprobs with k alternatives, one object per k (a forward's option: its identity keys the trace)."""
+    return functools.partial(token_logprobs, k=k)
 
 
 def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layout: Layout,
          model: StepModel) -> tuple[jax.Array, Any]:
     """One step -> (tokens [max_batch] int32, rows past B zero; the arena), and for a layout with
-    logprobs a third item: sampler.token_logprobs of the B rows (the step is otherwise the same).
+    logprobs a third item: sampler.token_logprobs of the B rows (the step is otherwise the same);
+    for one with prompt_logprobs (and `model` made with scores) one more: token_logprobs of every
+    token [B, T] against the token after it (`targets`; the chunk's last one: `next`).
 
     params: the flat list of leaves (flattening the NNX State on every call is Python work per
     leaf; a flat list is flattened by the C++ dispatch path).  counts: (prompt, output) token
@@ -101,7 +111,14 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
     tokens = tokens.at[:, 0].set(jnp.where(src >= 0, fed, tokens[:, 0]))
     batch = Batch(tokens, f["q_lens"], f["kv_lens"], {p: f[f"table:{p}"] for p in layout.pools}, f["slots"],
                   f.get("checkpoint_positions"), f.get("checkpoint_slots"))
-    logits, arena = model.forward(params, arena, batch)
+    scores = None
+    if layout.prompt_logprobs is not None:
+        after = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+        last = jnp.arange(layout.T)[None, :] == f["q_lens"][:, None] - 1
+        batch = batch.replace(targets=jnp.where(last, f["next"][:, None], after))
+        (logits, scores), arena = model.forward(params, arena, batch)
+    else:
+        logits, arena = model.forward(params, arena, batch)
     raw = logits  # logprobs report the model's distribution, before bans and penalties
     ban = f["ban"]  # [B, banned_per_row], -1 = none: min_tokens keeps stop tokens out
     rows = jnp.arange(layout.B)[:, None]
@@ -112,9 +129,8 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
     else:
         toks = sample(logits, *sampling, mode=layout.sampling)
     out = jnp.zeros((layout.max_batch,), jnp.int32).at[: layout.B].set(toks.astype(jnp.int32))
-    if layout.logprobs is not None:
-        return out, arena, token_logprobs(raw, toks, layout.logprobs)
-    return out, arena
+    extra = () if layout.logprobs is None else (token_logprobs(raw, toks, layout.logprobs),)
+    return (out, arena, *extra) + (() if scores is None else (scores,))
 
 
 jit_step = jax.jit(step, donate_argnums=(1,), static_argnames=("layout", "model"))
@@ -127,6 +143,7 @@ class Launched:
     batch: ScheduledBatch
     tokens: jax.Array
     logprobs: tuple | None = dataclasses.field(default=None, kw_only=True)  # sampler.token_logprobs, if asked
+    prompt_logprobs: tuple | None = dataclasses.field(default=None, kw_only=True)  # [B, T, ...] scores, if asked
 
 
 class Runner:
@@ -173,7 +190,14 @@ class Runner:
             self._params, treedef = jax.tree.flatten(self._params_src)
             self._step_model = step_model(self.model, self.plan, self.impl, self.interpret, treedef)
             self._step = functools.partial(jit_step, model=self._step_model)  # (..., layout=) -> (tokens, arena)
+            self._treedef = treedef
         return self._params
+
+    def _model_for(self, lay: Layout) -> StepModel:
+        """The StepModel a step of `lay` runs: the plain one, or one that scores its tokens."""
+        if lay.prompt_logprobs is None:
+            return self._step_model
+        return step_model(self.model, self.plan, self.impl, self.interpret, self._treedef, lay.prompt_logprobs)
 
     def apply_moves(self, moves) -> None:
         """Relocations queued by the allocator, applied before the step that reads the pages."""
@@ -186,20 +210,20 @@ class Runner:
             self.num_copied_slots += sum(len(m) for m in moves if m.copy)
 
     def layout(self, B: int, T: int, P: int, penalties: bool = False, checkpoints_per_row: int = 0,
-               sampling: str = "greedy", logprobs: int | None = None) -> Layout:
+               sampling: str = "greedy", logprobs: int | None = None, prompt_logprobs: int | None = None) -> Layout:
         """The layout of one step shape, made once (it caches its padding template)."""
-        key = (B, T, P, penalties, checkpoints_per_row, sampling, logprobs)
+        key = (B, T, P, penalties, checkpoints_per_row, sampling, logprobs, prompt_logprobs)
         got = self._layouts.get(key)
         if got is None:
             got = self._layouts[key] = Layout(B, T, P, self.pools, self.max_batch, self.banned_per_row, penalties,
-                                              checkpoints_per_row, sampling, logprobs)
+                                              checkpoints_per_row, sampling, logprobs, prompt_logprobs)
             got.template  # noqa: B018 - built (and its sampling block checked) on first use
         return got
 
     def lower(self, layout: Layout) -> jax.stages.Lowered:
         """The step of `layout` traced and lowered (not compiled) for this runner's arena."""
         return jit_step.lower(self._leaves(), self.arena, layout.template, self._prev, None, layout=layout,
-                              model=self._step_model)
+                              model=self._model_for(layout))
 
     def precompile(self, shapes, threads: int = 8, sampling=("greedy",)) -> int:
         """Compile step shapes ahead of use -> how many executables.  shapes: (B, T, P,
@@ -262,15 +286,18 @@ class Runner:
         if self.model.params is not self._params_src:
             self._leaves()
         with quiet_xla_alarms(self._compiles):  # a shape warm-up left out compiles here, on demand
-            tokens, self.arena, *lp = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
-                                                 counts, layout=lay)
+            scoring = {} if lay.prompt_logprobs is None else {"model": self._model_for(lay)}
+            tokens, self.arena, *extra = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
+                                                    counts, layout=lay, **scoring)
         self._prev = tokens
         local = lambda x: x if x.is_fully_addressable else x.addressable_data(0)  # multi-host: this host's replica
         tokens = local(tokens)
         for i, row in enumerate(rows):
             if row.sample:
                 row.req.mark_pending(i)
-        return Launched(batch, tokens, logprobs=tuple(map(local, lp[0])) if lp else None)
+        lp = tuple(map(local, extra.pop(0))) if lay.logprobs is not None else None
+        scores = tuple(map(local, extra.pop(0))) if lay.prompt_logprobs is not None else None
+        return Launched(batch, tokens, logprobs=lp, prompt_logprobs=scores)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[Layout, np.ndarray, np.ndarray | None]:
         """The host half of a launch, shared with the speculator: the rows' cache entries, the
@@ -280,7 +307,7 @@ class Runner:
         cache_rows = np.array([e.row for e in entries], np.intp)
         lay = self._pick_layout(batch, entries, cache_rows)
         meta = self._pack(batch, lay, cache_rows)
-        counts = self._counts(rows, lay.B) if lay.penalties else None
+        counts = penalty_counts(rows, lay.B, self.vocab) if lay.penalties else None
         self.shapes.add(lay)
         self._compiles = lay not in self._ready  # this launch compiles its step (no precompile, no launch before)
         self._ready.add(lay)
@@ -296,16 +323,18 @@ class Runner:
         need = MODES[int(cache.sampling_mode[cache_rows][sampled].max(initial=0))]  # rows that sample need none
         asks = int(cache.logprobs[cache_rows][sampled].max(initial=-1))
         logprobs = None if asks < 0 else logprob_bucket(asks)
+        scores = [r.req.prompt_lp.k for r in rows if r.req.prompt_lp is not None and not r.req.prompt_lp.complete]
+        prompt_logprobs = logprob_bucket(max(scores)) if scores and not decode else None
         B = Buckets.pick(bk.batch, len(rows))
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(len(e.pages) for e in entries))
         checkpoints_per_row = 0 if decode else self.checkpoints_per_row
-        lay = self.layout(B, T, P, penalties, checkpoints_per_row, need, logprobs)
+        lay = self.layout(B, T, P, penalties, checkpoints_per_row, need, logprobs, prompt_logprobs)
         if lay not in self._ready:  # a larger logprobs bucket covers a smaller one (never no logprobs)
             buckets = [logprobs] if logprobs is None else [b for b in LOGPROB_BUCKETS if b >= logprobs]
             for mode in MODES[MODES.index(need):]:
                 for lp in buckets:
-                    cover = self.layout(B, T, P, penalties, checkpoints_per_row, mode, lp)
+                    cover = self.layout(B, T, P, penalties, checkpoints_per_row, mode, lp, prompt_logprobs)
                     if cover in self._ready:
                         return cover
         return lay
@@ -347,6 +376,8 @@ class Runner:
         meta[a:a + len(SAMPLING_FIELDS) * lay.B].reshape(len(SAMPLING_FIELDS), lay.B)[:, :n] = sampling.T
         if lay.checkpoints_per_row:
             self._pack_checkpoints(rows, lay, field("checkpoint_positions"), field("checkpoint_slots"))
+        if lay.prompt_logprobs is not None:  # the token after each chunk (a prompt's: its last chunk scores none)
+            field("next")[:n] = [r.req.prompt_token_ids[r.end] if r.end < r.req.prompt_len else 0 for r in rows]
         ban = field("ban")
         for i, (row, k) in enumerate(zip(rows, num_output)):
             if row.sample and k < row.req.min_tokens:
@@ -362,18 +393,6 @@ class Runner:
             for j, (pos, slot) in enumerate(row.checkpoints[:k]):
                 positions[i, j], ids[i, j] = pos - row.start, slot
         slots[:n] = self.allocator.translate_slots(ids.reshape(-1)).reshape(n, k)
-
-    def _counts(self, rows, B: int):
-        """Prompt and output token counts [B, V] for the penalty variant (host-built: the only
-        per-step transfer besides meta, and only for batches that use penalties).  The engine
-        reads back pending tokens first, so the output counts are complete."""
-        prompt = np.zeros((B, self.vocab), np.float32)
-        output = np.zeros((B, self.vocab), np.float32)
-        for i, row in enumerate(rows):
-            prompt[i] = np.bincount(row.req.prompt_token_ids, minlength=self.vocab)[: self.vocab]
-            if row.req.output_token_ids:
-                output[i] = np.bincount(row.req.output_token_ids, minlength=self.vocab)[: self.vocab]
-        return jnp.asarray(prompt), jnp.asarray(output)
 
 
 __all__ = ["Launched", "Runner", "StepModel", "jit_step", "step", "step_model"]

@@ -72,8 +72,10 @@ class PrefixSharing:
         first pass attends) and skip the cached tokens.  Undone by `drop_hit` if it is not
         admitted; the state is restored by `restore` once it has a working slot."""
         n = req.num_tokens  # a waiting request has no pending token: all known
-        # compute >= 1 token; a lookahead key reads the token at the resume point, which is known
-        hit = self.cache.match(req.token_ids(0, n), (n - 1) // self.page_size)
+        # compute >= 1 token; a lookahead key reads the token at the resume point, which is known;
+        # none cached for one whose prompt is still to be scored (core/prompt_logprobs.py)
+        scoring = req.prompt_lp is not None and not req.prompt_lp.complete
+        hit = self.cache.match(req.token_ids(0, n), 0 if scoring else (n - 1) // self.page_size)
         req.set_fork(hit.fork)
         if hit.resume:
             owner, vids = self.memory.owner, [x.vid for x in hit.nodes]
