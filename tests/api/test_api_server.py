@@ -149,7 +149,7 @@ def _post(srv, path, body, raw=None):
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, None, 400, "max_tokens", "max_tokens"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "top_p", "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 0}, None, 400, "n", "n=0: must be in [1, 128]"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, None, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "suffix", "not supported"),
     ("/v1/completions", {"prompt": []}, None, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": [1, 99999]}, None, 400, "prompt", "vocabulary"),
     ("/v1/completions", None, b'{"model": "tiny-test", "prompt": "a\\ud800b"}', 400, "prompt", "lone surrogate"),

@@ -349,7 +349,8 @@ class AsyncLLMEngine:
                            req.finish_reason if finished else None, req.stop_reason if finished else None,
                            req.prompt_len, n, error=req.error if failed else None,
                            logprobs=None if req.logprobs is None else req.logprobs[t.sent_tokens:n],
-                           cached_tokens=req.num_cached_tokens)
+                           cached_tokens=req.num_cached_tokens,
+                           prompt_logprobs=req.prompt_lp if t.sent_tokens == 0 else None)
 
     def _post(self, t: _Track, delta: StreamDelta) -> None:
         try:

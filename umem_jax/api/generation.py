@@ -8,7 +8,8 @@ with `data: [DONE]`; with stream_options.include_usage a usage chunk (choices=[]
 continuous_usage_stats as well every chunk carries the usage so far (vLLM's option).
 Usage counts a prompt once (its samples share it), the completion tokens of every sample drawn,
 and in prompt_tokens_details.cached_tokens the prompt tokens the prefix cache served (for the
-prompt's first sample: the one that computed it).
+prompt's first sample: the one that computed it).  Completions' echo, max_tokens 0 and
+prompt_logprobs: echo.py.
 
 A client that goes away -- mid-request, or while its request is being added -- has its
 requests aborted, which frees their pages.
@@ -27,8 +28,9 @@ from fastapi.responses import StreamingResponse
 from ..engine.samples import best_order
 from .async_engine import AsyncLLMEngine, EngineDead, EngineOverloaded, RequestStream, StreamDelta
 from .errors import APIError, bad_request
-from .logprobs import CompletionLogprobWriter, chat_logprobs
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body, random_id
+from .echo import ChoiceWriter
+from .logprobs import chat_logprobs
+from .protocol import REFUSED_WHY, ChatCompletionRequest, CompletionRequest, error_body, random_id
 from .responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -71,19 +73,22 @@ class _Sample:
 
 
 class _Run:
-    """Every sample of one HTTP request, k = best_of (else n) per prompt."""
+    """Every sample of one HTTP request, k = best_of (else n) per prompt.  counted: usage counts
+    the completion tokens (not those drawn for max_tokens 0 with echo)."""
 
     def __init__(self, streams: list[RequestStream], k: int, n: int, q: asyncio.Queue):
         self.samples = [_Sample(s, i // k, i % k) for i, s in enumerate(streams)]
         self.streams, self.k, self.n, self.q = streams, k, n, q
+        self.counted = True
+        self.prompt_lp: dict = {}  # prompt index -> its PromptLogprobs, from its primary's first delta
 
     def index(self, s: _Sample) -> int:
         return s.prompt * self.n + s.sample
 
     def usage(self) -> UsageInfo:
         first = [s for s in self.samples if s.sample == 0]
-        return UsageInfo.of(sum(s.stream.prompt_tokens for s in first), sum(s.tokens for s in self.samples),
-                            sum(s.cached for s in first))
+        return UsageInfo.of(sum(s.stream.prompt_tokens for s in first),
+                            sum(s.tokens for s in self.samples) if self.counted else 0, sum(s.cached for s in first))
 
     def final(self) -> list[tuple[int, _Sample]]:
         """(choice index, sample) of the returned choices, by index: best_of keeps the n best."""
@@ -96,12 +101,28 @@ class _Run:
             out += [(p * self.n + rank, group[i]) for rank, i in enumerate(order[: self.n])]
         return out
 
-    async def deltas(self, raw: Request | None):
-        """(sample, delta) until every sample finished (see _deltas)."""
+    async def deltas(self, raw: Request | None, hold: bool = False):
+        """(sample, delta) until every sample finished (see _deltas).  hold: a prompt's other
+        samples wait for its primary's first delta, which carries the prompt's scores that every
+        choice starts with (the primary computes the prompt, so it usually draws first -- not
+        after a retraction, nor without a prefix cache, where the siblings prefill beside it)."""
+        held: dict[int, list] = {}
+        seen: set[int] = set()  # prompts whose primary posted a delta
         async for i, d in _deltas(self.streams, self.q, raw):
             s = self.samples[i]
             s.apply(d)
+            if d.prompt_logprobs is not None:
+                self.prompt_lp[s.prompt] = d.prompt_logprobs
+            if hold and s.sample and s.prompt not in seen:
+                held.setdefault(s.prompt, []).append((s, d))
+                continue
+            seen.add(s.prompt)
             yield s, d
+            for x in held.pop(s.prompt, ()):
+                yield x
+        for waiting in held.values():  # the primary never posted (it was aborted): unscored
+            for x in waiting:
+                yield x
 
     async def collect(self, engine: AsyncLLMEngine, raw: Request) -> None:
         try:
@@ -123,29 +144,27 @@ async def completions(body: CompletionRequest, raw: Request):
         raise APIError(400, "prompt is empty", "prompt")
     rid = random_id("cmpl")
     run = await _start(engine, prompts, body, rid)
-    tok, want = engine.tokenizer, body.logprobs is not None
-    writers = {id(s): CompletionLogprobWriter(tok) for s in run.samples} if want else {}
+    run.counted = not body.echo_only
+    out = ChoiceWriter(body, engine.tokenizer, prompts)
     if body.stream:
+        def chunk(choice: CompletionChoice) -> CompletionChunk:
+            return CompletionChunk(id=rid, model=model, choices=[choice],
+                                   usage=run.usage() if body.continuous_usage else None)
+
         async def chunks():
-            async for s, d in run.deltas(None):
-                lp = writers[id(s)].chunk(d.token_ids, d.logprobs) if want and d.token_ids else None
-                if d.text or lp is not None or d.finish_reason is not None:
-                    yield CompletionChunk(id=rid, model=model, choices=[CompletionChoice(
-                        index=run.index(s), text=d.text, logprobs=lp, finish_reason=d.finish_reason,
-                        stop_reason=d.stop_reason)], usage=run.usage() if body.continuous_usage else None)
+            started = set()
+            async for s, d in run.deltas(None, hold=out.scored):
+                head = None if s in started else out.first(run.index(s), s, run.prompt_lp.get(s.prompt))
+                started.add(s)
+                for choice in (head, out.delta(run.index(s), s, d)):
+                    if choice is not None:
+                        yield chunk(choice)
             if body.include_usage:
                 yield CompletionChunk(id=rid, model=model, choices=[], usage=run.usage())
 
         return _event_stream(engine, run.streams, chunks())
     await run.collect(engine, raw)
-    choices = []
-    for i, s in run.final():
-        lp = None
-        if want:
-            writers[id(s)].chunk(s.token_ids, s.logprobs)
-            lp = writers[id(s)].total
-        choices.append(CompletionChoice(index=i, text=s.text, logprobs=lp, finish_reason=s.finish[0],
-                                        stop_reason=s.finish[1]))
+    choices = [out.whole(i, s, run.prompt_lp.get(s.prompt)) for i, s in run.final()]
     return CompletionResponse(id=rid, model=model, choices=choices, usage=run.usage())
 
 
@@ -199,7 +218,7 @@ def check(body, names: list[str]) -> str:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
     bad = body.unsupported()
     if bad is not None:
-        raise APIError(400, f"{bad} is not supported by this server", bad)
+        raise APIError(400, REFUSED_WHY.get(bad, f"{bad} is not supported by this server"), bad)
     why = body.refused_format()
     if why is not None:
         raise APIError(400, why, "response_format")

@@ -47,7 +47,8 @@ def token_piece(tok, t: int) -> tuple[str, tuple[int, ...]]:
     return text, tuple(text.encode("utf-8"))
 
 
-def _lp(x: float) -> float:
+def clamp(x: float) -> float:
+    """A logprob as JSON can carry it: -inf is FLOOR."""
     return max(float(x), FLOOR)
 
 
@@ -60,14 +61,20 @@ class CompletionLogprobWriter:
         self.total = CompletionLogProbs()
 
     def chunk(self, token_ids: list[int], entries: list) -> CompletionLogProbs:
+        """These tokens' logprobs; an entry None (an echoed prompt's first token, which nothing
+        before it scores) is written with null logprob and null top_logprobs, as OpenAI does."""
         out = CompletionLogProbs()
-        for t, (lp, _rank, ids, vals) in zip(token_ids, entries):
+        for t, entry in zip(token_ids, entries):
             text = token_piece(self.tok, t)[0]
-            top = {text: _lp(lp)}  # tokens of the same text share a key: the chosen one, else the likeliest
-            for i, v in zip(ids, vals):
-                top.setdefault(token_piece(self.tok, i)[0], _lp(v))
+            lp, top = None, None
+            if entry is not None:
+                lp, _rank, ids, vals = entry
+                lp = clamp(lp)
+                top = {text: lp}  # tokens of the same text share a key: the chosen one, else the likeliest
+                for i, v in zip(ids, vals):
+                    top.setdefault(token_piece(self.tok, i)[0], clamp(v))
             out.tokens.append(text)
-            out.token_logprobs.append(_lp(lp))
+            out.token_logprobs.append(lp)
             out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
             self.offset += len(text)
@@ -78,7 +85,7 @@ class CompletionLogprobWriter:
 
 def _top(tok, t: int, lp: float) -> TopLogprob:
     text, raw = token_piece(tok, t)
-    return TopLogprob(token=text, logprob=_lp(lp), bytes=list(raw))
+    return TopLogprob(token=text, logprob=clamp(lp), bytes=list(raw))
 
 
 def chat_logprobs(tok, token_ids: list[int], entries: list) -> ChatLogProbs:
@@ -91,4 +98,4 @@ def chat_logprobs(tok, token_ids: list[int], entries: list) -> ChatLogProbs:
     return ChatLogProbs(content=content)
 
 
-__all__ = ["FLOOR", "CompletionLogprobWriter", "chat_logprobs", "token_piece"]
+__all__ = ["FLOOR", "CompletionLogprobWriter", "chat_logprobs", "clamp", "token_piece"]

@@ -10,9 +10,11 @@ Shapes follow the OpenAI API as vLLM serves it, because that is what `vllm bench
   errors                     -> ErrorResponse {"error": {"message", "type", "param", "code"}}
 
 Requests accept unknown fields (extra="allow") so vLLM / SGLang extras that this engine does not
-use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour (echo, suffix,
+use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour (suffix,
 logit_bias, tools, response_format other than text, ...) are refused with a 400 naming the
-field: silently ignoring them would return something else than was asked for.
+field: silently ignoring them would return something else than was asked for.  Completions
+take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
+`prompt_logprobs` (api/echo.py); chat refuses prompt_logprobs.
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ UNHONOURED_EXTRAS = {
     "use_beam_search": False, "return_tokens_as_token_ids": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
 }
+
+
+# why an extra is refused where the plain "not supported" would mislead
+REFUSED_WHY = {"prompt_logprobs": "prompt_logprobs is not supported on /v1/chat/completions (/v1/completions takes it)"}
 
 
 def _unhonoured(extras: dict | None) -> str | None:
@@ -153,6 +159,14 @@ class _SamplingRequest(_Request):
         """SamplingParams.logprobs: alternatives per token (None: no logprobs)."""
         return None
 
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: alternatives per prompt token (None: the prompt is not scored)."""
+        return None
+
+    def _engine_max_tokens(self, max_tokens: int | None) -> int | None:
+        """The output limit the engine is given for the asked one."""
+        return max_tokens
+
     def refused_format(self) -> str | None:
         """Why response_format cannot be honoured (None: plain text, which it can)."""
         rf = self.response_format
@@ -173,9 +187,10 @@ class _SamplingRequest(_Request):
                                       frequency_penalty=self.frequency_penalty).items() if v is not None}
         field, max_tokens = self._max_tokens()
         try:
-            return SamplingParams(n=self.n, best_of=self.best_of, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                                  seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                  ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+            return SamplingParams(n=self.n, best_of=self.best_of, max_tokens=self._engine_max_tokens(max_tokens),
+                                  min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
+                                  stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                                  logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
                                   include_stop_str_in_output=self.include_stop_str_in_output, **kw)
         except ValueError as e:  # SamplingParams names its max_tokens; the request may have used an alias
             if field != "max_tokens" and str(e).startswith("max_tokens="):
@@ -198,9 +213,10 @@ Prompt = Union[str, list[int], list[str], list[list[int]]]
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     max_tokens: int | None = 16  # the legacy OpenAI default
-    echo: bool = False
+    echo: bool = False  # the choice's text (and logprobs) start with the prompt's
     suffix: str | None = None
     logprobs: int | None = None  # the chosen token's logprob plus this many top alternatives per token
+    prompt_logprobs: int | None = None  # vLLM's extra: per prompt token its logprob and this many alternatives
 
     def _max_tokens(self) -> tuple[str, int | None]:
         # an explicit max_new_tokens (SGLang) wins over the OpenAI default of 16
@@ -218,10 +234,36 @@ class CompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0 (lm-eval's scoring request): the prompt back, nothing generated."""
+        return self.echo and self._max_tokens()[1] == 0
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """Alternatives per prompt token in the choice's logprobs (echo with logprobs; else None)."""
+        return self.logprobs if self.echo else None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt is scored for echo's logprobs and for prompt_logprobs: the larger k of the
+        two (each is cut to its own k when written)."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:  # checked here: max() below would hide a bad one
+            raise ValueError(f"prompt_logprobs={k}: must be in [0, {MAX_LOGPROBS}]")
+        asked = [x for x in (k, self.echo_logprobs) if x is not None]
+        return max(asked) if asked else None
+
+    def _engine_max_tokens(self, max_tokens: int | None) -> int | None:
+        # the engine draws at least one token: max_tokens 0 with echo draws one, which is not returned
+        if self.echo_only:
+            if self.min_tokens:
+                raise ValueError(f"min_tokens={self.min_tokens}: must be 0 with max_tokens 0")
+            return 1
+        return max_tokens
+
     def unsupported(self) -> str | None:
-        for name, bad in (("echo", self.echo), ("suffix", self.suffix)):
-            if bad:
-                return name
+        if self.suffix:
+            return "suffix"
         return super().unsupported()
 
 

@@ -62,12 +62,22 @@ class _Response(BaseModel):
     model: str
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt_logprobs position (vLLM's Logprob): rank 1 is the most likely."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's prompt_logprobs: null for the first prompt token, then {"<token id>": PromptLogprob}
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Response):

@@ -21,6 +21,10 @@ class StreamDelta:
     error: str | None = None  # the engine failed: the request ends with this message
     logprobs: list | None = None  # per token of token_ids, what the engine recorded (core.request.TokenLogprobs)
     cached_tokens: int = 0  # prompt tokens the prefix cache served (known once admitted)
+    # the prompt's scores (core.prompt_logprobs.PromptLogprobs), on the first delta of a primary
+    # sample that asked for prompt_logprobs: complete once its first token exists (a request that
+    # ends before that may leave entries None)
+    prompt_logprobs: object | None = None
 
 
 class RequestStream:

@@ -9,7 +9,7 @@ happened there yet.  A failed transfer (timed out, dropped, the decode worker go
 `retries` times with a new transfer id before any token reached the client, then answered 503
 with the reason.  Choices
 carry `token_ids` besides the text.  Not supported yet (400 by name): n / best_of > 1, logprobs,
-echo, suffix, several prompts in one request.
+echo, prompt_logprobs, suffix, several prompts in one request.
 """
 
 from __future__ import annotations
@@ -232,7 +232,19 @@ async def _sleep(s: float) -> None:
     await asyncio.sleep(s)
 
 
+def _asked(body, name: str) -> bool:
+    """The request sets `name` (a field of its model, else an extra) to something but None / false."""
+    value = getattr(body, name) if name in type(body).model_fields else (body.model_extra or {}).get(name)
+    return value is not None and value is not False
+
+
 def _refuse(body) -> None:
+    # the router writes only the decode worker's tokens; the prompt's scores stay in the prefill
+    # worker's passes (a handoff refuses prompt_logprobs), so neither echo nor them can be answered
+    for name in ("prompt_logprobs", "echo"):
+        if _asked(body, name):
+            raise APIError(400, f"{name} is not supported by the disaggregated router (it returns no prompt text "
+                           "or prompt logprobs); send such requests to a server that is not disaggregated", name)
     if body.n != 1 or (body.best_of or 1) != 1 or body.num_logprobs() is not None:
         raise APIError(400, "the disaggregated router supports n=1 without logprobs for now")
     bad = body.unsupported()
