@@ -80,7 +80,7 @@ step() {
             python3 -m benchmarks.profile_decode --only "$shp" --variants "$v"; done; done ;;
     mgpu_prefill_fp8) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_prefill --fp8 ;;
-    serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
+    serve_early) for e in --early ""; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
             --workloads kv-heavy,mixed,shifting --static-ratios 0.5:0.5 --budget-after-build --no-progress \
             --buckets ${SERVE_BUCKETS:-1,4,64:512,2048:2048} --time-budget-s 250 --max-run-s 40 \
             --out "$OUT/serving_early$e" $e; done ;;  # six step shapes, as serve_fp8

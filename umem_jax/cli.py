@@ -104,6 +104,7 @@ def _engine(args):
                        tensor_parallel_size=args.tensor_parallel_size, priority_range=tuple(args.priority_range),
                        enable_expert_parallel=args.enable_expert_parallel, interface="cli",
                        kv_cache_dtype=args.kv_cache_dtype, mamba_ssm_dtype=args.mamba_ssm_dtype,
+                       early_admission=args.early_admission,
                        speculative_config=speculative_flags.from_flags(args))
     try:
         engine = LLMEngine(cfg)

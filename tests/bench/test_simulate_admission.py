@@ -59,7 +59,7 @@ def test_early_start_fills_the_gap_a_long_prompt_leaves(capsys):
     (0.98), with no retraction and within 1% of the modelled throughput."""
     argv = ["--model", "qwen3.5-4b-like", "--workload", "kv-heavy", "--long", "4096,64", "--arena-gib", "1",
             "--rule", "now", "--static-ratios", "0.5"]
-    (early, _), (late, _) = sim.run(argv), sim.run(argv + ["--no-early"])
+    (early, _), (late, _) = sim.run(argv + ["--early"]), sim.run(argv)
     assert early["retractions"] == late["retractions"] == 0
     assert late["util_bound"] < 0.9 and early["util_bound"] > 0.97
     assert early["out_tok_per_s"] > 0.99 * late["out_tok_per_s"]

@@ -48,8 +48,10 @@ class EngineConfig:
     # force retraction in tests).  Speculative decoding keeps the ratio either way.
     exact_fixed_length_reservation: bool = True
     # a long prompt whose whole need does not fit yet may start its prefill in the bytes no running
-    # request is owed, and wait there for the rest (scheduler.py); off: it waits in the queue
-    early_admission: bool = True
+    # request is owed, and wait there for the rest (scheduler/early_start.py); off (the default): it
+    # waits in the queue.  Off since 2026-12-07: on an H100 at 4B scale it cost 5-17% of the serving
+    # throughput (Qwen3.5 shifting 914 -> 759 tok/s, twice; docs/memory.md), for +0.02 utilization
+    early_admission: bool = False
     # a fixed-length request whose one pass completes its prompt is admitted against the joint peak
     # of the fixed-length decoders and itself (scheduler/admission.py); off: its own peak added to theirs
     joint_admission: bool = True

@@ -127,8 +127,11 @@ def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
 
 def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> DecodeMgpuConfig:
     """128-token blocks where the page size allows (it divides 128 or is a multiple of it), else
-    64; then as deep a ring as fits in shared memory, at most 4 (3 at D = 128 with 128-token blocks,
-    2 at D = 256; 64-token blocks where 128-token ones would leave a ring of 1).  fp8 at D <= 128:
+    64; then as deep a ring as fits in shared memory, at most 4 (64-token blocks where 128-token
+    ones would leave a ring of 1) -- except bf16 rows of D >= 128 in 128-token blocks: 2 slots, not
+    the 3 that fit at D = 128 (faster on the main, G = 6 and long shapes alike, 1.5-1.8% in
+    interleaved rounds on an H100 in session 31; 0.97x cuDNN where 3 slots were 0.95x; sessions
+    11 and 27 agreed, RESULTS.md).  fp8 at D <= 128:
     two consumers (each dequantises its own blocks, which one consumer alone could not keep up
     with: 1.25x faster at D = 128 on an H100, RESULTS.md), 128-token blocks in 2 slots (64-token
     ones in 4 where the page asks for them); above, one consumer (smem_bytes' fp8 budget): 2 slots
@@ -145,6 +148,8 @@ def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> Dec
         bkv = 64
     cfg = DecodeMgpuConfig(bkv, 2)
     if not fp8 and D % 16 == 0 and head_swizzle(D) < 128 and 2 * smem_bytes(D, cfg) <= _SM_SMEM:
+        return cfg
+    if not fp8 and bkv == 128 and D >= 128:  # 2 slots of 128 tokens hold enough bytes in flight (see above)
         return cfg
     while cfg.ring_slots < 4 and \
             smem_bytes(D, dataclasses.replace(cfg, ring_slots=cfg.ring_slots + 1), fp8) <= _SMEM_LIMIT:
