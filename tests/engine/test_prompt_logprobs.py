@@ -86,3 +86,22 @@ def test_retracted_request_keeps_its_first_scores():
 def test_bad_prompt_logprobs_names_the_field():
     with pytest.raises(ValueError, match="^prompt_logprobs="):
         SamplingParams(prompt_logprobs=21)
+
+
+def test_a_sliding_window_model_scores_past_its_window():
+    """Gemma 3's fixture (sliding-window layers): a 75-token prompt in 32-token passes, past the
+    window, scored as the cache-free forward scores it."""
+    from pathlib import Path
+
+    from umem_jax import LLM
+    from umem_jax.models.loader import load_model
+
+    m = load_model(str(Path(__file__).parents[1] / "fixtures" / "gemma3_tiny"))
+    gemma = LLM(m, arena_bytes=512 << 10, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_len=256,
+                batch_buckets=(4,), token_buckets=(32,), page_buckets=(64,))
+    p = [t % 120 + 3 for t in prompts(75, seed=24)[0]]
+    out = gemma.generate([p], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0))[0]
+    ref = np.asarray(jax.nn.log_softmax(m.dense_logits(m.params, jnp.asarray([p]))[0], axis=-1))
+    got = [out.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
+    np.testing.assert_allclose(got, ref[np.arange(len(p) - 1), p[1:]], rtol=1e-4, atol=1e-4)
+    assert_idle_clean(gemma)
