@@ -188,7 +188,9 @@ def test_every_choice_of_n_shows_the_primarys_prompt_scores(srv, stream):
     ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1},
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 21},
+     "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1, "stream": True},
      "prompt_logprobs"),
 ])
 def test_bad_values_are_400s_naming_the_field(srv, path, body, param):
@@ -196,8 +198,30 @@ def test_bad_values_are_400s_naming_the_field(srv, path, body, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"], err
-    if path.endswith("chat/completions"):
-        assert "/v1/completions takes it" in err["message"]
+
+
+def test_chat_prompt_logprobs_score_the_templated_prompt(srv, dense):
+    """vLLM's chat extra: the response's prompt_logprobs score the conversation as the chat
+    template renders it, as the dense forward does; the choices are unchanged."""
+    conv = [{"role": "user", "content": _unique(40)}]
+    body = {"messages": conv, "max_tokens": 3}
+    got = _ok_chat(srv, {**body, "prompt_logprobs": 2})
+    plain = _ok_chat(srv, body)
+    ids = engine_call(srv, lambda e: e.tokenizer.encode_chat(conv, True))
+    ref = dense(ids)
+    pl = got["prompt_logprobs"]
+    assert len(pl) == len(ids) == got["usage"]["prompt_tokens"] and pl[0] is None
+    for p in range(1, len(ids)):
+        entry = pl[p][str(ids[p])]
+        assert math.isclose(entry["logprob"], ref[p - 1, ids[p]], rel_tol=1e-4, abs_tol=1e-4)
+        assert len(pl[p]) <= 3 and {v["rank"] for v in pl[p].values()} >= {1, 2}
+    assert got["choices"][0]["message"] == plain["choices"][0]["message"] and plain.get("prompt_logprobs") is None
+
+
+def _ok_chat(srv, body: dict) -> dict:
+    r = _post(srv, body, "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def test_minus_infinity_is_written_as_the_floor():

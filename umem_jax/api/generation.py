@@ -28,9 +28,9 @@ from fastapi.responses import StreamingResponse
 from ..engine.samples import best_order
 from .async_engine import AsyncLLMEngine, EngineDead, EngineOverloaded, RequestStream, StreamDelta
 from .errors import APIError, bad_request
-from .echo import ChoiceWriter
+from .echo import ChoiceWriter, prompt_logprobs_json
 from .logprobs import chat_logprobs
-from .protocol import REFUSED_WHY, ChatCompletionRequest, CompletionRequest, error_body, random_id
+from .protocol import ChatCompletionRequest, CompletionRequest, error_body, random_id
 from .responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -206,7 +206,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text), finish_reason=s.finish[0],
                           stop_reason=s.finish[1], logprobs=chat_logprobs(tok, s.token_ids, s.logprobs) if want else None)
                for i, s in run.final()]
-    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=run.usage())
+    pl = run.prompt_lp.get(0)
+    extra = None if pl is None or body.prompt_logprobs is None else prompt_logprobs_json(tok, pl, body.prompt_logprobs)
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=run.usage(), prompt_logprobs=extra)
 
 
 # ------------------------------------------------------------------------------ shared
@@ -218,7 +220,7 @@ def check(body, names: list[str]) -> str:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
     bad = body.unsupported()
     if bad is not None:
-        raise APIError(400, REFUSED_WHY.get(bad, f"{bad} is not supported by this server"), bad)
+        raise APIError(400, f"{bad} is not supported by this server", bad)
     why = body.refused_format()
     if why is not None:
         raise APIError(400, why, "response_format")

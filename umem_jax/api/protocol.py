@@ -14,7 +14,7 @@ use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour 
 logit_bias, tools, response_format other than text, ...) are refused with a 400 naming the
 field: silently ignoring them would return something else than was asked for.  Completions
 take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
-`prompt_logprobs` (api/echo.py); chat refuses prompt_logprobs.
+`prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM).
 """
 
 from __future__ import annotations
@@ -63,14 +63,10 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 UNHONOURED_EXTRAS = {
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                      "json_schema", "regex", "ebnf", "allowed_token_ids", "bad_words", "logits_processors",
-                     "prompt_logprobs", "truncate_prompt_tokens", "length_penalty")),
+                     "truncate_prompt_tokens", "length_penalty")),
     "use_beam_search": False, "return_tokens_as_token_ids": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
 }
-
-
-# why an extra is refused where the plain "not supported" would mislead
-REFUSED_WHY = {"prompt_logprobs": "prompt_logprobs is not supported on /v1/chat/completions (/v1/completions takes it)"}
 
 
 def _unhonoured(extras: dict | None) -> str | None:
@@ -299,6 +295,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
+    prompt_logprobs: int | None = None  # vLLM's extra: the templated prompt's scores (response level; not streamed)
 
     def _max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -316,6 +313,14 @@ class ChatCompletionRequest(_SamplingRequest):
         if k is not None and not 0 <= k <= MAX_LOGPROBS:
             raise ValueError(f"top_logprobs={k}: must be in [0, {MAX_LOGPROBS}]")
         return (k or 0) if self.logprobs else None
+
+    def num_prompt_logprobs(self) -> int | None:
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs={k}: must be in [0, {MAX_LOGPROBS}]")
+        if k is not None and self.stream:  # as vLLM: the scores come with the whole response
+            raise ValueError(f"prompt_logprobs={k}: not available with stream=true on /v1/chat/completions")
+        return k
 
     def unsupported(self) -> str | None:
         if self.tools:

@@ -111,6 +111,7 @@ class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None  # vLLM's: the templated prompt's
 
 
 class DeltaMessage(BaseModel):
