@@ -373,4 +373,5 @@ class Request:
                 f"/{self.max_tokens}, computed={self.num_computed}, pages={len(self.pages)}, prio={self.priority})")
 
 
-__all__ = ["CompletionOutput", "Logprob", "logprob_dict", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "TokenLogprobs"]
+__all__ = ["CompletionOutput", "Logprob", "Request", "RequestMetrics", "RequestOutput", "RequestStatus", "TokenLogprobs",
+           "logprob_dict"]

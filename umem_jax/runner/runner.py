@@ -287,8 +287,8 @@ class Runner:
             self._leaves()
         with quiet_xla_alarms(self._compiles):  # a shape warm-up left out compiles here, on demand
             scoring = {} if lay.prompt_logprobs is None else {"model": self._model_for(lay)}
-            tokens, self.arena, *extra = self._step(self._params, self.arena, meta, self._prev if prev is None else prev,
-                                                    counts, layout=lay, **scoring)
+            prev = self._prev if prev is None else prev
+            tokens, self.arena, *extra = self._step(self._params, self.arena, meta, prev, counts, layout=lay, **scoring)
         self._prev = tokens
         local = lambda x: x if x.is_fully_addressable else x.addressable_data(0)  # multi-host: this host's replica
         tokens = local(tokens)
