@@ -145,7 +145,10 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 refused += 1
                 continue
             clipped += m < r.output_len
-            req = Request(str(i), None, [5] * r.input_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+            # with the prefix cache, prompts share nothing (each its own tokens) but finished requests' pages stay cached
+            tokens = [(i * 7919 + k) % 30000 + 3 for k in range(r.input_len)] if sch.cache is not None else \
+                [5] * r.input_len
+            req = Request(str(i), None, tokens, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
                           arrival=i, seed=0, max_tokens=m, windows=windows)
             sch.add(req)
         if not sch.has_work():
@@ -177,6 +180,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 if row.req.num_output >= row.req.max_tokens:
                     sch.finish(row.req, RequestStatus.FINISHED_LENGTH)
         alloc.take_moves()
+    if sch.cache is not None:
+        sch.cache.clear()  # what finished requests left cached: the arena holds nothing else at the end
     assert not alloc.leaks()
     return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
                 retractions=sch.num_retractions, tokens_held_peak=max(held, default=0),
@@ -230,6 +235,9 @@ def run(argv=None) -> list[dict]:
                     help="early_admission=False, the default (kept for older commands; wins over --early)")
     ap.add_argument("--no-joint", action="store_true",
                     help="a request's own decode peak is added to the decoders' (joint_admission=False)")
+    ap.add_argument("--prefix-cache", action="store_true",
+                    help="the scheduler's prefix cache on, as the engine's default (prompts share no tokens, but "
+                    "finished requests' pages stay cached until evicted)")
     a = ap.parse_args(argv)
     spec = dict(bs.MODELS[a.model])
     if a.long:
@@ -251,6 +259,7 @@ def run(argv=None) -> list[dict]:
     if a.no_exact:
         sched_kw["exact_fixed_length_reservation"] = False
     sched_kw["early_admission"] = a.early and not a.no_early
+    sched_kw["enable_prefix_caching"] = a.prefix_cache
     if a.no_joint:
         sched_kw["joint_admission"] = False
     rows = []
