@@ -14,7 +14,7 @@ scheduler knobs that force retraction (new_token_ratio 0).  After every workload
   * a clip at arrival (max_tokens unset: as many as fit) was reported (the engine's log line), never a
     silent short output; a max_tokens asked for over what fits was refused naming how many do;
   * a greedy request produced exactly what the same request produces alone in a large arena
-    (`Family.reference`, one request at a time, memoised);
+    (`Family.reference`, one request at a time, memoised; without speculative decoding);
   * at idle the engine's leak / refcount / byte-conservation checks ran and passed, and the
     arena holds nothing but the prefix cache.
 
@@ -65,11 +65,15 @@ class Family:
         return LLM(self.model(), **BUCKETS, **(self.small if arena == "small" else self.big), **knobs)
 
     def reference(self, prompt: list[int], sp: SamplingParams):
-        """What `prompt` with `sp` (greedy) gives alone in the big arena -> (token ids, finish reason)."""
+        """What `prompt` with `sp` (greedy) gives alone in the big arena, without speculative
+        decoding (a family that speculates is checked against the plain greedy tokens, and its
+        reference engine compiles the plain step, not the draft's and the verify's) -> (token
+        ids, finish reason, error)."""
         key = (tuple(prompt), sp.max_tokens, tuple(sp.stop or ()), tuple(sp.stop_token_ids or ()), sp.min_tokens)
         if key not in self._memo:
             if self._ref is None:
-                self._ref = LLM(self.model(), **BUCKETS, **self.big, max_num_batched_tokens=32)
+                plain = {k: v for k, v in self.big.items() if k != "speculative_config"}
+                self._ref = LLM(self.model(), **BUCKETS, **plain, max_num_batched_tokens=32)
             out = self._ref.generate(prompt, sp)[0]
             self._memo[key] = (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.error)
         return self._memo[key]
