@@ -29,6 +29,12 @@ SPEC = dict(max_num_seqs=4, max_num_batched_tokens=32, page_size=4, max_model_le
             token_buckets=(32,), page_buckets=(64,))
 K = 3
 MAX_TOKENS = 16
+# The verify's form (decode rows or a prefill, conftest.decode_row_verify) is read when a step is
+# traced and keys it.  The tests whose greedy runs of the tiny attention model at 250 KiB share
+# the steps test_greedy_with_speculation_is_greedy_without compiles (n / best_of, the draft's
+# cache hits, the warm-up, switching off) take its decode_row_verify too: one greedy set of
+# steps in this file instead of one per verify form (~6 s of compiles each).  The prefill form
+# stays in the sampling, logprobs and penalties tests here and in the speculative soak.
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,25 +243,28 @@ def test_logprobs_with_speculation_are_logprobs_without(draft):
     assert_idle_clean(llm)
 
 
-def test_n_and_best_of_with_speculation():
+def test_n_and_best_of_with_speculation(decode_row_verify):
     """n > 1 and best_of samples are requests of their own, each speculating alone: greedy n = 3
     gives the run without speculation's output three times; sampled n = 3 and best_of = 3 finish
     with distinct, in-vocabulary samples; nothing leaks."""
     target = _model("tiny-attention")
     work = _workload(target.config.vocab_size)[:2]
-    want = _greedy("tiny-attention", 250 << 10)[:2]  # the shared reference (greedy is per request); its arena,
-    # so the speculative engine's steps are the ones test_greedy_with_speculation_is_greedy_without compiles
+    want = _greedy("tiny-attention", 250 << 10)[:2]  # the shared reference (greedy is per request); its arena
+    # and its verify form (decode_row_verify), so the greedy steps of the speculative engine are the ones
+    # test_greedy_with_speculation_is_greedy_without compiles
     llm = LLM(target, arena_bytes=250 << 10, **SPEC,
               speculative_config={"model": _perturbed("tiny-attention"), "num_speculative_tokens": K, "min_acceptance": 0.0})
     got = llm.generate(work, SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS))
     assert [[c.token_ids for c in o.outputs] for o in got] == [[w] * 3 for w in want]
-    got = llm.generate(work, [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=MAX_TOKENS),
+    # Both sampled requests ask for logprobs: every batch of their rows is then one step layout
+    # (random sampling with logprobs), one compile instead of two (with and without logprobs).
+    got = llm.generate(work, [SamplingParams(n=3, temperature=0.9, seed=5, max_tokens=MAX_TOKENS, logprobs=1),
                               SamplingParams(best_of=3, temperature=0.9, seed=6, max_tokens=MAX_TOKENS, logprobs=1)])
     assert [len(o.outputs) for o in got] == [3, 1] and all(o.error is None for o in got)
     samples = [c.token_ids for c in got[0].outputs]
     assert all(len(t) == MAX_TOKENS and all(0 <= x < target.config.vocab_size for x in t) for t in samples)
     assert len({tuple(t) for t in samples}) > 1
-    assert len(got[1].outputs[0].logprobs) == MAX_TOKENS
+    assert all(len(c.logprobs) == MAX_TOKENS for o in got for c in o.outputs)
     assert llm.llm_engine.stats()["speculative"]["num_verify_rows"] > 0
     assert_idle_clean(llm)
 
@@ -309,7 +318,7 @@ def test_greedy_with_penalties_and_speculation_is_greedy_without(draft):
     assert_idle_clean(llm)
 
 
-def test_draft_model_hits_are_unchanged_by_speculation():
+def test_draft_model_hits_are_unchanged_by_speculation(decode_row_verify):
     """A draft model's K/V at position i depends on tokens <= i, like the target's, so its cache
     keys pages without the next token (cache_lookahead 0; an MTP head's keys hold it:
     test_speculative_mtp.py).  A = P + [5, ...], B = P + [6, ...], C = P + [7, ...] (P: eight
@@ -331,7 +340,7 @@ def test_draft_model_hits_are_unchanged_by_speculation():
     assert hits[0] == hits[1] == [0, 0, 32, 44], hits
 
 
-def test_warmup_compiles_what_speculation_launches(caplog):
+def test_warmup_compiles_what_speculation_launches(caplog, decode_row_verify):
     """After LLMEngine.warmup a speculative run compiles no step: the warm-up lowers what the
     Speculator launches (the draft's jit_draft and the target's jit_verify for a decode shape,
     jit_prefill for a prefill shape), not the plain step.  (The allocator's page moves are a
@@ -348,7 +357,7 @@ def test_warmup_compiles_what_speculation_launches(caplog):
     assert_idle_clean(llm)
 
 
-def test_requests_whose_drafts_do_not_pay_stop_speculating():
+def test_requests_whose_drafts_do_not_pay_stop_speculating(decode_row_verify):
     """A draft that almost never agrees (2% here): each request stops speculating after its first
     probe_steps verifies (min_acceptance) and decodes on with plain steps (asynchronous ones once no
     running request speculates); its greedy output is still greedy without speculation; a draft
