@@ -315,9 +315,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return (k or 0) if self.logprobs else None
 
     def num_prompt_logprobs(self) -> int | None:
-        k = self.prompt_logprobs
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs={k}: must be in [0, {MAX_LOGPROBS}]")
+        k = self.prompt_logprobs  # its range: SamplingParams.validate
         if k is not None and self.stream:  # as vLLM: the scores come with the whole response
             raise ValueError(f"prompt_logprobs={k}: not available with stream=true on /v1/chat/completions")
         return k

@@ -54,6 +54,7 @@ def fit_max_tokens(req, clipped: int, max_model_len: int) -> str | None:
     req.clip_max_tokens(clipped)
     return None
 
+
 CPU_ARENA_BYTES = 64 << 20  # the least default CPU arena (no memory_stats() there)
 MAX_CPU_ARENA_BYTES = 1 << 30  # the most a default CPU arena grows to hold one request of the context
 HOST_FRACTION = 8  # ...and at most this fraction of the host memory free at startup

@@ -99,11 +99,7 @@ class Samples:
         prefix cache); the group is reported as one."""
         if not req.siblings:
             return
-        group = Group([req, *req.siblings], req.params.n)
-        for m in group.members:
-            self.groups[m.request_id] = group
-        for s in req.siblings:
-            self.engine._requests[s.request_id] = s  # its id is taken; abort_request finds it
+        self._register(req)
         self.held.append(req)
         if self.engine.scheduler.cache is None:
             self.release()
@@ -113,11 +109,16 @@ class Samples:
         reported as one, with all its samples -> the siblings, to be finished as it is."""
         if not req.siblings:
             return []
+        self._register(req)
+        return list(req.siblings)
+
+    def _register(self, req: Request) -> None:
+        """`req`'s group is reported as one; its siblings' ids are taken (abort_request finds them)."""
         group = Group([req, *req.siblings], req.params.n)
         for m in group.members:
             self.groups[m.request_id] = group
-            self.engine._requests[m.request_id] = m
-        return list(req.siblings)
+        for s in req.siblings:
+            self.engine._requests[s.request_id] = s
 
     def release(self) -> None:
         """Queue the siblings of every primary whose prompt is computed (or that finished)."""

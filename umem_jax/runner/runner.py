@@ -323,8 +323,9 @@ class Runner:
         need = MODES[int(cache.sampling_mode[cache_rows][sampled].max(initial=0))]  # rows that sample need none
         asks = int(cache.logprobs[cache_rows][sampled].max(initial=-1))
         logprobs = None if asks < 0 else logprob_bucket(asks)
-        scores = [r.req.prompt_lp.k for r in rows if r.req.prompt_lp is not None and not r.req.prompt_lp.complete]
-        prompt_logprobs = logprob_bucket(max(scores)) if scores and not decode else None
+        scores = () if decode else [r.req.prompt_lp.k for r in rows
+                                    if r.req.prompt_lp is not None and not r.req.prompt_lp.complete]
+        prompt_logprobs = logprob_bucket(max(scores)) if scores else None  # decode steps score nothing
         B = Buckets.pick(bk.batch, len(rows))
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(len(e.pages) for e in entries))

@@ -150,12 +150,12 @@ class EarlyStart:
             if end - start < max(shortest, self.sch.cfg.min_chunk):
                 break
             ends.append(end)
-        for e in ends:
-            if self._fits(lambda: need(e)):
-                return e
-        if self.sch.prefix is None or not self.sch.prefix.fits_or_evict(lambda: need(ends[-1]), self.sch.running):
-            return 0
-        return next(e for e in ends if self._fits(lambda: need(e)))
+        longest = lambda: next((e for e in ends if self._fits(lambda: need(e))), 0)  # noqa: B023 - called at once
+        got = longest()
+        prefix = self.sch.prefix
+        if got or prefix is None or not prefix.fits_or_evict(lambda: need(ends[-1]), self.sch.running):
+            return got
+        return longest()
 
     def _fits(self, need, evict: bool = False) -> bool:
         """need() fits the free bytes now; with `evict` (alone in the arena: nothing else will
