@@ -71,7 +71,7 @@ def parse(argv=None):
                     help=f"comma list of {', '.join(MODELS)} (one per GPU call fits 9 minutes; default the dense three)")
     ap.add_argument("--workloads", default=",".join(ORDER))
     ap.add_argument("--arena-gib", type=float, default=None, help="override the per-model arena")
-    ap.add_argument("--static-ratios", default=None, help="swa:mamba pairs (default: 0.8:0.9 and four more)")
+    ap.add_argument("--static-ratios", default=None, help="swa:mamba pairs (default: 0.8:0.9 and four more; 'none': the unified arena alone)")
     ap.add_argument("--n-short", type=int, default=128, help="short requests of the state-heavy trace")
     ap.add_argument("--short", default="512,128", help="short request: input,output tokens")
     ap.add_argument("--long", default=None, help="long request: input,output tokens (default: the model's, e.g. "
@@ -186,7 +186,8 @@ def main(argv=None) -> int:
         if args.budget_after_build:  # the call's own timeout covers the build; the budget is for the runs
             deadline = time.monotonic() + args.time_budget_s
         out = os.path.join(out_root, name)
-        rep = run_benchmark(model, wls, engine_kwargs=engine_kwargs, statics=args.static_ratios, out_dir=out,
+        statics = [] if args.static_ratios == "none" else args.static_ratios
+        rep = run_benchmark(model, wls, engine_kwargs=engine_kwargs, statics=statics, out_dir=out,
                             deadline=deadline, max_run_s=args.max_run_s, progress=args.progress,
                             meta={"model": name, "arena_gib": arena, "command": " ".join(sys.argv)},
                             log=lambda s: print(s, flush=True))

@@ -116,16 +116,17 @@ def prefill_tokens(batch, buckets: Buckets, padded: bool = True) -> int:
 
 def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_tokens: int, page_size: int,
              max_model_len: int, rule: str = "now", kv_scale: float = 1.0, padded: bool = True,
-             **sched_kw) -> dict:
+             buckets: Buckets | None = None, **sched_kw) -> dict:
     """One memory configuration through `trace` -> its row.  kv_scale: the K/V bytes per token
     against bf16 (fp8 K/V: 0.5), which scales the decode step's K/V read in the cost model;
-    padded: a prefill step costs its padded shape's tokens (prefill_tokens)."""
+    padded: a prefill step costs its padded shape's tokens (prefill_tokens); buckets: the step
+    shapes (default: the engine's powers of two)."""
     regions = None
     if mem.mode == "static":
         regions = static_regions(plan, num_rows, swa_full_tokens_ratio=mem.swa_full_tokens_ratio,
                                  mamba_full_memory_ratio=mem.mamba_full_memory_ratio)
     alloc = ChainAllocator(plan, num_rows, static_regions=regions)
-    buckets = Buckets.default(max_num_seqs, budget_tokens, -(-max_model_len // page_size))
+    buckets = buckets or Buckets.default(max_num_seqs, budget_tokens, -(-max_model_len // page_size))
     dm = DemandModel(plan, chunk=min(budget_tokens, buckets.tokens[-1]),
                      empty=ChainAllocator(plan, num_rows, static_regions=regions))
     sch = Scheduler(SchedulerConfig(max_num_seqs, budget_tokens, buckets, **sched_kw), alloc, dm)
@@ -235,6 +236,8 @@ def run(argv=None) -> list[dict]:
                     help="early_admission=False, the default (kept for older commands; wins over --early)")
     ap.add_argument("--no-joint", action="store_true",
                     help="a request's own decode peak is added to the decoders' (joint_admission=False)")
+    ap.add_argument("--buckets", default=None,
+                    help="B,B,..:T,T,..:P,P,.. step-shape buckets, as bench_serving's (default: powers of two)")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="the scheduler's prefix cache on, as the engine's default (prompts share no tokens, but "
                     "finished requests' pages stay cached until evicted)")
@@ -262,6 +265,10 @@ def run(argv=None) -> list[dict]:
     sched_kw["enable_prefix_caching"] = a.prefix_cache
     if a.no_joint:
         sched_kw["joint_admission"] = False
+    buckets = None
+    if a.buckets:
+        bk = bs.parse_buckets(a.buckets)
+        buckets = Buckets(bk["batch_buckets"], bk["token_buckets"], bk["page_buckets"])
     rows = []
     for kv_name in a.kv_cache_dtype.split(","):
         kv = kv_cache_dtype(kv_name.strip(), model.config.dtype)
@@ -272,7 +279,7 @@ def run(argv=None) -> list[dict]:
                                            [MemoryConfig()] + static_configs(plan, a.static_ratios)):
             rows.append(simulate(plan, num_rows, trace, mem, max_num_seqs=max_num_seqs, budget_tokens=budget_tokens,
                                  page_size=page_size, max_model_len=mml, rule=rule, kv_scale=kv_scale,
-                                 padded=a.prefill_cost == "padded", **sched_kw))
+                                 padded=a.prefill_cost == "padded", buckets=buckets, **sched_kw))
             r = rows[-1]
             r["kv_cache_dtype"] = kv
             print(f"  {kv:<9} {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "

@@ -160,12 +160,17 @@ class ChainAllocator:
 
     # ================================================================== capacity
 
-    def can_fit(self, token_pages: int = 0, state_slots: int = 0, window_pages: dict[str, int] | None = None) -> bool:
+    def can_fit(self, token_pages: int = 0, state_slots: int = 0, window_pages: dict[str, int] | None = None,
+                freed: dict[str, int] | None = None) -> bool:
         """Whether allocating token_pages (with window_pages as in alloc_token_pages) and
         state_slots together succeeds now, through the shortfall ladder if needed.  A window may
         ask more pages than token_pages: the rest are pages for ids that exist now (a priced
         future demand, DemandModel.decode_peak, whose window pages outgrow what finishing
-        requests give back while their full pages do not)."""
+        requests give back while their full pages do not).  freed {sub-pool: pages (slots)}:
+        whether it would, once that many live pages (token ids, slots) of each were released --
+        an estimate for the prefix cache's evictable entries, checked before evicting them; in
+        the unified arena a band's freed pages count for the others too, as compaction gives
+        their rows away."""
         demands = self._token_demands(token_pages, window_pages) if token_pages > 0 else {}
         for name, pages in (window_pages or {}).items():
             i = self._window_index(name)
@@ -177,6 +182,11 @@ class ChainAllocator:
             demands[self._state] = demands.get(self._state, 0) + int(state_slots)
         if not demands:
             return True
+        if freed:
+            give = {self.layout.index[name]: int(n) for name, n in freed.items() if n}
+            ids = self._token_ids.free + give.get(self.layout.full, 0)
+            slots = self._slot_ids.free + give.get(self._state, 0) if self._state is not None else 0
+            return token_pages <= ids and state_slots <= slots and self.layout.fits_freeing(demands, give)
         if token_pages > self._token_ids.free or (state_slots > 0 and state_slots > self._slot_ids.free):
             return False
         return self.layout.fits(demands)

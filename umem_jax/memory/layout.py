@@ -121,6 +121,17 @@ class ChainLayout:
         """Whether `take(demands)` would succeed now (step 1 fits or step 2 passes)."""
         return self.plan(demands) is not None or (not self.static and self._float_targets(demands, True) is not None)
 
+    def fits_freeing(self, demands: dict[int, int], freed: dict[int, int]) -> bool:
+        """Whether `demands` would fit once `freed` {band: live pages} were released: in the
+        unified arena as the bands would pack compacted (sized live + demand - freed), in a
+        static one within each band's own region (its freed pages become its holes)."""
+        if self.static:
+            return self.plan({i: max(0, d - freed.get(i, 0)) for i, d in demands.items()}) is not None
+        net = dict(demands)
+        for i, n in freed.items():
+            net[i] = net.get(i, 0) - n
+        return self._float_targets(net, True) is not None
+
     def take(self, demands: dict[int, int]) -> dict[int, Take] | None:
         """Plan `demands` {band: pages} through the shortfall ladder -> takes to commit, or None."""
         takes = self.plan(demands)

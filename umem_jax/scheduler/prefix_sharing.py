@@ -56,15 +56,23 @@ class PrefixSharing:
         anything is retracted.  Then the tree-only copies of pages that `running` requests
         computed again (a shortened hit, a prefix computed twice) go too: they sit above the
         requests' own cached pages, where eviction cannot reach them (`release_duplicates`)."""
-        fits = lambda: self.demand.fits(self.allocator, need())
+        d = need()  # priced once: evicting unreferenced entries changes no request's holdings
+        fits = lambda: self.demand.fits(self.allocator, d)
         if fits():
             return True
         self.cache.evict(fits)
         if fits():
             return True
         if self.cache.release_duplicates([(r.cache_node, r.pages) for r in running if r.cache_node is not None]):
+            d = need()
             self.cache.evict(fits)
         return fits()
+
+    def could_fit(self, need: Demand, evictable: dict[str, int]) -> bool:
+        """Whether `need` would fit once the entries `evictable` counts (the cache's
+        evictable_by_subpool(), read once by a caller trying several needs) were evicted: an
+        estimate, checked so the cache is not flushed for a need that cannot fit."""
+        return self.allocator.can_fit(need.token_pages, need.state_slots, need.window_pages, freed=evictable)
 
     # ------------------------------------------------------------------ lookup
     def take_hit(self, req: Request) -> Hit:
