@@ -168,7 +168,10 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
             t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + kv_read
         if sch.waiting and len(sch.running) < max_num_seqs:  # memory binds: where the arena's bytes are
             u = alloc.usage()
-            util.append(np.array([u.live_bytes, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
+            cached = 0 if sch.cache is None else \
+                sum(n * plan[k].page_bytes for k, n in sch.cache.evictable_by_subpool().items())
+            # live: what requests hold (pages only the prefix cache holds left out, as the engine's usage does)
+            util.append(np.array([u.live_bytes - cached, u.hole_bytes, u.free_bytes, u.sink_bytes]) / u.total_bytes)
             fits, held_back, decoders_back = _head_fits(sch, dm, alloc, dm.chunk, b)
             if not fits:
                 bound.append(util[-1])

@@ -88,5 +88,16 @@ class CacheHoldings:
             out[plan.state.name] = self.num_checkpoints - sum(1 for x in self.pinned if x.alive and x.ckpt)
         return out
 
+    def reclaimable_by_subpool(self) -> dict[str, int]:
+        """At most what evicting everything evictable frees now, per sub-pool: as
+        `evictable_by_subpool`, but a window page only the cache's window ref holds counts even
+        on a request's path (eviction drops the window pages of marks and branch points there
+        too).  An upper bound, so a need it says cannot fit cannot (fits_or_evict skips such
+        evictions)."""
+        out = self.evictable_by_subpool()
+        for n, m in self.window_pages.items():
+            out[n] = int((m & (self.owner.window_refs[n] == 1)).sum())
+        return out
+
 
 __all__ = ["CacheHoldings"]

@@ -137,30 +137,26 @@ class EarlyStart:
 
     def _shrink(self, req: Request, end: int, need, shortest: int) -> int:
         """The longest of `end` and the shorter passes of a token bucket's length (down to
-        `shortest` tokens) that fits -> 0 if none does (a pass between buckets would cost its
-        bucket's time for less progress).  need(e): the demand of a pass to e with what others are owed.  A pass fits
-        in the free bytes, or after evicting the prefix cache's unreferenced entries (LRU), as
-        for any admission: finished requests hand their pages to the cache, so an early start
-        that took only the free bytes would wait on, or take half passes beside, bytes the cache
-        holds while it blocks later arrivals.  Eviction is for the longest pass that can fit
-        after it (estimated first, so the cache is not flushed for a pass that cannot fit):
-        evicting for the shortest made a 17K-token prompt's later passes half a chunk each, and
-        each pass reads the weights and is padded to its bucket (Qwen3.5 shifting with a cache,
-        host simulation: 170 prefill steps against 140, -17% modelled tok/s, as on the GPU)."""
-        start, cfg = req.num_computed, self.sch.cfg
-        floor = max(shortest, cfg.min_chunk)  # shorter passes are token buckets: no padding wasted
-        ends = [end] + [start + t for t in reversed(cfg.buckets.tokens) if floor <= t < end - start]
-        prefix, evictable = self.sch.prefix, None
-        for e in ends:
-            if self._fits(lambda: need(e)):  # noqa: B023 - called at once
-                return e
-            if prefix is None:
-                continue
-            evictable = evictable or prefix.cache.evictable_by_subpool()
-            d = need(e)
-            if prefix.could_fit(d, evictable) and prefix.fits_or_evict(lambda: d, self.sch.running):  # noqa: B023
-                return e
-        return 0
+        `shortest` tokens) that fits -> 0 if none does.  need(e): the demand of a pass to e with
+        what others are owed.
+
+        A pass fits in the free bytes or after evicting the prefix cache's unreferenced entries
+        (LRU), as for any admission: finished requests hand their pages to the cache, and an
+        early start that took only the free bytes waited on them, or took short passes beside
+        them, while it blocked later arrivals.  Eviction is for the longest pass that can fit
+        (fits_or_evict evicts nothing for one that cannot), and a pass between two buckets would
+        be padded to the larger one, costing its time for less progress.  Evicting for the
+        shortest pass made a 17K-token prompt's later passes half a chunk each, padded to a
+        whole one by the GPU bench's buckets (Qwen3.5 shifting with a cache: 170 prefill steps
+        against 140 and -17% tok/s in the host simulation, -17% on the GPU in session 31)."""
+        start, sch = req.num_computed, self.sch
+        floor = max(shortest, sch.cfg.min_chunk)
+        ends = [end] + [start + t for t in reversed(sch.cfg.buckets.tokens) if floor <= t < end - start]
+        if sch.prefix is None:
+            fits = lambda d: sch.demand.fits(sch.allocator, d)
+        else:
+            fits = lambda d: sch.prefix.fits_or_evict(lambda: d, sch.running)
+        return next((e for e in ends if fits(need(e))), 0)
 
     def _fits(self, need, evict: bool = False) -> bool:
         """need() fits the free bytes now; with `evict` (alone in the arena: nothing else will

@@ -55,23 +55,28 @@ class PrefixSharing:
         """need() fits now, or after evicting unreferenced cache entries (LRU) -- tried before
         anything is retracted.  Then the tree-only copies of pages that `running` requests
         computed again (a shortened hit, a prefix computed twice) go too: they sit above the
-        requests' own cached pages, where eviction cannot reach them (`release_duplicates`)."""
+        requests' own cached pages, where eviction cannot reach them (`release_duplicates`).
+        While requests run (they will give memory back), nothing is evicted for a need that
+        would not fit even with every evictable entry gone (`could_fit`): a failed admission
+        keeps the cache, as SGLang's, which admits against free + evictable tokens."""
         d = need()  # priced once: evicting unreferenced entries changes no request's holdings
         fits = lambda: self.demand.fits(self.allocator, d)
         if fits():
             return True
-        self.cache.evict(fits)
-        if fits():
-            return True
+        futile = lambda: bool(running) and not self.could_fit(d, self.cache.holdings.reclaimable_by_subpool())
+        if not futile():
+            self.cache.evict(fits)
+            if fits():
+                return True
         if self.cache.release_duplicates([(r.cache_node, r.pages) for r in running if r.cache_node is not None]):
             d = need()
-            self.cache.evict(fits)
+            if not futile():
+                self.cache.evict(fits)
         return fits()
 
     def could_fit(self, need: Demand, evictable: dict[str, int]) -> bool:
-        """Whether `need` would fit once the entries `evictable` counts (the cache's
-        evictable_by_subpool(), read once by a caller trying several needs) were evicted: an
-        estimate, checked so the cache is not flushed for a need that cannot fit."""
+        """Whether `need` would fit once the pages (slots) `evictable` counts per sub-pool were
+        freed (the cache's reclaimable_by_subpool(): an upper bound of what eviction frees)."""
         return self.allocator.can_fit(need.token_pages, need.state_slots, need.window_pages, freed=evictable)
 
     # ------------------------------------------------------------------ lookup
