@@ -191,11 +191,13 @@ def test_utilization_counts_what_requests_hold():
 
     tl = Timeline(["full"])
     usage = dict(live_bytes=800, hole_bytes=100, free_bytes=50, sink_bytes=50, held_bytes={"full": 800})
-    for t, (waiting, evictable) in enumerate([(0, 0), (2, 300), (3, 100), (1, 200)]):
-        tl.add(float(t), t, 4, waiting, {**usage, "evictable_bytes": evictable})
+    for t, (waiting, evictable, bound) in enumerate([(0, 0, 0), (2, 300, 0), (3, 100, 1), (1, 200, 1)]):
+        tl.add(float(t), t, 4, waiting, {**usage, "evictable_bytes": evictable}, bound=bound)
     run = RunResult("w", "unified", "unified", timeline=tl, arena_bytes=1000, max_num_seqs=8)
     assert run.utilization(with_cache=True) == 0.8  # every bound sample: 800 live of 1000
     assert run.utilization() == 0.6  # median of 500, 700, 600
+    assert run.utilization(memory_bound=True) == 0.65  # only the samples left waiting for memory: 700, 600
+    assert run.summary()["utilization_memory_bound"] == 0.65
 
 
 def test_json_png_table_and_ratios_written(report):

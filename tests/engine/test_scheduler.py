@@ -342,3 +342,27 @@ def test_no_early_start_that_would_compute_a_shared_prefix_twice():
     assert checked and first.num_output == second.num_output == 4 and sim.sch.num_retractions == 0
     assert sim.sch.cache.hit_tokens >= 160 - PS  # the second found the prefix cached
     assert not sim.alloc.leaks(*sim.sch.held_ids()) and not sim.sch.check_refs()  # the rest is the cache's
+
+
+def test_memory_bound_marks_a_wait_for_memory_only():
+    """Scheduler.memory_bound (the utilization figures' "memory binds"): a burst of short prompts
+    waiting for the step's token budget is not memory-bound; a prompt that does not fit beside a
+    long decoder is, until the decoder finishes."""
+    sim = make(1 << 20, max_num_seqs=8, early=False)
+    for _ in range(6):
+        sim.add(20, 2)
+    sim.step()  # CHUNK = 32 tokens a step: most of the burst waits for later passes
+    assert sim.sch.waiting and not sim.sch.memory_bound
+    sim.run()
+    sim = make(190 << 10, max_num_seqs=8, early=False)
+    a = sim.add(100, 60)
+    while not a.decode_ready:
+        sim.step()
+    b = sim.add(400, 4)
+    sim.step()  # (a decode step: the prefill streak ended with a's prompt)
+    sim.step()
+    assert b.status == RequestStatus.WAITING and sim.sch.memory_bound
+    while b.status == RequestStatus.WAITING:
+        sim.step()
+    sim.run()
+    assert not sim.sch.memory_bound and b.num_output == 4

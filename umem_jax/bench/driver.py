@@ -257,7 +257,7 @@ def run(engine: LLMEngine, workload: Workload, prompts: list[list[int]], *, memo
             running_tokens += sum(len(q.output_token_ids) for q in sched.waiting)
             u = alloc.usage()
             tl.add(time.time() - t0, done_tokens + running_tokens, len(sched.running), len(sched.waiting), u,
-                   engine.evictable_bytes())
+                   engine.evictable_bytes(), sched.memory_bound)
             if outs:
                 advance(len(outs), note=f"{len(sched.running)} running, {len(sched.waiting)} waiting")
     after = engine.stats()

@@ -35,17 +35,19 @@ class RequestRecord:
 
 class Timeline:
     """Column-wise samples.  Columns: t (s from start), out_tokens, running, waiting, live, holes,
-    free, sink, evictable (bytes; evictable: the part of live only the prefix cache holds), and
-    one `band:<sub-pool>` column of held bytes per sub-pool."""
+    free, sink, evictable (bytes; evictable: the part of live only the prefix cache holds), bound
+    (1: the step's prefill attempt left a waiting request out for memory: Scheduler.memory_bound),
+    and one `band:<sub-pool>` column of held bytes per sub-pool."""
 
     def __init__(self, bands: list[str]):
         self.bands = list(bands)
         self.cols: dict[str, list] = {k: [] for k in ("t", "out_tokens", "running", "waiting", "live", "holes",
-                                                     "free", "sink", "evictable")}
+                                                     "free", "sink", "evictable", "bound")}
         for b in self.bands:
             self.cols[f"band:{b}"] = []
 
-    def add(self, t: float, out_tokens: int, running: int, waiting: int, usage, evictable: int = 0) -> None:
+    def add(self, t: float, out_tokens: int, running: int, waiting: int, usage, evictable: int = 0,
+            bound: bool = False) -> None:
         """One sample; `usage` is ChainAllocator.usage() (an ArenaUsage) or a dict of the same
         numbers (live_bytes, hole_bytes, free_bytes, sink_bytes, held_bytes {band: bytes}, and
         optionally evictable_bytes, which overrides `evictable`)."""
@@ -54,6 +56,7 @@ class Timeline:
         c["out_tokens"].append(int(out_tokens))
         c["running"].append(int(running))
         c["waiting"].append(int(waiting))
+        c["bound"].append(int(bool(bound)))
         if isinstance(usage, dict):
             live, holes, free, sink, held = (usage["live_bytes"], usage["hole_bytes"], usage["free_bytes"],
                                              usage["sink_bytes"], usage["held_bytes"])
@@ -135,23 +138,30 @@ class RunResult:
             "preemptions": int(c.get("num_preemptions", 0)),
             "relocated_mib": c.get("relocated_bytes", 0) / 2**20, "moved_pages": int(c.get("num_moved_pages", 0)),
             "utilization": self.utilization(), "utilization_with_cache": self.utilization(with_cache=True),
+            "utilization_memory_bound": self.utilization(memory_bound=True),
             "compiles_after_warmup": c.get("compiles"),
             "step_shapes_after_warmup": c.get("new_shapes"), "arena_bytes": self.arena_bytes,
         })
         return row
 
-    def utilization(self, *, with_cache: bool = False) -> float | None:
-        """Arena utilization while memory binds: median of the bytes requests hold (live bytes
-        less those only the prefix cache holds, which eviction frees on demand; with_cache: live
-        bytes) / arena bytes over the samples with requests waiting although fewer than
-        max_num_seqs run (so memory, not the sequence cap, is what holds them back); over all
-        samples with requests waiting if there are none such; None if nothing ever waited."""
+    def utilization(self, *, with_cache: bool = False, memory_bound: bool = False) -> float | None:
+        """Arena utilization under load: median of the bytes requests hold (live bytes less those
+        only the prefix cache holds, which eviction frees on demand; with_cache: live bytes) /
+        arena bytes over the samples with requests waiting although fewer than max_num_seqs run
+        (the sequence cap does not hold them back, but the step's token budget may: a burst of
+        arrivals waits for prefill passes while memory is free); over all samples with requests
+        waiting if there are none such; None if nothing ever waited.  memory_bound: over the
+        samples whose step left a waiting request out for memory alone (the `bound` column;
+        None if there are none), the simulation's "memory-bound median"."""
         tl = self.timeline
         if tl is None or not len(tl) or not self.arena_bytes:
             return None
         waiting, running, live = tl.array("waiting"), tl.array("running"), tl.array("live")
         if not with_cache:
             live = live - tl.array("evictable")
+        if memory_bound:
+            bound = tl.array("bound") > 0
+            return float(np.median(live[bound]) / self.arena_bytes) if bound.any() else None
         bound = (waiting > 0) & (running < self.max_num_seqs) if self.max_num_seqs else waiting > 0
         if not bound.any():
             bound = waiting > 0

@@ -229,7 +229,8 @@ _COLS = [("workload", "workload", "{}"), ("config", "config", "{}"), ("status", 
          ("TTFT med", "ttft_ms_median", "{:.0f}"), ("TTFT p99", "ttft_ms_p99", "{:.0f}"),
          ("TPOT med", "tpot_ms_median", "{:.1f}"), ("TPOT p99", "tpot_ms_p99", "{:.1f}"),
          ("peak run", "peak_running", "{}"), ("retract", "retractions", "{}"), ("aborts", "aborted", "{}"),
-         ("clipped", "clipped", "{}"), ("reloc MiB", "relocated_mib", "{:.1f}"), ("util", "utilization", "{:.2f}")]
+         ("clipped", "clipped", "{}"), ("reloc MiB", "relocated_mib", "{:.1f}"), ("util", "utilization", "{:.2f}"),
+         ("util mem", "utilization_memory_bound", "{:.2f}")]
 
 
 def table(rows: list[dict]) -> str:

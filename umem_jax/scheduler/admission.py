@@ -46,6 +46,7 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
             sch._restart_alone(req)
         return got, reservation
     if sch.early.blocks(req):
+        sch.memory_bound = True  # it waits for the memory an early start's rest is owed
         return 0, reservation
     reservation = reservations.own(req, end, sch.holders, sch.demand, sch._reserve_tokens(req, end))
     if sch.cfg.joint_admission and hit is None and reservations.joins(req, end, sch.exact):
@@ -63,7 +64,8 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
         fits = preempt_for(need, req, sch.running, batch.request_ids, sch._fits, sch.retract, sch.demand,
                            sch.allocator)
     if not fits:
-        return sch.early.start(req, end), reservation
+        end = sch.early.start(req, end)
+        sch.memory_bound = sch.memory_bound or not end
     return end, reservation
 
 

@@ -105,6 +105,9 @@ class Scheduler:
         self.num_restarts = 0  # lone requests restarted from an empty cache (`_restart_alone`)
         self._restarted = False
         self.failed: list[tuple[Request, Exception]] = []  # admissions that raised: see _add_pass
+        # the last prefill attempt left a waiting request out for memory (not for the step's token
+        # budget or the sequence cap): what "memory binds" means in utilization figures
+        self.memory_bound = False
 
     @property
     def num_checkpoints(self) -> int:
@@ -187,6 +190,7 @@ class Scheduler:
             self._reserved = None  # the running set changed since the last schedule
             self.prefix.hand_off_running(self.running, self.early.owed)
         self.memory.release_passed_windows(self.running)
+        self.memory_bound = self.memory_bound and bool(self.waiting)
         decoders = self._decoders()
         has_prefill = any(not r.decode_ready for r in self.running) or any(not r.num_pending for r in self.waiting)
         if has_prefill and (not decoders or self._prefill_streak < self.cfg.max_prefill_streak):
@@ -205,6 +209,7 @@ class Scheduler:
     # ------------------------------------------------------------------ prefill
     def _schedule_prefill(self) -> ScheduledBatch | None:
         self._reserved = None
+        self.memory_bound = False  # price_pass sets it
         batch = PrefillBatch(self.cfg.buckets, self.cfg.max_num_batched_tokens, self.cfg.min_chunk)
         for req in prefill_candidates(self.running, self.waiting):
             if req.finished or batch.full:
