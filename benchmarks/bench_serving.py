@@ -96,10 +96,9 @@ def parse(argv=None):
     ap.add_argument("--kv-cache-dtype", default="auto", help="K/V storage of every configuration (auto, fp8, ...): "
                     "run once with auto and once with fp8 in the same --arena-gib to compare tokens held and tok/s")
     ap.add_argument("--early", action="store_true",
-                    help="a long prompt may start its prefill before its whole need fits (early_admission=True; "
-                    "the engine's default is off)")
+                    help="early_admission=True, the engine's default (kept for older commands)")
     ap.add_argument("--no-early", action="store_true",
-                    help="early_admission=False, the default (kept for older commands; wins over --early)")
+                    help="a long prompt waits in the queue until its whole need fits (early_admission=False)")
     ap.add_argument("--no-joint", action="store_true",
                     help="a request's own decode peak is added to the decoders' (joint_admission=False)")
     ap.add_argument("--out", default=None, help="default: $OUT/bench_serving, else ./bench_serving_out")
@@ -131,7 +130,7 @@ def engine_settings(args, wls, arena_gib: float, small: bool) -> dict:
     mml = max_model_len(wls, ps)
     engine_kwargs = dict(arena_bytes=int(arena_gib * 2**30), max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens, page_size=ps, max_model_len=mml,
-                         seed=args.seed, early_admission=args.early and not args.no_early, joint_admission=not args.no_joint,
+                         seed=args.seed, early_admission=not args.no_early, joint_admission=not args.no_joint,
                          kv_cache_dtype=args.kv_cache_dtype,
                          **({"kernel_impl": "reference"} if small else {}),
                          **bucket_kwargs("single" if small else "coarse", args.max_num_seqs,

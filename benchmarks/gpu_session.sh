@@ -80,18 +80,18 @@ step() {
             python3 -m benchmarks.profile_decode --only "$shp" --variants "$v"; done; done ;;
     mgpu_prefill_fp8) python3 -m pytest -q -m gpu tests/gpu/test_prefill_gpu.py -k fp8 &&
             python3 -m benchmarks.bench_prefill --fp8 ;;
-    serve_early) for e in --early ""; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
+    serve_early) for e in "" --no-early; do python3 -m benchmarks.bench_serving --models qwen3.5-4b-like,gemma3-4b-like \
             --workloads kv-heavy,mixed,shifting --static-ratios 0.5:0.5 --budget-after-build --no-progress \
             --buckets ${SERVE_BUCKETS:-1,4,64:512,2048:2048} --time-budget-s 250 --max-run-s 40 \
             --out "$OUT/serving_early$e" $e; done ;;  # six step shapes, as serve_fp8
     serve_early2)  # issue 17 item 3 after session 32 (the early start evicts the cache for its longest pass, and its
       # passes are token buckets' lengths): without and with it, alternating, ROUNDS times, the unified arena alone
-      for i in $(seq ${ROUNDS:-2}); do for e in "" --early; do echo "== $i ${e:---none}"
+      for i in $(seq ${ROUNDS:-2}); do for e in --no-early ""; do echo "== $i ${e:---early}"
         python3 -m benchmarks.bench_serving --models ${SERVE_MODELS:-qwen3.5-4b-like} \
             --workloads ${SERVE_WORKLOADS:-shifting,mixed,kv-heavy} --static-ratios none --budget-after-build \
             --no-progress --buckets ${SERVE_BUCKETS:-1,4,64:512,2048:2048} --time-budget-s 250 --max-run-s 40 \
-            --out "$OUT/early_$i${e:-_none}" $e > "$OUT/early_$i${e:-_none}.log" 2>&1
-        grep -E "^(shifting|mixed|kv-heavy|state-heavy) +unified|warm-up:" "$OUT/early_$i${e:-_none}.log"
+            --out "$OUT/early_$i${e:-_on}" $e > "$OUT/early_$i${e:-_on}.log" 2>&1
+        grep -E "^(shifting|mixed|kv-heavy|state-heavy) +unified|warm-up:" "$OUT/early_$i${e:-_on}.log"
       done; done ;;
     graphs_b1)  # B = 1 is launch-bound: do CUDA graphs (XLA command buffers) cover the step, and would
                 # while loops and conditionals in them (off by default in XLA) help?

@@ -19,9 +19,9 @@ so arrivals interleave with steps roughly as on the GPU.  What it reports is exa
 scheduler (admissions, retractions, peak running, utilization of the arena by live requests);
 the times are the cost model's, so tok/s here is a model figure, not a measurement.
 
-`--early` starts a long prompt's prefill in the bytes no running request is owed before its whole
-need fits (early_admission=True: the engine's default from session 15 to session 31, when the GPU
-showed it costing throughput); by default a prompt waits in the queue until its whole need fits.
+By default a long prompt may start its prefill in the bytes no running request is owed before its
+whole need fits (early_admission, the engine's default; off in sessions 31-32); `--no-early` makes it
+wait in the queue until its whole need fits.
 
 `--rule before` prices a chunked prompt by its first chunk alone instead of reserving the rest
 of the prompt at admission, to show what that reservation does to retractions.  Every request
@@ -233,10 +233,9 @@ def run(argv=None) -> list[dict]:
                     help="a prefill step's tokens in the cost model: its padded [B, T] shape (what the engine "
                          "computes) or its rows' own tokens (the model of the tables before session 29)")
     ap.add_argument("--early", action="store_true",
-                    help="a long prompt may start its prefill before its whole need fits (early_admission=True; "
-                    "the engine's default is off)")
+                    help="early_admission=True, the engine's default (kept for older commands)")
     ap.add_argument("--no-early", action="store_true",
-                    help="early_admission=False, the default (kept for older commands; wins over --early)")
+                    help="a long prompt waits in the queue until its whole need fits (early_admission=False)")
     ap.add_argument("--no-joint", action="store_true",
                     help="a request's own decode peak is added to the decoders' (joint_admission=False)")
     ap.add_argument("--buckets", default=None,
@@ -264,7 +263,7 @@ def run(argv=None) -> list[dict]:
                                    ("new_token_ratio_decay", a.decay)) if v is not None}
     if a.no_exact:
         sched_kw["exact_fixed_length_reservation"] = False
-    sched_kw["early_admission"] = a.early and not a.no_early
+    sched_kw["early_admission"] = not a.no_early
     sched_kw["enable_prefix_caching"] = a.prefix_cache
     if a.no_joint:
         sched_kw["joint_admission"] = False

@@ -27,6 +27,8 @@ def _parse(*flags):
     (["--trust-remote-code"], "trust_remote_code", True),
     (["--enforce-eager"], "enforce_eager", True),
     (["--disable-cuda-graph"], "enforce_eager", True),
+    ([], "early_admission", True),  # the engine's default
+    (["--no-early-admission"], "early_admission", False),
 ])
 def test_other_servers_spellings_set_the_same_option(flags, dest, value):
     assert getattr(_parse(*flags), dest) == value

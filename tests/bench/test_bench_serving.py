@@ -273,17 +273,17 @@ def test_http_driver_against_a_live_server():
 
 
 def test_early_reaches_the_engine():
-    """bench_serving's --early turns the scheduler's early start on in every configuration's
-    engine (the GPU before/after of docs/memory.md); by default it is off, as in the engine
-    (and --no-early, kept for older commands, wins)."""
+    """bench_serving's --no-early turns the scheduler's early start off in every configuration's
+    engine (the GPU before/after of docs/memory.md); by default it is on, as in the engine
+    (--early, kept for older commands, changes nothing)."""
     from benchmarks import bench_serving as bs
 
     wls = [W.kv_heavy(2, long=W.Shape(64, 8))]
     settings = lambda *flags: bs.engine_settings(bs.parse(list(flags)), wls, 0.01, small=True)["early_admission"]
     assert (settings(), settings("--early"), settings("--no-early"), settings("--early", "--no-early")) == (
-        False, True, False, False)
+        True, True, False, False)
     from umem_jax.engine.config import EngineConfig
     from umem_jax.scheduler.scheduler import SchedulerConfig
 
-    assert EngineConfig(model=None).early_admission is False
-    assert SchedulerConfig(4, 32, None).early_admission is False
+    assert EngineConfig(model=None).early_admission is True
+    assert SchedulerConfig(4, 32, None).early_admission is True

@@ -59,13 +59,13 @@ def test_early_start_fills_the_gap_a_long_prompt_leaves(capsys):
     (0.98), with no retraction and within 1% of the modelled throughput."""
     argv = ["--model", "qwen3.5-4b-like", "--workload", "kv-heavy", "--long", "4096,64", "--arena-gib", "1",
             "--rule", "now", "--static-ratios", "0.5"]
-    (early, _), (late, _) = sim.run(argv + ["--early"]), sim.run(argv)
+    (early, _), (late, _) = sim.run(argv), sim.run(argv + ["--no-early"])  # the early start is the default
     assert early["retractions"] == late["retractions"] == 0
     assert late["util_bound"] < 0.9 and early["util_bound"] > 0.97
     assert early["out_tok_per_s"] > 0.99 * late["out_tok_per_s"]
     # with the prefix cache (--prefix-cache: finished requests' pages stay cached, as in the engine) the
     # same trace runs to the end about as fast (test_scheduler checks the early start takes the cache's bytes)
-    (cached, _) = sim.run(argv + ["--early", "--prefix-cache"])
+    (cached, _) = sim.run(argv + ["--prefix-cache"])
     assert cached["retractions"] == 0 and cached["steps"] <= 1.05 * early["steps"]
 
 

@@ -48,10 +48,11 @@ class EngineConfig:
     # force retraction in tests).  Speculative decoding keeps the ratio either way.
     exact_fixed_length_reservation: bool = True
     # a long prompt whose whole need does not fit yet may start its prefill in the bytes no running
-    # request is owed, and wait there for the rest (scheduler/early_start.py); off (the default): it
-    # waits in the queue.  Off since 2026-12-07: on an H100 at 4B scale it cost 5-17% of the serving
-    # throughput (Qwen3.5 shifting 914 -> 759 tok/s, twice; docs/memory.md), for +0.02 utilization
-    early_admission: bool = False
+    # request is owed, and wait there for the rest (scheduler/early_start.py); off: it waits in the
+    # queue.  On an H100 at 4B scale (session 32) it raised Qwen3.5's live share where memory binds
+    # to 0.98-0.99 at -1.1% to +1.9% of the throughput (docs/memory.md); off in session 31, when
+    # evicting the cache for its shortest pass cost 5-17%
+    early_admission: bool = True
     # a fixed-length request whose one pass completes its prompt is admitted against the joint peak
     # of the fixed-length decoders and itself (scheduler/admission.py); off: its own peak added to theirs
     joint_admission: bool = True

@@ -82,9 +82,10 @@ def add_engine_flags(p, model_help: str) -> None:
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted so vLLM / SGLang commands run unchanged; changes nothing: umem_jax runs no code "
                    "from a checkpoint (its architectures are built in; others are refused at startup)")
-    p.add_argument("--early-admission", action="store_true",
+    p.add_argument("--early-admission", action=argparse.BooleanOptionalAction, default=True,
                    help="a long prompt may start its prefill in the bytes no running request is owed before its "
-                   "whole need fits (off by default: it cost 5-17%% of the throughput on an H100, docs/memory.md)")
+                   "whole need fits (on by default: live share 0.98-0.99 where memory binds, throughput within "
+                   "the H100's run-to-run noise; --no-early-admission: it waits in the queue; docs/memory.md)")
     p.add_argument("--enforce-eager", "--disable-cuda-graph", action="store_true",
                    help="no CUDA graphs: sets XLA_FLAGS=%s before the GPU starts (vLLM's --enforce-eager, "
                    "SGLang's --disable-cuda-graph; slower at small batches)" % NO_CUDA_GRAPHS)

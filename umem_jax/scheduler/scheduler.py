@@ -14,7 +14,7 @@ Memory, all priced by the one DemandModel (memory/demand.py), held through Reque
     flush/compaction), the least preferred running request is retracted, and so on.
   * priority: a waiting request that does not fit retracts running requests of lower priority,
     those freeing the most bytes in the bands it needs first (retraction.py).
-  * early start (`early_admission`, off by default, early_start.py): a long prompt whose whole
+  * early start (`early_admission`, on by default, early_start.py): a long prompt whose whole
     need does not fit yet starts its prefill in bytes no running request can need, one at a time.
 A retracted request goes back to the queue keeping its output tokens; its next prefill
 recomputes prompt + output (from the prefix cache when it can).  Nothing admitted is ever
@@ -71,7 +71,7 @@ class SchedulerConfig:
     # ratio, where valid (reservations.exact_applies); off: the ratio rule for every request
     exact_fixed_length_reservation: bool = True
     cache_lookahead: int = 0  # tokens past a cached page its bytes depend on (1: an MTP head; radix_node.py)
-    early_admission: bool = False  # a prompt may start in the unreserved gap before its whole need fits (EngineConfig)
+    early_admission: bool = True  # a prompt may start in the unreserved gap before its whole need fits (EngineConfig)
     # a fixed-length request whose one pass completes its prompt is admitted against the joint
     # peak of the fixed-length decoders and itself (reservations.joins), not its own peak added
     # to theirs; off: the sum (the rule before)
