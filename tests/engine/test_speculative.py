@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _engine_utils import assert_idle_clean, compiled_steps, noisy_copy, prompts  # noqa: E402
 
 from umem_jax import LLM, SamplingParams  # noqa: E402
+from umem_jax.pallas_kernels.short_extend import SHORT_EXTEND_ENV  # noqa: E402
 from umem_jax.runner.acceptance import accept, row_probs  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -71,8 +72,21 @@ def _run(target, arena, draft=None, params=None, **kw):
 
 @functools.lru_cache(maxsize=None)
 def _greedy(name: str, arena: int) -> list:
-    """The workload's greedy tokens without speculation (the reference of several tests: run once)."""
-    return _run(_model(name), arena)[0]
+    """The workload's greedy tokens without speculation (the reference of several tests: run once).
+    Traced without decode_row_verify's variable, which keys a step but changes no plain one (their
+    chunks are 32 tokens or 1), so these steps are the ones the penalties test's plain engine runs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(SHORT_EXTEND_ENV, raising=False)
+        return _run(_model(name), arena)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(n: int, logprobs: int | None = None, penalties: bool = False) -> list:
+    """The first n prompts of the workload at 250 KiB without speculation: the logprobs and the
+    penalties tests' reference, the same for both drafts (run once) -> RequestOutputs."""
+    target = _model("tiny-attention")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=logprobs, **(PENALTIES if penalties else {}))
+    return LLM(target, arena_bytes=250 << 10, **SPEC).generate(_workload(target.config.vocab_size)[:n], params)
 
 
 # The tiny attention model's run retracts and hits the prefix cache; the Gemma 3 fixture's run
@@ -225,7 +239,7 @@ def test_logprobs_with_speculation_are_logprobs_without(draft):
     target = _model("tiny-attention")
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
     work = _workload(target.config.vocab_size)[:3]
-    want = LLM(target, arena_bytes=250 << 10, **SPEC).generate(work, params)
+    want = _plain(3, logprobs=3)
     d = target if draft == "self" else _perturbed("tiny-attention")
     llm = LLM(target, arena_bytes=250 << 10, **SPEC,
               speculative_config={"model": d, "num_speculative_tokens": K, "min_acceptance": 0.0})
@@ -305,10 +319,8 @@ def test_greedy_with_penalties_and_speculation_is_greedy_without(draft):
     target = _model("tiny-attention")
     work = _workload(target.config.vocab_size)[:4]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, **PENALTIES)
-    plain = LLM(target, arena_bytes=250 << 10, **SPEC)
-    want = [o.outputs[0].token_ids for o in plain.generate(work, params)]
-    assert want != [o.outputs[0].token_ids for o in plain.generate(work, SamplingParams(temperature=0,
-                                                                                          max_tokens=MAX_TOKENS))]
+    want = [o.outputs[0].token_ids for o in _plain(4, penalties=True)]
+    assert want != _greedy("tiny-attention", 250 << 10)[:4]  # the shared unpenalized reference (greedy is per request)
     d = target if draft == "self" else _perturbed("tiny-attention")
     llm = LLM(target, arena_bytes=250 << 10, **SPEC, speculative_config={"model": d, "num_speculative_tokens": K, "min_acceptance": 0.0})
     got = llm.generate(work, params)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,13 @@ from umem_jax.models.tiny import (
 
 def rel_err(a, b) -> float:
     return float(np.abs(np.asarray(a) - b).max() / np.abs(b).max())
+
+
+@functools.lru_cache(maxsize=None)
+def _seeded(seed: int, with_mamba: bool = True):
+    """tiny_model(seed, with_mamba), one object for every parameter of a test: its jitted
+    cache-free forward (the reference, the same shapes for each) compiled once."""
+    return tiny_model(seed=seed, with_mamba=with_mamba)
 
 
 def test_decls_cover_all_three_kinds():
@@ -71,7 +80,7 @@ def test_gemma3_save_roundtrip(tmp_path):
 def test_arena_matches_dense(page_size, chunk):
     """Attention-only tiny model (window 16): prompts longer than the window, chunked prefill,
     page size below the window; greedy through the arena equals the cache-free argmax."""
-    m = tiny_model(seed=1, with_mamba=False)
+    m = _seeded(1, with_mamba=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 320, size=n) for n in (20, 37)]
     plan = make_plan(m.decls(kv_dtype="float32"), page_size=page_size)
@@ -88,7 +97,7 @@ def test_arena_matches_dense(page_size, chunk):
 def test_hybrid_arena_matches_dense(page_size, chunk):
     """All three kinds: Mamba2 state slots (prefill chunks carry the state across, then decode
     steps), window and full K/V.  Greedy through the arena equals the cache-free argmax."""
-    m = tiny_model(seed=2)
+    m = _seeded(2)
     assert "linear_attention" in m.config.layer_types
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, 320, size=n) for n in (20, 37)]
