@@ -185,8 +185,7 @@ def main(argv=None) -> int:
         if args.budget_after_build:  # the call's own timeout covers the build; the budget is for the runs
             deadline = time.monotonic() + args.time_budget_s
         out = os.path.join(out_root, name)
-        statics = [] if args.static_ratios == "none" else args.static_ratios
-        rep = run_benchmark(model, wls, engine_kwargs=engine_kwargs, statics=statics, out_dir=out,
+        rep = run_benchmark(model, wls, engine_kwargs=engine_kwargs, statics=args.static_ratios, out_dir=out,
                             deadline=deadline, max_run_s=args.max_run_s, progress=args.progress,
                             meta={"model": name, "arena_gib": arena, "command": " ".join(sys.argv)},
                             log=lambda s: print(s, flush=True))

@@ -77,6 +77,20 @@ def _in_stop_checks(monkeypatch, eng) -> None:
     monkeypatch.setattr(eng, "_append", failing)
 
 
+def _in_last_stop_checks(monkeypatch, eng) -> None:
+    """At the marked request's last token: its memory already went to the next step
+    (Scheduler.release_ending), so failing it must not give it back twice."""
+    append = eng._append
+
+    def failing(req, t):
+        if _marked(req) and len(req.output_token_ids) == req.max_tokens - 1:
+            assert any(r is req for r in eng.scheduler.ending)
+            raise Injected("stop checks")
+        return append(req, t)
+
+    monkeypatch.setattr(eng, "_append", failing)
+
+
 def _in_detokenizer(monkeypatch, eng) -> None:
     step = IncrementalDetokenizer.step  # the text of a request without stop strings is made at its end
 
@@ -93,6 +107,7 @@ INJECTIONS = {
     "prefill step": lambda mp, eng: _in_step(mp, eng, "prefill"),
     "decode step": lambda mp, eng: _in_step(mp, eng, "decode"),
     "stop checks": _in_stop_checks,
+    "stop checks at the last token": _in_last_stop_checks,
     "detokenizer": _in_detokenizer,
 }
 

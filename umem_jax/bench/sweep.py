@@ -53,7 +53,9 @@ def load_bench_model(name: str, dtype: str = "bfloat16", seed: int = 0):
 def static_configs(plan, ratios=None) -> list[MemoryConfig]:
     """The static settings for `plan`: `ratios` is None (DEFAULT_RATIOS), a list of (swa, mamba)
     pairs, or text "0.8:0.9,0.1:0.2" (a bare number sets the one ratio the model has).  Ratios the
-    model has no memory for become None; duplicates are dropped."""
+    model has no memory for become None; duplicates are dropped; "none" gives no static setting."""
+    if isinstance(ratios, str) and ratios.strip().lower() == "none":
+        return []
     has_swa, has_state = bool(plan.windows), plan.state is not None
     pairs = DEFAULT_RATIOS if ratios is None else (_parse(ratios, has_swa, has_state) if isinstance(ratios, str)
                                                    else ratios)

@@ -159,6 +159,10 @@ class Handoff:
         """When `request_id` finishes by length (its max_tokens), keep its memory for `export`."""
         self._hold.add(str(request_id))
 
+    def keeps(self, req: Request) -> bool:
+        """Whether `req`'s memory is to be held when it finishes (never given back early)."""
+        return req.request_id in self._hold
+
     def finish(self, req: Request, status: RequestStatus) -> bool:
         """Engine._finish's hook -> True when the request was held instead of freed."""
         if req.request_id not in self._hold:

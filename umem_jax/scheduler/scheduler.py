@@ -94,6 +94,7 @@ class Scheduler:
             self.prefix = PrefixSharing(self.cache, self.memory, demand, config.checkpoint_interval)
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
+        self.ending: list[Request] = []  # memory given back, last token not read back yet (release_ending)
         self.held: dict[str, Request] = {}  # memory a page transfer owns: never scheduled (held.py)
         self.ratio = config.new_token_ratio
         self.exact = reservations.exact_applies(config)
@@ -130,7 +131,9 @@ class Scheduler:
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End `req` (finished or aborted): give back all its memory, drop it from the queues."""
         self.early.end(req)
-        if req.status == RequestStatus.RUNNING:
+        if any(r is req for r in self.ending):  # its memory went at release_ending
+            self.ending.remove(req)
+        elif req.status == RequestStatus.RUNNING:
             self._free_memory(req)
             self.running.remove(req)
         elif req.status == RequestStatus.WAITING and req in self.waiting:
@@ -145,10 +148,12 @@ class Scheduler:
         if req.finished:
             return
         self.early.end(req)
-        for queue in (self.running, self.waiting):
+        released = any(r is req for r in self.ending)
+        for queue in (self.running, self.waiting, self.ending):
             if any(r is req for r in queue):
                 queue.remove(req)
-        self.memory.free(req)
+        if not released:
+            self.memory.free(req)
         req.leave_queues(RequestStatus.FINISHED_ABORTED)
         self._reserved = None
 
@@ -168,6 +173,25 @@ class Scheduler:
             self.num_preemptions += 1
         self.ratio = self.cfg.new_token_ratio
         self.add(req)
+
+    def release_ending(self, keep=None) -> None:
+        """Give back now the memory of the running requests whose last token the step in flight
+        samples (max_tokens reached with it: nothing else can follow), so the next step is
+        scheduled into their pages, not the one after it (async scheduling reads a step back
+        after launching the next).  Safe: each step takes the arena the one before returns
+        (donated through jit), so the step in flight has read their pages before any later step
+        writes them, and their computed tokens are all known (the prefix cache takes them now).
+        Each stays in `ending` until the engine reads its last token and finishes it.  Not under
+        speculation (how many tokens a verify keeps is known only once read back), nor for
+        `keep(req)` (a prefill held for its page transfer)."""
+        if self.cfg.num_speculative_tokens:
+            return
+        for r in [r for r in self.running if r.num_pending and not r.wants_step and not (keep and keep(r))]:
+            self.early.end(r)
+            self._free_memory(r)
+            self.running.remove(r)
+            self.ending.append(r)
+        self._reserved = None
 
     def _admit(self, req: Request, hit: Hit | None) -> None:
         self.waiting.remove(req)
