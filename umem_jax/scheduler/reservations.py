@@ -205,8 +205,10 @@ def reservations(running: list[Request], holders: list[Request], demand: DemandM
             shared = shared_window(r, counts, demand) if shares_windows(counts) else None
             total = total + demand.reservation(r, tokens(r), shared_window=shared)
     if fixed or joining:
-        # lag 1: under async scheduling the engine finishes a request (gives its memory back)
-        # only after scheduling the step that follows its last token
+        # lag 1: a request's memory priced as back one step after the step that follows its last
+        # token, where Scheduler.release_ending gives it to that step: one step to spare (a step
+        # that sits a request out, a read-back that comes first), and lag 0 moved the host
+        # simulation's memory-bound live share by 0.001 at most (Gemma 3, session 33)
         left = [r.max_tokens - r.num_output for r in fixed]
         counts = counts if counts is not None else window_holders(holders, demand)
         shared = frees = None
