@@ -1,12 +1,15 @@
 """The decode step: one token per running request ([B, 1]) and the memory for that token
-(the Scheduler's decode path; speculation.py is its k+1-token counterpart)."""
+(the Scheduler's decode path; speculation.py is its k+1-token counterpart).  Under pressure the
+least preferred running request is retracted until the rows' memory fits (retraction.py)."""
 
 from __future__ import annotations
 
 from ..core.request import Request
 from ..core.scheduled_batch import Row, ScheduledBatch
 from ..memory.demand import Demand, DemandModel
+from . import speculation
 from .request_memory import RequestMemory
+from .retraction import least_preferred
 
 
 def rows_needing_memory(rows: list[Request], page_size: int, slots_per_request: int) -> list[Request]:
@@ -45,4 +48,58 @@ def decode_batch(rows: list[Request]) -> ScheduledBatch:
     return ScheduledBatch("decode", out)
 
 
-__all__ = ["alloc_next_tokens", "decode_batch", "next_token_demand", "rows_needing_memory"]
+def schedule_decode(sch, rows: list[Request]) -> ScheduledBatch | None:
+    """The decode step of `rows` (the Scheduler `sch`'s decoders), their next tokens' memory
+    allocated, retracting as needed -> None if no row is left."""
+    rows = rows[: sch.cfg.buckets.batch[-1]]
+    if sch.cfg.num_speculative_tokens and not all(r.spec_off and not r.spec_ahead for r in rows):
+        return _schedule_spec_decode(sch, rows)  # else: every row stopped speculating (and is exact), a plain step
+
+    def place(rows):
+        need = rows_needing_memory(rows, sch.demand.page_size, sch.demand.slots_per_request)
+        total = next_token_demand(need, sch.demand)  # every other row's one-token demand is empty
+        return sch._fits(lambda: total) and alloc_next_tokens(sch.memory, need)
+
+    if not retract_until(sch, rows, place):
+        return None
+    batch = decode_batch(rows)
+    sch.ratio = max(sch.cfg.min_new_token_ratio, sch.ratio - sch.cfg.new_token_ratio_decay)
+    return batch
+
+
+def _schedule_spec_decode(sch, rows: list[Request]) -> ScheduledBatch | None:
+    """As schedule_decode, each row with the memory of its verify (speculation.py)."""
+    k, d = sch.cfg.num_speculative_tokens, sch.demand
+    lens: list[int] = []
+
+    def place(rows):
+        lens[:] = [speculation.spec_len(r, k) for r in rows]  # the lengths the memory was placed for
+        need = speculation.spec_rows_needing_memory(rows, lens, d.page_size, d.slots_per_request)
+        total = speculation.spec_demand(rows, lens, need, d)
+        return sch._fits(lambda: total) and speculation.alloc_spec(sch.memory, rows, lens, need)
+
+    if not retract_until(sch, rows, place):
+        return None
+    sch.ratio = max(sch.cfg.min_new_token_ratio, sch.ratio - sch.cfg.new_token_ratio_decay)
+    return speculation.spec_decode_batch(rows, lens)
+
+
+def retract_until(sch, rows: list[Request], place) -> bool:
+    """Retract `sch`'s least preferred running request until `place(rows)` (price and allocate
+    the rows' memory) succeeds; a retracted row leaves `rows` (changed in place).  False: no
+    row is left."""
+    while rows:
+        if place(rows):
+            return True
+        victim = least_preferred(sch.running)
+        if sch.running == [victim]:
+            sch._restart_alone(victim)
+        else:
+            sch.retract(victim)
+        if victim in rows:
+            rows.remove(victim)
+    return False
+
+
+__all__ = ["alloc_next_tokens", "decode_batch", "next_token_demand", "retract_until", "rows_needing_memory",
+           "schedule_decode"]

@@ -1,7 +1,7 @@
 """Scheduler: continuous batching over one arena -- who runs next, with what memory.
 
 Every step is either a prefill step (chunks of prompts, [B, T] padded to buckets, T > 1:
-prefill.py) or a decode step (one token per request, [B, 1]: the functions below).  Prefill goes first,
+prefill.py) or a decode step (one token per request, [B, 1]: decode.py).  Prefill goes first,
 but at most `max_prefill_streak` prefill steps in a row while requests wait to decode, so a
 flood of long prompts cannot stall generation.
 
@@ -42,15 +42,14 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduled_batch import Buckets, Row, ScheduledBatch
 from ..memory.chain import ChainAllocator
 from ..memory.demand import Demand, DemandModel
-from . import admission, held, reservations, speculation
-from .decode import alloc_next_tokens, decode_batch, next_token_demand, rows_needing_memory
+from . import admission, decode, held, reservations, speculation
 from .early_start import EarlyStart
 from .prefill import PrefillBatch, prefill_candidates
 from .prefix_cache import PrefixCache
 from .prefix_sharing import PrefixSharing
 from .radix_node import Hit
 from .request_memory import RequestMemory
-from .retraction import least_preferred, make_room
+from .retraction import make_room
 
 
 @dataclasses.dataclass
@@ -224,7 +223,7 @@ class Scheduler:
                 return batch
             decoders = self._decoders()  # the prefill attempt may have retracted requests
         self._prefill_streak = 0
-        return self._schedule_decode(decoders) if decoders else None
+        return decode.schedule_decode(self, decoders) if decoders else None
 
     def _decoders(self) -> list[Request]:
         return [r for r in self.running if r.decode_ready and r.wants_step
@@ -283,54 +282,6 @@ class Scheduler:
         return True
 
     # ------------------------------------------------------------------ decode
-    def _schedule_decode(self, rows: list[Request]) -> ScheduledBatch | None:
-        rows = rows[: self.cfg.buckets.batch[-1]]
-        if self.cfg.num_speculative_tokens and not all(r.spec_off and not r.spec_ahead for r in rows):
-            return self._schedule_spec_decode(rows)  # else: every row stopped speculating (and is exact), a plain step
-
-        def place(rows):
-            need = rows_needing_memory(rows, self.demand.page_size, self.demand.slots_per_request)
-            total = next_token_demand(need, self.demand)  # every other row's one-token demand is empty
-            return self._fits(lambda: total) and alloc_next_tokens(self.memory, need)
-
-        if not self._retract_until(rows, place):
-            return None
-        batch = decode_batch(rows)
-        self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
-        return batch
-
-    def _schedule_spec_decode(self, rows: list[Request]) -> ScheduledBatch | None:
-        """As _schedule_decode, each row with the memory of its verify (speculation.py)."""
-        k, d = self.cfg.num_speculative_tokens, self.demand
-        lens: list[int] = []
-
-        def place(rows):
-            lens[:] = [speculation.spec_len(r, k) for r in rows]  # the lengths the memory was placed for
-            need = speculation.spec_rows_needing_memory(rows, lens, d.page_size, d.slots_per_request)
-            total = speculation.spec_demand(rows, lens, need, d)
-            return self._fits(lambda: total) and speculation.alloc_spec(self.memory, rows, lens, need)
-
-        if not self._retract_until(rows, place):
-            return None
-        self.ratio = max(self.cfg.min_new_token_ratio, self.ratio - self.cfg.new_token_ratio_decay)
-        return speculation.spec_decode_batch(rows, lens)
-
-    def _retract_until(self, rows: list[Request], place) -> bool:
-        """Retract the least preferred running request until `place(rows)` (price and allocate
-        the rows' memory) succeeds; a retracted row leaves `rows` (changed in place).  False: no
-        row is left."""
-        while rows:
-            if place(rows):
-                return True
-            victim = least_preferred(self.running)
-            if self.running == [victim]:
-                self._restart_alone(victim)
-            else:
-                self.retract(victim)
-            if victim in rows:
-                rows.remove(victim)
-        return False
-
     def settle_speculation(self, req: Request, accepted: int, spec_len: int) -> None:
         """A verify of `req` scheduled with `spec_len` drafts kept `accepted`: the rest of its rows
         go back (speculation.py)."""
