@@ -57,6 +57,7 @@ from . import overlap
 from .isolation import EngineDeadError, FailureIsolation
 from .samples import Samples
 from .speculative import SpecStats, apply_verify
+from .stats import engine_stats
 from .warmup import warm_up
 from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
 
@@ -360,39 +361,14 @@ class LLMEngine:
         return sum(n * self.plan[k].page_bytes for k, n in cache.evictable_by_subpool().items())
 
     def stats(self) -> dict:
-        u = self.allocator.usage()
-        return {
-            "memory_mode": self.config.memory_mode, "arena_bytes": u.total_bytes, "live_bytes": u.live_bytes,
-            "evictable_bytes": self.evictable_bytes(), "hole_bytes": u.hole_bytes, "free_bytes": u.free_bytes,
-            "held": {k: v.held for k, v in u.subpools.items()},
-            "bands": self.bands(),
-            "num_running": self.num_running, "num_waiting": self.num_waiting,
-            "num_retractions": self.scheduler.num_retractions, "num_preemptions": self.scheduler.num_preemptions,
-            "num_early_starts": self.scheduler.early.num_started,
-            "num_steps": dict(self.num_steps), "num_compilations": self.runner.num_compilations,
-            "num_moved_pages": self.runner.num_moved_pages, "relocated_bytes": self.runner.relocated_bytes,
-            "num_compactions": self.runner.num_compactions, "num_failed_requests": self.isolation.num_failed,
-            **self._cache_stats(),
-            **({"speculative": self.spec_stats.as_dict()} if self.spec_stats is not None else {}),
-        }
+        """The engine's numbers: memory, queues, steps, compilations, moves, cache (stats.py)."""
+        return engine_stats(self)
 
     def bands(self) -> dict[str, dict]:
         """Each band in its own pages and bytes: held by requests, by the cache (evictable),
         available to it alone (bands.py)."""
         cache = self.scheduler.cache
         return band_usage(self.allocator, cache.evictable_by_subpool() if cache is not None else {})
-
-    def _cache_stats(self) -> dict:
-        """Prefix-cache counters, flat (what metrics export) and in detail under "prefix_cache"."""
-        sch, cache = self.scheduler, self.scheduler.cache
-        c = cache.stats() if cache is not None else {}
-        detail = {"enabled": cache is not None, **c, "checkpoints_taken": sch.num_checkpoints,
-                  "checkpoints_skipped": sch.num_checkpoints_skipped,
-                  "copied_slots": self.runner.num_copied_slots,
-                  "held": cache.held_by_subpool() if cache is not None else {}}
-        return {"prefix_cache_query_tokens": c.get("query_tokens", 0),
-                "prefix_cache_hit_tokens": c.get("hit_tokens", 0), "num_evictions": c.get("evicted_pages", 0),
-                "prefix_cache": detail}
 
 
 __all__ = ["BUDGET_MESSAGE", "MAX_TOKENS_MESSAGE", "EngineConfig", "EngineDeadError", "LLMEngine"]
