@@ -1,8 +1,10 @@
-"""Packing a step's inputs on the host: the metadata layout and the per-request row cache.
+"""Packing a step's inputs on the host: the metadata layout, the per-request row cache, and the
+packing of one batch.
 
 `Layout` says where each field of a step's packed int32 metadata sits; `RowCache` keeps what
 each request contributes to every step it is in (virtual page ids, sampling words) as numpy
-rows, so a step gathers its rows with one index instead of converting Python lists again.
+rows, so a step gathers its rows with one index instead of converting Python lists again;
+`pack` fills a layout's buffer with a batch's rows.
 """
 
 from __future__ import annotations
@@ -245,5 +247,66 @@ class RowCache:
             self.free += range(2 * cap - 1, cap - 1, -1)
 
 
+
+def pack(batch, lay: Layout, cache_rows: np.ndarray, row_cache: RowCache, allocator, pools, has_state: bool,
+         banned_per_row: int) -> np.ndarray:
+    """A ScheduledBatch's meta buffer: the layout's padding template with the batch's rows filled
+    in (cache_rows: each row's entry in `row_cache`; page ids and state slots translated to
+    physical ones by `allocator`, for every sub-pool in `pools`)."""
+    rows, n, spans = batch.rows, len(batch.rows), lay.spans
+    reqs = [row.req for row in rows]
+    meta = lay.template.copy()
+
+    def field(name):
+        a, b, shape = spans[name]
+        return meta[a:b].reshape(shape)
+
+    num_output = [len(req.output_token_ids) + req.num_pending for req in reqs]  # req.num_output, inlined
+    ends = np.array([row.end for row in rows], np.int32)
+    if batch.kind == "decode":  # a pending input token is still on the device: the step takes it from there
+        src = [req.pending_row if req.num_pending else -1 for req in reqs]
+        field("src")[:n] = src
+        host_rows = [i for i, s in enumerate(src) if s < 0]
+        field("q_lens")[:n] = 1
+    else:
+        host_rows = range(n)
+        field("q_lens")[:n] = ends - np.array([r.start for r in rows], np.int32)
+    tokens = field("tokens")
+    for i in host_rows:
+        row = rows[i]
+        tokens[i, : row.end - row.start] = row.req.token_ids(row.start, row.end)
+    field("kv_lens")[:n] = ends
+    page_ids = row_cache.page_ids[cache_rows, :lay.P]
+    for p in pools:
+        field(f"table:{p}")[:n] = allocator.translate_pages(page_ids, p, lay.P)
+    if has_state:
+        state = np.array([req.slots[0] if req.slots else -1 for req in reqs], np.int32)
+        field("slots")[:n] = allocator.translate_slots(state)
+    sampling = row_cache.sampling_words[cache_rows]  # [n, fields]: the fields sit one after another, [B] each
+    sampling[:, STEP_COLUMN] = num_output
+    a = lay.sampling_start
+    meta[a:a + len(SAMPLING_FIELDS) * lay.B].reshape(len(SAMPLING_FIELDS), lay.B)[:, :n] = sampling.T
+    if lay.checkpoints_per_row:
+        _pack_checkpoints(rows, lay, field("checkpoint_positions"), field("checkpoint_slots"), allocator)
+    if lay.prompt_logprobs is not None:  # the token after each chunk (a prompt's: its last chunk scores none)
+        field("next")[:n] = [r.req.prompt_token_ids[r.end] if r.end < r.req.prompt_len else 0 for r in rows]
+    ban = field("ban")
+    for i, (row, k) in enumerate(zip(rows, num_output)):
+        if row.sample and k < row.req.min_tokens:
+            ids = row.req.stop_ids[:banned_per_row]
+            ban[i, : len(ids)] = ids
+    return meta
+
+
+def _pack_checkpoints(rows, lay: Layout, positions: np.ndarray, slots: np.ndarray, allocator) -> None:
+    """Prefix-cache checkpoints of a prefill step: position in the chunk, physical state slot."""
+    n, k = len(rows), lay.checkpoints_per_row
+    ids = np.full((n, k), -1, np.int32)
+    for i, row in enumerate(rows):
+        for j, (pos, slot) in enumerate(row.checkpoints[:k]):
+            positions[i, j], ids[i, j] = pos - row.start, slot
+    slots[:n] = allocator.translate_slots(ids.reshape(-1)).reshape(n, k)
+
+
 __all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "SAMPLING_FIELDS", "Layout", "RowCache", "RowEntry",
-           "penalty_counts"]
+           "pack", "penalty_counts"]

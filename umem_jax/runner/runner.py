@@ -42,7 +42,7 @@ from ..pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
 from ..pallas_kernels.rms_norm import NORM_ENV
 from ..pallas_kernels.route_topk import ROUTE_ENV, ROUTER_DOT_ENV
 from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
-from .packing import SAMPLING_FIELDS, STEP_COLUMN, Layout, RowCache, RowEntry, penalty_counts
+from .packing import Layout, RowCache, RowEntry, pack, penalty_counts
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
 
@@ -341,59 +341,8 @@ class Runner:
         return lay
 
     def _pack(self, batch: ScheduledBatch, lay: Layout, cache_rows: np.ndarray) -> np.ndarray:
-        """The step's meta buffer: the layout's padding template with the batch's rows filled in."""
-        rows, n, spans = batch.rows, len(batch.rows), lay.spans
-        reqs = [row.req for row in rows]
-        meta = lay.template.copy()
-
-        def field(name):
-            a, b, shape = spans[name]
-            return meta[a:b].reshape(shape)
-
-        num_output = [len(req.output_token_ids) + req.num_pending for req in reqs]  # req.num_output, inlined
-        ends = np.array([row.end for row in rows], np.int32)
-        if batch.kind == "decode":  # a pending input token is still on the device: the step takes it from there
-            src = [req.pending_row if req.num_pending else -1 for req in reqs]
-            field("src")[:n] = src
-            host_rows = [i for i, s in enumerate(src) if s < 0]
-            field("q_lens")[:n] = 1
-        else:
-            host_rows = range(n)
-            field("q_lens")[:n] = ends - np.array([r.start for r in rows], np.int32)
-        tokens = field("tokens")
-        for i in host_rows:
-            row = rows[i]
-            tokens[i, : row.end - row.start] = row.req.token_ids(row.start, row.end)
-        field("kv_lens")[:n] = ends
-        page_ids = self._rows.page_ids[cache_rows, :lay.P]
-        for p in self.pools:
-            field(f"table:{p}")[:n] = self.allocator.translate_pages(page_ids, p, lay.P)
-        if self.has_state:
-            state = np.array([req.slots[0] if req.slots else -1 for req in reqs], np.int32)
-            field("slots")[:n] = self.allocator.translate_slots(state)
-        sampling = self._rows.sampling_words[cache_rows]  # [n, fields]: the fields sit one after another, [B] each
-        sampling[:, STEP_COLUMN] = num_output
-        a = lay.sampling_start
-        meta[a:a + len(SAMPLING_FIELDS) * lay.B].reshape(len(SAMPLING_FIELDS), lay.B)[:, :n] = sampling.T
-        if lay.checkpoints_per_row:
-            self._pack_checkpoints(rows, lay, field("checkpoint_positions"), field("checkpoint_slots"))
-        if lay.prompt_logprobs is not None:  # the token after each chunk (a prompt's: its last chunk scores none)
-            field("next")[:n] = [r.req.prompt_token_ids[r.end] if r.end < r.req.prompt_len else 0 for r in rows]
-        ban = field("ban")
-        for i, (row, k) in enumerate(zip(rows, num_output)):
-            if row.sample and k < row.req.min_tokens:
-                ids = row.req.stop_ids[: self.banned_per_row]
-                ban[i, : len(ids)] = ids
-        return meta
-
-    def _pack_checkpoints(self, rows, lay: Layout, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Prefix-cache checkpoints of a prefill step: position in the chunk, physical state slot."""
-        n, k = len(rows), lay.checkpoints_per_row
-        ids = np.full((n, k), -1, np.int32)
-        for i, row in enumerate(rows):
-            for j, (pos, slot) in enumerate(row.checkpoints[:k]):
-                positions[i, j], ids[i, j] = pos - row.start, slot
-        slots[:n] = self.allocator.translate_slots(ids.reshape(-1)).reshape(n, k)
-
+        """The step's meta buffer (packing.pack)."""
+        return pack(batch, lay, cache_rows, self._rows, self.allocator, self.pools, self.has_state,
+                    self.banned_per_row)
 
 __all__ = ["Launched", "Runner", "StepModel", "jit_step", "step", "step_model"]
