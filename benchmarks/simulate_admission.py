@@ -136,6 +136,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     t, i, out_tokens, steps, peak, util, refused, clipped, bound, reserved = 0.0, 0, 0, 0, 0, [], 0, 0, [], []
     by_decoders = []
+    states = {}  # memory-bound samples by what is under way: [live, free + holes, cache-only, owed decoders]
     held = []  # tokens the running requests hold in the arena (computed and cached), per step
     while i < len(pending) or sch.has_work():
         while i < len(pending) and pending[i].arrival_s <= t:
@@ -177,6 +178,9 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 bound.append(util[-1])
                 reserved.append(held_back / u.total_bytes)
                 by_decoders.append(decoders_back / u.total_bytes)
+                state = "an early start under way" if sch.early.req is not None else "no early start"
+                states.setdefault(state, []).append([util[-1][0], (u.free_bytes + u.hole_bytes) / u.total_bytes,
+                                                     cached / u.total_bytes, by_decoders[-1]])
         for row in b.rows:
             if row.sample:
                 row.req.output_token_ids.append(7)
@@ -196,7 +200,9 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 util_bound=float(np.median([b[0] for b in bound])) if bound else None,
                 split_bound=dict(zip(("live", "holes", "free", "sink"), np.mean(bound, axis=0).tolist())) if bound else None,
                 reserved_bound=float(np.mean(reserved)) if bound else None,
-                reserved_decoders_bound=float(np.mean(by_decoders)) if bound else None)
+                reserved_decoders_bound=float(np.mean(by_decoders)) if bound else None,
+                by_state={k: dict(zip(("samples", "live", "free", "cached", "owed_decoders"),
+                                      [len(v), *np.mean(v, axis=0).tolist()])) for k, v in states.items()})
 
 
 def main(argv=None) -> int:
@@ -240,6 +246,9 @@ def run(argv=None) -> list[dict]:
                     help="a request's own decode peak is added to the decoders' (joint_admission=False)")
     ap.add_argument("--buckets", default=None,
                     help="B,B,..:T,T,..:P,P,.. step-shape buckets, as bench_serving's (default: powers of two)")
+    ap.add_argument("--by-state", action="store_true",
+                    help="also the memory-bound samples' means by what is under way (an early-started prompt "
+                    "still computing, or none): live, free (holes included), cache-only, owed to the decoders")
     ap.add_argument("--prefix-cache", action="store_true",
                     help="the scheduler's prefix cache on, as the engine's default (prompts share no tokens, but "
                     "finished requests' pages stay cached until evicted)")
@@ -296,6 +305,10 @@ def run(argv=None) -> list[dict]:
                                                   r["reserved_decoders_bound"]))
                   + (f"  refused {r['refused']} (too long for the split)" if r["refused"] else "")
                   + (f"  clipped {r['clipped']}" if r["clipped"] else ""), flush=True)
+            if a.by_state:
+                for state, m in sorted(r["by_state"].items()):
+                    print(f"      {state}: {m['samples']} samples, live {m['live']:.3f}, free {m['free']:.3f}, "
+                          f"cache-only {m['cached']:.3f}, owed to the decoders {m['owed_decoders']:.3f}", flush=True)
     return rows
 
 
