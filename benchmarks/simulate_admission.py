@@ -196,7 +196,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
                 tokens_held_mean=float(np.mean(held)) if held else 0.0,
                 util=float(np.mean(util, axis=0)[0]) if util else None,
                 split=dict(zip(("live", "holes", "free", "sink"), np.mean(util, axis=0).tolist())) if util else None,
-                refused=refused, clipped=clipped,
+                refused=refused, clipped=clipped, memory_bound_samples=len(bound),
                 util_bound=float(np.median([b[0] for b in bound])) if bound else None,
                 split_bound=dict(zip(("live", "holes", "free", "sink"), np.mean(bound, axis=0).tolist())) if bound else None,
                 reserved_bound=float(np.mean(reserved)) if bound else None,

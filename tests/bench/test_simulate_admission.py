@@ -69,6 +69,23 @@ def test_early_start_fills_the_gap_a_long_prompt_leaves(capsys):
     assert cached["retractions"] == 0 and cached["steps"] <= 1.05 * early["steps"]
 
 
+def test_by_state_splits_the_memory_bound_samples(capsys):
+    """--by-state: the memory-bound samples with an early start under way and without one, each
+    group's live, free, cache-only and (NemotronH's) sink shares tiling the arena."""
+    argv = ["--model", "nemotronh-8b-like", "--n-short", "32", "--short", "512,32", "--long", "2048,32",
+            "--static-ratios", "none", "--rule", "now", "--arena-gib", "1", "--max-num-seqs", "16",
+            "--max-num-batched-tokens", "1024", "--prefix-cache", "--by-state"]
+    (row,) = sim.run(argv)
+    groups = row["by_state"]
+    assert set(groups) <= {"an early start under way", "no early start"} and groups
+    assert sum(g["samples"] for g in groups.values()) == row["memory_bound_samples"] > 0
+    for g in groups.values():
+        assert 0 <= g["owed_decoders"] <= 1 and g["live"] > 0.5
+        assert 0.99 < g["live"] + g["free"] + g["cached"] < 1.0  # the rest: the sink's slot
+    out = capsys.readouterr().out
+    assert all(f"      {name}: {g['samples']} samples" in out for name, g in groups.items())
+
+
 def test_fp8_kv_holds_twice_the_tokens_in_the_same_bytes(capsys):
     """--kv-cache-dtype auto,fp8: the same trace in the same arena bytes, once per K/V dtype.  On
     an attention-only model whose K/V binds (kv-heavy, 4K prompts, a small arena), fp8's half-width
