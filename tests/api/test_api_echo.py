@@ -218,6 +218,39 @@ def test_chat_prompt_logprobs_score_the_templated_prompt(srv, dense):
     assert got["choices"][0]["message"] == plain["choices"][0]["message"] and plain.get("prompt_logprobs") is None
 
 
+def test_chat_continues_and_echoes_the_final_message(srv):
+    """vLLM's chat extras: continue_final_message (with add_generation_prompt false) renders the
+    chat up to the last message's content, as /tokenize says; with echo the answer starts with
+    that message (in its role), then the tokens the request draws without echo, streamed alike.
+    After a generation prompt the last message is the user's: echo adds nothing.  Both flags at
+    once: a 400 naming continue_final_message."""
+    last = _unique(12)
+    conv = [{"role": "user", "content": _unique(20)}, {"role": "assistant", "content": last}]
+    body = {"messages": conv, "max_tokens": 4, "add_generation_prompt": False, "continue_final_message": True}
+    plain, echo = _ok_chat(srv, body), _ok_chat(srv, {**body, "echo": True})
+    ids = httpx.post(srv.url + "/tokenize", json={"model": MODEL, "messages": conv, "add_generation_prompt": False,
+                                                  "continue_final_message": True}, timeout=60).json()["tokens"]
+    assert ids == engine_call(srv, lambda e: e.tokenizer.encode_chat(conv, False, True))
+    assert ids != engine_call(srv, lambda e: e.tokenizer.encode_chat(conv, False))  # the turn's end is cut
+    assert plain["usage"]["prompt_tokens"] == echo["usage"]["prompt_tokens"] == len(ids)
+    msg = echo["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"] == last + plain["choices"][0]["message"]["content"]
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**KW, **body, "echo": True, "stream": True},
+                      timeout=300) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1]["content"] == last
+    assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+    asked = {"messages": conv[:1], "max_tokens": 3}
+    echoed = _ok_chat(srv, {**asked, "echo": True})["choices"][0]["message"]
+    assert echoed == _ok_chat(srv, asked)["choices"][0]["message"]
+    user_turn = _ok_chat(srv, {"messages": conv[:1], "max_tokens": 2, "add_generation_prompt": False, "echo": True})
+    assert user_turn["choices"][0]["message"]["role"] == "user"  # the answer goes on in the last message's role
+    assert user_turn["choices"][0]["message"]["content"].startswith(conv[0]["content"])
+    r = _post(srv, {**body, "add_generation_prompt": True}, "/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
 def _ok_chat(srv, body: dict) -> dict:
     r = _post(srv, body, "/v1/chat/completions")
     assert r.status_code == 200, r.text

@@ -219,6 +219,9 @@ def test_prompt_forms_and_chat(engine_llm):
     chat = engine_llm.chat([{"role": "user", "content": "hello"}], sp)[0]
     assert chat.prompt_token_ids == tok.encode("user: hello\nassistant: ")
     assert len(chat.outputs[0].token_ids) == 3
+    started = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "An apple"}]
+    going_on = engine_llm.chat(started, sp, add_generation_prompt=False, continue_final_message=True)[0]
+    assert going_on.prompt_token_ids == tok.encode("user: hello\nassistant: An apple")  # no end of its turn
     with pytest.raises(TypeError, match="unknown LLM arguments"):
         type(engine_llm)(tiny(), not_an_option=1)
     assert_idle_clean(engine_llm)

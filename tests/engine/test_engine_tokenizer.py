@@ -78,6 +78,24 @@ def test_gemma_template_folds_the_system_message_and_refuses_other_orders():
             render_chat(GEMMA_TEMPLATE, bad, bos_token="<bos>")
 
 
+def test_continue_final_message_ends_the_text_with_the_last_message():
+    """continue_final_message (vLLM's, transformers' rule): the rendered chat is cut right after
+    the last message's content (trimmed), so what the template writes after it -- the end of the
+    turn -- is gone and the model goes on from that content; a new turn cannot follow too, and a
+    template that rewrites the content leaves nothing to cut at."""
+    from umem_jax.engine.tokenizer import GEMMA_TEMPLATE, PLAIN_TEMPLATE
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " An apple a day "}]
+    assert render_chat(GEMMA_TEMPLATE, msgs, False, True, bos_token="<bos>") == (
+        "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\nAn apple a day")
+    assert render_chat(PLAIN_TEMPLATE, msgs, False, True) == "user: hi\nassistant:  An apple a day"
+    assert render_chat(PLAIN_TEMPLATE, msgs, False) == "user: hi\nassistant:  An apple a day \n"
+    with pytest.raises(ValueError, match="^continue_final_message: cannot be true with add_generation_prompt"):
+        render_chat(PLAIN_TEMPLATE, msgs, True, True)
+    with pytest.raises(ValueError, match="^continue_final_message: the last message's content does not appear"):
+        render_chat("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}", msgs, False, True)
+
+
 def test_find_stop():
     assert find_stop("hello world", 5, ["wor", "xyz"]) == (6, "wor")
     assert find_stop("hello world", 1, ["o w"]) is None  # ended before the new text

@@ -179,18 +179,22 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
-        ids = await engine.tokenize_chat(body.conversation(), body.add_generation_prompt)
+        ids = await engine.tokenize_chat(body.conversation(), body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message)
     except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
+        raise APIError(400, str(e), bad_request(e).param or "messages") from None
     rid = random_id("chatcmpl")
     run = await _start(engine, [ids], body, rid, field="messages")
-    want = bool(body.logprobs)
+    want, role, echoed = bool(body.logprobs), body.response_role(), body.echoed()
     if body.stream:
         async def chunks():
             for i in range(body.n):
                 yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
-                    index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    index=i, delta=DeltaMessage(role=role, content=""))],
                     usage=run.usage() if body.continuous_usage else None)
+            for i in range(body.n if echoed else 0):  # echo: the continued message, before what is generated
+                yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
+                    index=i, delta=DeltaMessage(content=echoed))], usage=run.usage() if body.continuous_usage else None)
             async for s, d in run.deltas(None):
                 lp = chat_logprobs(tok, d.token_ids, d.logprobs) if want and d.token_ids else None
                 if d.text or lp is not None or d.finish_reason is not None:
@@ -203,8 +207,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
 
         return _event_stream(engine, run.streams, chunks())
     await run.collect(engine, raw)
-    choices = [ChatChoice(index=i, message=ChatResponseMessage(content=s.text), finish_reason=s.finish[0],
-                          stop_reason=s.finish[1], logprobs=chat_logprobs(tok, s.token_ids, s.logprobs) if want else None)
+    choices = [ChatChoice(index=i, message=ChatResponseMessage(role=role, content=echoed + s.text),
+                          finish_reason=s.finish[0], stop_reason=s.finish[1],
+                          logprobs=chat_logprobs(tok, s.token_ids, s.logprobs) if want else None)
                for i, s in run.final()]
     pl = run.prompt_lp.get(0)
     extra = None if pl is None or body.prompt_logprobs is None else prompt_logprobs_json(tok, pl, body.prompt_logprobs)

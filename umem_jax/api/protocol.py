@@ -14,7 +14,9 @@ use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour 
 logit_bias, tools, response_format other than text, ...) are refused with a 400 naming the
 field: silently ignoring them would return something else than was asked for.  Completions
 take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
-`prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM).
+`prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM), and
+vLLM's `continue_final_message` (the answer goes on from the last message) with `echo` (the
+answer starts with that message when it has the answer's role).
 """
 
 from __future__ import annotations
@@ -295,6 +297,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
+    # vLLM's extras: continue the last message (not a new turn; add_generation_prompt must be false),
+    # and echo it: the answer starts with the last message when it has the answer's role
+    continue_final_message: bool = False
+    echo: bool = False
     prompt_logprobs: int | None = None  # vLLM's extra: the templated prompt's scores (response level; not streamed)
 
     def _max_tokens(self) -> tuple[str, int | None]:
@@ -304,6 +310,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def response_role(self) -> str:
+        """The answer's role: the assistant's after a generation prompt, else the last message's
+        (the answer goes on from it, as vLLM has it)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self) -> str:
+        """What echo puts before the generated text: the last message's, if it has the answer's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == self.response_role() else ""
 
     def num_logprobs(self) -> int | None:
         """logprobs=true: the chosen token's logprob and `top_logprobs` alternatives (default 0)."""

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from .async_engine import AsyncLLMEngine
-from .errors import APIError
+from .errors import APIError, bad_request
 from .logprobs import token_piece
 from .protocol import ChatMessage, _Request
 
@@ -29,6 +29,7 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # text only (a chat template writes its own BOS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message continued (chat_completions' extra)
     return_token_strs: bool = False
 
 
@@ -65,9 +66,10 @@ async def tokenize(body: TokenizeRequest, raw: Request):
     if body.messages is not None:
         try:
             conv = [{"role": m.role, "content": m.text()} for m in body.messages]
-            ids = await engine.tokenize_chat(conv, body.add_generation_prompt, check_len=False)
+            ids = await engine.tokenize_chat(conv, body.add_generation_prompt, check_len=False,
+                                             continue_final_message=body.continue_final_message)
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e), bad_request(e).param or "messages") from None
     else:
         ids = await engine.encode(body.prompt, body.add_special_tokens)
     strs = [token_piece(engine.tokenizer, t)[0] for t in ids] if body.return_token_strs else None

@@ -35,8 +35,15 @@ PLAIN_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True, **special) -> str:
-    """Render a Jinja chat template the way transformers does (sandboxed, trim_blocks)."""
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, **special) -> str:
+    """Render a Jinja chat template the way transformers does (sandboxed, trim_blocks).
+    continue_final_message: the text ends with the last message's content, as if the model had
+    written it so far (what the template writes after it, an end of turn, is cut), so the
+    model continues that message instead of starting a new one."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be true with add_generation_prompt (a new turn cannot "
+                         "follow a message that is being continued)")
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(msg):
@@ -47,7 +54,15 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    if not continue_final_message:
+        return text
+    last = str(messages[-1]["content"]).strip() if messages else ""
+    at = text.rfind(last) if last else -1
+    if at < 0:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
+                         "chat (this chat template changes it), so there is no end to continue from")
+    return text[:at + len(last)]
 
 
 def read_chat_template(given: str | None) -> str | None:
@@ -105,8 +120,9 @@ class ByteTokenizer:
         out.append(raw.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(render_chat(self.chat_template, messages, add_generation_prompt))
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        return self.encode(render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message))
 
 
 class HFTokenizer:
@@ -155,9 +171,10 @@ class HFTokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = render_chat(self.chat_template, messages, add_generation_prompt, bos_token=self.bos_token or "",
-                           eos_token=self.eos_token or "")
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        text = render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message,
+                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         return self.encode(text, add_special_tokens=False)  # the template already wrote BOS
 
 
