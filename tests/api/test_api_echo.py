@@ -249,6 +249,12 @@ def test_chat_continues_and_echoes_the_final_message(srv):
     assert user_turn["choices"][0]["message"]["content"].startswith(conv[0]["content"])
     r = _post(srv, {**body, "add_generation_prompt": True}, "/v1/chat/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    for extra, param in (({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"chat_template": "{{ 1 }}"}, "chat_template")):  # vLLM refuses a request's own template
+        r = _post(srv, {"messages": conv[:1], **extra}, "/v1/chat/completions")
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    kw = _ok_chat(srv, {**asked, "chat_template_kwargs": {"enable_thinking": False}})  # a variable this one ignores
+    assert kw["choices"][0]["message"] == echoed
 
 
 def _ok_chat(srv, body: dict) -> dict:

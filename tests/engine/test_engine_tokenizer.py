@@ -96,6 +96,21 @@ def test_continue_final_message_ends_the_text_with_the_last_message():
         render_chat("{% for m in messages %}{{ m['content'] | upper }}{% endfor %}", msgs, False, True)
 
 
+def test_chat_template_kwargs_are_the_templates_variables(tmp_path):
+    """chat_template_kwargs (vLLM's: Qwen's enable_thinking, ...) reach the template as variables;
+    the request's own fields cannot be set through them; the tokenizer's specials stay its own."""
+    tmpl = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}hi {% endif %}")
+    msgs = [{"role": "user", "content": "hello"}]
+    assert render_chat(tmpl, msgs, template_kwargs={"enable_thinking": False}) == "hello hi "
+    assert render_chat(tmpl, msgs, template_kwargs={"enable_thinking": True}) == render_chat(tmpl, msgs) == "hello "
+    for taken in ("messages", "add_generation_prompt"):
+        with pytest.raises(ValueError, match=f"^chat_template_kwargs: {taken} is set by the request"):
+            render_chat(tmpl, msgs, template_kwargs={taken: 1})
+    tok = HFTokenizer(_hf_dir(tmp_path, tmpl))
+    assert tok.encode_chat(msgs, template_kwargs={"enable_thinking": False, "bos_token": "world"}) == [2, 4, 6]
+
+
 def test_find_stop():
     assert find_stop("hello world", 5, ["wor", "xyz"]) == (6, "wor")
     assert find_stop("hello world", 1, ["o w"]) is None  # ended before the new text

@@ -180,7 +180,8 @@ class AsyncLLMEngine:
         return await loop.run_in_executor(self._tokenize_pool, self.engine.tokenizer.encode, text, add_special_tokens)
 
     async def tokenize_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            check_len: bool = True, continue_final_message: bool = False) -> list[int]:
+                            check_len: bool = True, continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
         """Chat messages through the tokenizer's template, in the pool, checked against
         max_model_len (ValueError naming "messages") unless check_len is False (/tokenize)."""
         eng = self.engine
@@ -189,7 +190,7 @@ class AsyncLLMEngine:
                            eng.max_token_chars, "messages")
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_pool, eng.tokenizer.encode_chat, conversation,
-                                         add_generation_prompt, continue_final_message)
+                                         add_generation_prompt, continue_final_message, template_kwargs)
         if check_len:
             check_prompt_len(len(ids), eng.max_model_len, "messages")
         return ids

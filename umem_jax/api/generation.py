@@ -180,7 +180,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
         raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions with token ids")
     try:
         ids = await engine.tokenize_chat(body.conversation(), body.add_generation_prompt,
-                                         continue_final_message=body.continue_final_message)
+                                         continue_final_message=body.continue_final_message,
+                                         template_kwargs=body.chat_template_kwargs)
     except ValueError as e:
         raise APIError(400, str(e), bad_request(e).param or "messages") from None
     rid = random_id("chatcmpl")

@@ -67,16 +67,18 @@ class LLM:
         return self._run([engine.enqueue(r) for r in reqs])
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Chat messages ([{"role", "content"}, ...], or a list of such conversations) through
         the tokenizer's chat template; continue_final_message (with add_generation_prompt=False):
-        the output goes on from the last message instead of starting a turn of its own."""
+        the output goes on from the last message instead of starting a turn of its own;
+        chat_template_kwargs: more of the template's variables (Qwen's enable_thinking, ...)."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([{"prompt_token_ids": tok.encode_chat(c, add_generation_prompt, continue_final_message)}
-                              for c in convs], sampling_params)
+        ids = [tok.encode_chat(c, add_generation_prompt, continue_final_message, chat_template_kwargs) for c in convs]
+        return self.generate([{"prompt_token_ids": i} for i in ids], sampling_params)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         engine, want, done = self.llm_engine, set(ids), {}

@@ -16,7 +16,8 @@ field: silently ignoring them would return something else than was asked for.  C
 take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
 `prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM), and
 vLLM's `continue_final_message` (the answer goes on from the last message) with `echo` (the
-answer starts with that message when it has the answer's role).
+answer starts with that message when it has the answer's role) and `chat_template_kwargs` (the
+template's variables; a request's own `chat_template` is refused, as vLLM does by default).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 UNHONOURED_EXTRAS = {
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                      "json_schema", "regex", "ebnf", "allowed_token_ids", "bad_words", "logits_processors",
-                     "truncate_prompt_tokens", "length_penalty")),
+                     "truncate_prompt_tokens", "length_penalty", "chat_template", "documents")),
     "use_beam_search": False, "return_tokens_as_token_ids": False, "skip_special_tokens": True,
     "spaces_between_special_tokens": True,
 }
@@ -301,6 +302,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # and echo it: the answer starts with the last message when it has the answer's role
     continue_final_message: bool = False
     echo: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen's enable_thinking, ...)
     prompt_logprobs: int | None = None  # vLLM's extra: the templated prompt's scores (response level; not streamed)
 
     def _max_tokens(self) -> tuple[str, int | None]:

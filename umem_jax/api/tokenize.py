@@ -10,6 +10,8 @@ tokens (as vLLM's does).  Ids outside the vocabulary are a 400 naming `tokens`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
@@ -30,6 +32,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True  # text only (a chat template writes its own BOS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message continued (chat_completions' extra)
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -67,7 +70,8 @@ async def tokenize(body: TokenizeRequest, raw: Request):
         try:
             conv = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = await engine.tokenize_chat(conv, body.add_generation_prompt, check_len=False,
-                                             continue_final_message=body.continue_final_message)
+                                             continue_final_message=body.continue_final_message,
+                                             template_kwargs=body.chat_template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), bad_request(e).param or "messages") from None
     else:

@@ -36,11 +36,16 @@ PLAIN_TEMPLATE = (
 
 
 def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, **special) -> str:
+                continue_final_message: bool = False, template_kwargs: dict | None = None, **special) -> str:
     """Render a Jinja chat template the way transformers does (sandboxed, trim_blocks).
     continue_final_message: the text ends with the last message's content, as if the model had
     written it so far (what the template writes after it, an end of turn, is cut), so the
-    model continues that message instead of starting a new one."""
+    model continues that message instead of starting a new one.  template_kwargs: more of the
+    template's variables (a request's chat_template_kwargs: Qwen's enable_thinking, ...);
+    `special` (the tokenizer's bos_token, eos_token) comes after them."""
+    taken = sorted({"messages", "add_generation_prompt"} & set(template_kwargs or {}))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(taken)} is set by the request's own fields")
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be true with add_generation_prompt (a new turn cannot "
                          "follow a message that is being continued)")
@@ -54,7 +59,8 @@ def render_chat(template: str, messages: list[dict], add_generation_prompt: bool
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
-    text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                            **{**(template_kwargs or {}), **special})
     if not continue_final_message:
         return text
     last = str(messages[-1]["content"]).strip() if messages else ""
@@ -121,8 +127,9 @@ class ByteTokenizer:
         return "".join(out)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
-        return self.encode(render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message))
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        return self.encode(render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message,
+                                       template_kwargs))
 
 
 class HFTokenizer:
@@ -172,9 +179,9 @@ class HFTokenizer:
         return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
         text = render_chat(self.chat_template, messages, add_generation_prompt, continue_final_message,
-                           bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                           template_kwargs, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         return self.encode(text, add_special_tokens=False)  # the template already wrote BOS
 
 
