@@ -173,6 +173,18 @@ def test_router_equals_one_engine(workers):
         assert [r.json()["choices"][0]["text"] for r in rs] == want[:2]
         await _check_both(workers)
         assert await _check_transfer_log(workers, 9) == ["shm"] * 7 + ["http"] * 2
+        # chat: the template's options reach the decode worker's tokenizer (the answer's role too)
+        chat = {"messages": [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"}],
+                "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True}
+        async with httpx.AsyncClient(timeout=120) as c:
+            alone = (await c.post(f"{workers['decode'].url}/v1/chat/completions", json=chat)).json()
+        async with _client(router) as c:
+            r = await c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"] == alone["choices"][0]["message"]
+        assert r.json()["usage"]["prompt_tokens"] == alone["usage"]["prompt_tokens"]
+        await _check_both(workers)
 
     asyncio.run(go())
 

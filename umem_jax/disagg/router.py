@@ -290,7 +290,10 @@ def build_router_app(router: Router, model_name: str = "umem-jax") -> FastAPI:
     async def chat(raw: Request):
         body = ChatCompletionRequest(**await raw.json())
         _refuse(body)
-        ids = await router.tokenize({"messages": body.conversation()})
+        template = {"add_generation_prompt": body.add_generation_prompt,  # rendered at the decode worker as asked
+                    "continue_final_message": body.continue_final_message,
+                    "chat_template_kwargs": body.chat_template_kwargs}
+        ids = await router.tokenize({"messages": body.conversation(), **template})
         return await _respond(router, body, ids, "chat.completion", body.model or model_name)
 
     return app
@@ -303,19 +306,20 @@ def _params(body) -> dict:
         raise APIError(400, str(e)) from None
 
 
-def _choice(kind: str, d: dict, stream: bool) -> dict:
+def _choice(kind: str, d: dict, stream: bool, role: str = "assistant") -> dict:
     out = {"index": 0, "finish_reason": d.get("finish_reason"), "stop_reason": d.get("stop_reason"),
            "token_ids": d.get("token_ids", [])}
     if kind == "text_completion":
         out["text"] = d.get("text", "")
     else:
-        out["delta" if stream else "message"] = {"role": "assistant", "content": d.get("text", "")}
+        out["delta" if stream else "message"] = {"role": role, "content": d.get("text", "")}
     return out
 
 
 async def _respond(router: Router, body, ids: list[int], kind: str, model: str):
     params, rid = _params(body), f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
     gen = router.deltas(ids, params, (body.model_extra or {}).get("request_id"))
+    role = body.response_role() if kind != "text_completion" else "assistant"
     head = {"id": rid, "object": kind if not body.stream or kind == "text_completion" else "chat.completion.chunk",
             "created": int(time.time()), "model": model}
     if not body.stream:
@@ -325,7 +329,7 @@ async def _respond(router: Router, body, ids: list[int], kind: str, model: str):
         if last.get("error"):
             raise APIError(500, last["error"])
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks), "total_tokens": len(ids) + len(toks)}
-        return JSONResponse({**head, "choices": [_choice(kind, {**last, "text": text, "token_ids": toks}, False)],
+        return JSONResponse({**head, "choices": [_choice(kind, {**last, "text": text, "token_ids": toks}, False, role)],
                              "usage": usage})
     first = await anext(gen)  # errors before the first token are still an HTTP status
 
@@ -335,7 +339,7 @@ async def _respond(router: Router, body, ids: list[int], kind: str, model: str):
             if d.get("error"):
                 yield f"data: {json.dumps({'error': {'message': d['error'], 'type': 'server_error', 'code': 500}})}\n\n"
                 break
-            yield f"data: {json.dumps({**head, 'choices': [_choice(kind, d, True)]})}\n\n"
+            yield f"data: {json.dumps({**head, 'choices': [_choice(kind, d, True, role)]})}\n\n"
             if d.get("finish_reason") is not None:
                 break
             try:
