@@ -257,6 +257,22 @@ def test_chat_continues_and_echoes_the_final_message(srv):
     assert kw["choices"][0]["message"] == echoed
 
 
+def test_reasoning_effort_is_a_template_variable(srv):
+    """OpenAI's reasoning_effort reaches the chat template as a variable of that name (gpt-oss's
+    template reads it; chat_template_kwargs may set it too, and win); other values are a 400."""
+    from umem_jax.api.protocol import ChatCompletionRequest
+
+    msgs = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(messages=msgs, reasoning_effort="low").template_kwargs() == {"reasoning_effort": "low"}
+    both = ChatCompletionRequest(messages=msgs, reasoning_effort="low",
+                                 chat_template_kwargs={"reasoning_effort": "high"})
+    assert both.template_kwargs() == {"reasoning_effort": "high"}
+    assert ChatCompletionRequest(messages=msgs).template_kwargs() is None
+    r = _post(srv, {"messages": msgs, "reasoning_effort": "extreme"}, "/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    assert _ok_chat(srv, {"messages": msgs, "max_tokens": 2, "reasoning_effort": "high"})["choices"][0]["message"]
+
+
 def _ok_chat(srv, body: dict) -> dict:
     r = _post(srv, body, "/v1/chat/completions")
     assert r.status_code == 200, r.text

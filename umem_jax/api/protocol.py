@@ -303,6 +303,7 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen's enable_thinking, ...)
+    reasoning_effort: str | None = None  # OpenAI's: a template variable of that name (gpt-oss's template reads it)
     prompt_logprobs: int | None = None  # vLLM's extra: the templated prompt's scores (response level; not streamed)
 
     def _max_tokens(self) -> tuple[str, int | None]:
@@ -312,6 +313,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort unless
+        they set it."""
+        if self.reasoning_effort is not None and self.reasoning_effort not in ("low", "medium", "high"):
+            raise ValueError(f"reasoning_effort={self.reasoning_effort!r}: must be low, medium or high")
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})} or None
 
     def response_role(self) -> str:
         """The answer's role: the assistant's after a generation prompt, else the last message's

@@ -25,7 +25,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..api.errors import APIError, add_handlers, error
+from ..api.errors import APIError, add_handlers, bad_request, error
 from ..api.protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -292,11 +292,18 @@ def build_router_app(router: Router, model_name: str = "umem-jax") -> FastAPI:
         _refuse(body)
         template = {"add_generation_prompt": body.add_generation_prompt,  # rendered at the decode worker as asked
                     "continue_final_message": body.continue_final_message,
-                    "chat_template_kwargs": body.chat_template_kwargs}
+                    "chat_template_kwargs": _template_kwargs(body)}
         ids = await router.tokenize({"messages": body.conversation(), **template})
         return await _respond(router, body, ids, "chat.completion", body.model or model_name)
 
     return app
+
+
+def _template_kwargs(body) -> dict | None:
+    try:
+        return body.template_kwargs()
+    except ValueError as e:
+        raise bad_request(e) from None
 
 
 def _params(body) -> dict:
