@@ -13,9 +13,9 @@ build.py, in dependency order.
 Overlap: `step()` launches step N+1 before reading step N's tokens, so the host schedules
 while the device computes; decode rows take their input token from step N's device output.
 The price: a request that stops on a token (EOS, stop string) is found out one step late and
-that step's row for it is wasted; one that step N ends by length gives its memory to step
-N+1 before N is read back (Scheduler.release_ending).  Batches that use penalties read back first (their counts
-need every output token on the host).  Speculative decode steps overlap too: the next one is
+that step's row for it is wasted; one that step N ends by length gives its memory to step N+1
+before N is read back (Scheduler.release_ending).  Batches that use penalties read back first
+(their counts need every output token on the host).  Speculative decode steps overlap too: the next one is
 placed for the worst case of the accepted counts still on the device and reads them there
 (overlap.py says when a step stays in flight).
 
