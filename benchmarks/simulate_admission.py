@@ -15,8 +15,11 @@ fitted to the H200 (bench_models / bench_engine, RESULTS.md):
                   tokens, the model of the tables before it)
     decode step   DECODE_BASE_S + DECODE_S_PER_ROW * rows + K/V read at the rows' lengths
 
-so arrivals interleave with steps roughly as on the GPU.  What it reports is exact for the
-scheduler (admissions, retractions, peak running, utilization of the arena by live requests);
+so arrivals interleave with steps roughly as on the GPU.  A request that a step ends gives its
+memory to the next schedule, as the engine's `Scheduler.release_ending` does since session 33
+(before it, the engine held those pages one schedule longer than this simulation did).  What it
+reports is exact for the scheduler (admissions, retractions, peak running, utilization of the
+arena by live requests);
 the times are the cost model's, so tok/s here is a model figure, not a measurement.
 
 By default a long prompt may start its prefill in the bytes no running request is owed before its
