@@ -204,6 +204,10 @@ def test_response_format_other_than_text_is_refused_by_name(srv, fmt):
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"7": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"seven": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"99999999": 1}},
+     "logit_bias"),
 ])
 def test_bad_values_are_openai_400s_naming_the_field(srv, path, body, param):
     r = httpx.post(srv.url + path, json={"model": MODEL, **body}, timeout=60)
@@ -212,6 +216,18 @@ def test_bad_values_are_openai_400s_naming_the_field(srv, path, body, param):
     assert err["param"] == param and err["type"] == "BadRequestError" and err["code"] == 400
     assert err["message"].startswith(param), err
     assert json.loads(r.text)  # one JSON object
+
+
+def test_logit_bias_steers_completions_and_chat(srv):
+    """OpenAI's logit_bias: +100 on one token id makes greedy decoding repeat it, in both APIs."""
+    a, b = (httpx.post(srv.url + "/tokenize", json={"model": MODEL, "prompt": c, "add_special_tokens": False},
+                       timeout=60).json()["tokens"][0] for c in "AB")
+    tok = srv.client.completions.create(prompt=_unique(16), temperature=0, logit_bias={str(a): 100}, **KW)
+    assert tok.choices[0].text == "A" * 5
+    chat = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": _unique(8)}],
+                                              temperature=0, max_completion_tokens=3, logit_bias={str(b): 100},
+                                              extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == "BBB"
 
 
 def test_the_engine_is_clean_after_the_surface_tests(srv):

@@ -398,3 +398,13 @@ def test_requests_whose_drafts_do_not_pay_stop_speculating(decode_row_verify):
     assert llm.llm_engine.stats()["speculative"]["num_requests_switched_off"] == 0
     with pytest.raises(ValueError, match="min_acceptance"):
         LLM(target, arena_bytes=250 << 10, speculative_config=dict(spec, min_acceptance=1.5))
+
+
+def test_logit_bias_is_refused_with_speculation():
+    """A verify's acceptance reads the unbiased rows, so a request with logit_bias is refused by
+    name on a speculating engine (and nothing is queued)."""
+    target = _model("tiny-attention")
+    llm = LLM(target, arena_bytes=250 << 10, **SPEC, speculative_config={"model": target, "num_speculative_tokens": K})
+    with pytest.raises(ValueError, match="^logit_bias: not supported with speculative decoding"):
+        llm.llm_engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, logit_bias={5: 1.0}))
+    assert not llm.llm_engine.has_unfinished_requests()

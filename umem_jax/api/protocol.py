@@ -10,9 +10,10 @@ Shapes follow the OpenAI API as vLLM serves it, because that is what `vllm bench
   errors                     -> ErrorResponse {"error": {"message", "type", "param", "code"}}
 
 Requests accept unknown fields (extra="allow") so vLLM / SGLang extras that this engine does not
-use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour (suffix,
-logit_bias, tools, response_format other than text, ...) are refused with a 400 naming the
-field: silently ignoring them would return something else than was asked for.  Completions
+use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour (suffix, tools,
+response_format other than text, ...) are refused with a 400 naming the field: silently
+ignoring them would return something else than was asked for.  `logit_bias` is honoured (token
+ids as JSON keys, biases in [-100, 100], at most 300).  Completions
 take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
 `prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM), and
 vLLM's `continue_final_message` (the answer goes on from the last message) with `echo` (the
@@ -150,8 +151,6 @@ class _SamplingRequest(_Request):
 
     def unsupported(self) -> str | None:
         """The first field set to something the engine cannot do, or None."""
-        if self.logit_bias:
-            return "logit_bias"
         return _unhonoured(self.model_extra)
 
     def num_logprobs(self) -> int | None:
@@ -190,7 +189,8 @@ class _SamplingRequest(_Request):
                                   min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                                   logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
-                                  include_stop_str_in_output=self.include_stop_str_in_output, **kw)
+                                  include_stop_str_in_output=self.include_stop_str_in_output,
+                                  logit_bias=self.logit_bias, **kw)
         except ValueError as e:  # SamplingParams names its max_tokens; the request may have used an alias
             if field != "max_tokens" and str(e).startswith("max_tokens="):
                 raise ValueError(field + str(e)[len("max_tokens"):]) from None

@@ -16,6 +16,8 @@ MAX_SAMPLES = 128  # n and best_of: samples of one prompt (OpenAI's limit on n)
 # it would overflow to ties of inf, and a near-tie would be drawn at random where argmax is meant.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token (vLLM's default max_logprobs; the sampler's largest bucket)
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (the step's widest bias bucket)
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range of a bias: [-100, 100]
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -46,12 +48,21 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token, its logprob and this many top alternatives (None: none)
     priority: int = 0
     best_of: int | None = None  # samples drawn, the n of highest mean token logprob returned (None: n)
+    # added to these token ids' logits before sampling (OpenAI's: -100 bans, 100 all but forces);
+    # logprobs still report the model's own distribution, as vLLM's do
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:  # JSON keys are strings ("50256"): token ids here
+            try:
+                self.logit_bias = {_token_id(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias={_short(self.logit_bias)}: must map token ids to numbers") from None
+        self.logit_bias = self.logit_bias or None
         self.validate()
 
     def validate(self) -> None:
@@ -81,6 +92,9 @@ class SamplingParams:
              f"a stop string has at most {MAX_STOP_CHARS} characters"),
             (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"at most {MAX_STOP_TOKEN_IDS} stop token ids"),
+            (len(self.logit_bias or ()) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids"),
+            (all(-LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT for v in (self.logit_bias or {}).values()), "logit_bias",
+             f"biases must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -94,6 +108,13 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _token_id(key) -> int:
+    """A logit_bias key as a token id: an int, or a string of one (JSON object keys)."""
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(key)
+    return int(key)
 
 
 def seed_word(seed: int) -> int:
@@ -111,6 +132,8 @@ def seed_word(seed: int) -> int:
 
 def _short(value) -> str:
     """repr for an error message, cut short (a refused list may hold a million strings)."""
+    if isinstance(value, dict) and len(value) > 8:
+        value = list(value.items())
     if isinstance(value, list) and len(value) > 8:
         text = f"[{', '.join(repr(v)[:40] for v in value[:8])}, ...] ({len(value)} items)"
     else:

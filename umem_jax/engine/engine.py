@@ -112,6 +112,8 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:8]}")
         check_vocab_fields(params, vocab)
+        if params.logit_bias and self.spec_stats is not None:  # the verify's acceptance reads unbiased rows
+            raise ValueError("logit_bias: not supported with speculative decoding yet")
         if params.stop and self.tokenizer is None:  # no text is made, so none could ever match
             raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:

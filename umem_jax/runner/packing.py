@@ -28,8 +28,15 @@ FLOAT_SAMPLING = ("temperature", "top_p", "min_p", "repetition_penalty", "presen
 # request's life (converted once), except `step`, which is filled in every step.
 SAMPLING_FIELDS = INT_SAMPLING + FLOAT_SAMPLING
 STEP_COLUMN = SAMPLING_FIELDS.index("step")
-# The value of each per-row field in a padding row: greedy, no cuts, no penalties, nothing fed or banned.
-_PAD = {"src": -1, "ban": -1, "checkpoint_positions": -1, "top_p": 1.0, "repetition_penalty": 1.0}
+# The value of each per-row field in a padding row: greedy, no cuts, no penalties, nothing fed, banned or biased.
+_PAD = {"src": -1, "ban": -1, "checkpoint_positions": -1, "top_p": 1.0, "repetition_penalty": 1.0, "bias_ids": -1}
+FLOAT_FIELDS = FLOAT_SAMPLING + ("bias",)  # float32 fields, bit-cast into the int32 buffer
+LOGIT_BIAS_BUCKETS = (16, 64, 300)  # bias columns a step may carry per row (the last: MAX_LOGIT_BIAS)
+
+
+def logit_bias_bucket(n: int) -> int:
+    """Bias columns of a step whose rows bias at most n token ids (0: none)."""
+    return 0 if n <= 0 else next(b for b in LOGIT_BIAS_BUCKETS if b >= n)
 
 
 def words(values, dtype) -> np.ndarray:
@@ -54,6 +61,7 @@ class Layout:
     sampling: str = "greedy"  # the sampler's static mode (sampler.MODES): what the rows need at most
     logprobs: int | None = None  # top alternatives of a logprobs step (sampler.LOGPROB_BUCKETS); None: no logprobs
     prompt_logprobs: int | None = None  # top alternatives of a prefill that scores its tokens (prompt logprobs)
+    logit_bias: int = 0  # bias columns per row (LOGIT_BIAS_BUCKETS; 0: no row biases a token)
 
     def fields(self) -> list[tuple[str, tuple[int, ...]]]:
         B, K = self.B, self.checkpoints_per_row
@@ -63,6 +71,8 @@ class Layout:
             out += [("checkpoint_positions", (B, K)), ("checkpoint_slots", (B, K))]
         out += [(n, (B,)) for n in SAMPLING_FIELDS]
         out += [("ban", (B, self.banned_per_row))]
+        if self.logit_bias:
+            out += [("bias_ids", (B, self.logit_bias)), ("bias", (B, self.logit_bias))]
         if self.prompt_logprobs is not None:
             out += [("next", (B,))]  # the token after each row's chunk (its last token's target)
         return out
@@ -117,7 +127,7 @@ class Layout:
         views = {}
         for name, (a, b, shape) in self.spans.items():
             v = meta[a:b].reshape(shape)
-            views[name] = v.view(np.float32) if name in FLOAT_SAMPLING else v
+            views[name] = v.view(np.float32) if name in FLOAT_FIELDS else v
         return views
 
     def unpack(self, meta: jax.Array) -> dict[str, jax.Array]:
@@ -125,7 +135,7 @@ class Layout:
         out = {}
         for name, (a, b, shape) in self.spans.items():
             v = meta[a:b].reshape(shape)
-            out[name] = lax.bitcast_convert_type(v, jnp.float32) if name in FLOAT_SAMPLING else v
+            out[name] = lax.bitcast_convert_type(v, jnp.float32) if name in FLOAT_FIELDS else v
         return out
 
 
@@ -295,6 +305,12 @@ def pack(batch, lay: Layout, cache_rows: np.ndarray, row_cache: RowCache, alloca
         if row.sample and k < row.req.min_tokens:
             ids = row.req.stop_ids[:banned_per_row]
             ban[i, : len(ids)] = ids
+    if lay.logit_bias:
+        bias_ids, bias = field("bias_ids"), field("bias").view(np.float32)
+        for i, row in enumerate(rows):
+            b = row.req.params.logit_bias
+            if row.sample and b:
+                bias_ids[i, : len(b)], bias[i, : len(b)] = list(b), list(b.values())
     return meta
 
 
@@ -308,5 +324,5 @@ def _pack_checkpoints(rows, lay: Layout, positions: np.ndarray, slots: np.ndarra
     slots[:n] = allocator.translate_slots(ids.reshape(-1)).reshape(n, k)
 
 
-__all__ = ["FIELD_ALIGN", "FLOAT_SAMPLING", "INT_SAMPLING", "SAMPLING_FIELDS", "Layout", "RowCache", "RowEntry",
-           "pack", "penalty_counts"]
+__all__ = ["FIELD_ALIGN", "FLOAT_FIELDS", "FLOAT_SAMPLING", "INT_SAMPLING", "LOGIT_BIAS_BUCKETS", "SAMPLING_FIELDS",
+           "Layout", "RowCache", "RowEntry", "logit_bias_bucket", "pack", "penalty_counts"]

@@ -42,7 +42,7 @@ from ..pallas_kernels.paged_prefill import BLOCK_K_ENV, PREFILL_ENV
 from ..pallas_kernels.rms_norm import NORM_ENV
 from ..pallas_kernels.route_topk import ROUTE_ENV, ROUTER_DOT_ENV
 from ..pallas_kernels.short_extend import SHORT_EXTEND_ENV
-from .packing import Layout, RowCache, RowEntry, pack, penalty_counts
+from .packing import Layout, RowCache, RowEntry, logit_bias_bucket, pack, penalty_counts
 from .sampler import LOGPROB_BUCKETS, MODES, logprob_bucket, sample, sample_with_penalties, token_logprobs
 from .xla_log import quiet_xla_alarms
 
@@ -119,9 +119,12 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
         (logits, scores), arena = model.forward(params, arena, batch)
     else:
         logits, arena = model.forward(params, arena, batch)
-    raw = logits  # logprobs report the model's distribution, before bans and penalties
-    ban = f["ban"]  # [B, banned_per_row], -1 = none: min_tokens keeps stop tokens out
+    raw = logits  # logprobs report the model's distribution, before biases, bans and penalties
     rows = jnp.arange(layout.B)[:, None]
+    if layout.logit_bias:  # [B, columns] token ids (-1: none) and their biases, before the bans (these win)
+        ids = f["bias_ids"]
+        logits = logits.at[rows, jnp.maximum(ids, 0)].add(jnp.where(ids >= 0, f["bias"], 0.0).astype(logits.dtype))
+    ban = f["ban"]  # [B, banned_per_row], -1 = none: min_tokens keeps stop tokens out
     logits = logits.at[rows, jnp.maximum(ban, 0)].min(jnp.where(ban >= 0, -jnp.inf, jnp.inf))
     sampling = [f[n] for n in _SAMPLER_ARGS]
     if layout.penalties:
@@ -210,13 +213,14 @@ class Runner:
             self.num_copied_slots += sum(len(m) for m in moves if m.copy)
 
     def layout(self, B: int, T: int, P: int, penalties: bool = False, checkpoints_per_row: int = 0,
-               sampling: str = "greedy", logprobs: int | None = None, prompt_logprobs: int | None = None) -> Layout:
+               sampling: str = "greedy", logprobs: int | None = None, prompt_logprobs: int | None = None,
+               logit_bias: int = 0) -> Layout:
         """The layout of one step shape, made once (it caches its padding template)."""
-        key = (B, T, P, penalties, checkpoints_per_row, sampling, logprobs, prompt_logprobs)
+        key = (B, T, P, penalties, checkpoints_per_row, sampling, logprobs, prompt_logprobs, logit_bias)
         got = self._layouts.get(key)
         if got is None:
             got = self._layouts[key] = Layout(B, T, P, self.pools, self.max_batch, self.banned_per_row, penalties,
-                                              checkpoints_per_row, sampling, logprobs, prompt_logprobs)
+                                              checkpoints_per_row, sampling, logprobs, prompt_logprobs, logit_bias)
             got.template  # noqa: B018 - built (and its sampling block checked) on first use
         return got
 
@@ -326,16 +330,17 @@ class Runner:
         scores = () if decode else [r.req.prompt_lp.k for r in rows
                                     if r.req.prompt_lp is not None and not r.req.prompt_lp.complete]
         prompt_logprobs = logprob_bucket(max(scores)) if scores else None  # decode steps score nothing
+        bias = logit_bias_bucket(max((len(r.req.params.logit_bias or ()) for r in rows if r.sample), default=0))
         B = Buckets.pick(bk.batch, len(rows))
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(len(e.pages) for e in entries))
         checkpoints_per_row = 0 if decode else self.checkpoints_per_row
-        lay = self.layout(B, T, P, penalties, checkpoints_per_row, need, logprobs, prompt_logprobs)
+        lay = self.layout(B, T, P, penalties, checkpoints_per_row, need, logprobs, prompt_logprobs, bias)
         if lay not in self._ready:  # a larger logprobs bucket covers a smaller one (never no logprobs)
             buckets = [logprobs] if logprobs is None else [b for b in LOGPROB_BUCKETS if b >= logprobs]
             for mode in MODES[MODES.index(need):]:
                 for lp in buckets:
-                    cover = self.layout(B, T, P, penalties, checkpoints_per_row, mode, lp, prompt_logprobs)
+                    cover = self.layout(B, T, P, penalties, checkpoints_per_row, mode, lp, prompt_logprobs, bias)
                     if cover in self._ready:
                         return cover
         return lay
