@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from _engine_utils import assert_idle_clean, compile_count, dense_greedy, llm, prompts, tiny
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from umem_jax import SamplingParams
@@ -330,19 +330,26 @@ EXTREME_INTS = st.one_of(st.sampled_from([0, 1, -1, 319, 320, 2**31 - 1, 2**31, 
 
 @settings(max_examples=25, deadline=None)
 @given(fields=st.dictionaries(st.sampled_from(INT_FIELDS), EXTREME_INTS, min_size=1, max_size=3))
+@example(fields={"max_tokens": 375})  # under max_model_len, over what the 150 KiB arena holds beside the prompt
 def test_extreme_integers_are_served_or_refused_naming_the_field(engine_llm, fields):
-    """Either served (finished, in range) or a ValueError naming one of the fields set; the
-    engine serves the next request either way."""
+    """Either served (finished, in range) or refused naming one of the fields set: a ValueError,
+    or -- for a max_tokens the arena cannot hold beside the prompt, found at arrival by the memory
+    clip -- an aborted output whose error says so; the engine serves the next request either way."""
     kw = {k: [v] if k == "stop_token_ids" else v for k, v in fields.items() if k != "priority"}
     try:
         params = SamplingParams(temperature=0.7, **kw)
-        out = engine_llm.generate([[5, 6, 7]], params, priority=[fields.get("priority", 0)])[0].outputs[0]
+        res = engine_llm.generate([[5, 6, 7]], params, priority=[fields.get("priority", 0)])[0]
     except ValueError as err:
         named = re.match(r"(?:prompt \d+: )?(\w+)", str(err)).group(1)
         assert named in fields, err
     else:
-        vocab = engine_llm.llm_engine.model.config.vocab_size
-        assert out.finish_reason in ("stop", "length") and all(0 <= t < vocab for t in out.token_ids)
-        assert params.max_tokens is None or len(out.token_ids) <= params.max_tokens
+        out = res.outputs[0]
+        if out.finish_reason == "abort":  # refused at arrival: the arena's clip, which names max_tokens
+            assert "max_tokens" in fields and not out.token_ids
+            assert res.error.startswith("max_tokens=") and "does not fit the arena" in res.error, res.error
+        else:
+            vocab = engine_llm.llm_engine.model.config.vocab_size
+            assert out.finish_reason in ("stop", "length") and all(0 <= t < vocab for t in out.token_ids)
+            assert params.max_tokens is None or len(out.token_ids) <= params.max_tokens
     assert len(engine_llm.generate([[5, 6]], GREEDY)[0].outputs[0].token_ids) == 12
     assert_idle_clean(engine_llm)
