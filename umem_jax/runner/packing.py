@@ -184,6 +184,8 @@ class RowCache:
         self.penalties = np.zeros(capacity, bool)  # the request's params use penalties
         self.sampling_mode = np.zeros(capacity, np.int8)  # index in sampler.MODES of what the params need
         self.logprobs = np.full(capacity, -1, np.int8)  # alternatives the request records per token (-1: none)
+        self.bias_count = np.zeros(capacity, np.int16)  # token ids the request biases (logit_bias)
+        self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), biasing rows only
         self.entries: dict[int, RowEntry] = {}  # by id(req)
         self.free = list(range(capacity - 1, -1, -1))
 
@@ -223,6 +225,12 @@ class RowCache:
         self.penalties[row] = p.has_penalties
         self.sampling_mode[row] = MODES.index(sampling_mode(t, max(p.top_k, 0), p.top_p, p.min_p))
         self.logprobs[row] = -1 if req.num_logprobs is None else req.num_logprobs
+        b = p.logit_bias or {}
+        self.bias_count[row] = len(b)
+        if b:
+            self.biases[row] = (np.fromiter(b, np.int32, len(b)), np.fromiter(b.values(), np.float32, len(b)))
+        else:
+            self.biases.pop(row, None)
         self.page_ids[row] = -1
         e = RowEntry(row, req, [], p, req.seed)
         self.entries[id(req)] = e
@@ -254,8 +262,8 @@ class RowCache:
             self.penalties = np.concatenate([self.penalties, np.zeros_like(self.penalties)])
             self.sampling_mode = np.concatenate([self.sampling_mode, np.zeros_like(self.sampling_mode)])
             self.logprobs = np.concatenate([self.logprobs, np.full_like(self.logprobs, -1)])
+            self.bias_count = np.concatenate([self.bias_count, np.zeros_like(self.bias_count)])
             self.free += range(2 * cap - 1, cap - 1, -1)
-
 
 
 def pack(batch, lay: Layout, cache_rows: np.ndarray, row_cache: RowCache, allocator, pools, has_state: bool,
@@ -305,12 +313,12 @@ def pack(batch, lay: Layout, cache_rows: np.ndarray, row_cache: RowCache, alloca
         if row.sample and k < row.req.min_tokens:
             ids = row.req.stop_ids[:banned_per_row]
             ban[i, : len(ids)] = ids
-    if lay.logit_bias:
+    if lay.logit_bias:  # the biasing rows' arrays, made once per request (RowCache.entry)
         bias_ids, bias = field("bias_ids"), field("bias").view(np.float32)
-        for i, row in enumerate(rows):
-            b = row.req.params.logit_bias
-            if row.sample and b:
-                bias_ids[i, : len(b)], bias[i, : len(b)] = list(b), list(b.values())
+        for i, (row, r) in enumerate(zip(rows, cache_rows)):
+            got = row_cache.biases.get(int(r)) if row.sample else None
+            if got is not None:
+                bias_ids[i, : got[0].size], bias[i, : got[0].size] = got
     return meta
 
 

@@ -330,7 +330,7 @@ class Runner:
         scores = () if decode else [r.req.prompt_lp.k for r in rows
                                     if r.req.prompt_lp is not None and not r.req.prompt_lp.complete]
         prompt_logprobs = logprob_bucket(max(scores)) if scores else None  # decode steps score nothing
-        bias = logit_bias_bucket(max((len(r.req.params.logit_bias or ()) for r in rows if r.sample), default=0))
+        bias = logit_bias_bucket(int(cache.bias_count[cache_rows][sampled].max(initial=0)))
         B = Buckets.pick(bk.batch, len(rows))
         T = 1 if decode else Buckets.pick(bk.tokens, max(r.end - r.start for r in rows))
         P = Buckets.pick(bk.pages, max(len(e.pages) for e in entries))
