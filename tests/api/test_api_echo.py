@@ -270,7 +270,14 @@ def test_reasoning_effort_is_a_template_variable(srv):
     assert ChatCompletionRequest(messages=msgs).template_kwargs() is None
     r = _post(srv, {"messages": msgs, "reasoning_effort": "extreme"}, "/v1/chat/completions")
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
-    assert _ok_chat(srv, {"messages": msgs, "max_tokens": 2, "reasoning_effort": "high"})["choices"][0]["message"]
+    ok = _ok_chat(srv, {"messages": msgs, "max_tokens": 2, "reasoning_effort": "high"})
+    assert ok["choices"][0]["message"]
+    # /tokenize takes the same field and renders the same prompt (and refuses the same values)
+    tok = httpx.post(srv.url + "/tokenize", json={"model": MODEL, "messages": msgs, "reasoning_effort": "high"},
+                     timeout=60)
+    assert tok.status_code == 200 and tok.json()["count"] == ok["usage"]["prompt_tokens"], tok.text
+    r = _post(srv, {"model": MODEL, "messages": msgs, "reasoning_effort": "extreme"}, "/tokenize")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
 
 
 def _ok_chat(srv, body: dict) -> dict:

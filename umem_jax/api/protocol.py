@@ -291,19 +291,33 @@ class ChatMessage(_Request):
         return "".join(part.text or "" for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateFields(_Request):
+    """How chat messages are rendered by the chat template: a chat completion's fields that
+    /tokenize takes too, so both render a body alike."""
+
+    add_generation_prompt: bool = True
+    # vLLM's extra: continue the last message (not a new turn; add_generation_prompt must be false)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen's enable_thinking, ...)
+    reasoning_effort: str | None = None  # OpenAI's: a template variable of that name (gpt-oss's template reads it)
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort unless
+        they set it."""
+        if self.reasoning_effort is not None and self.reasoning_effort not in ("low", "medium", "high"):
+            raise ValueError(f"reasoning_effort={self.reasoning_effort!r}: must be low, medium or high")
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})} or None
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    add_generation_prompt: bool = True
-    # vLLM's extras: continue the last message (not a new turn; add_generation_prompt must be false),
-    # and echo it: the answer starts with the last message when it has the answer's role
-    continue_final_message: bool = False
+    # vLLM's extra: echo the last message (the answer starts with it when it has the answer's role)
     echo: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen's enable_thinking, ...)
-    reasoning_effort: str | None = None  # OpenAI's: a template variable of that name (gpt-oss's template reads it)
     prompt_logprobs: int | None = None  # vLLM's extra: the templated prompt's scores (response level; not streamed)
 
     def _max_tokens(self) -> tuple[str, int | None]:
@@ -313,14 +327,6 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def conversation(self) -> list[dict]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
-
-    def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort unless
-        they set it."""
-        if self.reasoning_effort is not None and self.reasoning_effort not in ("low", "medium", "high"):
-            raise ValueError(f"reasoning_effort={self.reasoning_effort!r}: must be low, medium or high")
-        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
-        return {**effort, **(self.chat_template_kwargs or {})} or None
 
     def response_role(self) -> str:
         """The answer's role: the assistant's after a generation prompt, else the last message's

@@ -10,29 +10,24 @@ tokens (as vLLM's does).  Ids outside the vocabulary are a 400 naming `tokens`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from .async_engine import AsyncLLMEngine
 from .errors import APIError, bad_request
 from .logprobs import token_piece
-from .protocol import ChatMessage, _Request
+from .protocol import ChatMessage, ChatTemplateFields, _Request
 
 router = APIRouter()
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(ChatTemplateFields):
     """A `prompt` (text) or chat `messages` (through the chat template), not both."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # text only (a chat template writes its own BOS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False  # the last message continued (chat_completions' extra)
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -71,7 +66,7 @@ async def tokenize(body: TokenizeRequest, raw: Request):
             conv = [{"role": m.role, "content": m.text()} for m in body.messages]
             ids = await engine.tokenize_chat(conv, body.add_generation_prompt, check_len=False,
                                              continue_final_message=body.continue_final_message,
-                                             template_kwargs=body.chat_template_kwargs)
+                                             template_kwargs=body.template_kwargs())
         except ValueError as e:
             raise APIError(400, str(e), bad_request(e).param or "messages") from None
     else:
