@@ -138,6 +138,7 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     windows = tuple(n for n, _ in dm.windows)
     pending = sorted(trace.requests, key=lambda r: r.arrival_s)
     t, i, out_tokens, steps, peak, util, refused, clipped, bound, reserved = 0.0, 0, 0, 0, 0, [], 0, 0, [], []
+    prefill_steps, prefill_s = 0, 0.0
     by_decoders = []
     states = {}  # memory-bound samples by what is under way: [live, free + holes, cache-only, owed decoders]
     held = []  # tokens the running requests hold in the arena (computed and cached), per step
@@ -165,8 +166,9 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
         steps += 1
         peak = max(peak, len(sch.running))
         held.append(sum(r.num_computed for r in sch.running))
-        if b.kind == "prefill":
-            t += PREFILL_BASE_S + PREFILL_S_PER_TOKEN * prefill_tokens(b, buckets, padded)
+        if b.kind == "prefill":  # a step is a prefill or a decode: the decoders wait out a prefill step
+            dt = PREFILL_BASE_S + PREFILL_S_PER_TOKEN * prefill_tokens(b, buckets, padded)
+            t, prefill_steps, prefill_s = t + dt, prefill_steps + 1, prefill_s + dt
         else:
             kv_read = kv_scale * KV_S_PER_TOKEN * sum(r.end for r in b.rows)
             t += DECODE_BASE_S + len(b.rows) * DECODE_S_PER_ROW + kv_read
@@ -194,7 +196,8 @@ def simulate(plan, num_rows: int, trace, mem, *, max_num_seqs: int, budget_token
     if sch.cache is not None:
         sch.cache.clear()  # what finished requests left cached: the arena holds nothing else at the end
     assert not alloc.leaks()
-    return dict(config=mem.label, rule=rule, steps=steps, seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
+    return dict(config=mem.label, rule=rule, steps=steps, prefill_steps=prefill_steps, prefill_seconds=prefill_s,
+                seconds=t, out_tok_per_s=out_tokens / t, peak_running=peak,
                 retractions=sch.num_retractions, tokens_held_peak=max(held, default=0),
                 tokens_held_mean=float(np.mean(held)) if held else 0.0,
                 util=float(np.mean(util, axis=0)[0]) if util else None,
@@ -296,7 +299,8 @@ def run(argv=None) -> list[dict]:
                                  padded=a.prefill_cost == "padded", buckets=buckets, **sched_kw))
             r = rows[-1]
             r["kv_cache_dtype"] = kv
-            print(f"  {kv:<9} {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps  {r['seconds']:6.1f} s  "
+            print(f"  {kv:<9} {r['rule']:<7} {r['config']:<16} {r['steps']:>5} steps ({r['prefill_steps']} prefill, "
+                  f"{r['prefill_seconds']:.1f} s)  {r['seconds']:6.1f} s  "
                   f"{r['out_tok_per_s']:7.1f} tok/s (model)  peak {r['peak_running']:>3}  tokens held "
                   f"{r['tokens_held_peak']:>7} peak / {r['tokens_held_mean']:9.0f} mean  "
                   f"{r['retractions']:>3} retractions  utilization under load "
