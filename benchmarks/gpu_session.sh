@@ -11,7 +11,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300
                     [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300
                     [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [q_load]=560
-                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300 [mgpu_tiling]=420 [serve_early2]=560 [serve_release]=560)
+                    [mgpu_consumers]=420 [fp8_defaults]=360 [profile_decode]=300 [mgpu_tiling]=420 [serve_early2]=560 [serve_release]=560 [serve_util]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -102,6 +102,12 @@ step() {
             --out "$OUT/release_$i$v") > "$OUT/release_$i$v.log" 2>&1
         grep -E "^(shifting|mixed|kv-heavy|state-heavy) +unified|warm-up:" "$OUT/release_$i$v.log"
       done; done ;;
+    serve_util)  # issue 17 item 3: the engine's defaults alone (early start on, release_ending), util mem per trace
+      python3 -m benchmarks.bench_serving --models ${SERVE_MODELS:-qwen3.5-4b-like} \
+          --workloads ${SERVE_WORKLOADS:-shifting,mixed,kv-heavy} --static-ratios none --budget-after-build \
+          --no-progress --buckets ${SERVE_BUCKETS:-1,4,64:512,2048:2048} --time-budget-s 400 --max-run-s 40 \
+          --out "$OUT/util" > "$OUT/util.log" 2>&1
+      grep -E "^(shifting|mixed|kv-heavy|state-heavy) +unified|warm-up:" "$OUT/util.log" ;;
     graphs_b1)  # B = 1 is launch-bound: do CUDA graphs (XLA command buffers) cover the step, and would
                 # while loops and conditionals in them (off by default in XLA) help?
       for x in "" "--xla_gpu_enable_command_buffer=" \

@@ -230,6 +230,31 @@ def test_logit_bias_steers_completions_and_chat(srv):
     assert chat.choices[0].message.content == "BBB"
 
 
+def test_vllm_sampling_extras_reach_the_engine(srv):
+    """vLLM's allowed_token_ids (only those drawn), truncate_prompt_tokens (the prompt's last k
+    tokens: a text over max_model_len is taken, and the usage counts k) and skip_special_tokens
+    (false: the special tokens stay in the text), through both APIs."""
+    a, b = (httpx.post(srv.url + "/tokenize", json={"model": MODEL, "prompt": c, "add_special_tokens": False},
+                       timeout=60).json()["tokens"][0] for c in "AB")
+    got = srv.client.completions.create(model=MODEL, prompt=_unique(16), temperature=0.9, seed=1, max_tokens=5,
+                                        extra_body={"allowed_token_ids": [a, b], "ignore_eos": True})
+    assert len(got.choices[0].text) == 5 and set(got.choices[0].text) <= {"A", "B"}
+    long = "x" * 5000  # refused whole (max_model_len), taken truncated
+    cut = srv.client.completions.create(model=MODEL, prompt=long, max_tokens=5,
+                                        extra_body={"truncate_prompt_tokens": 7})
+    assert cut.usage.prompt_tokens == 7 and cut.usage.completion_tokens <= 5
+    chat = srv.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": long}],
+                                              max_completion_tokens=2, extra_body={"truncate_prompt_tokens": 9})
+    assert chat.usage.prompt_tokens == 9
+    bos = engine_call(srv, lambda e: e.tokenizer.bos_token_id)
+    for skip, want in ((True, ""), (False, engine_call(srv, lambda e: e.tokenizer.decode([bos] * 3, False)))):
+        r = srv.client.completions.create(prompt=_unique(8), temperature=0, max_tokens=3,
+                                          extra_body={"allowed_token_ids": [bos], "ignore_eos": True,
+                                                      "skip_special_tokens": skip}, model=MODEL)
+        assert r.choices[0].text == want and r.usage.completion_tokens == 3
+    assert want
+
+
 def test_the_engine_is_clean_after_the_surface_tests(srv):
     assert drained(srv) == (0, 0, 0)
     engine_call(srv, lambda e: e.check_idle())

@@ -407,4 +407,6 @@ def test_logit_bias_is_refused_with_speculation():
     llm = LLM(target, arena_bytes=250 << 10, **SPEC, speculative_config={"model": target, "num_speculative_tokens": K})
     with pytest.raises(ValueError, match="^logit_bias: not supported with speculative decoding"):
         llm.llm_engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, logit_bias={5: 1.0}))
+    with pytest.raises(ValueError, match="^allowed_token_ids: not supported with speculative decoding"):
+        llm.llm_engine.add_request([5, 6, 7], SamplingParams(max_tokens=2, allowed_token_ids=[5, 6]))
     assert not llm.llm_engine.has_unfinished_requests()

@@ -43,7 +43,7 @@ import time
 from ..core.request import Request
 from ..core.sampling_params import SamplingParams
 from ..engine.engine import LLMEngine
-from ..engine.prompt import check_prompt_len, check_text_len
+from ..engine.prompt import check_prompt_len, check_text_len, truncate_prompt
 from .metrics import EngineMetrics
 from .stream import RequestStream, StreamDelta
 
@@ -148,7 +148,7 @@ class AsyncLLMEngine:
         arrival = time.time()
         if self.error is not None or self._thread is None:
             raise EngineDead(self.dead_message())
-        prompt = await self.tokenize(prompt, field)
+        prompt = await self.tokenize(prompt, field, params.truncate_prompt_tokens)
         q = asyncio.Queue() if q is None else q
         rid = str(request_id)
         fut = self._submit("add", (prompt, params, rid, priority, asyncio.get_running_loop(), q, arrival))
@@ -159,19 +159,23 @@ class AsyncLLMEngine:
             raise
         return [RequestStream(i, prompt_tokens, q) for i in ids]
 
-    async def tokenize(self, prompt, field: str = "prompt"):
+    async def tokenize(self, prompt, field: str = "prompt", truncate: int | None = None):
         """A text prompt -> {"prompt": text, "prompt_token_ids": ids}, tokenized in the pool;
         token ids as they are.  Either is checked against max_model_len first (ValueError
-        naming `field`); anything else is left to the engine's checks."""
+        naming `field`), after keeping its last `truncate` tokens if asked (truncate_prompt_tokens:
+        then text of any length is tokenized); anything else is left to the engine's checks."""
         eng = self.engine
         if isinstance(prompt, str) and prompt and eng.tokenizer is not None:
-            check_text_len(prompt, eng.max_model_len, eng.max_token_chars, field)
+            if truncate is None:
+                check_text_len(prompt, eng.max_model_len, eng.max_token_chars, field)
             loop = asyncio.get_running_loop()
             ids = await loop.run_in_executor(self._tokenize_pool, eng.tokenizer.encode, prompt)
             prompt = {"prompt": prompt, "prompt_token_ids": ids}
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
         if isinstance(ids, list):
+            ids = truncate_prompt(ids, truncate, eng.max_model_len)
             check_prompt_len(len(ids), eng.max_model_len, field)
+            prompt = {**prompt, "prompt_token_ids": ids} if isinstance(prompt, dict) else ids
         return prompt
 
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -181,16 +185,18 @@ class AsyncLLMEngine:
 
     async def tokenize_chat(self, conversation: list[dict], add_generation_prompt: bool = True,
                             check_len: bool = True, continue_final_message: bool = False,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, truncate: int | None = None) -> list[int]:
         """Chat messages through the tokenizer's template, in the pool, checked against
-        max_model_len (ValueError naming "messages") unless check_len is False (/tokenize)."""
+        max_model_len (ValueError naming "messages") unless check_len is False (/tokenize); the
+        rendered prompt's last `truncate` tokens only, if asked (truncate_prompt_tokens)."""
         eng = self.engine
-        if check_len:
+        if check_len and truncate is None:
             check_text_len("".join(str(m.get("content", "")) for m in conversation), eng.max_model_len,
                            eng.max_token_chars, "messages")
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize_pool, eng.tokenizer.encode_chat, conversation,
                                          add_generation_prompt, continue_final_message, template_kwargs)
+        ids = truncate_prompt(ids, truncate, eng.max_model_len)
         if check_len:
             check_prompt_len(len(ids), eng.max_model_len, "messages")
         return ids

@@ -181,7 +181,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     try:
         ids = await engine.tokenize_chat(body.conversation(), body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         template_kwargs=body.template_kwargs())
+                                         template_kwargs=body.template_kwargs(),
+                                         truncate=body.truncate_prompt_tokens)
     except ValueError as e:
         raise APIError(400, str(e), bad_request(e).param or "messages") from None
     rid = random_id("chatcmpl")

@@ -13,7 +13,9 @@ Requests accept unknown fields (extra="allow") so vLLM / SGLang extras that this
 use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour (suffix, tools,
 response_format other than text, ...) are refused with a 400 naming the field: silently
 ignoring them would return something else than was asked for.  `logit_bias` is honoured (token
-ids as JSON keys, biases in [-100, 100], at most 300).  Completions
+ids as JSON keys, biases in [-100, 100], at most 300), and so are vLLM's `allowed_token_ids`,
+`truncate_prompt_tokens` (not with echo: the echoed text would not be the prompt scored) and
+`skip_special_tokens`.  Completions
 take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
 `prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM), and
 vLLM's `continue_final_message` (the answer goes on from the last message) with `echo` (the
@@ -66,10 +68,9 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 # but their default (None, or the value given) they are refused with a 400 naming them, not ignored.
 UNHONOURED_EXTRAS = {
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                     "json_schema", "regex", "ebnf", "allowed_token_ids", "bad_words", "logits_processors",
-                     "truncate_prompt_tokens", "length_penalty", "chat_template", "documents")),
-    "use_beam_search": False, "return_tokens_as_token_ids": False, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True,
+                     "json_schema", "regex", "ebnf", "bad_words", "logits_processors",
+                     "length_penalty", "chat_template", "documents")),
+    "use_beam_search": False, "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
 }
 
 
@@ -139,6 +140,9 @@ class _SamplingRequest(_Request):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
+    truncate_prompt_tokens: int | None = None  # vLLM: the prompt's last k tokens only (-1: max_model_len)
+    skip_special_tokens: bool = True  # vLLM: special tokens left out of the text
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
@@ -190,7 +194,9 @@ class _SamplingRequest(_Request):
                                   stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                                   logprobs=self.num_logprobs(), prompt_logprobs=self.num_prompt_logprobs(),
                                   include_stop_str_in_output=self.include_stop_str_in_output,
-                                  logit_bias=self.logit_bias, **kw)
+                                  logit_bias=self.logit_bias, allowed_token_ids=self.allowed_token_ids,
+                                  truncate_prompt_tokens=self.truncate_prompt_tokens,
+                                  skip_special_tokens=self.skip_special_tokens, **kw)
         except ValueError as e:  # SamplingParams names its max_tokens; the request may have used an alias
             if field != "max_tokens" and str(e).startswith("max_tokens="):
                 raise ValueError(field + str(e)[len("max_tokens"):]) from None
@@ -222,6 +228,12 @@ class CompletionRequest(_SamplingRequest):
         if "max_tokens" not in self.model_fields_set and self.max_new_tokens is not None:
             return "max_new_tokens", self.max_new_tokens
         return "max_tokens", self.max_tokens
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo and self.truncate_prompt_tokens is not None:
+            raise ValueError(f"truncate_prompt_tokens={self.truncate_prompt_tokens}: not supported with echo (the "
+                             "echoed text would not be the prompt the model saw)")
+        return super().sampling_params()
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch -> a list (each a string or a list of token ids)."""

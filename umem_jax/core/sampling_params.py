@@ -51,6 +51,12 @@ class SamplingParams:
     # added to these token ids' logits before sampling (OpenAI's: -100 bans, 100 all but forces);
     # logprobs still report the model's own distribution, as vLLM's do
     logit_bias: dict[int, float] | None = None
+    # vLLM's: only these token ids may be sampled (the others' logits -inf after the biases); logprobs
+    # stay the model's own.  They take logit_bias' columns (at most MAX_LOGIT_BIAS ids)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len), before its length is checked
+    truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True  # the output text leaves special tokens out (vLLM's default)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -63,6 +69,12 @@ class SamplingParams:
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias={_short(self.logit_bias)}: must map token ids to numbers") from None
         self.logit_bias = self.logit_bias or None
+        if self.allowed_token_ids is not None:
+            try:
+                self.allowed_token_ids = sorted({_token_id(t) for t in self.allowed_token_ids})
+            except (TypeError, ValueError):
+                raise ValueError(f"allowed_token_ids={_short(self.allowed_token_ids)}: must be a list of token ids") \
+                    from None
         self.validate()
 
     def validate(self) -> None:
@@ -95,6 +107,13 @@ class SamplingParams:
             (len(self.logit_bias or ()) <= MAX_LOGIT_BIAS, "logit_bias", f"at most {MAX_LOGIT_BIAS} token ids"),
             (all(-LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT for v in (self.logit_bias or {}).values()), "logit_bias",
              f"biases must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) >= 1, "allowed_token_ids",
+             "must list at least one token id"),
+            (len(self.allowed_token_ids or ()) <= MAX_LOGIT_BIAS, "allowed_token_ids",
+             f"at most {MAX_LOGIT_BIAS} token ids"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens == -1
+             or (not isinstance(self.truncate_prompt_tokens, bool) and self.truncate_prompt_tokens >= 1),
+             "truncate_prompt_tokens", "must be -1 (max_model_len) or at least 1"),
         ]
         for ok, name, why in checks:
             if not ok:
@@ -104,6 +123,12 @@ class SamplingParams:
     def num_samples(self) -> int:
         """Samples drawn for the prompt: best_of, else n."""
         return self.best_of or self.n
+
+    @property
+    def bias_ids(self) -> list[int]:
+        """The token ids of the step's bias columns: logit_bias', or the allowed ones where only those
+        may be drawn (a bias on any other id changes nothing then)."""
+        return list(self.logit_bias or ()) if self.allowed_token_ids is None else self.allowed_token_ids
 
     @property
     def has_penalties(self) -> bool:

@@ -325,6 +325,9 @@ def _choice(kind: str, d: dict, stream: bool, role: str = "assistant") -> dict:
 
 async def _respond(router: Router, body, ids: list[int], kind: str, model: str):
     params, rid = _params(body), f"{'cmpl' if kind == 'text_completion' else 'chatcmpl'}-{uuid.uuid4().hex[:16]}"
+    k = params.get("truncate_prompt_tokens")
+    if k is not None and k > 0:  # cut here so the usage counts what the workers see (-1: theirs, by max_model_len)
+        ids = ids[-k:]
     gen = router.deltas(ids, params, (body.model_extra or {}).get("request_id"))
     role = body.response_role() if kind != "text_completion" else "assistant"
     head = {"id": rid, "object": kind if not body.stream or kind == "text_completion" else "chat.completion.chunk",

@@ -59,7 +59,8 @@ from .samples import Samples
 from .speculative import SpecStats, apply_verify
 from .stats import engine_stats
 from .warmup import warm_up
-from .prompt import check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids
+from .prompt import (check_priority, check_prompt_len, check_vocab_fields, max_token_chars, prompt_ids,
+                     truncate_prompt)
 
 log = logging.getLogger("umem_jax")
 
@@ -103,17 +104,21 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
-        text, ids = prompt_ids(prompt, self.tokenizer, self.max_model_len, self.max_token_chars)
+        k = params.truncate_prompt_tokens
+        text, ids = prompt_ids(prompt, self.tokenizer, self.max_model_len, None if k else self.max_token_chars)
         if not ids:
             raise ValueError("empty prompt: give at least one token")
+        ids = truncate_prompt(ids, k, self.max_model_len)  # the text stays the prompt as given (vLLM's too)
         check_prompt_len(len(ids), self.max_model_len)
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of the vocabulary [0, {vocab}): {bad[:8]}")
         check_vocab_fields(params, vocab)
-        if params.logit_bias and self.spec_stats is not None:  # the verify's acceptance reads unbiased rows
-            raise ValueError("logit_bias: not supported with speculative decoding yet")
+        if self.spec_stats is not None:  # the verify's acceptance reads unbiased, unmasked rows
+            for name in ("logit_bias", "allowed_token_ids"):
+                if getattr(params, name):
+                    raise ValueError(f"{name}: not supported with speculative decoding yet")
         if params.stop and self.tokenizer is None:  # no text is made, so none could ever match
             raise ValueError("stop strings need a tokenizer, and this model has none: use stop_token_ids")
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
@@ -156,7 +161,7 @@ class LLMEngine:
                 self._aborted.append(r)
             return req.request_id
         if self.tokenizer is not None:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
         self.scheduler.add(req)
         self.samples.hold(req)
         return req.request_id

@@ -208,7 +208,7 @@ class Handoff:
         if not held.reserve(eng.scheduler, req, req.prompt_len):
             return None
         if eng.tokenizer is not None:
-            req.detok = IncrementalDetokenizer(eng.tokenizer, req.prompt_token_ids)
+            req.detok = IncrementalDetokenizer(eng.tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
         eng._requests[req.request_id] = req
         return req
 

@@ -1,6 +1,7 @@
 """Prompts: text or token ids -> (text, ids), and the checks a request passes before it is queued.
 
     text, ids = prompt_ids("Hello", tok, max_model_len, max_token_chars(tok))   # or [1, 72, 105], a dict
+    ids = truncate_prompt(ids, params.truncate_prompt_tokens, max_model_len)  # the last k, if asked
     check_prompt_len(len(ids), max_model_len)                      # ValueError "prompt: ..."
 
 Messages that name a request field start with "field:" or "field=" (the server's 400 names it).
@@ -67,6 +68,16 @@ def check_prompt_len(num_tokens: int, max_model_len: int, field: str = "prompt")
                          f"(prompt + output tokens)")
 
 
+def truncate_prompt(ids: list[int], k: int | None, max_model_len: int) -> list[int]:
+    """The prompt's last `k` token ids (SamplingParams.truncate_prompt_tokens; -1: max_model_len,
+    None: all of them).  A k above max_model_len is refused, as vLLM does."""
+    if k is None:
+        return ids
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens={k}: must be at most max_model_len={max_model_len} (-1: that)")
+    return ids[-(max_model_len if k == -1 else k):]
+
+
 def check_vocab_fields(params: SamplingParams, vocab: int) -> None:
     """Fields bounded by the vocabulary (they are packed into int32 sampling words)."""
     if params.top_k > vocab:
@@ -78,6 +89,9 @@ def check_vocab_fields(params: SamplingParams, vocab: int) -> None:
     bad = [t for t in (params.logit_bias or ()) if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"logit_bias={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
+    bad = [t for t in (params.allowed_token_ids or ()) if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"allowed_token_ids={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
 
 
 def check_priority(priority, priority_range: tuple[int, int]) -> None:
@@ -87,4 +101,4 @@ def check_priority(priority, priority_range: tuple[int, int]) -> None:
 
 
 __all__ = ["check_priority", "check_prompt_len", "check_text_len", "check_vocab_fields", "max_token_chars",
-           "prompt_ids"]
+           "prompt_ids", "truncate_prompt"]

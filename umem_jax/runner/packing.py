@@ -72,7 +72,8 @@ class Layout:
         out += [(n, (B,)) for n in SAMPLING_FIELDS]
         out += [("ban", (B, self.banned_per_row))]
         if self.logit_bias:
-            out += [("bias_ids", (B, self.logit_bias)), ("bias", (B, self.logit_bias))]
+            # and whether the row may sample only its listed ids (allowed_token_ids; 0: any)
+            out += [("bias_ids", (B, self.logit_bias)), ("bias", (B, self.logit_bias)), ("bias_only", (B,))]
         if self.prompt_logprobs is not None:
             out += [("next", (B,))]  # the token after each row's chunk (its last token's target)
         return out
@@ -185,7 +186,8 @@ class RowCache:
         self.sampling_mode = np.zeros(capacity, np.int8)  # index in sampler.MODES of what the params need
         self.logprobs = np.full(capacity, -1, np.int8)  # alternatives the request records per token (-1: none)
         self.bias_count = np.zeros(capacity, np.int16)  # token ids the request biases (logit_bias)
-        self.biases: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # row -> (token ids, biases), biasing rows only
+        # row -> (token ids, biases, only the ids allowed), for rows with logit_bias or allowed_token_ids
+        self.biases: dict[int, tuple[np.ndarray, np.ndarray, bool]] = {}
         self.entries: dict[int, RowEntry] = {}  # by id(req)
         self.free = list(range(capacity - 1, -1, -1))
 
@@ -225,10 +227,11 @@ class RowCache:
         self.penalties[row] = p.has_penalties
         self.sampling_mode[row] = MODES.index(sampling_mode(t, max(p.top_k, 0), p.top_p, p.min_p))
         self.logprobs[row] = -1 if req.num_logprobs is None else req.num_logprobs
-        b = p.logit_bias or {}
-        self.bias_count[row] = len(b)
-        if b:
-            self.biases[row] = (np.fromiter(b, np.int32, len(b)), np.fromiter(b.values(), np.float32, len(b)))
+        ids, b = p.bias_ids, p.logit_bias or {}
+        self.bias_count[row] = len(ids)
+        if ids:  # allowed ids not biased are listed with a bias of 0
+            self.biases[row] = (np.array(ids, np.int32), np.array([b.get(t, 0.0) for t in ids], np.float32),
+                                p.allowed_token_ids is not None)
         else:
             self.biases.pop(row, None)
         self.page_ids[row] = -1
@@ -314,11 +317,11 @@ def pack(batch, lay: Layout, cache_rows: np.ndarray, row_cache: RowCache, alloca
             ids = row.req.stop_ids[:banned_per_row]
             ban[i, : len(ids)] = ids
     if lay.logit_bias:  # the biasing rows' arrays, made once per request (RowCache.entry)
-        bias_ids, bias = field("bias_ids"), field("bias").view(np.float32)
+        bias_ids, bias, only = field("bias_ids"), field("bias").view(np.float32), field("bias_only")
         for i, (row, r) in enumerate(zip(rows, cache_rows)):
             got = row_cache.biases.get(int(r)) if row.sample else None
             if got is not None:
-                bias_ids[i, : got[0].size], bias[i, : got[0].size] = got
+                bias_ids[i, : got[0].size], bias[i, : got[0].size], only[i] = got
     return meta
 
 

@@ -122,8 +122,10 @@ def step(params: list, arena, meta: jax.Array, prev: jax.Array, counts, *, layou
     raw = logits  # logprobs report the model's distribution, before biases, bans and penalties
     rows = jnp.arange(layout.B)[:, None]
     if layout.logit_bias:  # [B, columns] token ids (-1: none) and their biases, before the bans (these win)
-        ids = f["bias_ids"]
-        logits = logits.at[rows, jnp.maximum(ids, 0)].add(jnp.where(ids >= 0, f["bias"], 0.0).astype(logits.dtype))
+        ids = jnp.where(f["bias_ids"] >= 0, f["bias_ids"], logits.shape[-1])  # none: out of range, dropped
+        logits = logits.at[rows, ids].add(f["bias"].astype(logits.dtype), mode="drop")
+        listed = jnp.zeros(logits.shape, bool).at[rows, ids].set(True, mode="drop")
+        logits = jnp.where((f["bias_only"][:, None] > 0) & ~listed, -jnp.inf, logits)  # allowed_token_ids
     ban = f["ban"]  # [B, banned_per_row], -1 = none: min_tokens keeps stop tokens out
     logits = logits.at[rows, jnp.maximum(ban, 0)].min(jnp.where(ban >= 0, -jnp.inf, jnp.inf))
     sampling = [f[n] for n in _SAMPLER_ARGS]
