@@ -80,7 +80,13 @@ def test_allowed_ids_keep_raw_logprobs_and_refuse_bad_ids(engine_llm):
     vocab = tiny().config.vocab_size
     with pytest.raises(ValueError, match=rf"^allowed_token_ids=\[{vocab}\]: token ids must be in the vocabulary"):
         e.add_request(p, SamplingParams(allowed_token_ids=[3, vocab]))
+    eos = min(e.eos_ids)
+    with pytest.raises(ValueError, match="^allowed_token_ids: every allowed id is a stop token that min_tokens bans"):
+        e.add_request(p, SamplingParams(min_tokens=2, allowed_token_ids=[eos]))
     assert not e.has_unfinished_requests()
+    got = engine_llm.generate([p], SamplingParams(temperature=0, max_tokens=3, min_tokens=2,
+                                                  allowed_token_ids=[eos, 100]))[0].outputs[0]
+    assert got.token_ids[:2] == [100, 100]  # eos banned until min_tokens, then allowed again
 
 
 def test_truncate_prompt_tokens_keeps_the_last_k(engine_llm):

@@ -124,6 +124,10 @@ class LLMEngine:
         if params.min_tokens and len(set(self.eos_ids) | set(params.stop_token_ids)) > self.runner.banned_per_row:
             raise ValueError(f"min_tokens with more than {self.runner.banned_per_row} stop token ids (the model's EOS "
                              f"ids included: {len(self.eos_ids)}) is not supported")
+        stops = set() if params.ignore_eos else set(self.eos_ids)
+        if params.min_tokens and params.allowed_token_ids and set(params.allowed_token_ids) <= stops | set(
+                params.stop_token_ids):  # min_tokens would ban every id the row may draw
+            raise ValueError("allowed_token_ids: every allowed id is a stop token that min_tokens bans")
         check_priority(priority, self.config.priority_range)
         if request_id is not None and (str(request_id) in self._requests or str(request_id) in self.samples.groups):
             raise ValueError(f"request id {request_id!r} is already in use")
