@@ -255,6 +255,29 @@ def test_vllm_sampling_extras_reach_the_engine(srv):
     assert want
 
 
+def test_return_tokens_as_token_ids_writes_logprob_tokens_as_ids(srv):
+    """vLLM's return_tokens_as_token_ids: the logprobs' tokens (chosen and top) are "token_id:N";
+    the text, the logprobs and the completions' text offsets are what they are without it."""
+    prompt = _unique(12)
+    kw = dict(model=MODEL, prompt=prompt, temperature=0, max_tokens=4, logprobs=2)
+    plain = srv.client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    ids = srv.client.completions.create(**kw, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = ids.choices[0]
+    assert ids.text == plain.text and ids.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    assert ids.logprobs.text_offset == plain.logprobs.text_offset
+    want = [httpx.post(srv.url + "/tokenize", json={"model": MODEL, "prompt": t, "add_special_tokens": False},
+                       timeout=60).json()["tokens"] for t in plain.logprobs.tokens]
+    assert ids.logprobs.tokens == [f"token_id:{w[0]}" for w in want] and all(len(w) == 1 for w in want)
+    assert all(all(k.startswith("token_id:") for k in top) for top in ids.logprobs.top_logprobs)
+    msgs = [{"role": "user", "content": prompt}]
+    chat = srv.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_completion_tokens=3,
+                                              logprobs=True, top_logprobs=1,
+                                              extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(c.token.startswith("token_id:") and c.bytes == list(c.token.encode())
+                                     for c in content)
+
+
 def test_the_engine_is_clean_after_the_surface_tests(srv):
     assert drained(srv) == (0, 0, 0)
     engine_call(srv, lambda e: e.check_idle())

@@ -61,7 +61,7 @@ class ChoiceWriter:
     token ids, logprobs, finish)."""
 
     def __init__(self, body: CompletionRequest, tok, prompts: list):
-        self.tok, self.echo, self.only = tok, body.echo, body.echo_only
+        self.tok, self.echo, self.only, self.as_ids = tok, body.echo, body.echo_only, body.return_tokens_as_token_ids
         self.k_logprobs, self.k_echo, self.k_prompt = body.logprobs, body.echo_logprobs, body.prompt_logprobs
         self.texts = [prompt_text(tok, p) for p in prompts] if body.echo else []
         self._writers: dict = {}
@@ -75,7 +75,7 @@ class ChoiceWriter:
         if self.k_logprobs is None:
             return None
         if s not in self._writers:
-            self._writers[s] = CompletionLogprobWriter(self.tok)
+            self._writers[s] = CompletionLogprobWriter(self.tok, self.as_ids)
         return self._writers[s]
 
     def _head(self, s, pl) -> tuple[str, CompletionLogProbs | None, list | None]:

@@ -188,6 +188,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     rid = random_id("chatcmpl")
     run = await _start(engine, [ids], body, rid, field="messages")
     want, role, echoed = bool(body.logprobs), body.response_role(), body.echoed()
+    shown = None if body.return_tokens_as_token_ids else tok  # logprobs' tokens as "token_id:N" (vLLM's)
     if body.stream:
         async def chunks():
             for i in range(body.n):
@@ -198,7 +199,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
                 yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
                     index=i, delta=DeltaMessage(content=echoed))], usage=run.usage() if body.continuous_usage else None)
             async for s, d in run.deltas(None):
-                lp = chat_logprobs(tok, d.token_ids, d.logprobs) if want and d.token_ids else None
+                lp = chat_logprobs(shown, d.token_ids, d.logprobs) if want and d.token_ids else None
                 if d.text or lp is not None or d.finish_reason is not None:
                     yield ChatCompletionChunk(id=rid, model=model, choices=[ChatChunkChoice(
                         index=run.index(s), delta=DeltaMessage(content=d.text or None), logprobs=lp,
@@ -211,7 +212,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     await run.collect(engine, raw)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(role=role, content=echoed + s.text),
                           finish_reason=s.finish[0], stop_reason=s.finish[1],
-                          logprobs=chat_logprobs(tok, s.token_ids, s.logprobs) if want else None)
+                          logprobs=chat_logprobs(shown, s.token_ids, s.logprobs) if want else None)
                for i, s in run.final()]
     pl = run.prompt_lp.get(0)
     extra = None if pl is None or body.prompt_logprobs is None else prompt_logprobs_json(tok, pl, body.prompt_logprobs)

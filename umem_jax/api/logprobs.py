@@ -56,8 +56,9 @@ class CompletionLogprobWriter:
     """The logprobs of one completion choice, chunk by chunk (text offsets run on between chunks);
     `total` gathers every chunk's."""
 
-    def __init__(self, tok):
+    def __init__(self, tok, as_ids: bool = False):
         self.tok, self.offset = tok, 0
+        self.shown = None if as_ids else tok  # return_tokens_as_token_ids: tokens written "token_id:N"
         self.total = CompletionLogProbs()
 
     def chunk(self, token_ids: list[int], entries: list) -> CompletionLogProbs:
@@ -65,18 +66,18 @@ class CompletionLogprobWriter:
         before it scores) is written with null logprob and null top_logprobs, as OpenAI does."""
         out = CompletionLogProbs()
         for t, entry in zip(token_ids, entries):
-            text = token_piece(self.tok, t)[0]
+            text, shown = token_piece(self.tok, t)[0], token_piece(self.shown, t)[0]
             lp, top = None, None
             if entry is not None:
                 lp, _rank, ids, vals = entry
                 lp = clamp(lp)
-                top = {text: lp}  # tokens of the same text share a key: the chosen one, else the likeliest
+                top = {shown: lp}  # tokens of the same text share a key: the chosen one, else the likeliest
                 for i, v in zip(ids, vals):
-                    top.setdefault(token_piece(self.tok, i)[0], clamp(v))
-            out.tokens.append(text)
+                    top.setdefault(token_piece(self.shown, i)[0], clamp(v))
+            out.tokens.append(shown)
             out.token_logprobs.append(lp)
             out.top_logprobs.append(top)
-            out.text_offset.append(self.offset)
+            out.text_offset.append(self.offset)  # offsets in the text, whatever the tokens are written as
             self.offset += len(text)
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self.total, name).extend(getattr(out, name))

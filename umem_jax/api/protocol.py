@@ -14,8 +14,8 @@ use (`user`, ...) are not a 4xx.  Fields whose meaning the engine cannot honour 
 response_format other than text, ...) are refused with a 400 naming the field: silently
 ignoring them would return something else than was asked for.  `logit_bias` is honoured (token
 ids as JSON keys, biases in [-100, 100], at most 300), and so are vLLM's `allowed_token_ids`,
-`truncate_prompt_tokens` (not with echo: the echoed text would not be the prompt scored) and
-`skip_special_tokens`.  Completions
+`truncate_prompt_tokens` (not with echo: the echoed text would not be the prompt scored),
+`skip_special_tokens` and `return_tokens_as_token_ids`.  Completions
 take `echo` (with `max_tokens: 0` too: the prompt scored, nothing generated) and vLLM's
 `prompt_logprobs` (api/echo.py); chat takes prompt_logprobs too, not streamed (as vLLM), and
 vLLM's `continue_final_message` (the answer goes on from the last message) with `echo` (the
@@ -70,7 +70,7 @@ UNHONOURED_EXTRAS = {
     **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
                      "json_schema", "regex", "ebnf", "bad_words", "logits_processors",
                      "length_penalty", "chat_template", "documents")),
-    "use_beam_search": False, "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
+    "use_beam_search": False, "spaces_between_special_tokens": True,
 }
 
 
@@ -143,6 +143,7 @@ class _SamplingRequest(_Request):
     allowed_token_ids: list[int] | None = None  # vLLM: only these may be sampled
     truncate_prompt_tokens: int | None = None  # vLLM: the prompt's last k tokens only (-1: max_model_len)
     skip_special_tokens: bool = True  # vLLM: special tokens left out of the text
+    return_tokens_as_token_ids: bool = False  # vLLM: logprobs' tokens written "token_id:N"
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = 0
