@@ -23,7 +23,8 @@ from umem_jax.models.tiny import TinyHybrid, tiny_config
 from umem_jax.scheduler.scheduler import Scheduler, SchedulerConfig
 
 # Two prompts that do not fit the 150 KiB arena together with their outputs (each one pass long,
-# so neither starts early): the second waits for the first's memory.
+# so neither starts early): the second waits for the first's memory.  Priced apart: jointly with
+# the first (joint admission) the second fits, as it finishes one step after the first.
 PAIR = prompts(30, 30, seed=3)
 LONG_OUT = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -43,7 +44,7 @@ def _schedules(e) -> list:
 
 
 def _run_pair(release: bool) -> tuple[list, list]:
-    x = llm()
+    x = llm(joint_admission=False)
     e = x.llm_engine
     if not release:
         e.scheduler.release_ending = lambda keep=None: None

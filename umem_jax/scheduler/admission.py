@@ -38,6 +38,8 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
         return 0, reservation
     end = req.num_computed + chunk
     step = sch.demand.step(req, end)
+    # no cached token taken: with the prefix cache on, a lookup that found nothing is a Hit too
+    miss = hit is None or not hit.resume
     if admitted:  # an early start waits for free bytes (early_start.py); others make room
         got = sch.early.next_pass(req, step, end) if req is sch.early.req else None
         if got is None:
@@ -49,7 +51,7 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
         sch.memory_bound = True  # it waits for the memory an early start's rest is owed
         return 0, reservation
     reservation = reservations.own(req, end, sch.holders, sch.demand, sch._reserve_tokens(req, end))
-    if sch.cfg.joint_admission and hit is None and reservations.joins(req, end, sch.exact):
+    if sch.cfg.joint_admission and miss and reservations.joins(req, end, sch.exact):
         # its own reservation inside the fixed-length decoders' joint peak; not memoised (this candidate's)
         need = lambda: step + reservations.reservations(sch.running, sch.holders, sch.demand, sch._reserve_tokens,
                                                         sch.exact, joining=(req, end)) + batch.admitted_reservations
