@@ -12,7 +12,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${UMEM_JAX011_VENV:-/tmp/umem_jax011}
-PY=$(command -v python3.12 || command -v python3.13 || true)
+PY=
+for c in python3.12 python3.13; do  # a pyenv shim may name a version it does not run: try each
+  if command -v "$c" > /dev/null && "$c" -c "" 2> /dev/null; then PY=$(command -v "$c"); break; fi
+  if command -v pyenv > /dev/null; then  # pyenv's own copy of that version, outside the global one
+    v=$(pyenv versions --bare 2> /dev/null | grep "^${c#python}" | tail -1)
+    if [ -n "$v" ] && [ -x "$(pyenv root)/versions/$v/bin/$c" ]; then PY="$(pyenv root)/versions/$v/bin/$c"; break; fi
+  fi
+done
 if [ -z "$PY" ]; then
   echo "needs python3.12 or newer (jax 0.11 requires it)" >&2
   exit 2

@@ -291,11 +291,12 @@ def test_fp8_default_config_fits_shared_memory_and_the_page(D, ps):
 def test_fp8_budget_per_head_dim():
     """The fp8 tilings the docstrings quote (page 16)."""
     got = {D: default_decode_mgpu_config(D, 16, fp8=True) for D in (64, 128, 192, 256)}
-    assert got[64] == got[128] == DecodeMgpuConfig(128, 2, None, 2)  # two consumers
+    assert got[64] == DecodeMgpuConfig(128, 2, None, 2)  # two consumers
+    assert got[128] == DecodeMgpuConfig(128, 2, None, 2, 128)  # ... dequantising whole rows
     assert got[192] == DecodeMgpuConfig(128, 2)
     assert got[256] == DecodeMgpuConfig(64, 3)
     assert smem_bytes(128, got[128], fp8=True) == 16384 + 2 * (32768 + 2 * 32768) + 2 * 8192 + 1024
-    assert default_decode_mgpu_config(128, 192, fp8=True) == DecodeMgpuConfig(64, 4, None, 2)  # 64-token blocks
+    assert default_decode_mgpu_config(128, 192, fp8=True) == DecodeMgpuConfig(64, 4, None, 2, 128)  # 64-token blocks
 
 
 @pytest.mark.parametrize("D", [64, 80, 96, 128, 256])

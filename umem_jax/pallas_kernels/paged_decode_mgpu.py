@@ -55,17 +55,19 @@ of two views of the same bytes: [bkv, D/2] uint16 (what the TMA writes) and [bkv
 (what the consumer reads), tiled and swizzled alike in bytes (tiles of 8 rows x `fp8_swizzle(D)`
 bytes: (8, sw/2) words, (8, sw) values; plain rows where D % 32 == 16), so byte b of a row is
 element b in both.  The consumer dequantises a slot into a 16-bit tile ([bkv, D], the tiling
-above) in register chunks of 64 rows x 64 values (x D for plain rows; WGMMA_8BIT layout: 4 bytes a
-thread, one `cvt.rn.f16x2.e4m3x2` a pair) and releases the slot at once.  The wgmma products stay
-16-bit (fp8 wgmma needs both operands K-major, V is not), in f16: it holds every e4m3 value
-exactly, converts from e4m3 in one instruction (jax's Mosaic GPU emits e4m3 -> bf16 only with PTX
-ISA >= 9.2, else through f32) and rounds q and P more finely than bf16.  K's conversion runs while
-the tensor cores take the previous block's P V, V's while they take this block's Q K^T; V rows
-outside [start, len) are zeroed in registers on the way.  The scales never enter the kernel:
-k_scale multiplies q (in f32, clipped to f16's range, then f16) and v_scale the combined output,
-as in the Triton kernel; the split partials go out in f16.  paged_decode.decode_backend keeps fp8
-on the Triton kernel under "auto" until this path has been measured on the GPU.  The ring
-(`fp8_ring`) and the conversion (`dequantise_fp8`) are shared with the prefill (paged_prefill_mgpu).
+above) in register chunks of 64 rows x 64 values (x D for plain rows and, by default, at D = 128;
+WGMMA_8BIT layout: 4 bytes a thread, one `cvt.rn.f16x2.e4m3x2` a pair) and releases the slot at
+once.  The wgmma products stay 16-bit (fp8 wgmma needs both operands K-major, V is not), in f16:
+it holds every e4m3 value exactly, converts from e4m3 in one instruction (jax's Mosaic GPU emits
+e4m3 -> bf16 only with PTX ISA >= 9.2, else through f32) and rounds q and P more finely than bf16.
+K's conversion runs while the tensor cores take the previous block's P V, V's while they take this
+block's Q K^T; V rows outside [start, len) are zeroed in registers on the way.  The scales never
+enter the kernel: k_scale multiplies q (in f32, clipped to f16's range, then f16) and v_scale the
+combined output, as in the Triton kernel; the split partials go out in f16.
+paged_decode.decode_backend keeps fp8 on the Triton kernel under "auto": the conversions, not the
+bytes, set this path's pace (0.95x Triton's fp8 speed on an H100, 0.71x on an H200, RESULTS.md).
+The ring (`fp8_ring`) and the conversion (`dequantise_fp8`) are shared with the prefill
+(paged_prefill_mgpu).
 """
 
 from __future__ import annotations
@@ -134,14 +136,16 @@ def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> Dec
     11 and 27 agreed, RESULTS.md).  fp8 at D <= 128:
     two consumers (each dequantises its own blocks, which one consumer alone could not keep up
     with: 1.25x faster at D = 128 on an H100, RESULTS.md), 128-token blocks in 2 slots (64-token
-    ones in 4 where the page asks for them); above, one consumer (smem_bytes' fp8 budget): 2 slots
+    ones in 4 where the page asks for them), whole rows in each register chunk where a row fills
+    whole 64-byte swizzle tiles (D = 128: 1.6% faster than 64-column chunks on an H100, 7.5% on an
+    H200, sessions 28 and 35); above, one consumer (smem_bytes' fp8 budget): 2 slots
     of 128 tokens at D = 192, 3 slots of 64 tokens at D = 256.  bf16 rows that take a swizzle
     narrower than 128 bytes, where a 2-slot ring lets two CTAs share an SM (D = 80: 99 KB each):
     2 slots, faster than the deepest ring in all three runs that timed both at D = 80 (0.9% to
     3.6%, H100 and H200, RESULTS.md)."""
     bkv = 64 if (128 % page_size and page_size % 128) else 128
     if fp8:
-        two = DecodeMgpuConfig(bkv, 2 if bkv == 128 else 4, None, 2)
+        two = DecodeMgpuConfig(bkv, 2 if bkv == 128 else 4, None, 2, D if D % 64 == 0 and D > 64 else None)
         if smem_bytes(D, two, fp8) <= _SMEM_LIMIT:
             return two
     if smem_bytes(D, DecodeMgpuConfig(bkv, 2), fp8) > _SMEM_LIMIT:
@@ -505,8 +509,8 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
     given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
                              dequant_cols)
-    if consumers is None and cfg.consumers > 1:  # the default's two consumers, where the given tiling takes them
-        two = dataclasses.replace(given, consumers=cfg.consumers)
+    if consumers is None and cfg.consumers > 1:  # the default's consumers and chunks, where the given tiling takes them
+        two = dataclasses.replace(given, consumers=cfg.consumers, dequant_cols=dequant_cols or cfg.dequant_cols)
         if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8) <= _SMEM_LIMIT:
             given = two
     cfg = given
