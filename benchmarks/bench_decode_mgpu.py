@@ -86,16 +86,17 @@ CUDNN_PEERS = ("main", "gqa6_d80")
 def sweep_configs(D: int, fp8: bool = False, only: str | None = None):
     """(block_kv, ring_slots, num_splits, consumers, dequant_cols) besides the default (all None;
     num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two
-    consumer warpgroups (taking the blocks in turn) fit at D <= 128; fp8's dequantisation in
-    whole-row register chunks (dequant_cols = D) is an experiment."""
-    if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, whole rows
+    consumer warpgroups (taking the blocks in turn) fit at D <= 128, three in 64-token blocks (more
+    warps converting fp8 at once, 152 registers a thread); fp8's dequantisation in whole-row
+    register chunks (dequant_cols = D) is the default at D = 128, 64-column chunks timed beside it."""
+    if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, chunk widths
         if D > 128:
             return _only([(64, 2, None, 1, None)], only)
-        return _only([(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None), (128, 2, None, 2, D),
-                      (64, 4, None, 2, D)], only)
+        return _only([(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None), (128, 2, None, 2, 64),
+                      (64, 4, None, 2, D), (64, 3, None, 3, D), (64, 3, None, 3, 64)], only)
     out = [(128, 2, None, 1, None), (64, 3, None, 1, None), (64, 4, None, 1, None)]
     if D <= 128:
-        out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None)]
+        out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None), (64, 3, None, 3, None)]
     # More splits than the grid needs: more, shorter programs, so the last wave's idle SMs cost less.
     out += [(128, 2, 2, 1, None), (128, 2, 4, 1, None)]
     return _only(out, only)

@@ -64,10 +64,11 @@ step() {
       # main, G = 6 and long shapes timed in interleaved rounds beside Triton and cuDNN
       python3 -m benchmarks.bench_decode_mgpu --only ${TILING_SHAPES:-main,gqa6,long} --configs 128x2,128x3,64x4 \
             --rounds ${TILING_ROUNDS:-3} --budget ${MGPU_BUDGET:-300} ;;
-    mgpu_consumers)  # the Mosaic decode with two consumer warpgroups (and fp8's whole-row dequantisation chunks):
-      # their GPU tests, then the fp8, D = 80 and main shapes with the sweep (all variants in the same run)
+    mgpu_consumers)  # the Mosaic decode with two and three consumer warpgroups (fp8: more warps converting at
+      # once): their GPU tests, then the fp8, D = 80 and main shapes with the sweep (all variants, interleaved rounds)
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k consumers &&
-            python3 -m benchmarks.bench_decode_mgpu --only fp8,gqa6_d80,main --budget ${MGPU_BUDGET:-240} ;;
+            python3 -m benchmarks.bench_decode_mgpu --only ${CONSUMER_SHAPES:-fp8,gqa6_d80,main} \
+                --rounds ${CONSUMER_ROUNDS:-3} --budget ${MGPU_BUDGET:-240} ;;
     profile_decode)  # Nsight Compute on the decode kernels where the Mosaic one trails Triton (fp8, D = 80): stall
       # reasons, memory units' throughput against their peaks (benchmarks/profile_decode.py)
       # (one process per shape and kernel: ncu prints at exit, so a crash would lose every report of its process)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
 from umem_jax.memory.plan import KVView
 from umem_jax.pallas_kernels.kv_write import write_kv_reference
 
@@ -114,6 +115,46 @@ def decode_case(seed, *, B, Hkv, G, D, ps, ctx_max, planes=1, window=None, arena
             pt[b, :max(0, int(lengths[b]) - window) // ps] = 0
     q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.bfloat16 if planes == 1 else jnp.float32)
     return view, arena, jnp.asarray(pt), jnp.asarray(lengths), q
+
+
+def fp8_decode_case(seed, *, B, Hkv, G, D, ps, ctx_max, window=None, min_len=0):
+    """A decode batch over a poisoned fp8 arena: K/V written (reference writer, per-kv-head scales,
+    k_scale != v_scale) for [0, len) of each row (row 0 at ctx_max; with B > 2 row 1 at length 1 and
+    row 2 a padding lane); pages past a row's length and, with a window, pages wholly before it point
+    at the poisoned sink page 0.  -> (view, arena (bf16, as the engine allocates it), page_table,
+    lengths, q bf16, k_scale, v_scale)."""
+    rng = np.random.default_rng(seed)
+    decls = [LayerDecl(i, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Full()),)) for i in range(2)]
+    decls.append(LayerDecl(2, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Window(64)),)))
+    view = plan(decls, page_size=ps).full.kv_view(1)  # rows not at 0 of the envelope
+    P = -(-ctx_max // ps)
+    lengths = decode_lengths(rng, B, ctx_max, min_len)
+    npages = B * P + 2
+    pt = rng.permutation(np.arange(1, npages))[:B * P].reshape(B, P).astype(np.int32)
+    pos = [np.arange(n) for n in lengths]
+    pages = jnp.asarray(np.concatenate([pt[b, p // ps] for b, p in enumerate(pos)]), jnp.int32)
+    slots = jnp.asarray(np.concatenate([p % ps for p in pos]), jnp.int32)
+    T = int(lengths.sum())
+    ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)  # |k| < ~12: stored below 448 (no saturation)
+    vs = jnp.asarray(rng.uniform(0.25, 2.0, Hkv), jnp.float32)
+    k = jax.random.normal(jax.random.PRNGKey(seed), (T, Hkv, D), jnp.float32) * 3
+    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (T, Hkv, D), jnp.float32)
+    arena = jnp.full((npages * view.rows_per_page, view.row_words), POISON, jnp.uint16)  # e4m3 NaN bytes
+    arena = write_kv_reference(arena, k, v, pages, slots, view=view, k_scale=ks, v_scale=vs)
+    for b in range(B):
+        pt[b, -(-int(lengths[b]) // ps):] = 0
+        if window is not None:
+            pt[b, :max(0, int(lengths[b]) - window) // ps] = 0
+    q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.bfloat16)
+    return view, jax.lax.bitcast_convert_type(arena, jnp.bfloat16), jnp.asarray(pt), jnp.asarray(lengths), q, ks, vs
+
+
+def close_fp8(got, ref, tol=1.5e-2):
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    assert got.shape == ref.shape
+    assert np.isfinite(ref).all(), "the reference read a poisoned (NaN) row"
+    assert np.isfinite(got).all(), "the kernel read a poisoned (NaN) row"
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * max(1.0, float(np.abs(ref).max())))
 
 
 def naive_decode(q, k, v, lengths, window=None, softcap=None, sinks=None, scale=None):

@@ -15,11 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _kernel_utils import decode_case, decode_lengths
+from _kernel_utils import close_fp8, decode_case, fp8_decode_case
 
-from umem_jax.memory import MHA, Full, LayerDecl, Part, Window, plan
 from umem_jax.pallas_kernels.backend import device_info, hopper_refusal
-from umem_jax.pallas_kernels.kv_write import write_kv_reference
 from umem_jax.pallas_kernels.paged_decode import (decode_backend, paged_decode_attention,
                                                   paged_decode_attention_reference)
 
@@ -53,6 +51,9 @@ CASES = [
     (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2}),
     (6, 80, 32, 200, 30.0, True, {"block_kv": 64, "ring_slots": 4, "consumers": 2}),
     (4, 128, 16, 64, None, False, {"num_splits": 13, "ring_slots": 2, "consumers": 2}),
+    # Three consumers (152 registers a thread): blocks in turn, a window with sinks, empty splits.
+    (4, 128, 16, None, None, False, {"block_kv": 64, "ring_slots": 3, "consumers": 3}),
+    (6, 64, 32, 200, 30.0, True, {"block_kv": 64, "ring_slots": 3, "consumers": 3, "num_splits": 7}),
 ]
 
 
@@ -98,49 +99,6 @@ def test_entry_point_chooses_mgpu(monkeypatch):
 
 # --------------------------------------------------------------------------- fp8 K/V
 
-POISON = 0xFFFF  # both bytes e4m3 NaN
-
-
-def fp8_case(seed, *, B, Hkv, G, D, ps, ctx_max, window=None, min_len=0):
-    """A decode batch over a poisoned fp8 arena: K/V written (reference writer, per-kv-head scales,
-    k_scale != v_scale) for [0, len) of each row (row 0 at ctx_max; with B > 2 row 1 at length 1 and
-    row 2 a padding lane); pages past a row's length and, with a window, pages wholly before it point
-    at the poisoned sink page 0.  -> (view, arena (bf16, as the engine allocates it), page_table,
-    lengths, q bf16, k_scale, v_scale)."""
-    rng = np.random.default_rng(seed)
-    decls = [LayerDecl(i, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Full()),)) for i in range(2)]
-    decls.append(LayerDecl(2, (Part(MHA(Hkv, D, dtype="float8_e4m3fn"), Window(64)),)))
-    view = plan(decls, page_size=ps).full.kv_view(1)  # rows not at 0 of the envelope
-    P = -(-ctx_max // ps)
-    lengths = decode_lengths(rng, B, ctx_max, min_len)
-    npages = B * P + 2
-    pt = rng.permutation(np.arange(1, npages))[:B * P].reshape(B, P).astype(np.int32)
-    pos = [np.arange(n) for n in lengths]
-    pages = jnp.asarray(np.concatenate([pt[b, p // ps] for b, p in enumerate(pos)]), jnp.int32)
-    slots = jnp.asarray(np.concatenate([p % ps for p in pos]), jnp.int32)
-    T = int(lengths.sum())
-    ks = jnp.asarray(rng.uniform(0.05, 0.2, Hkv), jnp.float32)  # |k| < ~12: stored below 448 (no saturation)
-    vs = jnp.asarray(rng.uniform(0.25, 2.0, Hkv), jnp.float32)
-    k = jax.random.normal(jax.random.PRNGKey(seed), (T, Hkv, D), jnp.float32) * 3
-    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (T, Hkv, D), jnp.float32)
-    arena = jnp.full((npages * view.rows_per_page, view.row_words), POISON, jnp.uint16)
-    arena = write_kv_reference(arena, k, v, pages, slots, view=view, k_scale=ks, v_scale=vs)
-    for b in range(B):
-        pt[b, -(-int(lengths[b]) // ps):] = 0
-        if window is not None:
-            pt[b, :max(0, int(lengths[b]) - window) // ps] = 0
-    q = jnp.asarray(rng.standard_normal((B, Hkv * G, D)), jnp.bfloat16)
-    return view, jax.lax.bitcast_convert_type(arena, jnp.bfloat16), jnp.asarray(pt), jnp.asarray(lengths), q, ks, vs
-
-
-def close_fp8(got, ref, tol=1.5e-2):
-    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
-    assert got.shape == ref.shape
-    assert np.isfinite(ref).all(), "the reference read a poisoned (NaN) row"
-    assert np.isfinite(got).all(), "the kernel read a poisoned (NaN) row"
-    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * max(1.0, float(np.abs(ref).max())))
-
-
 FP8_CASES = [
     # (G, D, ps, window, softcap, sinks, tuning)
     (6, 128, 16, None, None, False, {}),                     # 4 slots of 128 tokens, 64-byte ring swizzle
@@ -163,6 +121,8 @@ FP8_CASES = [
     (6, 80, 16, 200, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 2}),
     # Whole-row dequantisation chunks (the experiment beside the 64-column default).
     (6, 128, 16, 200, None, True, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "dequant_cols": 128}),
+    (6, 128, 16, None, None, False, {"block_kv": 64, "ring_slots": 3, "consumers": 3, "dequant_cols": 128}),
+    (4, 128, 64, 300, 30.0, True, {"block_kv": 64, "ring_slots": 3, "consumers": 3}),
     (4, 128, 64, None, 30.0, False, {"consumers": 1, "dequant_cols": 128}),
 ]
 
@@ -172,7 +132,7 @@ FP8_CASES = [
 def test_mgpu_fp8_decode_matches_reference(G, D, ps, window, softcap, sinks, tuning):
     from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-    view, arena, pt, ln, q, ks, vs = fp8_case(G * 1000 + D + ps, B=6, Hkv=2, G=G, D=D, ps=ps, ctx_max=1300,
+    view, arena, pt, ln, q, ks, vs = fp8_decode_case(G * 1000 + D + ps, B=6, Hkv=2, G=G, D=D, ps=ps, ctx_max=1300,
                                               window=window)
     sk = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape[1]) * 2, jnp.float32) if sinks else None
     kw = dict(view=view, window=window, softcap=softcap, sinks=sk, k_scale=ks, v_scale=vs)
@@ -187,7 +147,7 @@ def test_mgpu_fp8_long_context_many_splits():
     """32K tokens over 8 requests of random lengths, fp8: split-K's shares, the combine, v_scale."""
     from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
-    view, arena, pt, ln, q, ks, vs = fp8_case(7, B=8, Hkv=8, G=4, D=128, ps=16, ctx_max=32768, min_len=1)
+    view, arena, pt, ln, q, ks, vs = fp8_decode_case(7, B=8, Hkv=8, G=4, D=128, ps=16, ctx_max=32768, min_len=1)
     kw = dict(view=view, k_scale=ks, v_scale=vs)
     close_fp8(paged_decode_attention_mgpu(q, arena, pt, ln, **kw), paged_decode_attention_reference(q, arena, pt, ln,
                                                                                                     **kw))
@@ -197,7 +157,7 @@ def test_entry_point_runs_mgpu_fp8_when_asked(monkeypatch):
     """fp8: backend "auto" keeps the Triton kernel (the Mosaic fp8 path measured slower), "mgpu"
     (argument or $UMEM_JAX_DECODE) runs the Mosaic kernel, with the scales, within fp8 tolerance of
     the Triton kernel's answer."""
-    view, arena, pt, ln, q, ks, vs = fp8_case(3, B=4, Hkv=4, G=6, D=128, ps=16, ctx_max=700, window=300)
+    view, arena, pt, ln, q, ks, vs = fp8_decode_case(3, B=4, Hkv=4, G=6, D=128, ps=16, ctx_max=700, window=300)
     kernel, why = decode_backend(q, view, backend="auto")
     assert kernel == "triton" and "fp8" in why
     assert decode_backend(q, view, backend="mgpu") == ("mgpu", "")

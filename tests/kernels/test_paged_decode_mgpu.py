@@ -460,6 +460,26 @@ def test_two_consumers_lower_for_cuda(case, monkeypatch):
     assert "mosaic_gpu" in text
 
 
+THREE_CONSUMERS = [
+    # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits, fp8)
+    (8, 4, 128, 16, None, None, False, 64, 3, None, False),   # bf16: an O tile per consumer
+    (8, 4, 128, 16, None, None, False, 64, 3, None, True),    # fp8 at D = 128: 64-token blocks fit three
+    (2, 6, 64, 32, 200, 5.0, True, 64, 3, 2, True),           # fp8, G = 6, a window, sinks, soft-cap, splits
+]
+
+
+@pytest.mark.parametrize("case", THREE_CONSUMERS, ids=[f"{'fp8' if c[-1] else 'bf16'}_g{c[1]}_d{c[2]}_p{c[3]}"
+                                                       for c in THREE_CONSUMERS])
+def test_three_consumers_lower_for_cuda(case, monkeypatch):
+    """Three consumer warpgroups (152 registers a thread each; the producer is the fourth):
+    Mosaic GPU's lowering accepts them, bf16 and fp8 (whole-row chunks at D = 128)."""
+    *geometry, fp8 = case
+    view = fp8_view(case[0], case[2], case[3]) if fp8 else kv_view(case[0], case[2], case[3])
+    text = _lowered_for_cuda(tuple(geometry), view, jnp.bfloat16 if fp8 else jnp.uint16, monkeypatch, scales=fp8,
+                             consumers=3, dequant_cols=case[2] if fp8 and case[2] == 128 else None)
+    assert "mosaic_gpu" in text
+
+
 @pytest.mark.parametrize("D,consumers", [(128, 2), (64, 2), (128, 1)])
 def test_whole_row_dequantisation_lowers_for_cuda(D, consumers, monkeypatch):
     """fp8 slots dequantised in whole-row register chunks (dequant_cols = D, the experiment beside
@@ -486,7 +506,7 @@ def test_dequant_cols_checks():
 
 def test_two_consumers_config_checks():
     """The ring's slots must split evenly between the consumers (each thread keeps one phase bit per
-    barrier, so a consumer waits on every fill of the slots it owns), at most two consumers, and the
+    barrier, so a consumer waits on every fill of the slots it owns), at most three consumers, and the
     shared-memory budget counts each consumer's tiles."""
     view = kv_view(8, 128, 16)
     q = q_of(view)

@@ -16,7 +16,9 @@ bf16 (or fp16) K/V stored one plane per token row (`view.planes == 1`, `mk == mv
 [64, 256], any GQA ratio up to 64 (the q heads of one kv head are the rows of one wgmma M tile),
 row_words a multiple of 8 (16-byte TMA strides), page size a multiple of 8 that divides the KV
 block or is a multiple of it.  Windows, soft-cap, sinks and split-K.  Needs jax >= 0.11 (the
-`plgpu.kernel` API) and an sm_90 GPU; CPU tests cross-lower it.
+`plgpu.kernel` API) and an sm_90 GPU; CPU tests cross-lower it and, with jax >= 0.11, run it in
+jax's GPU interpreter (`interpret=True`: P reaches the P V product through shared memory and an
+fp8 slot is unpacked from its words, the rest is this code).
 
 Kernel layout.  Grid (split, kv head, request).  A CTA is two warpgroups: a producer that walks
 the split's KV blocks (`block_kv` tokens each) and copies each block's K and V into a
@@ -28,11 +30,12 @@ S = Q K^T (wgmma, both in shared memory), an fp32 online softmax in log2 units w
 folded into the exp2 argument, P cast to the K/V dtype in registers, O += P V (wgmma).  Decode is
 bound by the bytes of K and V, so one consumer suffices: its two MMAs and the softmax of one block
 take less time than the producer needs to bring the next.  Where it does not (fp8: the consumer
-dequantises every block), `consumers=2` adds a second consumer warpgroup: the two take the split's
-blocks in turn (block lo + j to consumer j % 2, ring slot j % ring_slots, so ring_slots must be
-even and each consumer waits on every fill of its own slots), each keeps its own online softmax
-and writes it out as a split of its own, which combine_splits merges like any other; the producer
-is then the third warpgroup.  The Q tile is shared (the first consumer loads it), so each consumer
+dequantises every block), `consumers=C` (2 or 3) adds consumer warpgroups: they take the split's
+blocks in turn (block lo + j to consumer j % C, ring slot j % ring_slots, so C must divide
+ring_slots and each consumer waits on every fill of its own slots), each keeps its own online
+softmax and writes it out as a split of its own, which combine_splits merges like any other; the
+producer is then warpgroup C.  The CTA's 64K registers are shared out by `consumer_registers`: 232
+a consumer thread for one or two, 152 for three.  The Q tile is shared (the first consumer loads it), so each consumer
 writes its O through a tile of its own (bf16: an O tile; fp8: its K tile, free after its last QK).
 
 Split-K.  The visible blocks of a request (those holding a position in [max(0, len - window),
@@ -85,8 +88,8 @@ from ._compat import mgpu_load
 from .decode_reference import check_decode_args, merge_splits
 from .kv_write import kv_scales
 from .launch import choose_num_splits
-from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_fp8, fp8_ring, fp8_swizzle, head_swizzle,
-                                 produce_kv_ring, tma_layout_refusal)
+from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_fp8, dequantise_words, fp8_ring, fp8_swizzle,
+                                 head_swizzle, produce_kv_ring, tma_layout_refusal)
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
@@ -98,6 +101,17 @@ _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 _SM_SMEM = 228 * 1024 - 2 * 1024  # shared memory of an SM, less the 1 KB the hardware keeps per CTA (two CTAs)
 _ROWS = 64  # one wgmma M tile: the q heads of one kv head, zero-padded
 _ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as a [64, 32] f32 tile
+_CTA_REGISTERS = 64 * 1024  # 32-bit registers of an SM, all of them one CTA's (the ring fills shared memory)
+_PRODUCER_REGISTERS = 40  # a producer thread's (setmaxnreg): the page table walk and the TMA issue
+MAX_CONSUMERS = 3
+
+
+def consumer_registers(consumers: int) -> int:
+    """Registers a consumer thread takes (setmaxnreg, a multiple of 8): what the CTA's 64K leave
+    after the producer warpgroup's, shared by `consumers` warpgroups of 128 threads, at most 232
+    (one or two consumers: 232; three: 152)."""
+    spare = _CTA_REGISTERS - 128 * _PRODUCER_REGISTERS
+    return min(232, spare // (128 * consumers) // 8 * 8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +119,7 @@ class DecodeMgpuConfig:
     """block_kv: KV tokens per pipeline step (64 or 128); ring_slots: shared-memory K/V slots the
     producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
     consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
-    softmax (ring_slots a multiple of it); dequant_cols (fp8 only): the width of the register
+    softmax (ring_slots a multiple of it; 1 to MAX_CONSUMERS); dequant_cols (fp8 only): the width of the register
     chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment)."""
 
     block_kv: int = 128
@@ -183,10 +197,10 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     dc = cfg.dequant_cols
     if dc is not None and not (view.fp8 and (dc == D or (dc % 64 == 0 and D % dc == 0 and fp8_swizzle(D)))):
         no(f"dequant_cols {dc}: fp8 K/V only, and D ({D}) or a multiple of 64 dividing D on swizzled rows")
-    if cfg.consumers not in (1, 2) or cfg.ring_slots % cfg.consumers:
+    if not 1 <= cfg.consumers <= MAX_CONSUMERS or cfg.ring_slots % cfg.consumers:
         # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
         # barrier): the ring's slots must fall to the consumers in a fixed pattern.
-        no(f"consumers must be 1 or 2 and divide ring_slots {cfg.ring_slots}, got {cfg.consumers}")
+        no(f"consumers must be 1 to {MAX_CONSUMERS} and divide ring_slots {cfg.ring_slots}, got {cfg.consumers}")
     ps = view.page_size
     if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
         no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
@@ -206,6 +220,7 @@ class _Static(RingStatics):
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
     dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
+    interpret: bool = False  # jax's GPU interpreter (CPU tests): P through shared memory, fp8 read as words
 
 
 def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
@@ -226,12 +241,16 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     # Where each consumer's O leaves: one consumer through the Q tile (no MMA reads Q after its
     # loop); two share Q, so bf16 ones get an O tile each and fp8 ones use their K tile.
     o_tiles = plgpu.SMEM((C, _ROWS, D), c.dtype, transforms=tiled) if C > 1 and not c.fp8 else None
+    # Interpret form only: each consumer's P goes through shared memory (the GPU interpreter's wgmma
+    # takes no register operand).
+    p_tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    p_tiles = plgpu.SMEM((C, _ROWS, bkv), c.dtype, transforms=p_tiled) if c.interpret else None
     pl.run_scoped(
         functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
         (plgpu.SMEM((_ROWS, D), c.dtype, transforms=tiled),
          rings,
          plgpu.SMEM((C, _ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled),
-         o_tiles),
+         o_tiles, p_tiles),
         (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
          plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
          plgpu.Barrier()),  # Q tile
@@ -241,7 +260,7 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
 
 
 def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
-    q_smem, rings, ml_smem, o_tiles = smem
+    q_smem, rings, ml_smem, o_tiles, p_tiles = smem
     if c.fp8:
         (k_words, k_bytes), (v_words, v_bytes), k16s, v16s = rings[0], rings[1], rings[2], rings[3]
         ring_words = (k_words, v_words)  # what the producer's TMA copies write
@@ -275,7 +294,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         """Consumer warpgroup ci: blocks lo + ci, lo + ci + C, ... of the split (ring slot
         (kb - lo) % slots, which C divides: a slot's every fill is this consumer's), its own
         online softmax, written out as split `split * C + ci`."""
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(consumer_registers(C), action="increase")
         layout = plgpu.Layout.WGMMA
         if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
             if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
@@ -307,6 +326,30 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             l_i = l_i * alpha + p.sum(axis=1)
             return p.astype(c.dtype), (acc, m_new, l_i)
 
+        def pv_product(acc, p16, v_ref, overlap=None):
+            """acc [64, D] f32 + P V (wgmma: P [64, bkv] from registers, V [bkv, D] in shared memory);
+            overlap(): work for the CUDA cores while the tensor cores take it (fp8: the next K)."""
+            if c.interpret:  # the GPU interpreter runs no register operand and no run_state over an
+                # accumulator: P via shared memory, a fresh accumulator, added in registers
+                p_smem = p_tiles.at[ci]
+                p_smem[...] = p16
+                plgpu.commit_smem()
+
+                def pv_apart(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem, v_ref)
+                    if overlap is not None:
+                        overlap()
+                    return acc_ref[...]
+
+                return acc + pl.run_scoped(pv_apart, plgpu.ACC((_ROWS, D), jnp.float32))
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_ref)
+                if overlap is not None:
+                    overlap()
+
+            return pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+
         def step_bf16(kb, carry, masked: bool):
             slot = lax.rem(kb - lo, i32(slots))
             plgpu.barrier_wait(k_filled.at[slot])
@@ -329,24 +372,26 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
                     v_ref[...] = jnp.where((rows >= start) & (rows < length), v, jnp.zeros_like(v))
                     plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) read
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            acc = pv_product(acc, p16, v_smem.at[slot])
             plgpu.barrier_arrive(v_released.at[slot])
             return acc, m_new, l_i
 
-        def dequantise(src, dst, k0, masked: bool):
-            """An fp8 slot (src [bkv, D] float8) into a 16-bit tile (dst [bkv, D]); masked: rows
-            outside [start, length) (k0: position of row 0) become 0 (dequantise_fp8, shared with
-            the prefill; it ends with commit_smem, so the slot may be released)."""
-            dequantise_fp8(plgpu, src, dst, (k0, start, length) if masked else None, cols=c.dequant_cols)
+        def dequantise(which: int, slot, dst, k0, masked: bool):
+            """Ring slot `slot` of K (which 0) or V (1), fp8 [bkv, D], into a 16-bit tile (dst [bkv,
+            D]); masked: rows outside [start, length) (k0: position of row 0) become 0 (dequantise_fp8,
+            shared with the prefill; it ends with commit_smem, so the slot may be released).  The GPU
+            interpreter keeps a RefUnion's views apart: there the slot's words are unpacked."""
+            rows = (k0, start, length) if masked else None
+            if c.interpret:
+                dequantise_words(plgpu, ring_words[which].at[slot], dst, rows)
+            else:
+                dequantise_fp8(plgpu, (k_bytes, v_bytes)[which].at[slot], dst, rows, cols=c.dequant_cols)
 
         def next_k(kb):
             """Dequantise block kb's K (its ring slot, then released) into k16."""
             slot = lax.rem(kb - lo, i32(slots))
             plgpu.barrier_wait(k_filled.at[slot])
-            dequantise(k_bytes.at[slot], k16, None, masked=False)  # K: masked keys meet a `where` on S
+            dequantise(0, slot, k16, None, masked=False)  # K: masked keys meet a `where` on S
             plgpu.barrier_arrive(k_released.at[slot])
 
         def step_fp8(kb, carry, masked: bool):
@@ -359,20 +404,16 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
                 # This block's V, dequantised while the tensor cores take Q K^T (v16's last reader,
                 # this consumer's previous P V, has completed).
                 plgpu.barrier_wait(v_filled.at[slot])
-                dequantise(v_bytes.at[slot], v16, k0, masked)
+                dequantise(1, slot, v16, k0, masked)
                 plgpu.barrier_arrive(v_released.at[slot])
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, bkv), jnp.float32))
             p16, (acc, m_new, l_i) = softmax(s, k0, masked, carry)
 
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v16)
-                # This consumer's next block's K, dequantised while the tensor cores take P V (k16's
-                # reader, this block's Q K^T, has completed).
-                pl.when(kb + C < hi)(lambda: next_k(kb + C))
-
-            acc = pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            # This consumer's next block's K, dequantised while the tensor cores take P V (k16's
+            # reader, this block's Q K^T, has completed).
+            acc = pv_product(acc, p16, v16, overlap=lambda: pl.when(kb + C < hi)(lambda: next_k(kb + C)))
             return acc, m_new, l_i
 
         step = step_fp8 if c.fp8 else step_bf16
@@ -421,7 +462,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
     # ------------------------------------------------------------------ producer
     @pl.when(wg == C)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
         produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, ring_words, (k_filled, v_filled),
                         (k_released, v_released), head_words=D // 2 if c.fp8 else None)
 
@@ -438,7 +479,7 @@ def combine_splits(o, ml, lengths, sinks, G: int, dtype):
 
 
 def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *, view, window, softcap, scale,
-                       kv_dtype, cfg: DecodeMgpuConfig):
+                       kv_dtype, cfg: DecodeMgpuConfig, interpret=False):
     plgpu = _plgpu()
     B, Hq, D = q.shape
     Hkv = view.num_kv_heads
@@ -469,7 +510,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
-                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols)
+                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, interpret=bool(interpret))
     parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
@@ -480,6 +521,8 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
         num_threads=c.consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        # CPU tests: jax's GPU interpreter (simulated SMEM, TMA and barriers, race detection).
+        interpret=plgpu.InterpretGPUParams(detect_races=interpret == "races") if interpret else False,
     )(lengths, page_table, qg, arena)
     lengths = jnp.minimum(lengths, P * view.page_size)
     if not view.fp8:
@@ -492,18 +535,19 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
-                                             "ring_slots", "num_splits", "consumers", "dequant_cols"))
+                                             "ring_slots", "num_splits", "consumers", "dequant_cols", "interpret"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None, consumers=None, dequant_cols=None):
+                                num_splits=None, consumers=None, dequant_cols=None, interpret=False):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
     -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols: DecodeMgpuConfig
     (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
-    default's where the given block and ring take them, else 1).  Unsupported cases raise
-    NotImplementedError (see the module docstring).
+    default's where the given block and ring take them, else 1).  interpret=True (or "races": with
+    race detection) runs it in jax's GPU interpreter on CPU (jax >= 0.11), slowly, for tests.
+    Unsupported cases raise NotImplementedError (see the module docstring).
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
@@ -517,4 +561,4 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
     check_decode_mgpu_supported(q, view, cfg, kv_dtype)
     return _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, view=view, window=window,
                               softcap=softcap, scale=None if scale is None else float(scale), kv_dtype=kv_dtype,
-                              cfg=cfg)
+                              cfg=cfg, interpret=interpret)

@@ -283,7 +283,7 @@ def dequantise_fp8(plgpu, src, dst, rows=None, cols=None):
     plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) reads
 
 
-def _dequantise_words(plgpu, src, dst, rows=None):
+def dequantise_words(plgpu, src, dst, rows=None):
     """dequantise_fp8 for the GPU interpreter, from the slot's word view (src [bkv, D/2] uint16: the
     interpreter keeps a RefUnion's views in separate buffers, so only the words hold what the TMA
     wrote), unpacked in registers."""
@@ -558,7 +558,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
 
         def dequantise(which, slot, dst, rows=None):
             if c.pv_in_scoped_acc:  # the GPU interpreter: from the words (see the module docstring)
-                _dequantise_words(plgpu, (k_words, v_words)[which].at[slot], dst, rows)
+                dequantise_words(plgpu, (k_words, v_words)[which].at[slot], dst, rows)
             else:
                 dequantise_fp8(plgpu, (k_bytes, v_bytes)[which].at[slot], dst, rows)
 
