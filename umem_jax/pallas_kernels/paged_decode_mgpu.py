@@ -89,7 +89,7 @@ from .decode_reference import check_decode_args, merge_splits
 from .kv_write import kv_scales
 from .launch import choose_num_splits
 from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_fp8, dequantise_words, fp8_ring, fp8_swizzle,
-                                 head_swizzle, produce_kv_ring, tma_layout_refusal)
+                                 head_swizzle, produce_kv_ring, pv_accumulate, tma_layout_refusal)
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
@@ -327,28 +327,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             return p.astype(c.dtype), (acc, m_new, l_i)
 
         def pv_product(acc, p16, v_ref, overlap=None):
-            """acc [64, D] f32 + P V (wgmma: P [64, bkv] from registers, V [bkv, D] in shared memory);
-            overlap(): work for the CUDA cores while the tensor cores take it (fp8: the next K)."""
-            if c.interpret:  # the GPU interpreter runs no register operand and no run_state over an
-                # accumulator: P via shared memory, a fresh accumulator, added in registers
-                p_smem = p_tiles.at[ci]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv_apart(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_ref)
-                    if overlap is not None:
-                        overlap()
-                    return acc_ref[...]
-
-                return acc + pl.run_scoped(pv_apart, plgpu.ACC((_ROWS, D), jnp.float32))
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_ref)
-                if overlap is not None:
-                    overlap()
-
-            return pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            """acc [64, D] + P V (pv_accumulate, shared with the prefill)."""
+            return pv_accumulate(plgpu, acc, p16, v_ref, p_tiles.at[ci] if c.interpret else None, overlap)
 
         def step_bf16(kb, carry, masked: bool):
             slot = lax.rem(kb - lo, i32(slots))

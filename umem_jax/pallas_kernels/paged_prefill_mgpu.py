@@ -283,6 +283,32 @@ def dequantise_fp8(plgpu, src, dst, rows=None, cols=None):
     plgpu.commit_smem()  # generic-proxy writes before the async-proxy (wgmma) reads
 
 
+def pv_accumulate(plgpu, acc, p16, v_ref, p_smem=None, overlap=None):
+    """acc [rows, D] f32 + P V (wgmma: P [rows, bkv] from registers, V [bkv, D] in shared memory)
+    into the running accumulator; overlap(): work for the CUDA cores while the tensor cores take it
+    (fp8: the next block's K).  p_smem [rows, bkv]: the interpret form (the GPU interpreter runs no
+    register operand and no run_state over an accumulator): P goes through this tile into a fresh
+    accumulator, added in registers.  Shared by the decode (paged_decode_mgpu)."""
+    if p_smem is not None:
+        p_smem[...] = p16
+        plgpu.commit_smem()
+
+        def pv_apart(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_ref)
+            if overlap is not None:
+                overlap()
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(pv_apart, plgpu.ACC(acc.shape, jnp.float32))
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_ref)
+        if overlap is not None:
+            overlap()
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
 def dequantise_words(plgpu, src, dst, rows=None):
     """dequantise_fp8 for the GPU interpreter, from the slot's word view (src [bkv, D/2] uint16: the
     interpreter keeps a RefUnion's views in separate buffers, so only the words hold what the TMA
@@ -493,30 +519,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
             return p16, (acc, m_new, l_i)
 
         def pv_product(acc, p16, v_ref, overlap=None):
-            """acc + P V (wgmma, V in shared memory); overlap(): work for the CUDA cores while the
-            tensor cores take it (fp8: the next block's K)."""
-            if c.pv_in_scoped_acc:
-                # Interpret-mode form (the GPU interpreter cannot run run_state over an
-                # accumulator, nor a register operand): P via shared memory, a fresh accumulator
-                # per block, added in registers.
-                p_smem = p_smem2.at[wg]
-                p_smem[...] = p16
-                plgpu.commit_smem()
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_smem, v_ref)
-                    if overlap is not None:
-                        overlap()
-                    return acc_ref[...]
-
-                return acc + pl.run_scoped(pv, plgpu.ACC((bq, D), jnp.float32))
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_ref)
-                if overlap is not None:
-                    overlap()
-
-            return pl.run_state(pv)(plgpu.ACC.init(acc))  # accumulate into the running O
+            return pv_accumulate(plgpu, acc, p16, v_ref, p_smem2.at[wg] if c.pv_in_scoped_acc else None, overlap)
 
         def step(kb, carry, masked: bool):
             slot = slot_of(kb)
