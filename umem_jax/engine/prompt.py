@@ -86,12 +86,10 @@ def check_vocab_fields(params: SamplingParams, vocab: int) -> None:
            or not 0 <= t < vocab]
     if bad:
         raise ValueError(f"stop_token_ids={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
-    bad = [t for t in (params.logit_bias or ()) if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"logit_bias={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
-    bad = [t for t in (params.allowed_token_ids or ()) if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"allowed_token_ids={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
+    for name in ("logit_bias", "allowed_token_ids"):
+        bad = [t for t in (getattr(params, name) or ()) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}={bad[:8]}: token ids must be in the vocabulary [0, {vocab})")
 
 
 def check_priority(priority, priority_range: tuple[int, int]) -> None:

@@ -34,9 +34,10 @@ dequantises every block), `consumers=C` (2 or 3) adds consumer warpgroups: they 
 blocks in turn (block lo + j to consumer j % C, ring slot j % ring_slots, so C must divide
 ring_slots and each consumer waits on every fill of its own slots), each keeps its own online
 softmax and writes it out as a split of its own, which combine_splits merges like any other; the
-producer is then warpgroup C.  The CTA's 64K registers are shared out by `consumer_registers`: 232
-a consumer thread for one or two, 152 for three.  The Q tile is shared (the first consumer loads it), so each consumer
-writes its O through a tile of its own (bf16: an O tile; fp8: its K tile, free after its last QK).
+producer is then warpgroup C.  The CTA's 64K registers are shared out by `consumer_registers`: 232 a
+consumer thread for one or two, 152 for three.  The Q tile is shared (the first consumer loads it),
+so each consumer writes its O through a tile of its own (bf16: an O tile; fp8: its K tile, free
+after its last QK).
 
 Split-K.  The visible blocks of a request (those holding a position in [max(0, len - window),
 len)) are shared out between the splits, as the Triton kernel does, so a window of 512 tokens in a
@@ -88,8 +89,8 @@ from ._compat import mgpu_load
 from .decode_reference import check_decode_args, merge_splits
 from .kv_write import kv_scales
 from .launch import choose_num_splits
-from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_fp8, dequantise_words, fp8_ring, fp8_swizzle,
-                                 head_swizzle, produce_kv_ring, pv_accumulate, tma_layout_refusal)
+from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_slot, fp8_ring, fp8_swizzle, head_swizzle,
+                                 produce_kv_ring, pv_accumulate, tma_layout_refusal)
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
@@ -120,7 +121,7 @@ class DecodeMgpuConfig:
     producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
     consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
     softmax (ring_slots a multiple of it; 1 to MAX_CONSUMERS); dequant_cols (fp8 only): the width of the register
-    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, an experiment)."""
+    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, the default at D = 128)."""
 
     block_kv: int = 128
     ring_slots: int = 2
@@ -262,8 +263,8 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
 def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
     q_smem, rings, ml_smem, o_tiles, p_tiles = smem
     if c.fp8:
-        (k_words, k_bytes), (v_words, v_bytes), k16s, v16s = rings[0], rings[1], rings[2], rings[3]
-        ring_words = (k_words, v_words)  # what the producer's TMA copies write
+        k16s, v16s = rings[2], rings[3]  # rings[0], rings[1]: (words, values) views of each fp8 ring
+        ring_words = (rings[0][0], rings[1][0])  # what the producer's TMA copies write
     else:
         k_smem, v_smem = rings
         ring_words = rings
@@ -358,14 +359,10 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
 
         def dequantise(which: int, slot, dst, k0, masked: bool):
             """Ring slot `slot` of K (which 0) or V (1), fp8 [bkv, D], into a 16-bit tile (dst [bkv,
-            D]); masked: rows outside [start, length) (k0: position of row 0) become 0 (dequantise_fp8,
-            shared with the prefill; it ends with commit_smem, so the slot may be released).  The GPU
-            interpreter keeps a RefUnion's views apart: there the slot's words are unpacked."""
+            D]); masked: rows outside [start, length) (k0: position of row 0) become 0 (dequantise_slot,
+            shared with the prefill; it ends with commit_smem, so the slot may be released)."""
             rows = (k0, start, length) if masked else None
-            if c.interpret:
-                dequantise_words(plgpu, ring_words[which].at[slot], dst, rows)
-            else:
-                dequantise_fp8(plgpu, (k_bytes, v_bytes)[which].at[slot], dst, rows, cols=c.dequant_cols)
+            dequantise_slot(plgpu, rings[which], slot, dst, rows, cols=c.dequant_cols, interpret=c.interpret)
 
         def next_k(kb):
             """Dequantise block kb's K (its ring slot, then released) into k16."""

@@ -309,6 +309,17 @@ def pv_accumulate(plgpu, acc, p16, v_ref, p_smem=None, overlap=None):
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
+def dequantise_slot(plgpu, ring, slot, dst, rows=None, cols=None, interpret=False):
+    """Ring slot `slot` of an fp8 ring (fp8_ring's (words, bytes) views) into the 16-bit tile dst:
+    dequantise_fp8 on the byte view, or in the GPU interpreter (which keeps a RefUnion's views in
+    separate buffers) dequantise_words on the words the TMA wrote."""
+    words, values = ring
+    if interpret:
+        dequantise_words(plgpu, words.at[slot], dst, rows)
+    else:
+        dequantise_fp8(plgpu, values.at[slot], dst, rows, cols=cols)
+
+
 def dequantise_words(plgpu, src, dst, rows=None):
     """dequantise_fp8 for the GPU interpreter, from the slot's word view (src [bkv, D/2] uint16: the
     interpreter keeps a RefUnion's views in separate buffers, so only the words hold what the TMA
@@ -396,8 +407,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
           released, schedule_bar):
     qo_smem2, k_smem, v_smem, p_smem2, converted = smem
     if c.fp8:  # each ring a (words, values) pair of views of the same bytes (fp8_ring)
-        (k_words, k_bytes), (v_words, v_bytes) = k_smem, v_smem
-        ring_words = (k_words, v_words)  # what the producer's TMA copies write
+        ring_words = (k_smem[0], v_smem[0])  # what the producer's TMA copies write
     else:
         ring_words = (k_smem, v_smem)
     k_filled, v_filled, q_filled = filled
@@ -560,10 +570,7 @@ def _body(plgpu, c: _Static, qlen_ref, kvlen_ref, pt_ref, sinks_ref, q_ref, aren
             overlapped = c.fp8_tiles == 2  # each conversion runs while the tensor cores take the other tile's MMA
 
         def dequantise(which, slot, dst, rows=None):
-            if c.pv_in_scoped_acc:  # the GPU interpreter: from the words (see the module docstring)
-                dequantise_words(plgpu, (k_words, v_words)[which].at[slot], dst, rows)
-            else:
-                dequantise_fp8(plgpu, (k_bytes, v_bytes)[which].at[slot], dst, rows)
+            dequantise_slot(plgpu, (k_smem, v_smem)[which], slot, dst, rows, interpret=c.pv_in_scoped_acc)
 
         def next_k(kb):
             """Dequantise block kb's K (its ring slot, then released) into k16."""

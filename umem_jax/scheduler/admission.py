@@ -20,7 +20,7 @@ from ..core.request import Request
 from ..memory.demand import Demand
 from . import reservations
 from .prefill import PrefillBatch
-from .radix_node import Hit
+from .radix_node import Hit, resumes
 from .retraction import preempt_for
 
 # Returned by `price_pass` for a cache hit that fits only as a miss.
@@ -38,8 +38,6 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
         return 0, reservation
     end = req.num_computed + chunk
     step = sch.demand.step(req, end)
-    # no cached token taken: with the prefix cache on, a lookup that found nothing is a Hit too
-    miss = hit is None or not hit.resume
     if admitted:  # an early start waits for free bytes (early_start.py); others make room
         got = sch.early.next_pass(req, step, end) if req is sch.early.req else None
         if got is None:
@@ -51,7 +49,7 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
         sch.memory_bound = True  # it waits for the memory an early start's rest is owed
         return 0, reservation
     reservation = reservations.own(req, end, sch.holders, sch.demand, sch._reserve_tokens(req, end))
-    if sch.cfg.joint_admission and miss and reservations.joins(req, end, sch.exact):
+    if sch.cfg.joint_admission and not resumes(hit) and reservations.joins(req, end, sch.exact):
         # its own reservation inside the fixed-length decoders' joint peak; not memoised (this candidate's)
         need = lambda: step + reservations.reservations(sch.running, sch.holders, sch.demand, sch._reserve_tokens,
                                                         sch.exact, joining=(req, end)) + batch.admitted_reservations
@@ -60,7 +58,7 @@ def price_pass(sch, req: Request, batch: PrefillBatch, admitted: bool, hit: Hit 
     fits = sch._fits(need)
     if not fits and not sch.running:
         fits = sch._fits(lambda: step)  # alone in the arena: the clip vouches for it
-        if not fits and hit is not None and hit.resume:
+        if not fits and resumes(hit):
             return RETRY_AS_MISS, reservation
     if not fits:
         fits = preempt_for(need, req, sch.running, batch.request_ids, sch._fits, sch.retract, sch.demand,

@@ -29,7 +29,7 @@ from ..core.request import Request
 from ..core.scheduled_batch import CHECKPOINTS_PER_ROW
 from ..memory.demand import Demand, DemandModel
 from .prefix_cache import PrefixCache
-from .radix_node import Hit
+from .radix_node import Hit, resumes
 from .request_memory import RequestMemory
 
 Owed = Callable[[], Demand]
@@ -105,7 +105,7 @@ class PrefixSharing:
     def drop_hit(self, req: Request, hit: Hit | None) -> None:
         """Not admitted (or admitted as a miss): give back what the hit made `req` hold.  With
         no hit, only the fork point of an earlier lookup is forgotten."""
-        if hit is not None and hit.resume:
+        if resumes(hit):
             self.cache.unpin(hit.nodes[-1])
             self.memory.free(req)  # it holds only cached pages: nothing to hand off
             req.undo_resume()

@@ -76,4 +76,11 @@ class Hit:
         return self.nodes[-1].ckpt if self.nodes else 0
 
 
-__all__ = ["Hit", "Node"]
+def resumes(hit: Hit | None) -> bool:
+    """Whether a lookup lets the request skip cached tokens.  With the prefix cache on, a lookup
+    that finds nothing to resume is still a Hit (it counts the query and names a fork point), so
+    `hit is None` alone does not mean a miss."""
+    return hit is not None and hit.resume > 0
+
+
+__all__ = ["Hit", "Node", "resumes"]
