@@ -22,8 +22,8 @@ from umem_jax.pallas_kernels.backend import DeviceInfo
 from umem_jax.pallas_kernels.paged_decode import DECODE_ENV, decode_backend, paged_decode_attention_reference
 from umem_jax.pallas_kernels import paged_decode_mgpu
 from umem_jax.pallas_kernels.paged_decode_mgpu import (_SMEM_LIMIT, DecodeMgpuConfig, check_decode_mgpu_supported,
-                                                       combine_splits, default_decode_mgpu_config, fp8_swizzle,
-                                                       paged_decode_attention_mgpu, smem_bytes)
+                                                       combine_partials, combine_splits, default_decode_mgpu_config,
+                                                       fp8_swizzle, paged_decode_attention_mgpu, q_columns, smem_bytes)
 
 H200 = DeviceInfo("gpu", "9.0", (0, 11))
 CPU = DeviceInfo("cpu", None, (0, 10))
@@ -180,7 +180,7 @@ LOWER = [
 
 
 def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None,
-                      dequant_cols=None) -> str:
+                      dequant_cols=None, transposed=None) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
     lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
     the config's consumer warpgroups, None its default)."""
@@ -194,7 +194,7 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
-              consumers=consumers, dequant_cols=dequant_cols)
+              consumers=consumers, dequant_cols=dequant_cols, transposed=transposed)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -522,3 +522,72 @@ def test_two_consumers_config_checks():
     d256 = kv_view(2, 256, 16)
     with pytest.raises(NotImplementedError, match="shared memory"):
         check_decode_mgpu_supported(q_of(d256), d256, DecodeMgpuConfig(64, 2, None, 2))
+
+
+# --------------------------------------------------------------------------- transposed scores (fp8)
+
+TRANSPOSED = [
+    # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits, consumers)
+    (8, 4, 128, 16, None, None, False, 128, 2, None, 2),   # the benchmarked shape: 128-token blocks, two consumers
+    (8, 4, 128, 16, None, None, False, 128, 4, None, 2),   # a deeper ring
+    (2, 6, 128, 64, 200, 5.0, True, 64, 4, 2, 2),          # G = 6, a window, soft-cap, sinks, splits
+    (1, 12, 64, 16, None, None, False, 64, 2, None, 1),    # N = 16 columns (a swizzled P^T tile), D = 64
+    (2, 40, 256, 32, None, None, True, 64, 2, None, 1),    # N = 48, D = 256
+    (1, 64, 128, 256, None, None, False, 64, 2, 1, 1),     # 64 q heads a kv head, a page over the block
+]
+
+
+@pytest.mark.parametrize("case", TRANSPOSED, ids=[f"g{c[1]}_d{c[2]}_p{c[3]}_c{c[-1]}" for c in TRANSPOSED])
+def test_transposed_lowers_for_cuda(case, monkeypatch):
+    """The transposed fp8 form (S^T = K Q^T with K converted into registers, O^T += V^T P^T) lowers:
+    GQA 4 to 64 (16 to 64 q columns), head dims 64-256, one or two consumers."""
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
+        pytest.skip("jax 0.10's Mosaic GPU lowering cannot transpose a swizzled ref (the V^T load); the kernel "
+                    "runs on jax >= 0.11, which lowers it (scripts/lower_on_jax011.sh runs this test there)")
+    *geometry, consumers = case
+    view = fp8_view(case[0], case[2], case[3])
+    text = _lowered_for_cuda(tuple(geometry), view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
+                             transposed=True)
+    assert "mosaic_gpu" in text
+
+
+def test_transposed_config_checks():
+    """The transposed form: fp8 K/V only, D a multiple of 64 (V^T's 64-row M tiles), one or two
+    consumers; the q heads become 16-column multiples, and its shared memory counts each consumer's
+    V, P^T, O^T and max/sum tiles (no K tile, a Q tile of N rows)."""
+    assert [q_columns(g) for g in (1, 4, 8, 16, 17, 40, 64)] == [16, 16, 16, 16, 32, 48, 64]
+    view, bf16, d80 = fp8_view(8, 128, 16), kv_view(8, 128, 16), fp8_view(2, 80, 16)
+    t2 = DecodeMgpuConfig(128, 2, None, 2, None, True)
+    check_decode_mgpu_supported(q_of(view), view, t2)
+    check_decode_mgpu_supported(q_of(view, G=64), view, DecodeMgpuConfig(64, 2, None, 1, None, True))
+    with pytest.raises(NotImplementedError, match="transposed scores: fp8"):
+        check_decode_mgpu_supported(q_of(bf16), bf16, t2)
+    with pytest.raises(NotImplementedError, match="multiple of 64"):
+        check_decode_mgpu_supported(q_of(d80), d80, DecodeMgpuConfig(64, 2, None, 1, None, True))
+    with pytest.raises(NotImplementedError, match="one or two consumers"):
+        check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(64, 3, None, 3, None, True))
+    N, D, bkv = 16, 128, 128
+    per_consumer = 2 * bkv * D + 2 * bkv * N + 2 * D * N + 4 * 64 * N
+    assert smem_bytes(D, t2, fp8=True, G=4) == 2 * N * D + 2 * 2 * bkv * D + 2 * per_consumer + 1024
+    # no K tile per consumer: 64 KiB less than the untransposed pair's at the benchmark's tiling
+    assert smem_bytes(D, t2, fp8=True, G=4) < smem_bytes(D, DecodeMgpuConfig(128, 2, None, 2), fp8=True) - 60 * 1024
+    assert smem_bytes(D, DecodeMgpuConfig(128, 4, None, 2, None, True), fp8=True, G=4) <= _SMEM_LIMIT
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_combine_partials_matches_combine_splits(sinks):
+    """The transposed form's partials (O^T and a max/sum tile, transposed back by the wrapper) merge
+    through combine_partials exactly as the packed [G8, 32] tiles do through combine_splits."""
+    rng = np.random.default_rng(3)
+    B, Hkv, S, G, D = 2, 3, 4, 5, 64
+    o = jnp.asarray(rng.standard_normal((B, Hkv, S, 8, D)), jnp.float32)
+    m = rng.standard_normal((B, Hkv, S, 8)).astype(np.float32) * 3
+    l = np.abs(rng.standard_normal((B, Hkv, S, 8))).astype(np.float32) + 0.1
+    l[0, 0, 1] = 0.0  # an empty split
+    ml = np.zeros((B, Hkv, S, 8, 32), np.float32)
+    ml[..., 0], ml[..., 16] = m, l
+    lengths = jnp.asarray([7, 0], jnp.int32)
+    sk = jnp.asarray(rng.standard_normal(Hkv * G), jnp.float32) if sinks else None
+    want = combine_splits(o, jnp.asarray(ml), lengths, sk, G, jnp.float32)
+    got = combine_partials(o[:, :, :, :G], jnp.asarray(m[..., :G]), jnp.asarray(l[..., :G]), lengths, sk, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -70,6 +70,19 @@ enter the kernel: k_scale multiplies q (in f32, clipped to f16's range, then f16
 combined output, as in the Triton kernel; the split partials go out in f16.
 paged_decode.decode_backend keeps fp8 on the Triton kernel under "auto": the conversions, not the
 bytes, set this path's pace (0.95x Triton's fp8 speed on an H100, 0.71x on an H200, RESULTS.md).
+
+Transposed scores (`transposed=True`, fp8, D a multiple of 64, one or two consumers).  Above, the
+G q heads fill a 64-row M tile (8-16x the tensor-core work of G = 4-8 heads, and a 64-row Q read
+from shared memory per block) and K reaches the wgmma through a 16-bit tile (the ring read, the
+tile written, the tile read).  Transposed, S^T [bkv, N] = K Q^T: K is the A operand, converted
+from the ring straight into registers (32-bit loads in the WGMMA_UPCAST_2X layout, one shuffle to
+the WGMMA layout, one cvt a pair), Q^T the B operand, and the q heads its N columns (N =
+q_columns(G): 16 for G <= 16).  The online softmax runs down the key axis (axis 0).  Then O^T [D,
+N] += V^T P^T: V is dequantised into its tile as above (V^T is read from it with transposing
+ldmatrix; 8-bit transposed loads need sm_100), P^T goes through a [bkv, N] tile as the B operand.
+Each consumer writes O^T [D, N] and its max and sum as a [16, N] tile; the wrapper transposes them
+back before combine_partials.  In the GPU interpreter K goes through a K tile and V^T is the
+transposed tile itself.
 The ring (`fp8_ring`) and the conversion (`dequantise_fp8`) are shared with the prefill
 (paged_prefill_mgpu).
 """
@@ -90,11 +103,11 @@ from .decode_reference import check_decode_args, merge_splits
 from .kv_write import kv_scales
 from .launch import choose_num_splits
 from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_slot, fp8_ring, fp8_swizzle, head_swizzle,
-                                 produce_kv_ring, pv_accumulate, tma_layout_refusal)
+                                 mma_accumulate, produce_kv_ring, pv_accumulate, tma_layout_refusal)
 from .words import from_u16, kv_value_dtype, to_u16
 
-__all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_splits", "default_decode_mgpu_config",
-           "fp8_swizzle", "paged_decode_attention_mgpu", "smem_bytes"]
+__all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_partials", "combine_splits",
+           "default_decode_mgpu_config", "fp8_swizzle", "paged_decode_attention_mgpu", "q_columns", "smem_bytes"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 1, never NaN
@@ -121,21 +134,44 @@ class DecodeMgpuConfig:
     producer may fill ahead of the consumers; num_splits: split-K (None: from the grid size);
     consumers: consumer warpgroups (1 or 2) taking the split's blocks in turn, each its own
     softmax (ring_slots a multiple of it; 1 to MAX_CONSUMERS); dequant_cols (fp8 only): the width of the register
-    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, the default at D = 128)."""
+    chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, the default at D = 128);
+    transposed (fp8 only, D a multiple of 64): the scores as S^T = K Q^T, K converted from the ring
+    straight into registers as the wgmma's A operand and the q heads as its N columns (see the
+    module docstring)."""
 
     block_kv: int = 128
     ring_slots: int = 2
     num_splits: int | None = None
     consumers: int = 1
     dequant_cols: int | None = None
+    transposed: bool = False
 
 
-def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False) -> int:
+def q_columns(G: int) -> int:
+    """The q heads of one kv head as the N columns of the transposed products: G rounded up to 16
+    (P^T [bkv, N] is the P V product's B operand with N the minor dimension, whose smallest wgmma
+    tile is 8 x 16 values)."""
+    return -(-G // 16) * 16
+
+
+def _plain_or_swizzled(plgpu, cols: int):
+    """Transforms of a [rows, cols] 16-bit tile: swizzled by the widest of 128/64/32 bytes dividing a
+    row, else plain (8 columns: 16-byte rows)."""
+    sw = next((w for w in (128, 64, 32) if (2 * cols) % w == 0), None)
+    return (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)) if sw else ()
+
+
+def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False, G: int = _ROWS) -> int:
     """Q tile (2-byte) + K and V rings (2-byte; fp8: 1-byte, plus a 2-byte K and V tile per consumer
     that it dequantises a slot into) + each consumer's f32 max/sum tile + barriers; with two
     consumers of bf16 K/V, an O tile each (one consumer writes O through the Q tile, fp8 ones
-    through their K tile)."""
+    through their K tile).  Transposed (G q heads a kv head): a V tile, a P^T [bkv, N] tile, an O^T
+    [D, N] tile and a [64, N] max/sum tile per consumer, N = q_columns(G)."""
     C = cfg.consumers
+    if cfg.transposed:
+        N = q_columns(G)
+        per_consumer = 2 * cfg.block_kv * D + 2 * cfg.block_kv * N + 2 * D * N + 4 * _ROWS * N
+        return 2 * N * D + 2 * cfg.ring_slots * cfg.block_kv * D + C * per_consumer + 1024
     ring = cfg.ring_slots * cfg.block_kv * D * (1 if fp8 else 2)
     converted = C * 2 * cfg.block_kv * D if fp8 else 0
     o_tiles = C * 2 * _ROWS * D if C > 1 and not fp8 else 0
@@ -198,6 +234,13 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     dc = cfg.dequant_cols
     if dc is not None and not (view.fp8 and (dc == D or (dc % 64 == 0 and D % dc == 0 and fp8_swizzle(D)))):
         no(f"dequant_cols {dc}: fp8 K/V only, and D ({D}) or a multiple of 64 dividing D on swizzled rows")
+    if cfg.transposed and not (view.fp8 and D % 64 == 0):
+        no(f"transposed scores: fp8 K/V with D a multiple of 64 (the V^T operand's 64-row tiles), got D = {D}"
+           f"{'' if view.fp8 else ' and 16-bit K/V'}")
+    if cfg.transposed and cfg.consumers > 2:
+        # Three transposed consumers hang in jax's GPU interpreter (at varying points: not yet
+        # understood, while one or two pass and three untransposed ones do), so none is compiled.
+        no(f"transposed scores take one or two consumers, got {cfg.consumers}")
     if not 1 <= cfg.consumers <= MAX_CONSUMERS or cfg.ring_slots % cfg.consumers:
         # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
         # barrier): the ring's slots must fall to the consumers in a fixed pattern.
@@ -205,7 +248,7 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     ps = view.page_size
     if ps % 8 or (cfg.block_kv % ps and ps % cfg.block_kv):
         no(f"page_size {ps} must be a multiple of 8 that divides block_kv {cfg.block_kv} or is a multiple of it")
-    need = smem_bytes(D, cfg, view.fp8)
+    need = smem_bytes(D, cfg, view.fp8, G)
     if need > _SMEM_LIMIT:
         no(f"{need} bytes of shared memory needed{' (fp8 K/V)' if view.fp8 else ''} (limit {_SMEM_LIMIT}); "
            "lower block_kv or ring_slots")
@@ -221,6 +264,7 @@ class _Static(RingStatics):
     fp8: bool = False  # fp8 K/V: the ring holds bytes, dequantised to `dtype` (f16) by the consumer
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
     dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
+    transposed: bool = False  # fp8: S^T = K Q^T with K in registers; G8 is then the N columns (q_columns)
     interpret: bool = False  # jax's GPU interpreter (CPU tests): P through shared memory, fp8 read as words
 
 
@@ -230,12 +274,15 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
     ml_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     copies = max(1, bkv // c.page_size)  # TMA copies (pages) per KV block, all on one barrier
+    q_rows = c.G8 if c.transposed else _ROWS
     if c.fp8:  # byte rings, and each consumer's 16-bit K and V tiles the wgmma reads (refs of their
         # own, not rows of one [C, bkv, D] ref: jax 0.11 cannot lower a static index of a ref that
-        # the P V's run_state closes over)
+        # the P V's run_state closes over); transposed: K goes to registers (a K tile only in the
+        # GPU interpreter, whose wgmma takes no register operand)
         tile = lambda: plgpu.SMEM((bkv, D), c.dtype, transforms=tiled)  # noqa: E731
-        rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D),
-                 tuple(tile() for _ in range(C)), tuple(tile() for _ in range(C)))
+        k_tiles = None if c.transposed and not c.interpret else tuple(tile() for _ in range(C))
+        rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D), k_tiles,
+                 tuple(tile() for _ in range(C)))
     else:
         rings = (plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled),
                  plgpu.SMEM((slots, bkv, D), c.dtype, transforms=tiled))
@@ -246,11 +293,19 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     # takes no register operand).
     p_tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     p_tiles = plgpu.SMEM((C, _ROWS, bkv), c.dtype, transforms=p_tiled) if c.interpret else None
+    ml_tile = plgpu.SMEM((C, _ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled)
+    if c.transposed:  # per consumer: P^T [bkv, N] (the P V product's B operand), O^T [D, N] on the way
+        # out, and the max/sum as a [64, N] f32 tile (rows 0-7 the max, 8-15 the sum)
+        N = c.G8
+        nt = _plain_or_swizzled(plgpu, N)
+        p_tiles = tuple(plgpu.SMEM((bkv, N), c.dtype, transforms=nt) for _ in range(C))
+        o_tiles = tuple(plgpu.SMEM((D, N), c.dtype, transforms=nt) for _ in range(C))
+        ml_tile = plgpu.SMEM((C, _ROWS, N), jnp.float32)
     pl.run_scoped(
         functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
-        (plgpu.SMEM((_ROWS, D), c.dtype, transforms=tiled),
+        (plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled),
          rings,
-         plgpu.SMEM((C, _ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled),
+         ml_tile,
          o_tiles, p_tiles),
         (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
          plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
@@ -297,34 +352,40 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         online softmax, written out as split `split * C + ci`."""
         plgpu.set_max_registers(consumer_registers(C), action="increase")
         layout = plgpu.Layout.WGMMA
+        q_rows = c.G8 if c.transposed else _ROWS
         if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
-            if c.G8 < _ROWS:  # rows past the q heads: zeros, so their (discarded) scores stay finite
-                q_smem[...] = plgpu.layout_cast(jnp.zeros((_ROWS, D), c.dtype), layout)
+            if c.G8 < q_rows:  # rows past the q heads: zeros, so their (discarded) scores stay finite
+                q_smem[...] = plgpu.layout_cast(jnp.zeros((q_rows, D), c.dtype), layout)
                 plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
             plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
         plgpu.barrier_wait(q_filled)
         if c.fp8:
-            k16, v16 = k16s[ci], v16s[ci]
+            k16, v16 = (None if k16s is None else k16s[ci]), v16s[ci]
 
+        # Rows of S are q heads and columns keys; transposed (S^T), the other way round.
+        key_axis = 0 if c.transposed else 1
+        rows = c.G8 if c.transposed else _ROWS  # the q heads' extent in the products
         exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
-        m_i = plgpu.layout_cast(jnp.full((_ROWS,), _NEG_BIG, jnp.float32), layout.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((_ROWS,), 0.0, jnp.float32), layout.reduce(1))
-        acc = plgpu.layout_cast(jnp.full((_ROWS, D), 0.0, jnp.float32), layout)
+        m_i = plgpu.layout_cast(jnp.full((rows,), _NEG_BIG, jnp.float32), layout.reduce(key_axis))
+        l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), layout.reduce(key_axis))
+        acc_shape = (D, rows) if c.transposed else (_ROWS, D)
+        acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), layout)
 
         def softmax(s, k0, masked: bool, carry):
-            """One block's online-softmax update: scores s [64, bkv] f32 of keys k0 .. k0 + bkv ->
-            (P in the 16-bit dtype, (acc rescaled, m, l))."""
+            """One block's online-softmax update: scores s [64, bkv] f32 of keys k0 .. k0 + bkv
+            (transposed: [bkv, N]) -> (P in the 16-bit dtype, (acc rescaled, m, l))."""
             acc, m_i, l_i = carry
+            q_axis = 1 - key_axis
             if c.softcap is not None:
                 s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
-            if masked:  # every row is the same position: one mask over the key columns
-                kp = k0 + plgpu.broadcasted_iota(jnp.int32, (_ROWS, bkv), 1, layout=layout)
+            if masked:  # every q head is the same position: one mask over the keys
+                kp = k0 + plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=layout)
                 s = jnp.where((kp >= start) & (kp < length), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * exp_scale)
+            m_new = jnp.maximum(m_i, s.max(axis=key_axis) * exp_scale)
             alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            l_i = l_i * alpha + p.sum(axis=1)
+            p = jnp.exp2(s * exp_scale - lax.broadcast_in_dim(m_new, s.shape, [q_axis]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [1 if c.transposed else 0])
+            l_i = l_i * alpha + p.sum(axis=key_axis)
             return p.astype(c.dtype), (acc, m_new, l_i)
 
         def pv_product(acc, p16, v_ref, overlap=None):
@@ -393,8 +454,49 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             acc = pv_product(acc, p16, v16, overlap=lambda: pl.when(kb + C < hi)(lambda: next_k(kb + C)))
             return acc, m_new, l_i
 
-        step = step_fp8 if c.fp8 else step_bf16
-        if c.fp8:
+        def k_operand(slot):
+            """Block K [bkv, D] as the S^T product's A operand: converted from the fp8 ring into
+            registers (32-bit loads in the layout made for upcasting, one shuffle to the WGMMA
+            layout, one cvt a pair); in the GPU interpreter, through the K tile.  The slot is free
+            afterwards."""
+            if c.interpret:
+                dequantise(0, slot, k16, None, masked=False)
+                return k16
+            x = mgpu_load(plgpu, rings[0][1].at[slot], plgpu.Layout.WGMMA_UPCAST_2X)
+            return plgpu.layout_cast(x, layout).astype(c.dtype)
+
+        def step_fp8_transposed(kb, carry, masked: bool):
+            """S^T [bkv, N] = K Q^T, then O^T [D, N] += V^T P^T: the q heads are the N columns (8
+            where G <= 8, not 64 padded rows), and K never goes through a 16-bit tile."""
+            slot = lax.rem(kb - lo, i32(slots))
+            k0 = kb * bkv
+            plgpu.barrier_wait(k_filled.at[slot])
+            k_a = k_operand(slot)  # masked keys meet a `where` on S^T
+            plgpu.barrier_arrive(k_released.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, k_a, q_smem.transpose((1, 0)))
+                plgpu.barrier_wait(v_filled.at[slot])  # V dequantised while the tensor cores take S^T
+                dequantise(1, slot, v16, k0, masked)
+                plgpu.barrier_arrive(v_released.at[slot])
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((bkv, c.G8), jnp.float32))
+            p16, (acc, m_new, l_i) = softmax(s, k0, masked, carry)
+            pt = p_tiles[ci]  # P^T [bkv, N]: its last reader, the previous P V, has completed
+            pt[...] = p16
+            plgpu.commit_smem()
+            vt = v16.transpose((1, 0))  # V^T [D, bkv]
+            if not c.interpret:
+                vt = mgpu_load(plgpu, vt, layout)
+            acc = mma_accumulate(plgpu, acc, vt, pt, apart=c.interpret)
+            return acc, m_new, l_i
+
+        if c.transposed:
+            step = step_fp8_transposed
+        else:
+            step = step_fp8 if c.fp8 else step_bf16
+        if c.fp8 and not c.transposed:
             pl.when(lo + ci < hi)(lambda: next_k(lo + ci))  # the first block's K; each step dequantises the next
 
         def blocks(a, z, masked: bool, carry):
@@ -417,18 +519,30 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
 
         # O leaves normalised, in the 16-bit dtype, through a tile no MMA reads any more (see
         # _kernel); the max and sum go out in f32 beside it, for combine_splits.
+        out = split * C + ci
+        l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
+        if c.transposed:  # O^T [D, N] and a [16, N] max (rows 0-7) / sum (rows 8-15) tile
+            o_smem = o_tiles[ci]
+            o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(c.dtype)
+            r = plgpu.broadcasted_iota(jnp.int32, (_ROWS, c.G8), 0, layout=layout)
+            ml = jnp.where(r < 8, lax.broadcast_in_dim(m_i, (_ROWS, c.G8), [1]),
+                           lax.broadcast_in_dim(l_i, (_ROWS, c.G8), [1]))
+            ml_smem.at[ci][...] = ml
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, kv_head, out])
+            plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, 16)], ml_ref.at[b, kv_head, out])
+            plgpu.wait_smem_to_gmem(0)
+            return
         if C == 1:
             o_smem = q_smem
         else:
             o_smem = k16.at[pl.ds(0, _ROWS)] if c.fp8 else o_tiles.at[ci]
-        l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
         o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(c.dtype)
         cols = plgpu.broadcasted_iota(jnp.int32, (_ROWS, _ML_COLS), 1, layout=layout)
         ml = jnp.where(cols < _ML_COLS // 2, lax.broadcast_in_dim(m_i, (_ROWS, _ML_COLS), [0]),
                        lax.broadcast_in_dim(l_i, (_ROWS, _ML_COLS), [0]))
         ml_smem.at[ci][...] = ml
         plgpu.commit_smem()
-        out = split * C + ci
         plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, c.G8)], o_ref.at[b, kv_head, out])
         plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, c.G8)], ml_ref.at[b, kv_head, out])
         plgpu.wait_smem_to_gmem(0)
@@ -449,10 +563,16 @@ def combine_splits(o, ml, lengths, sinks, G: int, dtype):
     its own sum), ml [B, Hkv, S, G8, 32] f32 (max in log2 units in column 0, sum in column 16) ->
     [B, Hkv * G, D] in dtype; sinks (natural-log logits, [Hkv * G] or None) join the denominator;
     lengths == 0 gives 0."""
-    B, Hkv, _, _, D = o.shape
-    m, l = ml[:, :, :, :G, 0] / _LOG2E, ml[:, :, :, :G, _ML_COLS // 2]  # the max in natural-log units
-    acc = o[:, :, :, :G].astype(jnp.float32) * l[..., None]  # unnormalised again, as the Triton kernel's
-    return merge_splits(acc, m, l, lengths, sinks, dtype).reshape(B, Hkv * G, D)
+    return combine_partials(o[:, :, :, :G], ml[:, :, :, :G, 0], ml[:, :, :, :G, _ML_COLS // 2], lengths, sinks,
+                            dtype)
+
+
+def combine_partials(o, m, l, lengths, sinks, dtype):
+    """combine_splits on unpacked partials: o [B, Hkv, S, G, D], m and l [B, Hkv, S, G] f32 (the max
+    in log2 units) -> [B, Hkv * G, D] in dtype."""
+    B, Hkv, _, G, D = o.shape
+    acc = o.astype(jnp.float32) * l[..., None]  # unnormalised again, as the Triton kernel's
+    return merge_splits(acc, m / _LOG2E, l, lengths, sinks, dtype).reshape(B, Hkv * G, D)
 
 
 def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *, view, window, softcap, scale,
@@ -461,7 +581,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
     B, Hq, D = q.shape
     Hkv = view.num_kv_heads
     G = Hq // Hkv
-    G8 = -(-G // 8) * 8
+    G8 = q_columns(G) if cfg.transposed else -(-G // 8) * 8
     ks, vs = kv_scales(view, k_scale, v_scale)  # f32 [Hkv] each for fp8 views, else (None, None)
     # fp8: the wgmma operands are f16 (see the module docstring), the ring copies the arena's words.
     dtype = jnp.dtype(jnp.float16) if view.fp8 else kv_value_dtype(view.planes, kv_dtype)
@@ -487,12 +607,15 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
-                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, interpret=bool(interpret))
+                consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, transposed=cfg.transposed,
+                interpret=bool(interpret))
     parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
+    # Transposed: O^T [D, N] and the max (rows 0-7) and sum (8-15) as [16, N].
+    o_shape = (B, Hkv, parts) + ((D, G8) if cfg.transposed else (G8, D))
+    ml_shape = (B, Hkv, parts) + ((16, G8) if cfg.transposed else (G8, _ML_COLS))
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
-        out_type=(jax.ShapeDtypeStruct((B, Hkv, parts, G8, D), dtype),
-                  jax.ShapeDtypeStruct((B, Hkv, parts, G8, _ML_COLS), jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct(o_shape, dtype), jax.ShapeDtypeStruct(ml_shape, jnp.float32)),
         grid=(c.num_splits, Hkv, B),
         grid_names=("split", "heads", "batch"),
         num_threads=c.consumers + 1,
@@ -504,7 +627,12 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
     lengths = jnp.minimum(lengths, P * view.page_size)
     if not view.fp8:
         return combine_splits(o, ml, lengths, sinks, G, q.dtype)
-    out = combine_splits(o, ml, lengths, sinks, G, jnp.float32).reshape(B, Hkv, G, D)
+    if cfg.transposed:
+        o = o[..., :G].swapaxes(-1, -2)
+        out = combine_partials(o, ml[..., 0, :G], ml[..., 8, :G], lengths, sinks, jnp.float32)
+    else:
+        out = combine_splits(o, ml, lengths, sinks, G, jnp.float32)
+    out = out.reshape(B, Hkv, G, D)
     return (out * vs[None, :, None, None]).reshape(B, Hq, D).astype(q.dtype)  # v_scale: linear in the output
 
 
@@ -512,15 +640,17 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
-                                             "ring_slots", "num_splits", "consumers", "dequant_cols", "interpret"))
+                                             "ring_slots", "num_splits", "consumers", "dequant_cols", "transposed",
+                                             "interpret"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None, consumers=None, dequant_cols=None, interpret=False):
+                                num_splits=None, consumers=None, dequant_cols=None, transposed=None, interpret=False):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
-    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols: DecodeMgpuConfig
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols / transposed:
+    DecodeMgpuConfig
     (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
     default's where the given block and ring take them, else 1).  interpret=True (or "races": with
     race detection) runs it in jax's GPU interpreter on CPU (jax >= 0.11), slowly, for tests.
@@ -528,11 +658,12 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
     """
     check_decode_args(q, arena, page_table, lengths, view, sinks, window, softcap)
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
+    G = q.shape[1] // view.num_kv_heads
     given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
-                             dequant_cols)
+                             dequant_cols, cfg.transposed if transposed is None else bool(transposed))
     if consumers is None and cfg.consumers > 1:  # the default's consumers and chunks, where the given tiling takes them
         two = dataclasses.replace(given, consumers=cfg.consumers, dequant_cols=dequant_cols or cfg.dequant_cols)
-        if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8) <= _SMEM_LIMIT:
+        if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8, G) <= _SMEM_LIMIT:
             given = two
     cfg = given
     check_decode_mgpu_supported(q, view, cfg, kv_dtype)

@@ -292,21 +292,25 @@ def pv_accumulate(plgpu, acc, p16, v_ref, p_smem=None, overlap=None):
     if p_smem is not None:
         p_smem[...] = p16
         plgpu.commit_smem()
+        return mma_accumulate(plgpu, acc, p_smem, v_ref, overlap, apart=True)
+    return mma_accumulate(plgpu, acc, p16, v_ref, overlap)
 
-        def pv_apart(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_ref)
-            if overlap is not None:
-                overlap()
-            return acc_ref[...]
 
-        return acc + pl.run_scoped(pv_apart, plgpu.ACC(acc.shape, jnp.float32))
-
-    def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_ref)
+def mma_accumulate(plgpu, acc, a, b, overlap=None, apart=False):
+    """acc [M, N] f32 + a [M, K] b [K, N] (one wgmma: a from registers or shared memory, b in shared
+    memory) into the running accumulator; overlap(): CUDA-core work while the tensor cores take it.
+    apart: the GPU interpreter's form (no run_state over an accumulator): the product goes into a
+    fresh accumulator, added in registers."""
+    def mma(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
         if overlap is not None:
             overlap()
+        if apart:
+            return acc_ref[...]
 
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
+    if apart:
+        return acc + pl.run_scoped(mma, plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
 def dequantise_slot(plgpu, ring, slot, dst, rows=None, cols=None, interpret=False):
