@@ -71,7 +71,7 @@ step() {
                 --rounds ${CONSUMER_ROUNDS:-3} --budget ${MGPU_BUDGET:-240} ;;
     mgpu_transposed)  # the fp8 Mosaic decode with transposed scores (S^T = K Q^T, K converted into registers):
       # its GPU tests, then the fp8 shape's tilings beside the untransposed ones, Triton and bf16 (interleaved rounds)
-      python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k transposed &&
+      python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k "transposed or long_context" &&
             python3 -m benchmarks.bench_decode_mgpu --only ${TRANSPOSED_SHAPES:-fp8} --configs ${TRANSPOSED_CONFIGS:-128x2,128x4,64x4} \
                 --rounds ${TRANSPOSED_ROUNDS:-3} --budget ${MGPU_BUDGET:-240} ;;
     profile_decode)  # Nsight Compute on the decode kernels where the Mosaic one trails Triton (fp8, D = 80): stall

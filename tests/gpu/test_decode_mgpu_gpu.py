@@ -127,6 +127,8 @@ FP8_CASES = [
     # Transposed scores (S^T = K Q^T, K converted into registers; O^T += V^T P^T): the benchmark's
     # tilings, a window with sinks and soft-cap, empty splits, G = 1 and 20, D = 64 and 256.
     (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "transposed": True}),
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "transposed": True,
+                                     "num_splits": 1}),  # each consumer through ~5 blocks: a slot refilled at once
     (6, 128, 16, 300, 30.0, True, {"block_kv": 128, "ring_slots": 4, "consumers": 2, "transposed": True}),
     (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 2,
                                    "transposed": True}),
@@ -151,14 +153,16 @@ def test_mgpu_fp8_decode_matches_reference(G, D, ps, window, softcap, sinks, tun
     np.testing.assert_array_equal(np.asarray(got, np.float32)[np.asarray(ln) == 0], 0.0)
 
 
-def test_mgpu_fp8_long_context_many_splits():
-    """32K tokens over 8 requests of random lengths, fp8: split-K's shares, the combine, v_scale."""
+@pytest.mark.parametrize("transposed", [False, True])
+def test_mgpu_fp8_long_context_many_splits(transposed):
+    """32K tokens over 8 requests of random lengths, fp8: split-K's shares, the combine, v_scale;
+    many blocks per consumer, so each ring slot is refilled as soon as it is released."""
     from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
     view, arena, pt, ln, q, ks, vs = fp8_decode_case(7, B=8, Hkv=8, G=4, D=128, ps=16, ctx_max=32768, min_len=1)
     kw = dict(view=view, k_scale=ks, v_scale=vs)
-    close_fp8(paged_decode_attention_mgpu(q, arena, pt, ln, **kw), paged_decode_attention_reference(q, arena, pt, ln,
-                                                                                                    **kw))
+    close_fp8(paged_decode_attention_mgpu(q, arena, pt, ln, **kw, transposed=transposed),
+              paged_decode_attention_reference(q, arena, pt, ln, **kw))
 
 
 def test_entry_point_runs_mgpu_fp8_when_asked(monkeypatch):

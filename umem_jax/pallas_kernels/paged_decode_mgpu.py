@@ -463,6 +463,10 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
                 dequantise(0, slot, k16, None, masked=False)
                 return k16
             x = mgpu_load(plgpu, rings[0][1].at[slot], plgpu.Layout.WGMMA_UPCAST_2X)
+            # The slot's next fill is a TMA write (the async proxy): without this fence it can
+            # overtake these generic-proxy reads once the slot is released (wrong K, seen on an H100
+            # with two consumers, each refilled the moment it lets go).
+            plgpu.commit_smem()
             return plgpu.layout_cast(x, layout).astype(c.dtype)
 
         def step_fp8_transposed(kb, carry, masked: bool):
