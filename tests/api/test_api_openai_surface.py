@@ -272,6 +272,9 @@ def test_return_tokens_as_token_ids_writes_logprob_tokens_as_ids(srv):
     assert all(t.startswith("token_id:") for t in ids.logprobs.tokens)
     chosen = [int(t.removeprefix("token_id:")) for t in ids.logprobs.tokens]
     assert engine_call(srv, lambda e: [token_piece(e.tokenizer, i)[0] for i in chosen]) == plain.logprobs.tokens
+    # and by id, not only by text: greedy picks a most likely id, listed among the top ids with its logprob
+    for c, lp, top in zip(chosen, ids.logprobs.token_logprobs, ids.logprobs.top_logprobs, strict=True):
+        assert top[f"token_id:{c}"] == lp == max(top.values())
     assert all(all(k.startswith("token_id:") for k in top) for top in ids.logprobs.top_logprobs)
     msgs = [{"role": "user", "content": prompt}]
     chat = srv.client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_completion_tokens=3,

@@ -115,6 +115,7 @@ _SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 _SM_SMEM = 228 * 1024 - 2 * 1024  # shared memory of an SM, less the 1 KB the hardware keeps per CTA (two CTAs)
 _ROWS = 64  # one wgmma M tile: the q heads of one kv head, zero-padded
 _ML_COLS = 32  # the running max (columns 0-15) and sum (16-31) of each row, as a [64, 32] f32 tile
+_ML_T_ROWS = 16  # transposed: the max (rows 0-7) and sum (rows 8-15) of each q column, as [16, N]
 _CTA_REGISTERS = 64 * 1024  # 32-bit registers of an SM, all of them one CTA's (the ring fills shared memory)
 _PRODUCER_REGISTERS = 40  # a producer thread's (setmaxnreg): the page table walk and the TMA issue
 MAX_CONSUMERS = 3
@@ -152,13 +153,6 @@ def q_columns(G: int) -> int:
     (P^T [bkv, N] is the P V product's B operand with N the minor dimension, whose smallest wgmma
     tile is 8 x 16 values)."""
     return -(-G // 16) * 16
-
-
-def _plain_or_swizzled(plgpu, cols: int):
-    """Transforms of a [rows, cols] 16-bit tile: swizzled by the widest of 128/64/32 bytes dividing a
-    row, else plain (8 columns: 16-byte rows)."""
-    sw = next((w for w in (128, 64, 32) if (2 * cols) % w == 0), None)
-    return (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw)) if sw else ()
 
 
 def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False, G: int = _ROWS) -> int:
@@ -295,9 +289,10 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref)
     p_tiles = plgpu.SMEM((C, _ROWS, bkv), c.dtype, transforms=p_tiled) if c.interpret else None
     ml_tile = plgpu.SMEM((C, _ROWS, _ML_COLS), jnp.float32, transforms=ml_tiled)
     if c.transposed:  # per consumer: P^T [bkv, N] (the P V product's B operand), O^T [D, N] on the way
-        # out, and the max/sum as a [64, N] f32 tile (rows 0-7 the max, 8-15 the sum)
+        # out, and the max/sum as a [64, N] f32 tile (its first _ML_T_ROWS rows leave: the max, then the sum)
         N = c.G8
-        nt = _plain_or_swizzled(plgpu, N)
+        nsw = head_swizzle(N)  # N is a multiple of 16: rows of whole 32-byte swizzle units at least
+        nt = (plgpu.TilingTransform((8, nsw // 2)), plgpu.SwizzleTransform(nsw))
         p_tiles = tuple(plgpu.SMEM((bkv, N), c.dtype, transforms=nt) for _ in range(C))
         o_tiles = tuple(plgpu.SMEM((D, N), c.dtype, transforms=nt) for _ in range(C))
         ml_tile = plgpu.SMEM((C, _ROWS, N), jnp.float32)
@@ -352,7 +347,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         online softmax, written out as split `split * C + ci`."""
         plgpu.set_max_registers(consumer_registers(C), action="increase")
         layout = plgpu.Layout.WGMMA
-        q_rows = c.G8 if c.transposed else _ROWS
+        q_rows = c.G8 if c.transposed else _ROWS  # the q heads' extent in the products (zero-padded)
         if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
             if c.G8 < q_rows:  # rows past the q heads: zeros, so their (discarded) scores stay finite
                 q_smem[...] = plgpu.layout_cast(jnp.zeros((q_rows, D), c.dtype), layout)
@@ -364,11 +359,10 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
 
         # Rows of S are q heads and columns keys; transposed (S^T), the other way round.
         key_axis = 0 if c.transposed else 1
-        rows = c.G8 if c.transposed else _ROWS  # the q heads' extent in the products
         exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
-        m_i = plgpu.layout_cast(jnp.full((rows,), _NEG_BIG, jnp.float32), layout.reduce(key_axis))
-        l_i = plgpu.layout_cast(jnp.full((rows,), 0.0, jnp.float32), layout.reduce(key_axis))
-        acc_shape = (D, rows) if c.transposed else (_ROWS, D)
+        m_i = plgpu.layout_cast(jnp.full((q_rows,), _NEG_BIG, jnp.float32), layout.reduce(key_axis))
+        l_i = plgpu.layout_cast(jnp.full((q_rows,), 0.0, jnp.float32), layout.reduce(key_axis))
+        acc_shape = (D, q_rows) if c.transposed else (_ROWS, D)
         acc = plgpu.layout_cast(jnp.full(acc_shape, 0.0, jnp.float32), layout)
 
         def softmax(s, k0, masked: bool, carry):
@@ -470,8 +464,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
             return plgpu.layout_cast(x, layout).astype(c.dtype)
 
         def step_fp8_transposed(kb, carry, masked: bool):
-            """S^T [bkv, N] = K Q^T, then O^T [D, N] += V^T P^T: the q heads are the N columns (8
-            where G <= 8, not 64 padded rows), and K never goes through a 16-bit tile."""
+            """S^T [bkv, N] = K Q^T, then O^T [D, N] += V^T P^T: the q heads are the N columns (16
+            where G <= 16, not 64 padded rows), and K never goes through a 16-bit tile."""
             slot = lax.rem(kb - lo, i32(slots))
             k0 = kb * bkv
             plgpu.barrier_wait(k_filled.at[slot])
@@ -525,16 +519,16 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         # _kernel); the max and sum go out in f32 beside it, for combine_splits.
         out = split * C + ci
         l_safe = jnp.where(l_i > 0, l_i, jnp.ones_like(l_i))  # an empty split: acc = 0, l = 0
-        if c.transposed:  # O^T [D, N] and a [16, N] max (rows 0-7) / sum (rows 8-15) tile
+        if c.transposed:  # O^T [D, N] and the [_ML_T_ROWS, N] max / sum tile
             o_smem = o_tiles[ci]
             o_smem[...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [1])).astype(c.dtype)
             r = plgpu.broadcasted_iota(jnp.int32, (_ROWS, c.G8), 0, layout=layout)
-            ml = jnp.where(r < 8, lax.broadcast_in_dim(m_i, (_ROWS, c.G8), [1]),
+            ml = jnp.where(r < _ML_T_ROWS // 2, lax.broadcast_in_dim(m_i, (_ROWS, c.G8), [1]),
                            lax.broadcast_in_dim(l_i, (_ROWS, c.G8), [1]))
             ml_smem.at[ci][...] = ml
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, kv_head, out])
-            plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, 16)], ml_ref.at[b, kv_head, out])
+            plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, _ML_T_ROWS)], ml_ref.at[b, kv_head, out])
             plgpu.wait_smem_to_gmem(0)
             return
         if C == 1:
@@ -614,9 +608,9 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
                 consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, transposed=cfg.transposed,
                 interpret=bool(interpret))
     parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
-    # Transposed: O^T [D, N] and the max (rows 0-7) and sum (8-15) as [16, N].
+    # Transposed: O^T [D, N], and the max (first half of the rows) and sum (second half) as [_ML_T_ROWS, N].
     o_shape = (B, Hkv, parts) + ((D, G8) if cfg.transposed else (G8, D))
-    ml_shape = (B, Hkv, parts) + ((16, G8) if cfg.transposed else (G8, _ML_COLS))
+    ml_shape = (B, Hkv, parts) + ((_ML_T_ROWS, G8) if cfg.transposed else (G8, _ML_COLS))
     o, ml = plgpu.kernel(
         functools.partial(_kernel, plgpu, c),
         out_type=(jax.ShapeDtypeStruct(o_shape, dtype), jax.ShapeDtypeStruct(ml_shape, jnp.float32)),
@@ -633,7 +627,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
         return combine_splits(o, ml, lengths, sinks, G, q.dtype)
     if cfg.transposed:
         o = o[..., :G].swapaxes(-1, -2)
-        out = combine_partials(o, ml[..., 0, :G], ml[..., 8, :G], lengths, sinks, jnp.float32)
+        out = combine_partials(o, ml[..., 0, :G], ml[..., _ML_T_ROWS // 2, :G], lengths, sinks, jnp.float32)
     else:
         out = combine_splits(o, ml, lengths, sinks, G, jnp.float32)
     out = out.reshape(B, Hkv, G, D)
