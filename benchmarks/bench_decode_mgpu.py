@@ -84,8 +84,8 @@ CUDNN_PEERS = ("main", "gqa6_d80")
 
 
 def sweep_configs(D: int, fp8: bool = False, only: str | None = None):
-    """(block_kv, ring_slots, num_splits, consumers, dequant_cols, transposed, fp8_scores) besides the default (all None;
-    num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two
+    """(block_kv, ring_slots, num_splits, consumers, dequant_cols, transposed, fp8_scores) besides the
+    default (all None; num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two
     consumer warpgroups (taking the blocks in turn) fit at D <= 128, three in 64-token blocks (more
     warps converting fp8 at once, 152 registers a thread); fp8's dequantisation in whole-row
     register chunks (dequant_cols = D) is the default at D = 128, 64-column chunks timed beside it;
