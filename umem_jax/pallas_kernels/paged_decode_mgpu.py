@@ -83,6 +83,18 @@ ldmatrix; 8-bit transposed loads need sm_100), P^T goes through a [bkv, N] tile 
 Each consumer writes O^T [D, N] and its max and sum as a [16, N] tile; the wrapper transposes them
 back before combine_partials.  In the GPU interpreter K goes through a K tile and V^T is the
 transposed tile itself.
+
+fp8 scores (`fp8_scores=True`, fp8, D a multiple of 32, either form).  K is not converted at all:
+the scores come from 8-bit wgmmas that read the K ring slot itself (e4m3 rows, K-major, the swizzle
+the wgmma asks for), against q in e4m3.  One e4m3 q would keep 4 significant bits of each value,
+so q (k_scale folded in) is scaled per kv head by a power of two that puts its largest value in
+[224, 448] and split in two: the high part, its e4m3 rounding, and the low part, the rest rounded
+again (`split_fp8`): 8 significant bits between them, a bf16 q's own.  The two parts are the upper
+and lower halves of a [2 * rows, D] e4m3 Q tile, their two wgmmas accumulate into one S, and the
+softmax multiplies S by the power of two's inverse (a per-kv-head f32 input).  Only V is dequantised
+(P V needs V^T K-major for an 8-bit product, which the ring's rows are not); the slot of K is
+released once its scores' wgmmas complete.  In the GPU interpreter the parts are f16 (exact) and K
+goes through a K tile.
 The ring (`fp8_ring`) and the conversion (`dequantise_fp8`) are shared with the prefill
 (paged_prefill_mgpu).
 """
