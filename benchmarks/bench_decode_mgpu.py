@@ -212,7 +212,9 @@ def bench_shape(a, s: Shape):
             return
         if err > 2e-2:
             print(f"  {s.name} {label}: err={err:.2e} WRONG", flush=True)
-            return
+            if not a.keep_wrong:
+                return
+            label += " WRONG"  # --keep-wrong: timed all the same, to know whether mending it would pay
         errs[label] = err
         variants.append((label, lambda: fn(*args)))
 
@@ -304,6 +306,9 @@ def main(argv=None) -> int:
                     help="the sweep's Mosaic tilings to time, e.g. 128x2,128x3 (block_kv x ring_slots; default all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--verbose", action="store_true", help="tracebacks of failures")
+    ap.add_argument("--keep-wrong", action="store_true",
+                    help="time variants over the error tolerance too, labelled WRONG (never a result: a probe of "
+                         "whether a fix would pay)")
     a = ap.parse_args(argv)
     silence_triton_deprecation()
     warnings.filterwarnings("ignore", category=DeprecationWarning)

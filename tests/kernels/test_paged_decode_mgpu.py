@@ -595,10 +595,10 @@ def test_fp8_scores_config_and_q_parts():
     x = jnp.asarray(rng.standard_normal((2, 4, 5, 64)).astype(np.float32) * scales)
     x = x.at[1, 2].set(0.0)  # an all-zero head
     parts, unit = split_fp8(x, 16)
-    assert parts.shape == (2, 4, 32, 64) and parts.dtype == jnp.float8_e4m3fn
+    assert parts.shape == (2, 4, 2, 16, 64) and parts.dtype == jnp.float8_e4m3fn
     p = np.asarray(parts, np.float32)
-    assert (p[:, :, 5:16] == 0).all() and (p[:, :, 21:] == 0).all()  # the padded rows
-    back = (p[:, :, :5] + p[:, :, 16:21]) * np.asarray(unit)[..., None, None]
+    assert (p[:, :, :, 5:] == 0).all()  # the padded rows
+    back = (p[:, :, 0, :5] + p[:, :, 1, :5]) * np.asarray(unit)[..., None, None]
     xa, u = np.asarray(x), np.asarray(unit)[..., None, None]
     # each value to 8 significant bits, the head's smallest to e4m3's subnormal step (2^-10) after scaling
     assert np.all(np.abs(back - xa) <= 2.0 ** -8 * np.abs(xa) + 2.0 ** -10 * u)

@@ -89,9 +89,10 @@ the scores come from 8-bit wgmmas that read the K ring slot itself (e4m3 rows, K
 the wgmma asks for), against q in e4m3.  One e4m3 q would keep 4 significant bits of each value,
 so q (k_scale folded in) is scaled per kv head by a power of two that puts its largest value in
 [224, 448] and split in two: the high part, its e4m3 rounding, and the low part, the rest rounded
-again (`split_fp8`): 8 significant bits between them, a bf16 q's own.  The two parts are the upper
-and lower halves of a [2 * rows, D] e4m3 Q tile, their two wgmmas accumulate into one S, and the
-softmax multiplies S by the power of two's inverse (a per-kv-head f32 input).  Only V is dequantised
+again (`split_fp8`): 8 significant bits between them, a bf16 q's own.  The two parts are two
+whole e4m3 Q tiles (as row slices of one tile, the first H200 run's errors were those of e4m3 q
+alone), their two wgmmas accumulate into one S, and the softmax multiplies S by the power of two's
+inverse (a per-kv-head f32 input).  Only V is dequantised
 (P V needs V^T K-major for an 8-bit product, which the ring's rows are not); the slot of K is
 released once its scores' wgmmas complete.  In the GPU interpreter the parts are f16 (exact) and K
 goes through a K tile.
@@ -321,10 +322,13 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, *refs):
         o_tiles = tuple(plgpu.SMEM((D, N), c.dtype, transforms=nt) for _ in range(C))
         ml_tile = plgpu.SMEM((C, _ROWS, N), jnp.float32)
     q_tile = plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled)
-    if c.fp8_scores:  # q's high and low e4m3 parts, tiled and swizzled as the ring's bytes (the wgmma's rule)
+    if c.fp8_scores:  # q's high and low e4m3 parts, tiled and swizzled as the ring's bytes (the wgmma's rule):
+        # two whole tiles, each a wgmma operand as it stands (not row slices of one tile)
         fsw = fp8_swizzle(D)
-        q_tile = plgpu.SMEM((2 * q_rows, D), c.dtype, transforms=tiled) if c.interpret else \
-            plgpu.SMEM((2 * q_rows, D), FP8, transforms=(plgpu.TilingTransform((8, fsw)), plgpu.SwizzleTransform(fsw)))
+        part = (lambda: plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled)) if c.interpret else \
+            (lambda: plgpu.SMEM((q_rows, D), FP8, transforms=(plgpu.TilingTransform((8, fsw)),
+                                                             plgpu.SwizzleTransform(fsw))))
+        q_tile = (part(), part())
     pl.run_scoped(
         functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, refs),
         (q_tile,
@@ -333,7 +337,7 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, *refs):
          o_tiles, p_tiles),
         (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
          plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
-         plgpu.Barrier()),  # Q tile
+         plgpu.Barrier(num_arrivals=2 if c.fp8_scores else 1)),  # Q tile (fp8 scores: its two parts)
         (plgpu.Barrier(num_barriers=slots),) * 2,  # K / V slot released by its consumer
         collective_axes="wg",
     )
@@ -380,8 +384,9 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
         layout = plgpu.Layout.WGMMA
         q_rows = c.G8 if c.transposed else _ROWS  # the q heads' extent in the products (zero-padded)
         if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
-            if c.fp8_scores:  # the wrapper padded q to the tile's rows with zeros
-                plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem, q_filled)
+            if c.fp8_scores:  # the wrapper padded both parts to the tile's rows with zeros
+                for i in range(2):
+                    plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head, i], q_smem[i], q_filled)
             else:
                 if c.G8 < q_rows:  # rows past the q heads: zeros, so their (discarded) scores stay finite
                     q_smem[...] = plgpu.layout_cast(jnp.zeros((q_rows, D), c.dtype), layout)
@@ -524,9 +529,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
                 plgpu.barrier_arrive(k_released.at[slot])
 
             def qk(acc_ref):
-                # fp8_scores: q's high part (rows [0, q_rows)), then its low part, into one accumulator
-                parts = (q_smem.at[pl.ds(0, q_rows)], q_smem.at[pl.ds(q_rows, q_rows)]) if c.fp8_scores else (q_smem,)
-                for q_part in parts:
+                for q_part in q_smem if c.fp8_scores else (q_smem,):  # fp8 scores: q's high, then low part
                     if c.transposed:
                         plgpu.wgmma(acc_ref, k_ref, q_part.transpose((1, 0)))
                     else:
@@ -620,9 +623,9 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
 
 
 def split_fp8(x, rows: int):
-    """q for the fp8 scores: x f32 [B, Hkv, G, D] (k_scale folded in) -> (parts [B, Hkv, 2 * rows, D]
-    float8_e4m3fn, unit f32 [B, Hkv]): the high part in rows [0, G), the low part in [rows, rows + G),
-    zeros elsewhere, x ~= (high + low) * unit.  Each kv head's q is scaled by a power of two (exact) that puts
+    """q for the fp8 scores: x f32 [B, Hkv, G, D] (k_scale folded in) -> (parts [B, Hkv, 2, rows, D]
+    float8_e4m3fn: the high part, then the low part, each zero-padded from G to `rows` rows; unit f32
+    [B, Hkv]), x ~= (high + low) * unit.  Each kv head's q is scaled by a power of two (exact) that puts
     its largest value in [224, 448], so neither part meets e4m3's subnormals where it matters; the
     high part is that rounded to e4m3 and the low part the rest, rounded again: 8 significant bits
     between them, a bf16 q's own (one e4m3 alone keeps 4)."""
@@ -633,7 +636,7 @@ def split_fp8(x, rows: int):
     hi = xs.astype(FP8)
     lo = (xs - hi.astype(jnp.float32)).astype(FP8)
     pad = ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0))
-    return jnp.concatenate([jnp.pad(hi, pad), jnp.pad(lo, pad)], axis=2), 1.0 / sigma
+    return jnp.stack([jnp.pad(hi, pad), jnp.pad(lo, pad)], axis=2), 1.0 / sigma
 
 
 def combine_splits(o, ml, lengths, sinks, G: int, dtype):
