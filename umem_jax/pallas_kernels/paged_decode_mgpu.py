@@ -71,7 +71,8 @@ combined output, as in the Triton kernel; the split partials go out in f16.
 paged_decode.decode_backend keeps fp8 on the Triton kernel under "auto": the conversions, not the
 bytes, set this path's pace (0.95x Triton's fp8 speed on an H100, 0.71x on an H200, RESULTS.md).
 
-Transposed scores (`transposed=True`, fp8, D a multiple of 64, one or two consumers).  Above, the
+Transposed scores (`transposed=True`, fp8, D a multiple of 64, one consumer: two were wrong on
+the GPU, see check_decode_mgpu_supported).  Above, the
 G q heads fill a 64-row M tile (8-16x the tensor-core work of G = 4-8 heads, and a 64-row Q read
 from shared memory per block) and K reaches the wgmma through a 16-bit tile (the ring read, the
 tile written, the tile read).  Transposed, S^T [bkv, N] = K Q^T: K is the A operand, converted
@@ -252,10 +253,13 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     if cfg.fp8_scores and not (view.fp8 and fp8_swizzle(D)):
         no(f"fp8 scores: fp8 K/V with D a multiple of 32 (an 8-bit wgmma reads swizzled rows only), got D = {D}"
            f"{'' if view.fp8 else ' and 16-bit K/V'}")
-    if cfg.transposed and cfg.consumers > 2:
-        # Three transposed consumers hang in jax's GPU interpreter (at varying points: not yet
-        # understood, while one or two pass and three untransposed ones do), so none is compiled.
-        no(f"transposed scores take one or two consumers, got {cfg.consumers}")
+    if cfg.transposed and cfg.consumers > 1:
+        # Two transposed consumers were wrong on the GPU whenever each took several blocks (an
+        # H100 in session 36, an H200 in session 37, after the K slot's proxy fence too: some heads'
+        # outputs scaled down, as if one consumer's partial weighed in with a wrong O), while one
+        # consumer and jax's GPU interpreter (two consumers, race detection) are right; three hang
+        # in the interpreter.  Not understood, so only one is compiled.
+        no(f"transposed scores take one consumer, got {cfg.consumers} (two were wrong on the GPU)")
     if not 1 <= cfg.consumers <= MAX_CONSUMERS or cfg.ring_slots % cfg.consumers:
         # A consumer waits on every fill of the slots it owns (each thread keeps one phase bit per
         # barrier): the ring's slots must fall to the consumers in a fixed pattern.
@@ -749,7 +753,9 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
                              dequant_cols, cfg.transposed if transposed is None else bool(transposed),
                              cfg.fp8_scores if fp8_scores is None else bool(fp8_scores))
     if consumers is None and cfg.consumers > 1:  # the default's consumers and chunks, where the given tiling takes them
-        two = dataclasses.replace(given, consumers=cfg.consumers, dequant_cols=dequant_cols or cfg.dequant_cols)
+        # (the transposed form: one consumer, the chunks alone)
+        two = dataclasses.replace(given, consumers=1 if given.transposed else cfg.consumers,
+                                  dequant_cols=dequant_cols or cfg.dequant_cols)
         if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8, G) <= _SMEM_LIMIT:
             given = two
     cfg = given
