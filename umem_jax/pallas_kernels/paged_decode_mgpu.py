@@ -153,9 +153,9 @@ class DecodeMgpuConfig:
     chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, the default at D = 128);
     transposed (fp8 only, D a multiple of 64): the scores as S^T = K Q^T, K converted from the ring
     straight into registers as the wgmma's A operand and the q heads as its N columns (see the
-    module docstring); fp8_scores (fp8 only, D a multiple of 32): q rounded to e4m3 and the scores
-    taken by one fp8 wgmma straight from the K ring slot, K never converted (the P V product stays
-    16-bit: see the module docstring)."""
+    module docstring); fp8_scores (fp8 only, D a multiple of 32): q split into two e4m3 parts and
+    the scores taken by two 8-bit wgmmas straight from the K ring slot, K never converted (the P V
+    product stays 16-bit: see the module docstring)."""
 
     block_kv: int = 128
     ring_slots: int = 2
@@ -284,7 +284,7 @@ class _Static(RingStatics):
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
     dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
     transposed: bool = False  # fp8: S^T = K Q^T with K in registers; G8 is then the N columns (q_columns)
-    fp8_scores: bool = False  # fp8: an e4m3 Q tile (padded to its rows by the wrapper), S from the K ring slot
+    fp8_scores: bool = False  # fp8: two e4m3 Q tiles (q's parts, padded by the wrapper), S from the K ring slot
     interpret: bool = False  # jax's GPU interpreter (CPU tests): P through shared memory, fp8 read as words
 
 
@@ -599,7 +599,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
             plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, _ML_T_ROWS)], ml_ref.at[b, kv_head, out])
             plgpu.wait_smem_to_gmem(0)
             return
-        if c.fp8_scores:  # its V tile (the last P V has completed); the Q tile is 1-byte
+        if c.fp8_scores:  # its V tile (the last P V has completed); the Q tiles are e4m3
             o_smem = v16.at[pl.ds(0, _ROWS)]
         elif C == 1:
             o_smem = q_smem
