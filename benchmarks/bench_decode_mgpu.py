@@ -248,7 +248,9 @@ def bench_shape(a, s: Shape):
         rounds = "" if a.rounds == 1 else " (rounds: " + ", ".join(f"{x * 1e6:.1f}" for x in times[label]) + ")"
         print(f"  {s.name} {label}: {t * 1e6:.1f} us {nbytes / t / 1e12:.3f} TB/s err={errs[label]:.2e}{rounds}",
               flush=True)
-    mg = sorted((t, label.removeprefix("mgpu ")) for label, t in med.items() if label.startswith("mgpu"))
+    # --keep-wrong's variants are timed and printed, never the best
+    mg = sorted((t, label.removeprefix("mgpu ")) for label, t in med.items()
+                if label.startswith("mgpu") and not label.endswith(" WRONG"))
     best = mg[0] if mg else None
     row.update(triton_us=med.get("triton") and med["triton"] * 1e6, triton_err=errs.get("triton"),
                mgpu_default_us=med.get("mgpu default") and med["mgpu default"] * 1e6, mgpu_err=errs.get("mgpu default"),
