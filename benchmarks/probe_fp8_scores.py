@@ -2,12 +2,13 @@
 
   python3 -m benchmarks.probe_fp8_scores
 
-(1) The fp8 decode with q's low part zeroed against the full split, both against the reference:
-if they agree, the low part never reached the scores.  (2) Triton, the Mosaic default and two fp8
-scores tilings on bench_decode_mgpu's fp8 shape (B = 64, ctx 4096, D = 128), errors included."""
+On bench_decode_mgpu's fp8 shape (B = 64, ctx 4096, D = 128): (1) the fp8 decode with q's low
+part zeroed against the full split, both against the reference: if they agree, the low part never
+reached the scores; (2) Triton, the Mosaic default and four fp8-scores tilings timed, errors
+included."""
 from __future__ import annotations
 
-import sys
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,6 @@ from .bench_decode_mgpu import SHAPES, shape_inputs
 from .decode_peers import max_err
 from .timing import time_calls
 
-sys.path[:0] = ["tests"]
-from _kernel_utils import fp8_decode_case  # noqa: E402
-
 orig = m.split_fp8
 
 
@@ -32,8 +30,8 @@ def hi_only(x, rows):
 
 
 def main():
-    view, arena, pt, ln, q, ks, vs = fp8_decode_case(11, B=6, Hkv=2, G=4, D=128, ps=16, ctx_max=1300)
-    kw = dict(view=view, k_scale=ks, v_scale=vs)
+    s = next(x for x in SHAPES if x.name == "fp8")
+    kw, arena, pt, ln, q, nbytes = shape_inputs(s)
     ref = np.asarray(paged_decode_attention_reference(q, arena, pt, ln, **kw), np.float32)
     for t in (dict(block_kv=128, ring_slots=2, consumers=2), dict(block_kv=64, ring_slots=2, consumers=1, num_splits=1)):
         outs = {}
@@ -46,13 +44,10 @@ def main():
         print(f"   full == hi only: {np.array_equal(outs['full'], outs['hi only'])}", flush=True)
     m.split_fp8 = orig
     jax.clear_caches()
-    s = next(x for x in SHAPES if x.name == "fp8")
-    kw, arena, pt, ln, q, nbytes = shape_inputs(s)
-    ref = paged_decode_attention_reference(q, arena, pt, ln, **kw)
     calls = {"triton": lambda: paged_decode_attention(q, arena, pt, ln, impl="pallas", backend="triton", **kw),
              "mgpu default": lambda: paged_decode_attention(q, arena, pt, ln, impl="pallas", backend="mgpu", **kw)}
     for bkv, slots, c, tr in ((128, 2, 2, False), (128, 4, 2, False), (64, 3, 3, False), (128, 2, 1, True)):
-        calls[f"fp8_scores {bkv}x{slots} c{c}{' transposed' if tr else ''}"] = functools_partial(
+        calls[f"fp8_scores {bkv}x{slots} c{c}{' transposed' if tr else ''}"] = functools.partial(
             m.paged_decode_attention_mgpu, q, arena, pt, ln, **kw, block_kv=bkv, ring_slots=slots, consumers=c,
             dequant_cols=128, transposed=tr, fp8_scores=True)
     rows = []
@@ -69,10 +64,6 @@ def main():
     print("\nkernel | us | x Triton | err")
     for n, t, e in rows:
         print(f"{n} | {t * 1e6:.1f} | {tri / t if tri else float('nan'):.3f} | {e:.1e}")
-
-
-def functools_partial(f, *a, **k):
-    return lambda: f(*a, **k)
 
 
 if __name__ == "__main__":

@@ -325,14 +325,15 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, *refs):
         p_tiles = tuple(plgpu.SMEM((bkv, N), c.dtype, transforms=nt) for _ in range(C))
         o_tiles = tuple(plgpu.SMEM((D, N), c.dtype, transforms=nt) for _ in range(C))
         ml_tile = plgpu.SMEM((C, _ROWS, N), jnp.float32)
-    q_tile = plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled)
-    if c.fp8_scores:  # q's high and low e4m3 parts, tiled and swizzled as the ring's bytes (the wgmma's rule):
-        # two whole tiles, each a wgmma operand as it stands (not row slices of one tile)
+    if c.fp8_scores and not c.interpret:  # q's high and low e4m3 parts, tiled and swizzled as the ring's bytes
+        # (the wgmma's rule): two whole tiles, each a wgmma operand as it stands (not row slices of one tile)
         fsw = fp8_swizzle(D)
-        part = (lambda: plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled)) if c.interpret else \
-            (lambda: plgpu.SMEM((q_rows, D), FP8, transforms=(plgpu.TilingTransform((8, fsw)),
-                                                             plgpu.SwizzleTransform(fsw))))
-        q_tile = (part(), part())
+        fp8_tiled = (plgpu.TilingTransform((8, fsw)), plgpu.SwizzleTransform(fsw))
+        q_tile = tuple(plgpu.SMEM((q_rows, D), FP8, transforms=fp8_tiled) for _ in range(2))
+    elif c.fp8_scores:  # the GPU interpreter: the same parts in f16
+        q_tile = tuple(plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled) for _ in range(2))
+    else:
+        q_tile = plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled)
     pl.run_scoped(
         functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, refs),
         (q_tile,
