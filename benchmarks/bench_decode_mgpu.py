@@ -38,6 +38,7 @@ import numpy as np
 from umem_jax.memory.plan import KVView
 from umem_jax.pallas_kernels._compat import silence_triton_deprecation
 from umem_jax.pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
+from umem_jax.pallas_kernels.paged_decode_mgpu import DecodeMgpuConfig, paged_decode_attention_mgpu
 from umem_jax.pallas_kernels.words import encode_fp8
 
 from .copy_limit import copy_limit
@@ -83,45 +84,44 @@ SHAPES = (
 CUDNN_PEERS = ("main", "gqa6_d80")
 
 
-def sweep_configs(D: int, fp8: bool = False, only: str | None = None):
-    """(block_kv, ring_slots, num_splits, consumers, dequant_cols, transposed, fp8_scores) besides the
-    default (all None; num_splits None: the wrapper's choice from the grid size, fixed 2 and 4 timed too).  Two
-    consumer warpgroups (taking the blocks in turn) fit at D <= 128, three in 64-token blocks (more
-    warps converting fp8 at once, 152 registers a thread); fp8's dequantisation in whole-row
-    register chunks (dequant_cols = D) is the default at D = 128, 64-column chunks timed beside it;
-    fp8's transposed form (S^T = K Q^T with K converted into registers) where D is a multiple of 64;
-    fp8 scores (q as two e4m3 parts, S from the K ring slot by 8-bit wgmmas: no K conversion), both
-    forms, where D is a multiple of 32."""
+def sweep_configs(D: int, fp8: bool = False, only: str | None = None) -> list[DecodeMgpuConfig]:
+    """The Mosaic tilings timed besides the default (num_splits None: the wrapper's choice from the
+    grid size; fixed 2 and 4 timed too).  Two consumer warpgroups (taking the blocks in turn) fit at
+    D <= 128, three in 64-token blocks (more warps converting fp8 at once, 152 registers a thread);
+    fp8's dequantisation in whole-row register chunks (dequant_cols = D) is the default at D = 128,
+    64-column chunks timed beside it; fp8's transposed form (S^T = K Q^T with K converted into
+    registers, one consumer) where D is a multiple of 64."""
+    C = DecodeMgpuConfig
     if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, chunk widths
         if D > 128:
-            return _only([(64, 2, None, 1, None, False, False)], only)
-        # The newest experiments first, so that a sweep cut short by its budget still times them.
-        out = []
-        if D % 32 == 0:  # fp8 scores, untransposed (and transposed where D % 64 == 0)
-            out += [(128, 2, None, 2, D, False, True), (128, 4, None, 2, D, False, True),
-                    (64, 4, None, 2, D, False, True), (64, 3, None, 3, D, False, True)]
-            if D % 64 == 0:
-                out += [(128, 2, None, 1, D, True, True), (128, 4, None, 1, D, True, True)]
-        if D % 64 == 0:  # the transposed form (S^T = K Q^T, K converted into registers; one consumer)
-            out += [(128, 2, None, 1, D, True, False), (128, 4, None, 1, D, True, False)]
-        out += [c + (False, False) for c in [(128, 4, None, 1, None), (128, 2, None, 1, None), (64, 4, None, 2, None),
-                                             (128, 2, None, 2, 64), (64, 4, None, 2, D), (64, 3, None, 3, D),
-                                             (64, 3, None, 3, 64)]]
+            return _only([C(64, 2)], only)
+        out = []  # the newest experiments first, so that a sweep cut short by its budget still times them
+        if D % 64 == 0:
+            out += [C(128, 2, None, 1, D, True), C(128, 4, None, 1, D, True)]
+        out += [C(128, 4), C(128, 2), C(64, 4, None, 2), C(128, 2, None, 2, 64), C(64, 4, None, 2, D),
+                C(64, 3, None, 3, D), C(64, 3, None, 3, 64)]
         return _only(out, only)
-    out = [(128, 2, None, 1, None), (64, 3, None, 1, None), (64, 4, None, 1, None)]
+    out = [C(128, 2), C(64, 3), C(64, 4)]
     if D <= 128:
-        out += [(128, 3, None, 1, None), (128, 2, None, 2, None), (64, 4, None, 2, None), (64, 3, None, 3, None)]
+        out += [C(128, 3), C(128, 2, None, 2), C(64, 4, None, 2), C(64, 3, None, 3)]
     # More splits than the grid needs: more, shorter programs, so the last wave's idle SMs cost less.
-    out += [(128, 2, 2, 1, None), (128, 2, 4, 1, None)]
-    return _only([c + (False, False) for c in out], only)
+    out += [C(128, 2, 2), C(128, 2, 4)]
+    return _only(out, only)
 
 
-def _only(configs, only: str | None):
+def _only(configs: list[DecodeMgpuConfig], only: str | None) -> list[DecodeMgpuConfig]:
     """The configs `only` names ("128x2,64x4": block_kv x ring_slots, any splits and consumers)."""
     if not only:
         return configs
     keep = {tuple(int(x) for x in c.split("x")) for c in only.split(",")}
-    return [c for c in configs if (c[0], c[1]) in keep]
+    return [c for c in configs if (c.block_kv, c.ring_slots) in keep]
+
+
+def config_label(c: DecodeMgpuConfig) -> str:
+    """A sweep row's name: the fields that differ from one untransposed consumer's."""
+    return f"bkv={c.block_kv} slots={c.ring_slots}" + (f" consumers={c.consumers}" if c.consumers > 1 else "") + \
+        (f" dequant_cols={c.dequant_cols}" if c.dequant_cols else "") + (" transposed" if c.transposed else "") + \
+        f" splits={c.num_splits}"
 
 
 def fp8_setup(key, s: Shape):
@@ -221,20 +221,12 @@ def bench_shape(a, s: Shape):
         add("triton" if backend == "triton" else "mgpu default",
             jax.jit(lambda q, a_, p, l, b=backend: paged_decode_attention(q, a_, p, l, impl="pallas", backend=b, **kw)))
     if a.sweep:
-        from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
-
-        for bkv, slots, splits, cons, cols, tr, f8s in sweep_configs(s.D, s.fp8, a.configs):
+        for cfg in sweep_configs(s.D, s.fp8, a.configs):
             if time.time() > a.deadline:
                 break
-            cfg = f"bkv={bkv} slots={slots}" + (f" consumers={cons}" if cons > 1 else "") + \
-                (f" dequant_cols={cols}" if cols else "") + (" transposed" if tr else "") + \
-                (" fp8_scores" if f8s else "") + f" splits={splits}"
-            add(f"mgpu {cfg}", jax.jit(lambda q, a_, p, l, bkv=bkv, slots=slots, splits=splits, cons=cons, cols=cols,
-                                       tr=tr, f8s=f8s:
-                                       paged_decode_attention_mgpu(q, a_, p, l, **kw, block_kv=bkv, ring_slots=slots,
-                                                                   num_splits=splits, consumers=cons,
-                                                                   dequant_cols=cols, transposed=tr,
-                                                                   fp8_scores=f8s)))
+            add(f"mgpu {config_label(cfg)}",
+                jax.jit(lambda q, a_, p, l, cfg=cfg: paged_decode_attention_mgpu(q, a_, p, l, **kw,
+                                                                               **dataclasses.asdict(cfg))))
     if s.name in CUDNN_PEERS and jax.default_backend() == "gpu":
         npages = arena.shape[0] // view.rows_per_page
         kp, vp = jax.block_until_ready(head_major(arena, view, npages))

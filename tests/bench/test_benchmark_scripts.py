@@ -56,6 +56,8 @@ def test_decode_sweep_keeps_the_named_tilings():
 
     every = sweep_configs(128)
     some = sweep_configs(128, only="128x2,128x3")
-    assert some and set(some) < set(every) and all((c[0], c[1]) in {(128, 2), (128, 3)} for c in some)
-    assert [c for c in every if (c[0], c[1]) in {(128, 2), (128, 3)}] == some
-    assert sweep_configs(128, fp8=True, only="64x4") == [c for c in sweep_configs(128, fp8=True) if c[:2] == (64, 4)]
+    assert some and set(some) < set(every) and all((c.block_kv, c.ring_slots) in {(128, 2), (128, 3)} for c in some)
+    assert [c for c in every if (c.block_kv, c.ring_slots) in {(128, 2), (128, 3)}] == some
+    assert sweep_configs(128, fp8=True, only="64x4") == \
+        [c for c in sweep_configs(128, fp8=True) if (c.block_kv, c.ring_slots) == (64, 4)]
+    assert any(c.transposed for c in sweep_configs(128, fp8=True)) and not any(c.transposed for c in every)

@@ -23,8 +23,7 @@ from umem_jax.pallas_kernels.paged_decode import DECODE_ENV, decode_backend, pag
 from umem_jax.pallas_kernels import paged_decode_mgpu
 from umem_jax.pallas_kernels.paged_decode_mgpu import (_SMEM_LIMIT, DecodeMgpuConfig, check_decode_mgpu_supported,
                                                        combine_partials, combine_splits, default_decode_mgpu_config,
-                                                       fp8_swizzle, paged_decode_attention_mgpu, q_columns, smem_bytes,
-                                                       split_fp8)
+                                                       fp8_swizzle, paged_decode_attention_mgpu, q_columns, smem_bytes)
 
 H200 = DeviceInfo("gpu", "9.0", (0, 11))
 CPU = DeviceInfo("cpu", None, (0, 10))
@@ -181,7 +180,7 @@ LOWER = [
 
 
 def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False, consumers=None,
-                      dequant_cols=None, transposed=None, fp8_scores=None) -> str:
+                      dequant_cols=None, transposed=None) -> str:
     """A LOWER / FP8_LOWER case of the kernel over `view`, lowered for CUDA through Mosaic GPU's
     lowering -> the StableHLO text (scales: pass per-head k/v scales, the fp8 path's; consumers:
     the config's consumer warpgroups, None its default)."""
@@ -195,7 +194,7 @@ def _lowered_for_cuda(case, view, arena_dtype, monkeypatch, scales: bool = False
     args = (sds((3, Hkv * G, D), jnp.bfloat16), sds((40 * view.rows_per_page, view.row_words), arena_dtype),
             sds((3, 30), jnp.int32), sds((3,), jnp.int32)) + (sds((Hkv,), jnp.float32),) * (2 if scales else 0)
     kw = dict(view=view, window=window, softcap=softcap, block_kv=bkv, ring_slots=slots, num_splits=splits,
-              consumers=consumers, dequant_cols=dequant_cols, transposed=transposed, fp8_scores=fp8_scores)
+              consumers=consumers, dequant_cols=dequant_cols, transposed=transposed)
     if sinks:
         kw["sinks"] = jnp.zeros((Hkv * G,), jnp.float32)
 
@@ -552,31 +551,6 @@ def test_transposed_lowers_for_cuda(case, monkeypatch):
     assert "mosaic_gpu" in text
 
 
-FP8_SCORES = [
-    # (Hkv, G, D, ps, window, softcap, sinks, block_kv, ring_slots, num_splits, consumers, transposed)
-    (8, 4, 128, 16, None, None, False, 128, 2, None, 2, False),  # the benchmarked shape
-    (8, 4, 128, 16, None, None, False, 128, 2, None, 1, True),   # ... transposed (one consumer)
-    (2, 6, 96, 16, 200, 5.0, True, 64, 2, 2, 1, False),          # D = 96: 32-byte swizzled rows
-    (1, 12, 64, 16, None, None, False, 64, 3, None, 3, False),   # three consumers, D = 64
-    (2, 40, 256, 32, None, None, True, 64, 2, None, 1, False),   # D = 256
-    (1, 20, 64, 256, 100, None, False, 64, 2, 1, 1, True),       # N = 32, a page over the block
-]
-
-
-@pytest.mark.parametrize("case", FP8_SCORES, ids=[f"g{c[1]}_d{c[2]}_c{c[-2]}_t{int(c[-1])}" for c in FP8_SCORES])
-def test_fp8_scores_lower_for_cuda(case, monkeypatch):
-    """fp8 scores (q's two e4m3 parts against the K ring slot in 8-bit wgmmas, K never converted)
-    lower, untransposed and transposed, D 64-256, one to three consumers."""
-    *geometry, consumers, transposed = case
-    if transposed and tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
-        pytest.skip("jax 0.10's Mosaic GPU lowering cannot transpose a swizzled ref (the transposed form's V^T load); "
-                    "the kernel runs on jax >= 0.11, which lowers it (scripts/lower_on_jax011.sh runs this test there)")
-    view = fp8_view(case[0], case[2], case[3])
-    text = _lowered_for_cuda(tuple(geometry), view, jnp.bfloat16, monkeypatch, scales=True, consumers=consumers,
-                             transposed=transposed, fp8_scores=True)
-    assert "mosaic_gpu" in text
-
-
 def test_transposed_default_takes_one_consumer(monkeypatch):
     """transposed=True with no consumers given: the wrapper keeps one consumer (the fp8 default's two
     were wrong on the GPU in the transposed form) but takes the default's whole-row chunks."""
@@ -589,38 +563,8 @@ def test_transposed_default_takes_one_consumer(monkeypatch):
     args = (jnp.zeros((8 * view.rows_per_page, view.row_words), jnp.uint16), jnp.zeros((1, 3), jnp.int32),
             jnp.ones((1,), jnp.int32))
     paged_decode_attention_mgpu(q, *args, view=view, transposed=True)
-    paged_decode_attention_mgpu(q, *args, view=view, fp8_scores=True)
-    assert [(c.consumers, c.transposed, c.fp8_scores, c.dequant_cols) for c in seen] == \
-        [(1, True, False, 128), (2, False, True, 128)]
-
-
-def test_fp8_scores_config_and_q_parts():
-    """fp8 scores: fp8 K/V with swizzled rows only (D % 32 == 0); no K tile in shared memory; q's
-    two e4m3 parts and the power of two they were scaled by give q back to a bf16's precision."""
-    view, bf16, d80 = fp8_view(8, 128, 16), kv_view(8, 128, 16), fp8_view(2, 80, 16)
-    s2 = DecodeMgpuConfig(128, 2, None, 2, None, False, True)
-    check_decode_mgpu_supported(q_of(view), view, s2)
-    with pytest.raises(NotImplementedError, match="fp8 scores: fp8"):
-        check_decode_mgpu_supported(q_of(bf16), bf16, s2)
-    with pytest.raises(NotImplementedError, match="multiple of 32"):
-        check_decode_mgpu_supported(q_of(d80), d80, DecodeMgpuConfig(64, 2, None, 1, None, False, True))
-    assert smem_bytes(128, DecodeMgpuConfig(128, 2, None, 2), fp8=True) - smem_bytes(128, s2, fp8=True) == \
-        2 * 2 * 128 * 128  # each consumer's 16-bit K tile
-    assert smem_bytes(128, DecodeMgpuConfig(128, 4, None, 2, None, False, True), fp8=True) <= _SMEM_LIMIT
-    rng = np.random.default_rng(5)
-    scales = np.array([1e-6, 3e-3, 1.0, 700.0], np.float32)[None, :, None, None]  # per kv head: any magnitude
-    x = jnp.asarray(rng.standard_normal((2, 4, 5, 64)).astype(np.float32) * scales)
-    x = x.at[1, 2].set(0.0)  # an all-zero head
-    parts, unit = split_fp8(x, 16)
-    assert parts.shape == (2, 4, 2, 16, 64) and parts.dtype == jnp.float8_e4m3fn
-    p = np.asarray(parts, np.float32)
-    assert (p[:, :, :, 5:] == 0).all()  # the padded rows
-    back = (p[:, :, 0, :5] + p[:, :, 1, :5]) * np.asarray(unit)[..., None, None]
-    xa, u = np.asarray(x), np.asarray(unit)[..., None, None]
-    # each value to 8 significant bits, the head's smallest to e4m3's subnormal step (2^-10) after scaling
-    assert np.all(np.abs(back - xa) <= 2.0 ** -8 * np.abs(xa) + 2.0 ** -10 * u)
-    assert (np.abs(xa).max(axis=(2, 3)) / np.asarray(unit) >= 224)[np.abs(xa).max(axis=(2, 3)) > 0].all()
-    assert np.asarray(unit)[1, 2] == 1.0 and np.isfinite(np.asarray(unit)).all()
+    paged_decode_attention_mgpu(q, *args, view=view)
+    assert [(c.consumers, c.transposed, c.dequant_cols) for c in seen] == [(1, True, 128), (2, False, 128)]
 
 
 def test_transposed_config_checks():

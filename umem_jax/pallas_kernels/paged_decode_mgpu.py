@@ -84,19 +84,6 @@ ldmatrix; 8-bit transposed loads need sm_100), P^T goes through a [bkv, N] tile 
 Each consumer writes O^T [D, N] and its max and sum as a [16, N] tile; the wrapper transposes them
 back before combine_partials.  In the GPU interpreter K goes through a K tile and V^T is the
 transposed tile itself.
-
-fp8 scores (`fp8_scores=True`, fp8, D a multiple of 32, either form).  K is not converted at all:
-the scores come from 8-bit wgmmas that read the K ring slot itself (e4m3 rows, K-major, the swizzle
-the wgmma asks for), against q in e4m3.  One e4m3 q would keep 4 significant bits of each value,
-so q (k_scale folded in) is scaled per kv head by a power of two that puts its largest value in
-[224, 448] and split in two: the high part, its e4m3 rounding, and the low part, the rest rounded
-again (`split_fp8`): 8 significant bits between them, a bf16 q's own.  The two parts are two
-whole e4m3 Q tiles (as row slices of one tile, the first H200 run's errors were those of e4m3 q
-alone), their two wgmmas accumulate into one S, and the softmax multiplies S by the power of two's
-inverse (a per-kv-head f32 input).  Only V is dequantised
-(P V needs V^T K-major for an 8-bit product, which the ring's rows are not); the slot of K is
-released once its scores' wgmmas complete.  In the GPU interpreter the parts are f16 (exact) and K
-goes through a K tile.
 The ring (`fp8_ring`) and the conversion (`dequantise_fp8`) are shared with the prefill
 (paged_prefill_mgpu).
 """
@@ -118,11 +105,10 @@ from .kv_write import kv_scales
 from .launch import choose_num_splits
 from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_slot, fp8_ring, fp8_swizzle, head_swizzle,
                                  mma_accumulate, produce_kv_ring, pv_accumulate, tma_layout_refusal)
-from .words import FP8, FP8_MAX, from_u16, kv_value_dtype, to_u16
+from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_partials", "combine_splits",
-           "default_decode_mgpu_config", "fp8_swizzle", "paged_decode_attention_mgpu", "q_columns", "smem_bytes",
-           "split_fp8"]
+           "default_decode_mgpu_config", "fp8_swizzle", "paged_decode_attention_mgpu", "q_columns", "smem_bytes"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 1, never NaN
@@ -153,9 +139,7 @@ class DecodeMgpuConfig:
     chunks a slot is dequantised in (None: dequantise_fp8's 64; D: whole rows, the default at D = 128);
     transposed (fp8 only, D a multiple of 64): the scores as S^T = K Q^T, K converted from the ring
     straight into registers as the wgmma's A operand and the q heads as its N columns (see the
-    module docstring); fp8_scores (fp8 only, D a multiple of 32): q split into two e4m3 parts and
-    the scores taken by two 8-bit wgmmas straight from the K ring slot, K never converted (the P V
-    product stays 16-bit: see the module docstring)."""
+    module docstring)."""
 
     block_kv: int = 128
     ring_slots: int = 2
@@ -163,7 +147,6 @@ class DecodeMgpuConfig:
     consumers: int = 1
     dequant_cols: int | None = None
     transposed: bool = False
-    fp8_scores: bool = False
 
 
 def q_columns(G: int) -> int:
@@ -178,17 +161,16 @@ def smem_bytes(D: int, cfg: DecodeMgpuConfig, fp8: bool = False, G: int = _ROWS)
     that it dequantises a slot into) + each consumer's f32 max/sum tile + barriers; with two
     consumers of bf16 K/V, an O tile each (one consumer writes O through the Q tile, fp8 ones
     through their K tile).  Transposed (G q heads a kv head): a V tile, a P^T [bkv, N] tile, an O^T
-    [D, N] tile and a [64, N] max/sum tile per consumer, N = q_columns(G).  fp8_scores: no K tile
-    (the Q tile holds q's two e4m3 parts: the same bytes)."""
+    [D, N] tile and a [64, N] max/sum tile per consumer, N = q_columns(G)."""
     C = cfg.consumers
     if cfg.transposed:
         N = q_columns(G)
         per_consumer = 2 * cfg.block_kv * D + 2 * cfg.block_kv * N + 2 * D * N + 4 * _ROWS * N
         return 2 * N * D + 2 * cfg.ring_slots * cfg.block_kv * D + C * per_consumer + 1024
     ring = cfg.ring_slots * cfg.block_kv * D * (1 if fp8 else 2)
-    converted = C * 2 * cfg.block_kv * D * (1 if cfg.fp8_scores else 2) if fp8 else 0
+    converted = C * 2 * cfg.block_kv * D if fp8 else 0
     o_tiles = C * 2 * _ROWS * D if C > 1 and not fp8 else 0
-    return 2 * _ROWS * D + 2 * ring + converted + o_tiles + C * 4 * _ROWS * _ML_COLS + 1024
+    return 2 * _ROWS * D + 2 * (ring + converted) + o_tiles + C * 4 * _ROWS * _ML_COLS + 1024
 
 
 def default_decode_mgpu_config(D: int, page_size: int, fp8: bool = False) -> DecodeMgpuConfig:
@@ -250,9 +232,6 @@ def check_decode_mgpu_supported(q, view, cfg: DecodeMgpuConfig, kv_dtype=None):
     if cfg.transposed and not (view.fp8 and D % 64 == 0):
         no(f"transposed scores: fp8 K/V with D a multiple of 64 (the V^T operand's 64-row tiles), got D = {D}"
            f"{'' if view.fp8 else ' and 16-bit K/V'}")
-    if cfg.fp8_scores and not (view.fp8 and fp8_swizzle(D)):
-        no(f"fp8 scores: fp8 K/V with D a multiple of 32 (an 8-bit wgmma reads swizzled rows only), got D = {D}"
-           f"{'' if view.fp8 else ' and 16-bit K/V'}")
     if cfg.transposed and cfg.consumers > 1:
         # Two transposed consumers were wrong on the GPU whenever each took several blocks (an
         # H100 in session 36, an H200 in session 37, after the K slot's proxy fence too: some heads'
@@ -284,13 +263,10 @@ class _Static(RingStatics):
     consumers: int = 1  # consumer warpgroups, taking the blocks in turn; the producer is the last
     dequant_cols: int | None = None  # fp8: dequantise_fp8's register chunk width (None: its default)
     transposed: bool = False  # fp8: S^T = K Q^T with K in registers; G8 is then the N columns (q_columns)
-    fp8_scores: bool = False  # fp8: two e4m3 Q tiles (q's parts, padded by the wrapper), S from the K ring slot
     interpret: bool = False  # jax's GPU interpreter (CPU tests): P through shared memory, fp8 read as words
 
 
-def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, *refs):
-    """refs: (qunit_ref, o_ref, ml_ref) with fp8_scores (qunit_ref f32 [B, Hkv]: what the scores
-    are multiplied by, 1 / the power of two q was scaled by), else (o_ref, ml_ref)."""
+def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref):
     D, bkv, slots, C = c.D, c.bkv, c.ring_slots, c.consumers
     sw = head_swizzle(D)
     tiled = (plgpu.TilingTransform((8, sw // 2)), plgpu.SwizzleTransform(sw))
@@ -302,8 +278,7 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, *refs):
         # the P V's run_state closes over); transposed: K goes to registers (a K tile only in the
         # GPU interpreter, whose wgmma takes no register operand)
         tile = lambda: plgpu.SMEM((bkv, D), c.dtype, transforms=tiled)  # noqa: E731
-        k_direct = (c.transposed or c.fp8_scores) and not c.interpret  # K read from the ring, not a K tile
-        k_tiles = None if k_direct else tuple(tile() for _ in range(C))
+        k_tiles = None if c.transposed and not c.interpret else tuple(tile() for _ in range(C))
         rings = (fp8_ring(plgpu, slots, bkv, D), fp8_ring(plgpu, slots, bkv, D), k_tiles,
                  tuple(tile() for _ in range(C)))
     else:
@@ -325,32 +300,21 @@ def _kernel(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, *refs):
         p_tiles = tuple(plgpu.SMEM((bkv, N), c.dtype, transforms=nt) for _ in range(C))
         o_tiles = tuple(plgpu.SMEM((D, N), c.dtype, transforms=nt) for _ in range(C))
         ml_tile = plgpu.SMEM((C, _ROWS, N), jnp.float32)
-    if c.fp8_scores and not c.interpret:  # q's high and low e4m3 parts, tiled and swizzled as the ring's bytes
-        # (the wgmma's rule): two whole tiles, each a wgmma operand as it stands (not row slices of one tile)
-        fsw = fp8_swizzle(D)
-        fp8_tiled = (plgpu.TilingTransform((8, fsw)), plgpu.SwizzleTransform(fsw))
-        q_tile = tuple(plgpu.SMEM((q_rows, D), FP8, transforms=fp8_tiled) for _ in range(2))
-    elif c.fp8_scores:  # the GPU interpreter: the same parts in f16
-        q_tile = tuple(plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled) for _ in range(2))
-    else:
-        q_tile = plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled)
     pl.run_scoped(
-        functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, refs),
-        (q_tile,
+        functools.partial(_body, plgpu, c, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref),
+        (plgpu.SMEM((q_rows, D), c.dtype, transforms=tiled),
          rings,
          ml_tile,
          o_tiles, p_tiles),
         (plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # K slot filled
          plgpu.Barrier(num_arrivals=copies, num_barriers=slots),  # V slot filled
-         plgpu.Barrier(num_arrivals=2 if c.fp8_scores else 1)),  # Q tile (fp8 scores: its two parts)
+         plgpu.Barrier()),  # Q tile
         (plgpu.Barrier(num_barriers=slots),) * 2,  # K / V slot released by its consumer
         collective_axes="wg",
     )
 
 
-def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, filled, released):
-    o_ref, ml_ref = refs[-2:]
-    qunit_ref = refs[0] if c.fp8_scores else None
+def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, smem, filled, released):
     q_smem, rings, ml_smem, o_tiles, p_tiles = smem
     if c.fp8:
         k16s, v16s = rings[2], rings[3]  # rings[0], rings[1]: (words, values) views of each fp8 ring
@@ -389,23 +353,17 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
         layout = plgpu.Layout.WGMMA
         q_rows = c.G8 if c.transposed else _ROWS  # the q heads' extent in the products (zero-padded)
         if ci == 0:  # one consumer loads Q for all; the others wait for the same copy
-            if c.fp8_scores:  # the wrapper padded both parts to the tile's rows with zeros
-                for i in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head, i], q_smem[i], q_filled)
-            else:
-                if c.G8 < q_rows:  # rows past the q heads: zeros, so their (discarded) scores stay finite
-                    q_smem[...] = plgpu.layout_cast(jnp.zeros((q_rows, D), c.dtype), layout)
-                    plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
-                plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
+            if c.G8 < q_rows:  # rows past the q heads: zeros, so their (discarded) scores stay finite
+                q_smem[...] = plgpu.layout_cast(jnp.zeros((q_rows, D), c.dtype), layout)
+                plgpu.commit_smem()  # generic-proxy writes before the TMA (async proxy) writes over them
+            plgpu.copy_gmem_to_smem(q_ref.at[b, kv_head], q_smem.at[pl.ds(0, c.G8)], q_filled)
         plgpu.barrier_wait(q_filled)
         if c.fp8:
             k16, v16 = (None if k16s is None else k16s[ci]), v16s[ci]
 
         # Rows of S are q heads and columns keys; transposed (S^T), the other way round.
         key_axis = 0 if c.transposed else 1
-        # fp8_scores: the scores of q scaled by a power of two (so that its e4m3 parts keep their bits), undone here
-        unit = qunit_ref[b, kv_head] if c.fp8_scores else 1.0
-        exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E * unit
+        exp_scale = _LOG2E if c.softcap is not None else c.scale * _LOG2E
         m_i = plgpu.layout_cast(jnp.full((q_rows,), _NEG_BIG, jnp.float32), layout.reduce(key_axis))
         l_i = plgpu.layout_cast(jnp.full((q_rows,), 0.0, jnp.float32), layout.reduce(key_axis))
         acc_shape = (D, q_rows) if c.transposed else (_ROWS, D)
@@ -417,7 +375,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
             acc, m_i, l_i = carry
             q_axis = 1 - key_axis
             if c.softcap is not None:
-                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap * unit))
+                s = c.softcap * jnp.tanh(s * (c.scale / c.softcap))
             if masked:  # every q head is the same position: one mask over the keys
                 kp = k0 + plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=layout)
                 s = jnp.where((kp >= start) & (kp < length), s, -jnp.inf)
@@ -509,47 +467,24 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
             plgpu.commit_smem()
             return plgpu.layout_cast(x, layout).astype(c.dtype)
 
-        def k_scores(slot):
-            """Block K as fp8_scores' operand: the ring slot's e4m3 values themselves (an 8-bit
-            wgmma with the e4m3 Q tile); in the GPU interpreter, the K tile (f16, exact for every
-            e4m3 value) beside a Q tile the wrapper rounded to e4m3.  The slot is released after
-            the product."""
-            if c.interpret:
-                dequantise(0, slot, k16, None, masked=False)
-                return k16
-            return rings[0][1].at[slot]
-
-        def step_fp8_direct(kb, carry, masked: bool):
-            """fp8 with no K tile ahead of the loop: S [64, bkv] = Q K^T or, transposed, S^T [bkv, N]
-            = K Q^T, with K the ring slot itself (fp8_scores) or converted into registers
-            (transposed), then O += P V (O^T [D, N] += V^T P^T transposed).  V is dequantised
-            while the tensor cores take the scores."""
+        def step_fp8_transposed(kb, carry, masked: bool):
+            """S^T [bkv, N] = K Q^T, then O^T [D, N] += V^T P^T: the q heads are the N columns (16
+            where G <= 16, not 64 padded rows), and K never goes through a 16-bit tile."""
             slot = lax.rem(kb - lo, i32(slots))
             k0 = kb * bkv
             plgpu.barrier_wait(k_filled.at[slot])
-            if c.fp8_scores:
-                k_ref = k_scores(slot)
-            else:
-                k_ref = k_operand(slot)  # registers: the slot is free at once
-                plgpu.barrier_arrive(k_released.at[slot])
+            k_a = k_operand(slot)  # masked keys meet a `where` on S^T
+            plgpu.barrier_arrive(k_released.at[slot])
 
             def qk(acc_ref):
-                for q_part in q_smem if c.fp8_scores else (q_smem,):  # fp8 scores: q's high, then low part
-                    if c.transposed:
-                        plgpu.wgmma(acc_ref, k_ref, q_part.transpose((1, 0)))
-                    else:
-                        plgpu.wgmma(acc_ref, q_part, k_ref.transpose((1, 0)))
-                plgpu.barrier_wait(v_filled.at[slot])  # V dequantised while the tensor cores take S
+                plgpu.wgmma(acc_ref, k_a, q_smem.transpose((1, 0)))
+                plgpu.barrier_wait(v_filled.at[slot])  # V dequantised while the tensor cores take S^T
                 dequantise(1, slot, v16, k0, masked)
                 plgpu.barrier_arrive(v_released.at[slot])
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((bkv, c.G8) if c.transposed else (_ROWS, bkv), jnp.float32))
-            if c.fp8_scores:  # the scores' wgmma, the slot's reader, has completed
-                plgpu.barrier_arrive(k_released.at[slot])
-            p16, (acc, m_new, l_i) = softmax(s, k0, masked, carry)  # masked keys meet a `where` on S
-            if not c.transposed:
-                return pv_product(acc, p16, v16), m_new, l_i
+            s = pl.run_scoped(qk, plgpu.ACC((bkv, c.G8), jnp.float32))
+            p16, (acc, m_new, l_i) = softmax(s, k0, masked, carry)
             pt = p_tiles[ci]  # P^T [bkv, N]: its last reader, the previous P V, has completed
             pt[...] = p16
             plgpu.commit_smem()
@@ -559,11 +494,11 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
             acc = mma_accumulate(plgpu, acc, vt, pt, apart=c.interpret)
             return acc, m_new, l_i
 
-        if c.transposed or c.fp8_scores:
-            step = step_fp8_direct
+        if c.transposed:
+            step = step_fp8_transposed
         else:
             step = step_fp8 if c.fp8 else step_bf16
-        if c.fp8 and not (c.transposed or c.fp8_scores):
+        if c.fp8 and not c.transposed:
             pl.when(lo + ci < hi)(lambda: next_k(lo + ci))  # the first block's K; each step dequantises the next
 
         def blocks(a, z, masked: bool, carry):
@@ -600,9 +535,7 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
             plgpu.copy_smem_to_gmem(ml_smem.at[ci, pl.ds(0, _ML_T_ROWS)], ml_ref.at[b, kv_head, out])
             plgpu.wait_smem_to_gmem(0)
             return
-        if c.fp8_scores:  # its V tile (the last P V has completed); the Q tiles are e4m3
-            o_smem = v16.at[pl.ds(0, _ROWS)]
-        elif C == 1:
+        if C == 1:
             o_smem = q_smem
         else:
             o_smem = k16.at[pl.ds(0, _ROWS)] if c.fp8 else o_tiles.at[ci]
@@ -625,23 +558,6 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, refs, smem, fill
         plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
         produce_kv_ring(plgpu, c, pt_ref, arena_ref, b, kv_head, lo, hi - lo, ring_words, (k_filled, v_filled),
                         (k_released, v_released), head_words=D // 2 if c.fp8 else None)
-
-
-def split_fp8(x, rows: int):
-    """q for the fp8 scores: x f32 [B, Hkv, G, D] (k_scale folded in) -> (parts [B, Hkv, 2, rows, D]
-    float8_e4m3fn: the high part, then the low part, each zero-padded from G to `rows` rows; unit f32
-    [B, Hkv]), x ~= (high + low) * unit.  Each kv head's q is scaled by a power of two (exact) that puts
-    its largest value in [224, 448], so neither part meets e4m3's subnormals where it matters; the
-    high part is that rounded to e4m3 and the low part the rest, rounded again: 8 significant bits
-    between them, a bf16 q's own (one e4m3 alone keeps 4)."""
-    amax = jnp.max(jnp.abs(x), axis=(2, 3))
-    e = jnp.floor(jnp.log2(jnp.where(amax > 0, FP8_MAX / jnp.where(amax > 0, amax, 1.0), 1.0)))
-    sigma = jnp.exp2(jnp.clip(e, -100.0, 100.0))  # finite either way: an all-zero head keeps 1
-    xs = jnp.clip(x * sigma[..., None, None], -FP8_MAX, FP8_MAX)
-    hi = xs.astype(FP8)
-    lo = (xs - hi.astype(jnp.float32)).astype(FP8)
-    pad = ((0, 0), (0, 0), (0, rows - x.shape[2]), (0, 0))
-    return jnp.stack([jnp.pad(hi, pad), jnp.pad(lo, pad)], axis=2), 1.0 / sigma
 
 
 def combine_splits(o, ml, lengths, sinks, G: int, dtype):
@@ -681,24 +597,20 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
         num_splits = choose_num_splits(B, Hkv, visible, waves=2, min_blocks_per_split=4)
     if view.fp8:  # k_scale folds into q (the scores are linear in K, before the soft-cap)
         qg = q.astype(jnp.float32).reshape(B, Hkv, G, D) * ks[None, :, None, None]
-        if cfg.fp8_scores:
-            qg, qunit = split_fp8(qg, G8 if cfg.transposed else _ROWS)
-            qg = qg.astype(dtype) if interpret else qg  # the interpreter's product is f16 (exact for e4m3)
-        else:
-            qg = jnp.clip(qg, -F16_MAX, F16_MAX).astype(dtype)
+        qg = jnp.clip(qg, -F16_MAX, F16_MAX).astype(dtype)
         arena = to_u16(arena)  # the ring's TMA copies move words (same-width view: no copy)
     else:
         qg = q.astype(dtype).reshape(B, Hkv, G, D)
         if arena.dtype != dtype:
             arena = from_u16(to_u16(arena), dtype)  # same-width view: a bitcast, no copy
-    if G8 != G and not cfg.fp8_scores:  # whole 8-row tiles for the TMA box; the padded rows are zeros, sliced off below
+    if G8 != G:  # whole 8-row tiles for the TMA box; the padded rows are zeros, sliced off below
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G8 - G), (0, 0)))
     c = _Static(bkv=cfg.block_kv, ring_slots=cfg.ring_slots, num_splits=int(num_splits), G8=G8, D=D, P=P,
                 page_size=view.page_size, rows_per_page=view.rows_per_page, k_row=view.k_row, v_row=view.v_row,
                 window=window, softcap=None if softcap is None else float(softcap),
                 scale=1.0 / math.sqrt(D) if scale is None else float(scale), dtype=dtype, fp8=view.fp8,
                 consumers=cfg.consumers, dequant_cols=cfg.dequant_cols, transposed=cfg.transposed,
-                fp8_scores=cfg.fp8_scores, interpret=bool(interpret))
+                interpret=bool(interpret))
     parts = c.num_splits * c.consumers  # each consumer's softmax leaves as a split of its own
     # Transposed: O^T [D, N], and the max (first half of the rows) and sum (second half) as [_ML_T_ROWS, N].
     o_shape = (B, Hkv, parts) + ((D, G8) if cfg.transposed else (G8, D))
@@ -713,7 +625,7 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # CPU tests: jax's GPU interpreter (simulated SMEM, TMA and barriers, race detection).
         interpret=plgpu.InterpretGPUParams(detect_races=interpret == "races") if interpret else False,
-    )(lengths, page_table, qg, arena, *((qunit,) if cfg.fp8_scores else ()))
+    )(lengths, page_table, qg, arena)
     lengths = jnp.minimum(lengths, P * view.page_size)
     if not view.fp8:
         return combine_splits(o, ml, lengths, sinks, G, q.dtype)
@@ -731,17 +643,16 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
 
 @functools.partial(jax.jit, static_argnames=("view", "window", "softcap", "scale", "kv_dtype", "block_kv",
                                              "ring_slots", "num_splits", "consumers", "dequant_cols", "transposed",
-                                             "fp8_scores", "interpret"))
+                                             "interpret"))
 def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=None, softcap=None, sinks=None,
                                 scale=None, kv_dtype=None, k_scale=None, v_scale=None, block_kv=None, ring_slots=None,
-                                num_splits=None, consumers=None, dequant_cols=None, transposed=None, fp8_scores=None,
-                                interpret=False):
+                                num_splits=None, consumers=None, dequant_cols=None, transposed=None, interpret=False):
     """paged_decode_attention's contract, computed by the Mosaic GPU kernel (Hopper only).
 
     q [B, Hq, D]; arena [num_rows, row_words] u16/bf16; page_table int32 [B, P]; lengths int32 [B];
     sinks f32 [Hq] or None; k_scale, v_scale (fp8 views only) f32 [Hkv] or scalars, default 1.0
-    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols / transposed /
-    fp8_scores: DecodeMgpuConfig
+    -> [B, Hq, D] in q.dtype.  block_kv / ring_slots / num_splits / consumers / dequant_cols / transposed:
+    DecodeMgpuConfig
     (None: default_decode_mgpu_config's, num_splits from the grid size; consumers None: the
     default's where the given block and ring take them, else 1).  interpret=True (or "races": with
     race detection) runs it in jax's GPU interpreter on CPU (jax >= 0.11), slowly, for tests.
@@ -751,8 +662,7 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
     cfg = default_decode_mgpu_config(q.shape[2], view.page_size, view.fp8)
     G = q.shape[1] // view.num_kv_heads
     given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
-                             dequant_cols, cfg.transposed if transposed is None else bool(transposed),
-                             cfg.fp8_scores if fp8_scores is None else bool(fp8_scores))
+                             dequant_cols, cfg.transposed if transposed is None else bool(transposed))
     if consumers is None and cfg.consumers > 1:  # the default's consumers and chunks, where the given tiling takes them
         # (the transposed form: one consumer, the chunks alone)
         two = dataclasses.replace(given, consumers=1 if given.transposed else cfg.consumers,
