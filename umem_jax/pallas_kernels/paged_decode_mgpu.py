@@ -108,7 +108,8 @@ from .paged_prefill_mgpu import (F16_MAX, RingStatics, _plgpu, dequantise_slot, 
 from .words import from_u16, kv_value_dtype, to_u16
 
 __all__ = ["DecodeMgpuConfig", "check_decode_mgpu_supported", "combine_partials", "combine_splits",
-           "default_decode_mgpu_config", "fp8_swizzle", "paged_decode_attention_mgpu", "q_columns", "smem_bytes"]
+           "decode_partials", "default_decode_mgpu_config", "fp8_swizzle", "paged_decode_attention_mgpu", "q_columns",
+           "smem_bytes"]
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = -1e30  # finite start for the running max: exp2(NEG_BIG - NEG_BIG) = 1, never NaN
@@ -579,12 +580,29 @@ def combine_partials(o, m, l, lengths, sinks, dtype):
 
 def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *, view, window, softcap, scale,
                        kv_dtype, cfg: DecodeMgpuConfig, interpret=False):
+    B, Hq, D = q.shape
+    _, vs = kv_scales(view, k_scale, v_scale)  # f32 [Hkv] for fp8 views; an error for scales on 16-bit K/V
+    o, m, l = decode_partials(q, arena, page_table, lengths, k_scale, view=view, window=window, softcap=softcap,
+                              scale=scale, kv_dtype=kv_dtype, cfg=cfg, interpret=interpret)
+    lengths = jnp.minimum(lengths, page_table.shape[1] * view.page_size)
+    if not view.fp8:
+        return combine_partials(o, m, l, lengths, sinks, q.dtype)
+    out = combine_partials(o, m, l, lengths, sinks, jnp.float32).reshape(B, view.num_kv_heads, -1, D)
+    return (out * vs[None, :, None, None]).reshape(B, Hq, D).astype(q.dtype)  # v_scale: linear in the output
+
+
+def decode_partials(q, arena, page_table, lengths, k_scale, *, view, window, softcap, scale, kv_dtype,
+                    cfg: DecodeMgpuConfig, interpret=False):
+    """The kernel's partials, unpacked: o [B, Hkv, S * C, G, D] (each split's and consumer's softmax-
+    weighted V, normalised by its own sum; 16-bit), m and l [B, Hkv, S * C, G] f32 (its max in log2
+    units and its sum).  Part split * C + ci holds consumer ci's blocks of the split.  No support
+    check: the wrapper's job (benchmarks probe refused tilings through this)."""
     plgpu = _plgpu()
     B, Hq, D = q.shape
     Hkv = view.num_kv_heads
     G = Hq // Hkv
     G8 = q_columns(G) if cfg.transposed else -(-G // 8) * 8
-    ks, vs = kv_scales(view, k_scale, v_scale)  # f32 [Hkv] each for fp8 views, else (None, None)
+    ks, _ = kv_scales(view, k_scale, None)  # f32 [Hkv] for fp8 views, else None
     # fp8: the wgmma operands are f16 (see the module docstring), the ring copies the arena's words.
     dtype = jnp.dtype(jnp.float16) if view.fp8 else kv_value_dtype(view.planes, kv_dtype)
     P = page_table.shape[1]
@@ -626,16 +644,9 @@ def _paged_decode_mgpu(q, arena, page_table, lengths, sinks, k_scale, v_scale, *
         # CPU tests: jax's GPU interpreter (simulated SMEM, TMA and barriers, race detection).
         interpret=plgpu.InterpretGPUParams(detect_races=interpret == "races") if interpret else False,
     )(lengths, page_table, qg, arena)
-    lengths = jnp.minimum(lengths, P * view.page_size)
-    if not view.fp8:
-        return combine_splits(o, ml, lengths, sinks, G, q.dtype)
     if cfg.transposed:
-        o = o[..., :G].swapaxes(-1, -2)
-        out = combine_partials(o, ml[..., 0, :G], ml[..., _ML_T_ROWS // 2, :G], lengths, sinks, jnp.float32)
-    else:
-        out = combine_splits(o, ml, lengths, sinks, G, jnp.float32)
-    out = out.reshape(B, Hkv, G, D)
-    return (out * vs[None, :, None, None]).reshape(B, Hq, D).astype(q.dtype)  # v_scale: linear in the output
+        return o[..., :G].swapaxes(-1, -2), ml[..., 0, :G], ml[..., _ML_T_ROWS // 2, :G]
+    return o[:, :, :, :G], ml[:, :, :, :G, 0], ml[:, :, :, :G, _ML_COLS // 2]
 
 
 # --------------------------------------------------------------------------- public wrapper
