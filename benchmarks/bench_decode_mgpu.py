@@ -90,14 +90,15 @@ def sweep_configs(D: int, fp8: bool = False, only: str | None = None) -> list[De
     D <= 128, three in 64-token blocks (more warps converting fp8 at once, 152 registers a thread);
     fp8's dequantisation in whole-row register chunks (dequant_cols = D) is the default at D = 128,
     64-column chunks timed beside it; fp8's transposed form (S^T = K Q^T with K converted into
-    registers, one consumer) where D is a multiple of 64."""
+    registers, one or two consumers) where D is a multiple of 64."""
     C = DecodeMgpuConfig
     if fp8:  # the default at D <= 128 is two consumers, (128, 2); one consumer, 64-token blocks, chunk widths
         if D > 128:
             return _only([C(64, 2)], only)
         out = []  # the newest experiments first, so that a sweep cut short by its budget still times them
-        if D % 64 == 0:
-            out += [C(128, 2, None, 1, D, True), C(128, 4, None, 1, D, True)]
+        if D % 64 == 0:  # the transposed form, two consumers (each its own reduction scratch since session 38), one
+            out += [C(128, 2, None, 2, D, True), C(128, 4, None, 2, D, True), C(64, 4, None, 2, D, True),
+                    C(128, 2, None, 1, D, True)]
         out += [C(128, 4), C(128, 2), C(64, 4, None, 2), C(128, 2, None, 2, 64), C(64, 4, None, 2, D),
                 C(64, 3, None, 3, D), C(64, 3, None, 3, 64)]
         return _only(out, only)

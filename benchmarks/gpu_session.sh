@@ -11,7 +11,7 @@ declare -A TIMEOUT=([spec]=400 [spec_profile]=240 [spec_profile_scan]=240 [spec_
                     [route_b1]=420 [gemv_chain]=480 [h200_moe]=560 [b64_moe]=150 [shared_b1]=420 [prologue_b1]=300
                     [b64_shared]=260 [issue_b1]=420 [engine_b1]=400 [gemv_gpu]=120 [serve_fp8]=560 [hlo_qwen64]=300
                     [plan_b64]=420 [router_b64]=300 [cublas_b64]=300 [prefill_default]=560 [q_load]=560
-                    [mgpu_consumers]=420 [mgpu_transposed]=420 [fp8_defaults]=360 [profile_decode]=300 [mgpu_tiling]=420 [serve_early2]=560 [serve_release]=560 [serve_util]=560)
+                    [mgpu_consumers]=420 [mgpu_transposed]=420 [probe_transposed]=150 [fp8_defaults]=360 [profile_decode]=300 [mgpu_tiling]=420 [serve_early2]=560 [serve_release]=560 [serve_util]=560)
 # T_<step>=seconds overrides a step's timeout, to fit several steps into one call's limit.
 for k in "${!TIMEOUT[@]}"; do v="T_$k"; [ -n "${!v:-}" ] && TIMEOUT[$k]=${!v}; done
 step() {
@@ -74,6 +74,8 @@ step() {
       python3 -m pytest -q -m gpu tests/gpu/test_decode_mgpu_gpu.py -k "transposed or long_context" &&
             python3 -m benchmarks.bench_decode_mgpu --only ${TRANSPOSED_SHAPES:-fp8} --configs ${TRANSPOSED_CONFIGS:-128x2,128x4,64x4} \
                 --rounds ${TRANSPOSED_ROUNDS:-3} --budget ${MGPU_BUDGET:-240} ;;
+    probe_transposed)  # each consumer's partials of the transposed fp8 decode against numpy's (benchmarks/probe_transposed)
+      python3 -m benchmarks.probe_transposed ;;
     profile_decode)  # Nsight Compute on the decode kernels where the Mosaic one trails Triton (fp8, D = 80): stall
       # reasons, memory units' throughput against their peaks (benchmarks/profile_decode.py)
       # (one process per shape and kernel: ncu prints at exit, so a crash would lose every report of its process)

@@ -125,13 +125,16 @@ FP8_CASES = [
     (4, 128, 64, 300, 30.0, True, {"block_kv": 64, "ring_slots": 3, "consumers": 3}),
     (4, 128, 64, None, 30.0, False, {"consumers": 1, "dequant_cols": 128}),
     # Transposed scores (S^T = K Q^T, K converted into registers; O^T += V^T P^T): the benchmark's
-    # tilings with one consumer (two were wrong here), a window with sinks and soft-cap, empty splits,
-    # G = 1 and 20, D = 64 and 256.
+    # tilings with one and two consumers (two raced on one reduction scratch until session 38), many
+    # blocks a consumer, a window with sinks and soft-cap, empty splits, G = 1 and 20, D = 64 and 256.
     (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 1, "transposed": True}),
-    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 1, "transposed": True,
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "transposed": True}),
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 2, "transposed": True,
                                      "num_splits": 1}),  # each consumer through ~5 blocks: a slot refilled at once
-    (6, 128, 16, 300, 30.0, True, {"block_kv": 128, "ring_slots": 4, "consumers": 1, "transposed": True}),
-    (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 1,
+    (4, 128, 16, None, None, False, {"block_kv": 128, "ring_slots": 2, "consumers": 1, "transposed": True,
+                                     "num_splits": 1}),
+    (6, 128, 16, 300, 30.0, True, {"block_kv": 128, "ring_slots": 4, "consumers": 2, "transposed": True}),
+    (6, 128, 16, 64, None, False, {"num_splits": 13, "block_kv": 64, "ring_slots": 4, "consumers": 2,
                                    "transposed": True}),
     (1, 64, 32, None, None, True, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "transposed": True}),
     (20, 256, 64, 200, None, False, {"block_kv": 64, "ring_slots": 2, "consumers": 1, "transposed": True}),
@@ -154,15 +157,15 @@ def test_mgpu_fp8_decode_matches_reference(G, D, ps, window, softcap, sinks, tun
     np.testing.assert_array_equal(np.asarray(got, np.float32)[np.asarray(ln) == 0], 0.0)
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_mgpu_fp8_long_context_many_splits(transposed):
+@pytest.mark.parametrize("transposed,consumers", [(False, None), (True, 1), (True, 2)])
+def test_mgpu_fp8_long_context_many_splits(transposed, consumers):
     """32K tokens over 8 requests of random lengths, fp8: split-K's shares, the combine, v_scale;
     many blocks per consumer, so each ring slot is refilled as soon as it is released."""
     from umem_jax.pallas_kernels.paged_decode_mgpu import paged_decode_attention_mgpu
 
     view, arena, pt, ln, q, ks, vs = fp8_decode_case(7, B=8, Hkv=8, G=4, D=128, ps=16, ctx_max=32768, min_len=1)
     kw = dict(view=view, k_scale=ks, v_scale=vs)
-    close_fp8(paged_decode_attention_mgpu(q, arena, pt, ln, **kw, transposed=transposed),
+    close_fp8(paged_decode_attention_mgpu(q, arena, pt, ln, **kw, transposed=transposed, consumers=consumers),
               paged_decode_attention_reference(q, arena, pt, ln, **kw))
 
 
