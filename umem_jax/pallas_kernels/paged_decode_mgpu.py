@@ -71,14 +71,15 @@ combined output, as in the Triton kernel; the split partials go out in f16.
 paged_decode.decode_backend keeps fp8 on the Triton kernel under "auto": the conversions, not the
 bytes, set this path's pace (0.95x Triton's fp8 speed on an H100, 0.71x on an H200, RESULTS.md).
 
-Transposed scores (`transposed=True`, fp8, D a multiple of 64, one consumer: two were wrong on
-the GPU, see check_decode_mgpu_supported).  Above, the
+Transposed scores (`transposed=True`, fp8, D a multiple of 64, one or two consumers).  Above, the
 G q heads fill a 64-row M tile (8-16x the tensor-core work of G = 4-8 heads, and a 64-row Q read
 from shared memory per block) and K reaches the wgmma through a 16-bit tile (the ring read, the
 tile written, the tile read).  Transposed, S^T [bkv, N] = K Q^T: K is the A operand, converted
 from the ring straight into registers (32-bit loads in the WGMMA_UPCAST_2X layout, one shuffle to
 the WGMMA layout, one cvt a pair), Q^T the B operand, and the q heads its N columns (N =
-q_columns(G): 16 for G <= 16).  The online softmax runs down the key axis (axis 0).  Then O^T [D,
+q_columns(G): 16 for G <= 16).  The online softmax runs down the key axis (axis 0), whose rows the 4
+warps share: its max and sum are cross-warp reductions through a shared-memory scratch, one per
+consumer (`launch` in _body: the lowering would give two consumers the same one).  Then O^T [D,
 N] += V^T P^T: V is dequantised into its tile as above (V^T is read from it with transposing
 ldmatrix; 8-bit transposed loads need sm_100), P^T goes through a [bkv, N] tile as the B operand.
 Each consumer writes O^T [D, N] and its max and sum as a [16, N] tile; the wrapper transposes them
