@@ -28,6 +28,7 @@ class InProcWorker:
         import uvicorn
 
         from umem_jax.api.async_engine import AsyncLLMEngine
+        from umem_jax.disagg.keepalive import server_config
         from umem_jax.disagg.worker import build_worker_app
 
         self.mode = mode
@@ -36,7 +37,7 @@ class InProcWorker:
         self.app = build_worker_app(self.aeng, ["tiny"], mode)
         self.url = f"http://127.0.0.1:{_port()}"
         port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(server_config(self.app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -37,6 +37,7 @@ from ..api.errors import error
 from ..core.sampling_params import SamplingParams
 from ..engine.handoff import plan_mismatch
 from .faults import Faults
+from .keepalive import client_limits
 from .wire import NoSegment, SegmentPool, pack, pack_shm, transport_for
 
 router = APIRouter()
@@ -56,7 +57,7 @@ class PrefillWorker:
         self.counts = {"sent": 0, "done": 0, "failed": 0, "bytes": 0, "send_s": 0.0}
         # the latest sends, timed (GET /disagg/transfers; benchmarks/bench_disagg.py reads them)
         self.transfers: collections.deque[dict] = collections.deque(maxlen=4096)
-        self.client = httpx.AsyncClient()
+        self.client = httpx.AsyncClient(limits=client_limits())  # idle connections given up before the worker's
 
     def status(self, eng) -> dict:
         return {"mode": "prefill", "held": len(eng.scheduler.held), "counts": dict(self.counts),

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..api.errors import APIError, add_handlers, bad_request, error
 from ..api.protocol import ChatCompletionRequest, CompletionRequest
+from .keepalive import client_limits
 
 
 class TransferFailed(RuntimeError):
@@ -54,7 +55,7 @@ class Router:
         self._p, self._d = itertools.cycle(self.prefill), itertools.cycle(self.decode)
         self.timeout_s, self.retries, self.reserve_wait_s = timeout_s, retries, reserve_wait_s
         self.transport = transport
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=client_limits())
         self.counts = {"requests": 0, "retries": 0, "failed": 0}
         self._down: dict[str, float] = {}  # worker URL -> time.monotonic() until which it is tried last
         self.errors: collections.deque[str] = collections.deque(maxlen=32)  # why recent attempts failed

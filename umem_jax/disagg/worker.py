@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 
 from ..api.server import build_app
 from . import decode, faults, prefill
+from .keepalive import server_config
 from .wire import max_body_bytes
 
 MODES = ("null", "prefill", "decode")
@@ -78,11 +79,12 @@ def build_worker_app(aeng, names: list[str], mode: str, *, transfer_backend: str
 
 def serve_worker(aeng, names: list[str], mode: str, *, host: str = "127.0.0.1", port: int = 8000,
                  log_level: str = "info", **kw) -> int:
-    """As api.server.serve, with the worker's app -> 0, or 1 after an engine failure."""
+    """As api.server.serve, with the worker's app -> 0, or 1 after an engine failure.  Idle
+    connections stay open longer than its clients reuse them (keepalive.py)."""
     import uvicorn
 
     app = build_worker_app(aeng, names, mode, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    server = uvicorn.Server(server_config(app, host=host, port=port, log_level=log_level))
     aeng.on_dead = lambda why: setattr(server, "should_exit", True)
     aeng.start()
     try:
