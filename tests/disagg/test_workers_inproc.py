@@ -177,3 +177,80 @@ def test_unopened_streams_are_given_up(pair, monkeypatch):
         await assert_no_leaks(*pair.values())
 
     asyncio.run(go())
+
+
+class LoseStreams:
+    """A TCP proxy in front of a worker that loses the first `n` GET /disagg/stream requests the
+    way a worker closing a pooled keep-alive connection loses a request sent on it as it closes:
+    "drop" closes the router's connection without forwarding the request (the worker never sees
+    it: the router reads "Server disconnected without sending a response"); "cut" forwards it and
+    closes the router's connection when the answer starts, none of it passed on (the worker has
+    handed its stream out).  Every other byte goes through unchanged."""
+
+    def __init__(self, url: str, mode: str, n: int):
+        self.target = url.rsplit("/", 1)[1].rsplit(":", 1)
+        self.mode, self.left = mode, n
+        self.tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _serve(self, cr, cw) -> None:
+        ur, uw = await asyncio.open_connection(self.target[0], int(self.target[1]))
+        cut = asyncio.Event()
+
+        async def up():
+            while data := await cr.read(1 << 16):
+                if data.startswith(b"GET /disagg/stream/") and self.left > 0:
+                    self.left -= 1
+                    if self.mode == "drop":
+                        return
+                    cut.set()
+                uw.write(data)
+                await uw.drain()
+
+        async def down():
+            while (data := await ur.read(1 << 16)) and not cut.is_set():
+                cw.write(data)
+                await cw.drain()
+
+        pipes = {asyncio.ensure_future(up()), asyncio.ensure_future(down())}
+        self.tasks |= pipes
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in pipes:
+                t.cancel()
+            cw.close()
+            uw.close()
+
+
+@pytest.mark.parametrize("mode,n,retries", [("drop", 1, 0), ("drop", 2, 1), ("cut", 1, 1)])
+def test_a_stream_lost_before_its_first_token_is_retried(pair, mode, n, retries):
+    """The router's GET of the decode worker's stream fails before any token came back, as on a
+    pooled connection the worker closes as the GET goes out (keepalive.py; it was a 500 "the
+    decode worker went away mid-request", the likely cause of a flaky one in test_router.py's
+    warm-up).  Nothing reached the client, so it is no error: a GET the worker never saw is sent
+    again; one it saw (or one lost twice) fails the attempt, which is cancelled at the decode
+    worker and retried.  The client gets the one-engine output; neither side keeps a page."""
+    p = _prompt(60 + n, 17)
+    want = reference("hybrid", p, temperature=0.0, max_tokens=6)
+
+    async def go():
+        async with LoseStreams(pair["decode"].url, mode, n) as D:
+            router = Router([pair["prefill"].url], [D], timeout_s=60)
+            async with _client(router) as c:
+                r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 6, "temperature": 0})
+        assert _got(r) == want
+        assert router.counts == {"requests": 1, "retries": retries, "failed": 0}, list(router.errors)
+        assert all("stream" in e for e in router.errors), list(router.errors)
+        await assert_no_leaks(*pair.values())
+
+    asyncio.run(go())

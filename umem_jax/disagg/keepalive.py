@@ -21,6 +21,10 @@ import httpx
 WORKER_KEEP_ALIVE_S = 65  # how long a worker keeps an idle connection open
 CLIENT_IDLE_S = 5.0  # how long a client reuses an idle connection: well under WORKER_KEEP_ALIVE_S
 
+# Lost with the connection under the request (the peer closed or reset it): the same request sent
+# again on a fresh connection can pass.  (ConnectError is another matter: nobody listens there.)
+LOST = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 
 def client_limits() -> httpx.Limits:
     """httpx's default pool sizes, idle connections given up after CLIENT_IDLE_S."""

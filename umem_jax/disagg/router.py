@@ -7,7 +7,8 @@ Workers go round-robin; a worker that refuses the connection (gone) or a decode 
 room for the reservation is passed over for the next one within the same attempt, since nothing
 happened there yet.  A failed transfer (timed out, dropped, the decode worker gone) is retried
 `retries` times with a new transfer id before any token reached the client, then answered 503
-with the reason.  Choices
+with the reason; so is a decode worker's stream lost before its first token (its GET is sent
+again first, once, when the connection was lost under it: keepalive.py).  Choices
 carry `token_ids` besides the text.  Not supported yet (400 by name): n / best_of > 1, logprobs,
 echo, prompt_logprobs, suffix, several prompts in one request.
 """
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..api.errors import APIError, add_handlers, bad_request, error
 from ..api.protocol import ChatCompletionRequest, CompletionRequest
-from .keepalive import client_limits
+from .keepalive import LOST, client_limits
 
 
 class TransferFailed(RuntimeError):
@@ -173,20 +174,39 @@ class Router:
                 yield res
                 return
             raise TransferFailed(res.get("error") or f"the prefill worker answered {r.status_code}: {_message(r)}")
-        async for d in self._stream(d_url, tid):
-            yield d
+        try:
+            async for d in self._stream(d_url, tid):
+                yield d
+        except TransferFailed:  # nothing reached the client: its decoding (if it began) is aborted, then retried
+            await self._cancel(d_url, tid, gen)
+            raise
 
     async def _stream(self, url: str, tid: str):
-        try:
-            async with self.client.stream("GET", f"{url}/disagg/stream/{tid}") as r:
-                if r.status_code != 200:
-                    raise TransferFailed(f"the decode worker has no stream for {tid}: {r.status_code}")
-                async for line in r.aiter_lines():
-                    if line:
-                        yield json.loads(line)
-        except httpx.HTTPError as e:
-            yield {"text": "", "token_ids": [], "finish_reason": "abort", "stop_reason": None,
-                   "error": f"the decode worker went away mid-request: {type(e).__name__} {e}"}
+        """The decode worker's deltas of `tid`.  Until the first one arrives nothing has reached
+        the client, so a failure then raises TransferFailed (the attempt is cancelled and
+        retried); a GET lost with its connection (keepalive.LOST: the worker may never have seen
+        it) is sent once more first.  After the first delta a failure is the request's last delta,
+        with its error."""
+        for again in (True, False):
+            started = False
+            try:
+                async with self.client.stream("GET", f"{url}/disagg/stream/{tid}") as r:
+                    if r.status_code != 200:
+                        raise TransferFailed(f"the decode worker has no stream for {tid}: {r.status_code}")
+                    async for line in r.aiter_lines():
+                        if line:
+                            started = True
+                            yield json.loads(line)
+                return
+            except httpx.HTTPError as e:
+                why = f"{type(e).__name__} {e}"
+                if started:
+                    yield {"text": "", "token_ids": [], "finish_reason": "abort", "stop_reason": None,
+                           "error": f"the decode worker went away mid-request: {why}"}
+                    return
+                if not (again and isinstance(e, LOST)):
+                    raise TransferFailed(f"the decode worker's stream of {tid} failed before its first token: "
+                                         f"{why}") from None
 
     async def check_workers(self) -> str | None:
         """Ask every worker its /disagg/status -> why this pairing cannot work (a URL in the wrong
@@ -213,10 +233,16 @@ class Router:
         return "; ".join(why) or None
 
     async def _cancel(self, url: str, tid: str, gen: str) -> None:
-        try:
-            await self.client.post(f"{url}/disagg/cancel/{tid}", params={"generation": gen}, timeout=self.timeout_s)
-        except httpx.HTTPError:
-            pass  # the decode worker is gone, or its reservation expires by itself
+        for again in (True, False):  # a cancel is idempotent: one lost with its connection is sent again
+            try:
+                await self.client.post(f"{url}/disagg/cancel/{tid}", params={"generation": gen},
+                                       timeout=self.timeout_s)
+                return
+            except LOST:
+                if not again:
+                    return
+            except httpx.HTTPError:
+                return  # the decode worker is gone, or its reservation expires by itself
 
 
 def _message(r: httpx.Response) -> str:
