@@ -8,4 +8,5 @@ OpenAI API (docs/disaggregation.md).
   prefill.py    the prefill worker's endpoint: prefill, export, send, release on the ack
   worker.py     `umem-jax serve --disaggregation-mode prefill|decode`: the app of either
   router.py     `umem-jax router --prefill URL --decode URL`: the OpenAI API over both
+  keepalive.py  HTTP between them: a worker never closes a connection a client may still reuse
 """
