@@ -103,6 +103,55 @@ def test_gguf_model_matches_fixture_logits(tiny_gguf):
     assert convert_gguf(path) == convert_gguf(path)  # cached: the second call converts nothing
 
 
+def test_gguf_file_reads_what_gguf_py_reads(tmp_path):
+    """gguf_file.GGUFFile (the converter's reader) against gguf-py's GGUFReader on a file with
+    every metadata type and plain and quantised tensors: the same keys in order, the same
+    contents() and types, the same tensor names, types, shapes and data."""
+    from umem_jax.models.gguf_file import GGUFFile
+
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_uint64("t.u64", 1 << 60)
+    w.add_int64("t.i64", -(1 << 60))
+    w.add_float64("t.f64", 0.1)
+    w.add_string("t.str", "h\u00e9llo \U0001f642")
+    w.add_array("t.ints", [3, -1, 7])
+    w.add_array("t.floats", [0.5, 0.25])
+    w.add_token_list(["<pad>", "\u2581a", "", "\u6570\u5b66"])
+    w.add_token_types([3, 1, 1, 6])
+    rng = np.random.default_rng()
+    w.add_tensor("a.weight", rng.standard_normal((3, 5), dtype=np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((2, 7)).astype(np.float16))
+    q = gguf.quants.quantize(rng.standard_normal((4, 64), dtype=np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.weight", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    theirs, ours = gguf.GGUFReader(str(path)), GGUFFile(path)
+    keys = [k for k in theirs.fields if not k.startswith("GGUF.")]  # gguf-py's header pseudo-fields
+    assert list(ours.fields) == keys and len(keys) == 17
+    for k in keys:
+        want, got = theirs.fields[k].contents(), ours.fields[k].contents()
+        assert got == want and type(got) is type(want), (k, got, want)
+        if isinstance(want, list):
+            assert [type(v) for v in got] == [type(v) for v in want], k
+        assert ours.fields[k].types == tuple(theirs.fields[k].types), k
+    assert ours.data_offset == theirs.data_offset and len(ours.tensors) == len(theirs.tensors) == 3
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type) == (b.name, b.tensor_type)
+        assert a.shape.dtype == b.shape.dtype and a.shape.tolist() == b.shape.tolist(), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape and np.array_equal(a.data, b.data), a.name
+
+
 def test_gguf_other_architecture_is_refused(tmp_path):
     path = tmp_path / "llama.gguf"
     w = gguf.GGUFWriter(str(path), "llama")

@@ -51,7 +51,7 @@ def gemma_tokenizer(tokens: list[str], token_types: list[int], *, bos_id: int | 
 
 
 def gguf_tokenizer(reader):
-    """The tokenizer a Gemma GGUF describes (reader: gguf.GGUFReader)."""
+    """The tokenizer a Gemma GGUF describes (reader: gguf_file.GGUFFile or gguf.GGUFReader)."""
     f = reader.fields
     model = f["tokenizer.ggml.model"].contents() if "tokenizer.ggml.model" in f else None
     arch = f["general.architecture"].contents()
