@@ -321,9 +321,14 @@ def expert_parallel() -> dict:
 
 def speculative() -> dict:
     from umem_jax import LLM, SamplingParams
-    from umem_jax.models.loader import load_model
+    from umem_jax.models.config import FULL, RECURRENT, SLIDING
+    from umem_jax.models.tiny import tiny_model
 
-    target, draft = load_model("tiny"), load_model("tiny-attention")
+    # The tiny hybrid at three layers (one of each kind, as in `tiny`) and its attention-only
+    # variant at two (window + full): a draft step is k + 1 draft forwards, so the compiles
+    # (most of this section's time) scale with the layers; the kinds are what is checked.
+    target = tiny_model(seed=3, layer_types=(SLIDING, RECURRENT, FULL))
+    draft = tiny_model(seed=4, with_mamba=False, layer_types=(SLIDING, FULL))
     spec = {"method": "draft", "model": draft, "num_speculative_tokens": 3, "min_acceptance": 0.0}
     _, want = _greedy(target, 1, n=12)
     llm, got = _greedy(target, 2, n=12, speculative_config=spec)
