@@ -579,9 +579,9 @@ def test_transposed_consumers_lower_with_their_own_reduction_scratch(monkeypatch
     assert regions[1] - regions[0] >= paged_decode_mgpu._REDUCTION_SCRATCH
 
 
-def test_transposed_default_takes_one_consumer(monkeypatch):
-    """transposed=True with no consumers given: the wrapper keeps one consumer (the fp8 default's two
-    were wrong on the GPU in the transposed form) but takes the default's whole-row chunks."""
+def test_transposed_default_takes_two_consumers(monkeypatch):
+    """transposed=True with no consumers given: the wrapper takes the fp8 default's two consumers and
+    whole-row chunks (two transposed consumers are right on the GPU since session 38, 1.2x one)."""
     from umem_jax.pallas_kernels import paged_decode_mgpu as mod
 
     seen = []
@@ -592,7 +592,9 @@ def test_transposed_default_takes_one_consumer(monkeypatch):
             jnp.ones((1,), jnp.int32))
     paged_decode_attention_mgpu(q, *args, view=view, transposed=True)
     paged_decode_attention_mgpu(q, *args, view=view)
-    assert [(c.consumers, c.transposed, c.dequant_cols) for c in seen] == [(1, True, 128), (2, False, 128)]
+    paged_decode_attention_mgpu(q, *args, view=view, transposed=True, consumers=1)
+    assert [(c.consumers, c.transposed, c.dequant_cols) for c in seen] == \
+        [(2, True, 128), (2, False, 128), (1, True, None)]
 
 
 def test_transposed_config_checks():

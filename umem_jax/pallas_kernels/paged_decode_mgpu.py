@@ -691,9 +691,7 @@ def paged_decode_attention_mgpu(q, arena, page_table, lengths, *, view, window=N
     given = DecodeMgpuConfig(block_kv or cfg.block_kv, ring_slots or cfg.ring_slots, num_splits, consumers or 1,
                              dequant_cols, cfg.transposed if transposed is None else bool(transposed))
     if consumers is None and cfg.consumers > 1:  # the default's consumers and chunks, where the given tiling takes them
-        # (the transposed form: one consumer, the chunks alone)
-        two = dataclasses.replace(given, consumers=1 if given.transposed else cfg.consumers,
-                                  dequant_cols=dequant_cols or cfg.dequant_cols)
+        two = dataclasses.replace(given, consumers=cfg.consumers, dequant_cols=dequant_cols or cfg.dequant_cols)
         if two.ring_slots % two.consumers == 0 and smem_bytes(q.shape[2], two, view.fp8, G) <= _SMEM_LIMIT:
             given = two
     cfg = given
