@@ -78,6 +78,9 @@ SHAPES = (
     Shape("d256_softcap", 64, 4096, 8, 4, 256, softcap=50.0),      # Gemma-like head dim
     Shape("page64", 64, 4096, 32, 8, 128, ps=64),
     Shape("fp8", 64, 4096, 32, 8, 128, fp8=True),            # the Mosaic fp8 path vs Triton's, and vs bf16
+    # fp8 in 64-token pages: two TMA copies of 8 KB a block where 16-token pages take sixteen of 2 KB (does the
+    # number of copies bound the Mosaic fp8 path?)
+    Shape("fp8_p64", 64, 4096, 32, 8, 128, ps=64, fp8=True),
 )
 # Shapes timed against cuDNN dense attention on the same bytes too: the goal's shape, and D = 80, where both paged
 # kernels reach a lower share of the copy limit than at D = 128 (is it the head dim or the paging?).
