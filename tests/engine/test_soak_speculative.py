@@ -31,7 +31,9 @@ def speculative_families() -> list[Family]:
     (state) drafted by an attention-only model (window + full) of its vocabulary, under pressure.
     The small arenas give the clip limits the six-layer attention models gave in 160,000 bytes
     and 260 KiB (48 and 200 tokens): the first holds the KV of a third of the layers in about a
-    third of the bytes."""
+    third of the bytes.  max_model_len 256 (64-page tables; no prompt here is longer than 200):
+    a step's attention reads the whole table, 1,024 positions at max_model_len 1024, 2-3x the
+    decode step's time on the CPU."""
     from umem_jax.models.config import FULL, SLIDING
     from umem_jax.models.tiny import tiny_model
 
@@ -39,11 +41,11 @@ def speculative_families() -> list[Family]:
     attn = spec(noisy_copy(_window_full(), 0.2))
     hybrid = spec(tiny_model(seed=3, with_mamba=False, vocab_size=tiny().config.vocab_size, layer_types=(SLIDING, FULL)))
     return [Family("window+full+draft", _window_full, dict(arena_bytes=54 << 10, speculative_config=attn,
-                                                           **_pages(4, 1024)),
-                   dict(arena_bytes=1 << 21, speculative_config=attn, **_pages(4, 1024))),
+                                                           **_pages(4, 256)),
+                   dict(arena_bytes=1 << 21, speculative_config=attn, **_pages(4, 256))),
             Family("tiny+draft", functools.partial(_model, "tiny"),
-                   dict(arena_bytes=200 << 10, speculative_config=hybrid, **_pages(4, 1024)),
-                   dict(arena_bytes=2 << 20, speculative_config=hybrid, **_pages(4, 1024)))]
+                   dict(arena_bytes=200 << 10, speculative_config=hybrid, **_pages(4, 256)),
+                   dict(arena_bytes=2 << 20, speculative_config=hybrid, **_pages(4, 256)))]
 
 
 def test_soak_speculative_ci():
