@@ -39,7 +39,8 @@ def speculative_families() -> list[Family]:
 
     spec = lambda draft: {"method": "draft", "model": draft, "num_speculative_tokens": 3, "min_acceptance": 0.0}
     attn = spec(noisy_copy(_window_full(), 0.2))
-    hybrid = spec(tiny_model(seed=3, with_mamba=False, vocab_size=tiny().config.vocab_size, layer_types=(SLIDING, FULL)))
+    hybrid = spec(tiny_model(seed=3, with_mamba=False, vocab_size=tiny().config.vocab_size,
+                             layer_types=(SLIDING, FULL)))
     return [Family("window+full+draft", _window_full, dict(arena_bytes=54 << 10, speculative_config=attn,
                                                            **_pages(4, 256)),
                    dict(arena_bytes=1 << 21, speculative_config=attn, **_pages(4, 256))),

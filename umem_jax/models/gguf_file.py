@@ -112,8 +112,9 @@ class GGUFFile:
                                      f"{qtype.name} block size ({block_size})")
                 np_dims = (*np_dims[:-1], np_dims[-1] // block_size * type_size)
             start = self.data_offset + offset
-            arr = self.data[start:start + count * dtype.itemsize].view(dtype.newbyteorder(e if dtype.itemsize > 1 else "|"))
-            self.tensors.append(Tensor(name, qtype, np.array(dims, dtype=np.uint64), arr.reshape(np_dims)))
+            order = e if dtype.itemsize > 1 else "|"
+            arr = self.data[start:start + count * dtype.itemsize].view(dtype.newbyteorder(order)).reshape(np_dims)
+            self.tensors.append(Tensor(name, qtype, np.array(dims, dtype=np.uint64), arr))
 
     def _str(self, buf, offs: int) -> tuple[str, int]:
         (n,) = struct.unpack_from(self.endian + "Q", buf, offs)
