@@ -557,7 +557,8 @@ def _body(plgpu, c: _Static, len_ref, pt_ref, q_ref, arena_ref, o_ref, ml_ref, s
         the key axis: S^T's rows are spread over the 4 warps) goes through a scratch that jax's
         Mosaic GPU lowering places at the shared memory in use at that point of the program, the
         same offset for every consumer's copy of the code: two consumers racing on one scratch
-        gave wrong sums (session 38's probe).  So consumer ci runs inside ci collective run_scoped
+        gave wrong outputs on the GPU (sessions 36-37; right since, RESULTS.md).  So consumer ci runs
+        inside ci collective run_scoped
         pads of _REDUCTION_SCRATCH bytes: their barriers come first for every thread (they wrap
         the launches, before any work), and nothing synchronises on their exit."""
         if ci + 1 < C and c.transposed:
