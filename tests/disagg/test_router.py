@@ -24,7 +24,8 @@ import httpx
 import numpy as np
 import pytest
 
-from umem_jax.disagg.router import Router, build_router_app
+from umem_jax.disagg.router import Router
+from umem_jax.disagg.router_app import build_router_app
 
 FLAGS = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--page-size", "4", "--max-model-len", "256",
          "--warmup-shapes", "0"]

@@ -9,7 +9,8 @@ import asyncio
 import httpx
 import pytest
 
-from umem_jax.disagg.router import Router, build_router_app
+from umem_jax.disagg.router import Router
+from umem_jax.disagg.router_app import build_router_app
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing listens
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from _inproc import InProcWorker, assert_no_leaks, reference
 
-from umem_jax.disagg.router import Router, build_router_app
+from umem_jax.disagg.router import Router
+from umem_jax.disagg.router_app import build_router_app
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def test_workers_of_another_plan_are_refused_with_the_reason(pair, monkeypatch):
     """A decode worker of another model: the router refuses to start naming why (roles checked
     too); a request sent anyway fails with a 503 giving the reason, the prefill worker computes
     nothing for it, and neither side keeps a page."""
-    from umem_jax.disagg import router as router_mod
+    from umem_jax.disagg import router_app as router_mod
 
     other = InProcWorker("decode", family="state")
     try:

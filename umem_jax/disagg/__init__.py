@@ -7,6 +7,7 @@ OpenAI API (docs/disaggregation.md).
   decode.py     the decode worker's endpoints: reserve, receive, cancel, stream
   prefill.py    the prefill worker's endpoint: prefill, export, send, release on the ack
   worker.py     `umem-jax serve --disaggregation-mode prefill|decode`: the app of either
-  router.py     `umem-jax router --prefill URL --decode URL`: the OpenAI API over both
+  router.py     `umem-jax router --prefill URL --decode URL`: tokenize, reserve, prefill, stream, retry
+  router_app.py the router's OpenAI API (completions, chat completions, health, models, stats)
   keepalive.py  HTTP between them: a worker never closes a connection a client may still reuse
 """

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 
 def _router(args) -> int:
-    from .router import Router, serve_router
+    from .router import Router
+    from .router_app import serve_router
 
     router = Router(args.prefill, args.decode, timeout_s=args.transfer_timeout, retries=args.retries)
     return serve_router(router, host=args.host, port=args.port)
