@@ -33,7 +33,7 @@ take less time than the producer needs to bring the next.  Where it does not (fp
 dequantises every block), `consumers=C` (2 or 3) adds consumer warpgroups: they take the split's
 blocks in turn (block lo + j to consumer j % C, ring slot j % ring_slots, so C must divide
 ring_slots and each consumer waits on every fill of its own slots), each keeps its own online
-softmax and writes it out as a split of its own, which combine_splits merges like any other; the
+softmax and writes it out as a split of its own, which combine_partials merges like any other; the
 producer is then warpgroup C.  The CTA's 64K registers are shared out by `consumer_registers`: 232 a
 consumer thread for one or two, 152 for three.  The Q tile is shared (the first consumer loads it),
 so each consumer writes its O through a tile of its own (bf16: an O tile; fp8: its K tile, free
@@ -43,7 +43,7 @@ Split-K.  The visible blocks of a request (those holding a position in [max(0, l
 len)) are shared out between the splits, as the Triton kernel does, so a window of 512 tokens in a
 32K page table costs what 512 tokens cost.  Each split writes its O rows normalised by its own sum,
 in the K/V dtype through the Q tile (an f32 tile would not fit beside a useful ring at D = 256),
-and its running max and sum in f32 (log2 units); `combine_splits` merges them in XLA, adds the
+and its running max and sum in f32 (log2 units); `combine_partials` merges them in XLA, adds the
 sinks to the denominator and normalises.  A split with no block writes O = 0 and sum 0.
 
 Never-read key slots.  TMA copies whole pages, so a block can hold slots past len (unwritten) or
